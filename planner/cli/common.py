@@ -1,0 +1,104 @@
+"""What every command shares: error handling (one line, exit 2) and the `estimate` flags."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from planner.errors import PlannerError
+
+console = Console()
+err_console = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_line(exc: BaseException) -> str:
+    """A pydantic ValidationError or PlannerError as one line naming the field."""
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # pragma: no cover
+        ValidationError = ()  # type: ignore[assignment]
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            loc = [str(x) for x in e["loc"]]
+            # A TrainConfig field is a flag on the command line: batch_size -> --batch-size.
+            field = "--" + loc[0].replace("_", "-") if len(loc) == 1 else ".".join(loc) or "input"
+            parts.append(f"{field}={e.get('input')!r}: {e['msg']}")
+        return "; ".join(parts)
+    return str(exc).replace("\n", " ")
+
+
+def handles_errors(fn: F) -> F:
+    """Bad input becomes `error: ...` on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from pydantic import ValidationError
+
+        try:
+            return fn(*args, **kwargs)
+        except (PlannerError, ValidationError) as exc:
+            err_console.print(f"[bold red]error:[/] {one_line(exc)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted; everything finished so far is saved")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+# ---- the flags of `planner estimate`, shared by explain, probe run and probe launch -------------
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name or path to a Hugging Face config.json.")]
+InstanceOpt = Annotated[str, typer.Option("--instance", "-i", help="SageMaker instance type, e.g. ml.p3.16xlarge.")]
+BatchOpt = Annotated[int | None, typer.Option("--batch-size", "-b", help="Micro-batch per GPU.")]
+GlobalBatchOpt = Annotated[int | None, typer.Option("--global-batch-size",
+                                                    help="Samples per optimizer step over all GPUs; sets --batch-size.")]
+SeqOpt = Annotated[int, typer.Option("--seq-len", "-s", help="Tokens per sample.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, amp-fp16, amp-bf16, fp16, bf16.")]
+OptimizerOpt = Annotated[str, typer.Option(help="adamw, adam, sgd, sgd-momentum, adafactor, adamw-8bit.")]
+OptimizerImplOpt = Annotated[str, typer.Option(help="foreach (PyTorch default), fused, for-loop.")]
+ParallelismOpt = Annotated[str, typer.Option(help="auto, single, dp, ddp, zero1, zero2, zero3, fsdp.")]
+CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing/--no-checkpointing",
+                                                help="Per-layer activation checkpointing.")]
+AttentionOpt = Annotated[str, typer.Option(help="eager, sdpa (memory-efficient), flash.")]
+GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")]
+InstancesOpt = Annotated[int, typer.Option("--instances", help="Number of instances (nodes).")]
+ModelOptionOpt = Annotated[list[str] | None, typer.Option(
+    "--model-option", "-o", help="Model option KEY=VALUE, e.g. tab_in=200 (multimodal-bert).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def parse_model_options(items: list[str] | None) -> dict[str, Any]:
+    """KEY=VALUE pairs; values that parse as int/float/bool become so."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise PlannerError("--model-option", item, "KEY=VALUE")
+        key, raw = item.split("=", 1)
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(raw)
+                    break
+                except ValueError:
+                    pass
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+def exit_on_stdout_error() -> None:  # pragma: no cover - used when piping into `head`
+    sys.stdout = sys.__stdout__

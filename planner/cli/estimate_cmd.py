@@ -1,0 +1,208 @@
+"""`planner estimate` and `planner explain`: printing only; the numbers come from `planner.estimate`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from planner.cli.common import (
+    AttentionOpt,
+    BatchOpt,
+    CheckpointingOpt,
+    GlobalBatchOpt,
+    GradAccumOpt,
+    InstanceOpt,
+    InstancesOpt,
+    JsonOpt,
+    ModelOpt,
+    ModelOptionOpt,
+    OptimizerImplOpt,
+    OptimizerOpt,
+    ParallelismOpt,
+    PrecisionOpt,
+    SeqOpt,
+    console,
+    handles_errors,
+    parse_model_options,
+)
+from planner.cli.options import build_config
+from planner.spec import Estimate
+from planner.units import fmt_bytes
+
+DEFAULT_MODEL = "multimodal-bert"
+DEFAULT_INSTANCE = "ml.p3.16xlarge"
+
+BucketViewOpt = Annotated[bool, typer.Option("--gradient-as-bucket-view/--no-gradient-as-bucket-view",
+                                             help="DDP: gradients as views into the buckets (saves one copy).")]
+ContextOpt = Annotated[float | None, typer.Option("--cuda-context-mib", help="Override the CUDA context size.")]
+FragOpt = Annotated[float | None, typer.Option("--fragmentation", help="Override reserved/allocated - 1.")]
+DatasetOpt = Annotated[int | None, typer.Option("--dataset-size", help="Samples per epoch, for $/epoch.")]
+SpotOpt = Annotated[bool, typer.Option("--spot/--on-demand", help="Managed spot price.")]
+PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write the memory timeline to FILE.png or FILE.html.")]
+
+
+def run_estimate(model: str, instance: str, batch_size: int | None, global_batch_size: int | None, seq_len: int,
+                 precision: str, optimizer: str, optimizer_impl: str, parallelism: str, checkpointing: bool,
+                 attention: str, grad_accum: int, instances: int, model_option: list[str] | None,
+                 gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
+                 fragmentation: float | None = None, dataset_size: int | None = None,
+                 spot: bool = False) -> Estimate:
+    """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
+    from planner.estimate import estimate
+    from planner.hardware import get_instance
+
+    inst = get_instance(instance)
+    config = build_config(instance_gpus=inst.gpus, batch_size=batch_size, global_batch_size=global_batch_size,
+                          seq_len=seq_len, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                          parallelism=parallelism, checkpointing=checkpointing, attention=attention,
+                          grad_accum=grad_accum, instances=instances,
+                          gradient_as_bucket_view=gradient_as_bucket_view)
+    overrides: dict[str, Any] = {}
+    if cuda_context_mib is not None:
+        overrides["cuda_context_bytes"] = int(cuda_context_mib * 2**20)
+    if fragmentation is not None:
+        overrides["fragmentation"] = fragmentation
+    return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
+                    dataset_size=dataset_size, spot=spot)
+
+
+def print_estimate(est: Estimate) -> None:
+    cfg = est.config
+    console.print(f"[bold]{est.model}[/] on [bold]{est.instance}[/] ({est.gpu}), {cfg.parallelism} over "
+                  f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}, "
+                  f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
+                  f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}")
+    params = Table(title="Parameters", show_edge=False)
+    params.add_column("component")
+    params.add_column("parameters", justify="right")
+    for name, n in est.parameters.items():
+        params.add_row(name, f"{n:,}")
+    console.print(params)
+
+    m = est.memory_bytes
+    mem = Table(title="Memory of one GPU", show_edge=False)
+    mem.add_column("term")
+    mem.add_column("bytes", justify="right")
+    mem.add_column("", justify="right")
+    rows = [("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
+            ("activations (saved for backward)", m.activations), ("input batch", m.batch),
+            ("buffers at the peak", m.buffers), ("peak allocated", m.peak_allocated),
+            ("peak reserved (+fragmentation)", m.peak_reserved), ("CUDA context", m.cuda_context),
+            ("NCCL buffers", m.nccl), ("peak on the device", m.peak_device),
+            ("GPU memory", est.gpu_memory_bytes)]
+    for name, value in rows:
+        mem.add_row(name, f"{value:,}", fmt_bytes(value))
+    console.print(mem)
+
+    phases = Table(title="Peak allocated by phase", show_edge=False)
+    phases.add_column("phase")
+    for c in ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers"):
+        phases.add_column(c.replace("_", " "), justify="right")
+    phases.add_column("total", justify="right")
+    for ph in est.phases:
+        phases.add_row(ph.phase, *(fmt_bytes(ph.detail.get(c, 0)) for c in
+                                   ("parameters", "gradients", "optimizer_states", "activations", "batch",
+                                    "buffers")), fmt_bytes(ph.allocated))
+    console.print(phases)
+
+    verdict = "[bold green]fits[/]" if est.fits else "[bold red]OOM[/]"
+    console.print(f"Verdict: {verdict}: peak {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} "
+                  f"(peak in {est.peak_phase}), headroom {fmt_bytes(est.headroom_bytes)}")
+    if est.throughput:
+        t = est.throughput
+        console.print(f"Throughput: {t.samples_per_s:,.1f} samples/s, {t.tokens_per_s:,.0f} tokens/s, "
+                      f"step {t.step_time_s * 1000:,.1f} ms, MFU {t.mfu:.0%}, global batch {t.global_batch_size}")
+    if est.cost:
+        c = est.cost
+        line = f"Cost: ${c.price_per_hour:,.2f}/hour, ${c.usd_per_million_samples:,.2f} per million samples"
+        if c.usd_per_epoch is not None:
+            line += f", ${c.usd_per_epoch:,.2f} and {c.hours_per_epoch:,.2f} h per epoch"
+        console.print(line)
+    for note in est.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("estimate")
+    @handles_errors
+    def estimate_cmd(
+        model: ModelOpt = DEFAULT_MODEL,
+        instance: InstanceOpt = DEFAULT_INSTANCE,
+        batch_size: BatchOpt = None,
+        global_batch_size: GlobalBatchOpt = None,
+        seq_len: SeqOpt = 512,
+        precision: PrecisionOpt = "fp32",
+        optimizer: OptimizerOpt = "adamw",
+        optimizer_impl: OptimizerImplOpt = "foreach",
+        parallelism: ParallelismOpt = "auto",
+        checkpointing: CheckpointingOpt = False,
+        attention: AttentionOpt = "sdpa",
+        grad_accum: GradAccumOpt = 1,
+        instances: InstancesOpt = 1,
+        model_option: ModelOptionOpt = None,
+        gradient_as_bucket_view: BucketViewOpt = False,
+        cuda_context_mib: ContextOpt = None,
+        fragmentation: FragOpt = None,
+        dataset_size: DatasetOpt = None,
+        spot: SpotOpt = False,
+        plot: PlotOpt = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
+        if batch_size is None and global_batch_size is None:
+            batch_size = 8
+        est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
+                           optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
+                           model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
+                           spot)
+        if plot:
+            from planner.report.timeline_plot import write_timeline
+
+            write_timeline(est, plot, model_options=parse_model_options(model_option))
+        if json_out:
+            print(json.dumps(est.to_json(), indent=2))
+        else:
+            print_estimate(est)
+            if plot:
+                console.print(f"timeline written to {plot}")
+
+    @app.command("explain")
+    @handles_errors
+    def explain_cmd(
+        model: ModelOpt = DEFAULT_MODEL,
+        instance: InstanceOpt = DEFAULT_INSTANCE,
+        batch_size: BatchOpt = None,
+        global_batch_size: GlobalBatchOpt = None,
+        seq_len: SeqOpt = 512,
+        precision: PrecisionOpt = "fp32",
+        optimizer: OptimizerOpt = "adamw",
+        optimizer_impl: OptimizerImplOpt = "foreach",
+        parallelism: ParallelismOpt = "auto",
+        checkpointing: CheckpointingOpt = False,
+        attention: AttentionOpt = "sdpa",
+        grad_accum: GradAccumOpt = 1,
+        instances: InstancesOpt = 1,
+        model_option: ModelOptionOpt = None,
+        gradient_as_bucket_view: BucketViewOpt = False,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
+        from planner.explain import explain
+
+        if batch_size is None and global_batch_size is None:
+            batch_size = 8
+        est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
+                           optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
+                           model_option, gradient_as_bucket_view)
+        steps = explain(est, model_options=parse_model_options(model_option))
+        if json_out:
+            print(json.dumps([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
+                              enumerate(steps)], indent=2))
+            return
+        for i, s in enumerate(steps, 1):
+            console.print(f"\n[bold cyan]{i}. {s.title}[/]")
+            for line in s.lines:
+                console.print(f"   {line}", highlight=False)

@@ -1,0 +1,32 @@
+"""Turn the shared `estimate` flags into a TrainConfig (used by estimate, explain and probe)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.errors import PlannerError
+from planner.spec import TrainConfig
+
+
+def build_config(*, instance_gpus: int, batch_size: int | None, global_batch_size: int | None, seq_len: int,
+                 precision: str, optimizer: str, optimizer_impl: str, parallelism: str, checkpointing: bool,
+                 attention: str, grad_accum: int, instances: int, **extra: Any) -> TrainConfig:
+    """`--global-batch-size` = micro-batch × grad-accum × GPUs × instances; it must divide evenly."""
+    if batch_size is None and global_batch_size is None:
+        raise PlannerError("--batch-size", None, "give --batch-size (per GPU) or --global-batch-size")
+    if global_batch_size is not None:
+        if global_batch_size <= 0:
+            raise PlannerError("--global-batch-size", global_batch_size, "a positive integer")
+        gpus = 1 if parallelism == "single" else instance_gpus * instances
+        per_step = max(grad_accum, 1) * gpus
+        if global_batch_size % per_step:
+            raise PlannerError("--global-batch-size", global_batch_size,
+                               f"a multiple of grad-accum × GPUs = {per_step}")
+        derived = global_batch_size // per_step
+        if batch_size is not None and batch_size != derived:
+            raise PlannerError("--batch-size", batch_size,
+                               f"{derived} (from --global-batch-size {global_batch_size}), or leave it out")
+        batch_size = derived
+    return TrainConfig(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                       optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
+                       attention=attention, grad_accum=grad_accum, instances=instances, **extra)

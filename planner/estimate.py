@@ -1,0 +1,310 @@
+"""`planner.estimate`: one configuration in, the per-GPU memory by phase, the verdict, speed and cost out.
+
+This module only orchestrates: each term is a small function in `planner.memory`, `planner.perf`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from planner.errors import PlannerError
+from planner.memory import batch as batch_mem
+from planner.memory import model_states, optimizer, parallel, timeline
+from planner.models.blocks import Block, model_blocks
+from planner.spec import (
+    Estimate,
+    Instance,
+    MemoryBytes,
+    ModelSpec,
+    PhasePeak,
+    RuntimeConstants,
+    TrainConfig,
+)
+
+SIXTEEN_BIT = ("amp-fp16", "amp-bf16", "fp16", "bf16")
+
+
+def _resolve_model(model: ModelSpec | str, options: dict[str, Any] | None) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    return _cached_model(model, tuple(sorted((options or {}).items())))
+
+
+@lru_cache(maxsize=256)
+def _cached_model(name: str, options: tuple[tuple[str, Any], ...]) -> ModelSpec:
+    from planner.models.catalog import get_model
+
+    return get_model(name, **dict(options))
+
+
+def _resolve_instance(instance: Instance | str) -> Instance:
+    if isinstance(instance, Instance):
+        return instance
+    from planner.hardware import get_instance
+
+    return get_instance(instance)
+
+
+def check_supported(model: ModelSpec, config: TrainConfig, instance: Instance) -> None:
+    """What the GPU and the model allow; raises PlannerError naming the flag."""
+    gpu = instance.gpu
+    if "bf16" in config.precision and not gpu.bf16:
+        raise PlannerError("--precision", config.precision,
+                           f"{gpu.family} (sm{gpu.compute_capability[0]}{gpu.compute_capability[1]}) has no bf16; "
+                           "use fp32, amp-fp16 or fp16")
+    if config.attention == "flash":
+        if not gpu.flash_attention:
+            raise PlannerError("--attention", "flash",
+                               f"FlashAttention needs sm80+, {gpu.family} is sm{gpu.compute_capability[0]}"
+                               f"{gpu.compute_capability[1]}; use sdpa or eager")
+        if config.precision == "fp32":
+            raise PlannerError("--attention", "flash", "FlashAttention runs in fp16/bf16 only; use --precision "
+                               "amp-fp16, amp-bf16, fp16 or bf16, or --attention sdpa")
+    limit = model.max_positions
+    if limit is not None and config.seq_len > limit:
+        raise PlannerError("--seq-len", config.seq_len, f"{model.name} has {limit} positions; use <= {limit}")
+    if config.optimizer_impl == "fused" and config.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
+        raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
+
+
+def _ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
+    """DDP's Reducer allocates flat buckets covering every gradient when the model is wrapped
+    (torch/csrc/distributed/c10d/reducer.cpp `initialize_buckets`); with gradient_as_bucket_view=True the
+    .grad tensors are views into them, so no second copy. ZeroRedundancyOptimizer (zero1) runs over DDP."""
+    if config.parallelism in ("ddp", "zero1") and not config.gradient_as_bucket_view:
+        return gradient_bytes
+    return 0
+
+
+def _dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -> int:
+    """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
+    gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
+    in fp32 (LM heads: seq_len × vocab logits)."""
+    if config.parallelism != "dp":
+        return 0
+    others = config.batch_size * (gpus - 1)
+    inputs = batch_mem.batch_bytes(model, others, config.seq_len)
+    out_per_sample = 0
+    for t in model.transformers:
+        if t.head == "causal-lm" or t.head == "masked-lm":
+            out_per_sample = config.seq_len * t.vocab_size * 4
+    if not out_per_sample:
+        last = model.components[-1].layers[-1]
+        out_per_sample = getattr(last, "out_features", 0) * 4 or 8
+    return inputs + config.batch_size * gpus * out_per_sample
+
+
+def _block_memory(blocks: list[Block], activations: list, config: TrainConfig, world: int,
+                  share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
+    from planner.models.params import block_parameters
+
+    p_bytes = model_states.parameter_dtype_bytes(config.precision)
+    g_bytes = model_states.gradient_dtype_bytes(config.precision)
+    by_name = {a.block: a for a in activations}
+    out = []
+    names = [b.name for b in blocks] + [a.block for a in activations if a.block not in {b.name for b in blocks}]
+    counts = {b.name: block_parameters(b) for b in blocks}
+    for name in names:
+        n = counts.get(name, 0)
+        act = by_name.get(name)
+        full_p, full_g = n * p_bytes, n * g_bytes
+        resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
+        # ZeRO-3/FSDP all-gathers a unit's full parameters while it runs (and prefetches the next one).
+        gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0
+        transient_g = full_g - resident_g if share.gradients < 1 else 0
+        casts = act.weight_cast_bytes if act else 0
+        out.append(timeline.BlockMemory(
+            name=name,
+            param_bytes=resident_p,
+            grad_bytes=resident_g,
+            gathered_param_bytes=gathered,
+            transient_grad_bytes=transient_g,
+            kept_bytes=(act.kept_bytes + (0 if act.checkpointed else casts)) if act else 0,
+            saved_bytes=(act.saved_bytes + casts) if act else 0,
+            forward_transient_bytes=act.forward_transient_bytes if act else 0,
+            backward_transient_bytes=act.backward_transient_bytes if act else 0,
+            checkpointed=bool(act and act.checkpointed),
+        ))
+    return tuple(out)
+
+
+def _module_buffer_bytes(blocks: list[Block]) -> int:
+    from planner.models import params
+
+    fn = getattr(params, "block_buffers_bytes", None)
+    return sum(fn(b) for b in blocks) if fn else 0
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    spec: ModelSpec
+    inst: Instance
+    cfg: TrainConfig
+    world: int
+    rt: RuntimeConstants
+    counts: dict[str, int]
+    step: timeline.StepMemory
+
+
+def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
+    """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
+    from planner.memory.activations import activation_blocks
+    from planner.memory.runtime import runtime_constants
+    from planner.models.params import block_parameters, count_parameters
+
+    spec = _resolve_model(model, model_options)
+    inst = _resolve_instance(instance)
+    cfg = parallel.resolve_parallelism(config, inst)
+    check_supported(spec, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
+
+    if isinstance(runtime, RuntimeConstants):
+        rt = runtime
+    else:
+        rt = runtime_constants(inst.gpu, runtime or None)
+
+    blocks = model_blocks(spec)
+    counts = count_parameters(spec)
+    total_params = counts["total"]
+    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
+
+    activations = activation_blocks(spec, cfg, backend=backend)
+    block_mem = _block_memory(blocks, activations, cfg, world, share)
+
+    full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
+    states = optimizer.optimizer_state_bytes(total_params, cfg, p_bytes, share.optimizer_states)
+    largest = max((block_parameters(b) for b in blocks), default=0)
+    opt_temp = optimizer.optimizer_temporary_bytes(total_params, largest, cfg, p_bytes, share.optimizer_states)
+    micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
+    step = timeline.StepMemory(
+        blocks=block_mem,
+        module_buffer_bytes=_module_buffer_bytes(blocks),
+        ddp_bucket_bytes=_ddp_bucket_bytes(cfg, full_grad_bytes),
+        workspace_bytes=rt.cublas_workspace_bytes,
+        batch_bytes=micro_batch,
+        optimizer_state_bytes=states,
+        optimizer_temporary_bytes=opt_temp,
+        grads_resident=cfg.grad_accum > 1,
+        extra_forward_bytes=_dataparallel_gpu0_extra(spec, cfg, inst.gpus),
+    )
+    return _Prepared(spec, inst, cfg, world, rt, counts, step)
+
+
+def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
+                    runtime: RuntimeConstants | dict[str, Any] | None = None, backend: str = "cuda",
+                    model_options: dict[str, Any] | None = None) -> list[timeline.Point]:
+    """The allocated bytes by category at each block of one step (what `--plot` draws)."""
+    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options).step)
+
+
+def estimate(
+    model: ModelSpec | str,
+    config: TrainConfig,
+    instance: Instance | str,
+    *,
+    runtime: RuntimeConstants | dict[str, Any] | None = None,
+    backend: str = "cuda",
+    model_options: dict[str, Any] | None = None,
+    dataset_size: int | None = None,
+    spot: bool = False,
+    with_throughput: bool = True,
+) -> Estimate:
+    """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
+
+    `config.batch_size` is the micro-batch of one GPU. `runtime` overrides the GPU family's runtime
+    constants (a RuntimeConstants or a dict of its fields).
+    """
+    prep = _prepare(model, config, instance, runtime, backend, model_options)
+    spec, inst, cfg, world, rt, counts, step = (prep.spec, prep.inst, prep.cfg, prep.world, prep.rt, prep.counts,
+                                                prep.step)
+    states = step.optimizer_state_bytes
+    micro_batch = step.batch_bytes
+    block_mem = step.blocks
+    points = timeline.simulate(step)
+    peaks = timeline.phase_peaks(points)
+    top = timeline.peak(points)
+
+    peak_allocated = top.total
+    peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
+    multi_process = world > 1 or cfg.parallelism == "dp"
+    peers = (min(inst.gpus, world) - 1) if multi_process else 0
+    nccl = rt.nccl_bytes_per_peer * max(peers, 1) if multi_process else 0
+    peak_device = rt.cuda_context_bytes + nccl + peak_reserved
+    # The verdict uses what the driver reports as total (V100-16GB: 16160 MiB), not the marketed size.
+    gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
+    usable = gpu_memory - rt.cuda_context_bytes - nccl
+    headroom = gpu_memory - peak_device
+
+    memory = MemoryBytes(
+        parameters=sum(b.param_bytes for b in block_mem),
+        gradients=sum(b.grad_bytes for b in block_mem),
+        optimizer_states=states,
+        activations=sum(b.kept_bytes for b in block_mem),
+        batch=micro_batch,
+        buffers=top.bytes["buffers"],
+        peak_allocated=peak_allocated,
+        peak_reserved=peak_reserved,
+        cuda_context=rt.cuda_context_bytes,
+        nccl=nccl,
+        peak_device=peak_device,
+    )
+    phases = tuple(PhasePeak(phase=name, allocated=p.total, detail=dict(p.bytes)) for name, p in peaks.items())
+
+    throughput = cost = None
+    if with_throughput:
+        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot)
+
+    return Estimate(
+        model=spec.name,
+        instance=inst.name,
+        gpu=inst.gpu.name,
+        config=cfg,
+        world_size=world,
+        parameters=counts,
+        memory_bytes=memory,
+        phases=phases,
+        peak_phase=top.phase,
+        gpu_memory_bytes=gpu_memory,
+        usable_memory_bytes=usable,
+        fits=headroom >= 0,
+        headroom_bytes=headroom,
+        runtime=rt,
+        throughput=throughput,
+        cost=cost,
+        notes=tuple(_notes(spec, cfg)),
+    )
+
+
+def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool):
+    from planner.perf.cost import predict_cost
+    from planner.perf.throughput import predict_throughput
+
+    throughput = predict_throughput(spec, cfg, inst)
+    price = None
+    try:
+        from planner.aws.pricing import price_per_hour
+
+        price = price_per_hour(inst.name)[0]
+    except (ImportError, PlannerError):
+        price = inst.price_per_hour
+    cost = None
+    if price is not None:
+        cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot,
+                            price_per_hour=price)
+    return throughput, cost
+
+
+def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
+    notes = []
+    if cfg.parallelism in ("ddp", "zero1") and not cfg.gradient_as_bucket_view:
+        notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
+                     "would save them")
+    if cfg.parallelism == "dp":
+        notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
+                     "faster and balanced")
+    if cfg.checkpointing and not spec.transformers:
+        notes.append("checkpointing applies to transformer layers; this model has none")
+    return notes

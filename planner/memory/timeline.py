@@ -1,0 +1,119 @@
+"""Memory of one GPU through one training step, block by block, the way PyTorch allocates it.
+
+The step is the steady state (optimizer states already exist) of the LAST micro-step of an accumulation
+cycle, because that is the worst one: with `grad_accum > 1` the gradients of earlier micro-steps stay
+allocated through its forward and backward. With `grad_accum == 1` `optimizer.zero_grad()` (set_to_none=True,
+PyTorch >= 2.0 default) frees them before the forward, and backward allocates them block by block.
+
+Phases (seed note 002's zones, corrected):
+- load: parameters, module buffers, DDP's gradient buckets (allocated when the model is wrapped).
+- forward: + batch + optimizer states, and each block's saved activations accumulate; a block's transient
+  temporaries sit on top while it runs.
+- backward: blocks in reverse; a block's activations are freed after its backward, its gradients appear; a
+  checkpointed block first recomputes its forward (its full saved set comes back for a moment).
+- optimizer: parameters + gradients + states (allocated at the first step) + the step's temporaries.
+
+Everything is a pure function of `StepMemory`: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers")
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """One block as resident on this GPU."""
+
+    name: str
+    param_bytes: int  # resident (sharded under ZeRO-3)
+    grad_bytes: int  # resident after its backward (sharded under ZeRO-2/3)
+    gathered_param_bytes: int  # extra while it runs under ZeRO-3 (all-gathered full parameters)
+    transient_grad_bytes: int  # extra while its backward runs (unsharded gradients before reduce-scatter)
+    kept_bytes: int  # activations that stay after its forward (incl. AMP weight casts)
+    saved_bytes: int  # activations its forward saves when not checkpointed (incl. AMP weight casts)
+    forward_transient_bytes: int
+    backward_transient_bytes: int
+    checkpointed: bool
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    blocks: tuple[BlockMemory, ...]
+    module_buffer_bytes: int  # BatchNorm running stats, position-id buffers
+    ddp_bucket_bytes: int  # DDP gradient buckets (0 with gradient_as_bucket_view or without DDP)
+    workspace_bytes: int  # cuBLAS workspace, allocated through the caching allocator at the first matmul
+    batch_bytes: int
+    optimizer_state_bytes: int
+    optimizer_temporary_bytes: int
+    grads_resident: bool  # gradients from earlier micro-steps stay allocated (grad_accum > 1)
+    extra_forward_bytes: int = 0  # DataParallel on GPU 0: the whole batch before scatter + gathered outputs
+
+
+@dataclass(frozen=True)
+class Point:
+    """Allocated bytes by category at one moment of the step."""
+
+    phase: str
+    label: str
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _point(phase: str, label: str, **parts: int) -> Point:
+    return Point(phase, label, {c: int(parts.get(c, 0)) for c in CATEGORIES})
+
+
+def simulate(step: StepMemory) -> list[Point]:
+    """The step as a sequence of points: after load, during/after each block forward and backward, optimizer."""
+    blocks = step.blocks
+    params = sum(b.param_bytes for b in blocks)
+    grads_total = sum(b.grad_bytes for b in blocks)
+    static_buffers = step.module_buffer_bytes + step.ddp_bucket_bytes
+    points = [_point("load", "after load", parameters=params, buffers=static_buffers)]
+
+    base_buffers = static_buffers + step.workspace_bytes + step.extra_forward_bytes
+    grads = grads_total if step.grads_resident else 0
+    common = dict(optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes)
+
+    kept = 0
+    for b in blocks:
+        running = b.kept_bytes if b.checkpointed else b.saved_bytes
+        points.append(_point("forward", b.name, parameters=params + b.gathered_param_bytes, gradients=grads,
+                             activations=kept + running, buffers=base_buffers + b.forward_transient_bytes,
+                             **common))
+        kept += b.kept_bytes
+    points.append(_point("forward", "end of forward", parameters=params, gradients=grads, activations=kept,
+                         buffers=base_buffers, **common))
+
+    for b in reversed(blocks):
+        recompute = b.saved_bytes - b.kept_bytes if b.checkpointed else 0
+        new_grads = 0 if step.grads_resident else b.grad_bytes
+        points.append(_point("backward", b.name, parameters=params + b.gathered_param_bytes,
+                             gradients=grads + new_grads + b.transient_grad_bytes,
+                             activations=kept + recompute,
+                             buffers=base_buffers + b.backward_transient_bytes, **common))
+        kept -= b.kept_bytes
+        grads += new_grads
+    points.append(_point("optimizer", "optimizer step", parameters=params, gradients=grads_total,
+                         optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes,
+                         buffers=static_buffers + step.workspace_bytes + step.optimizer_temporary_bytes))
+    return points
+
+
+def phase_peaks(points: list[Point]) -> dict[str, Point]:
+    """The highest point of each phase, in phase order."""
+    peaks: dict[str, Point] = {}
+    for p in points:
+        if p.phase not in peaks or p.total > peaks[p.phase].total:
+            peaks[p.phase] = p
+    return peaks
+
+
+def peak(points: list[Point]) -> Point:
+    return max(points, key=lambda p: p.total)

@@ -1,0 +1,199 @@
+"""Named models: Hugging Face configs shipped in planner/data/models/, and the multimodal BERT classifier.
+
+`get_model(name_or_path, **options)` accepts a catalog name, a hub id listed in a file's `_source`
+(e.g. "google-bert/bert-base-uncased"), or a path to a config.json (or a folder holding one).
+Catalog models keep the head of their hub config (bert-base-uncased is BertForMaskedLM, gpt2 is
+GPT2LMHeadModel); options `head=` and `num_labels=` change it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlannerError, unknown
+from planner.models import hf_config
+from planner.spec import BatchNormSpec, Component, DenseSpec, InputSpec, ModelSpec, TransformerSpec
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "models"  # shipped as package data
+MULTIMODAL = "multimodal-bert"
+# Options of multimodal-bert and their defaults (the seed's TabAE / TextBertBase / merge network).
+MULTIMODAL_DEFAULTS: dict[str, Any] = {"text_model": "bert-base-uncased", "tab_in": 100, "tab_out": 128,
+                                       "text_out": 128, "num_classes": 2, "binary": True}
+TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels")
+# Listing order: by family, small to large; a config file added later is listed after these.
+ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-base", "roberta-large",
+                          "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b",
+                          "llama-3-8b", "mistral-7b")
+
+
+@functools.cache
+def _configs() -> dict[str, dict[str, Any]]:
+    folder = DATA_DIR
+    out: dict[str, dict[str, Any]] = {}
+    found = {e.name[: -len(".json")]: e for e in folder.iterdir() if e.name.endswith(".json")}
+    rank = {name: i for i, name in enumerate(ORDER)}
+    for name in sorted(found, key=lambda n: (rank.get(n, len(ORDER)), n)):
+        out[name] = hf_config.load_config_file(found[name])
+    return out
+
+
+def catalog_config(name: str) -> dict[str, Any]:
+    """A copy of a catalog model's config.json dict."""
+    configs = _configs()
+    if name not in configs:
+        raise unknown("--model", name, list_models())
+    return json.loads(json.dumps(configs[name]))
+
+
+def list_models() -> list[str]:
+    """Catalog names: the shipped configs, then the multimodal model."""
+    return [*_configs(), MULTIMODAL]
+
+
+def _resolve_name(name: str) -> str | None:
+    """Catalog name for a name, a case variant of one, or a hub id in a config's `_source`."""
+    configs = _configs()
+    if name in configs or name == MULTIMODAL:
+        return name
+    lowered = name.lower()
+    for key, cfg in configs.items():
+        if lowered in (key.lower(), str(cfg.get("_source", "")).lower()):
+            return key
+    return MULTIMODAL if lowered == MULTIMODAL else None
+
+
+def _is_path(name: str) -> bool:
+    return name.endswith(".json") or Path(name).exists()
+
+
+def _check_options(options: dict[str, Any], allowed: tuple[str, ...], model: str) -> None:
+    for key in options:
+        if key not in allowed:
+            raise PlannerError("--model-option", key, f"for {model} one of {', '.join(allowed) or '(none)'}")
+
+
+def _int_option(options: dict[str, Any], key: str, minimum: int = 1) -> int:
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlannerError(key, value, f"an integer >= {minimum}")
+    return value
+
+
+def _transformer_config(config: dict[str, Any], options: dict[str, Any], model: str) -> dict[str, Any]:
+    """Apply head=/num_labels=; num_labels alone implies head=sequence-classification."""
+    _check_options(options, TRANSFORMER_OPTIONS, model)
+    head = options.get("head")
+    family = hf_config.family_of(config)
+    if head is not None and head not in hf_config.heads_of(family):
+        raise PlannerError("head", head, f"for {family} one of {', '.join(hf_config.heads_of(family))}")
+    num_labels = None
+    if "num_labels" in options:
+        num_labels = _int_option(options, "num_labels")
+        if head is None:
+            head = "sequence-classification"
+        elif head != "sequence-classification":
+            raise PlannerError("num_labels", num_labels, "only with head=sequence-classification")
+    return hf_config.with_head(config, head, num_labels)
+
+
+def get_model(name_or_path: str, **options: Any) -> ModelSpec:
+    """A `ModelSpec` for a catalog name, hub id or config.json path (see the module docstring)."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise PlannerError("--model", name_or_path, "a catalog name or a config.json path")
+    name = _resolve_name(name_or_path)
+    if name == MULTIMODAL:
+        return multimodal_bert(**options)
+    if name is not None:
+        config = _transformer_config(catalog_config(name), options, name)
+        source: dict[str, Any] = {"catalog": name, "options": dict(options)}
+        return hf_config.spec_from_hf_config(config, name=name, source=source)
+    if _is_path(name_or_path):
+        raw = hf_config.load_config_file(name_or_path)
+        config = _transformer_config(raw, options, name_or_path)
+        label = Path(name_or_path).stem if Path(name_or_path).stem != "config" else Path(name_or_path).parent.name
+        return hf_config.spec_from_hf_config(config, name=label or "config", source={"config": config})
+    raise unknown("--model", name_or_path, list_models())
+
+
+# ------------------------------------------------------------------------------------- multimodal
+
+
+def text_encoder(name: str) -> TransformerSpec:
+    """A catalog encoder as a base model; BERT and RoBERTa with their pooler (add_pooling_layer=True)."""
+    encoders = [n for n, c in _configs().items() if c.get("model_type") in hf_config.ENCODERS]
+    resolved = _resolve_name(name) if isinstance(name, str) else None
+    if resolved not in encoders:
+        raise unknown("text_model", str(name), encoders)
+    config = hf_config.with_head(catalog_config(resolved), "base")
+    return hf_config.transformer_from_hf_config(config)
+
+
+def multimodal_bert(**options: Any) -> ModelSpec:
+    """The multimodal classifier users train: a tabular branch, a text branch and a merge layer.
+
+    - TabAE: BatchNorm1d(tab_in) -> Linear(tab_in, tab_out) -> Linear(tab_out, 1 if binary else num_classes);
+      the tab_out features feed the merge, the last Linear gives auxiliary tabular logits.
+    - TextBertBase: a catalog encoder (BertModel/RobertaModel with pooler; DistilBertModel has no pooler, so its
+      first token's hidden state stands in) -> Linear(hidden, text_out).
+    - merge: Linear(tab_out + text_out, num_classes) on the concatenated features.
+
+    No nonlinearity between these Linear layers (as the seed describes the model).
+    Loss ("multimodal"): cross-entropy on the merge logits + an auxiliary loss on the TabAE logits:
+    BCE-with-logits when binary, cross-entropy otherwise. jobs/modeling.py builds exactly this.
+    """
+    _check_options(options, tuple(MULTIMODAL_DEFAULTS), MULTIMODAL)
+    opts = {**MULTIMODAL_DEFAULTS, **options}
+    for key in ("tab_in", "tab_out", "text_out"):
+        _int_option(opts, key)
+    num_classes = _int_option(opts, "num_classes", minimum=2)
+    if not isinstance(opts["binary"], bool):
+        raise PlannerError("binary", opts["binary"], "true or false")
+    if "binary" not in options and "num_classes" in options:
+        opts["binary"] = num_classes == 2  # num_classes=5 alone means a multi-class model
+    if opts["binary"] and num_classes != 2:
+        raise PlannerError("binary", True, f"only with num_classes=2 (got num_classes={num_classes})")
+    text = text_encoder(opts["text_model"])
+    tab_in, tab_out, text_out = opts["tab_in"], opts["tab_out"], opts["text_out"]
+    tab_head = 1 if opts["binary"] else num_classes
+    components = (
+        Component(name="TabAE", layers=(BatchNormSpec(num_features=tab_in), DenseSpec(in_features=tab_in, out_features=tab_out),
+                                        DenseSpec(in_features=tab_out, out_features=tab_head))),
+        Component(name="TextBertBase", layers=(text, DenseSpec(in_features=text.hidden_size, out_features=text_out))),
+        Component(name="merge", layers=(DenseSpec(in_features=tab_out + text_out, out_features=num_classes),)),
+    )
+    inputs = InputSpec(token_type_ids=text.family in hf_config.TOKEN_TYPE_INPUTS, tabular_features=tab_in,
+                       labels="class")
+    return ModelSpec(
+        name=MULTIMODAL, components=components, inputs=inputs, loss="multimodal",
+        description=(f"TabAE({tab_in}->{tab_out}->{tab_head}) + TextBertBase({opts['text_model']}->{text_out}) "
+                     f"+ merge({tab_out + text_out}->{num_classes})"),
+        source={"catalog": MULTIMODAL, "options": opts},
+    )
+
+
+# ------------------------------------------------------------------------------------- listing
+
+
+def describe_models() -> list[dict[str, Any]]:
+    """One row per catalog model: name, family, head, architecture, parameters, layers, hidden, positions."""
+    from planner.models.params import count_parameters
+
+    rows = []
+    for name in list_models():
+        spec = get_model(name)
+        t = spec.transformers[0]
+        rows.append({
+            "name": name,
+            "family": f"multimodal ({t.family})" if name == MULTIMODAL else t.family,
+            "head": "multimodal" if name == MULTIMODAL else t.head,
+            "architecture": "TabAE+TextBertBase+merge" if name == MULTIMODAL else t.architecture,
+            "parameters": count_parameters(spec)["total"],
+            "layers": t.num_layers,
+            "hidden": t.hidden_size,
+            "max_positions": spec.max_positions,
+            "source": _configs()[name].get("_source", "") if name in _configs() else "planner",
+        })
+    return rows

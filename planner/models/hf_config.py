@@ -1,0 +1,335 @@
+"""Read a Hugging Face `config.json` into the planner's `TransformerSpec` / `ModelSpec`.
+
+Why a reader of our own instead of `transformers.AutoConfig`: the planner core must not import torch or
+transformers, and every bad field must become a one-line `PlannerError` naming it. The defaults used for
+absent optional keys are those of the transformers 5 config classes (e.g. `BertConfig.type_vocab_size=2`,
+`LlamaConfig.tie_word_embeddings=False`), so the spec describes exactly the module that
+`transformers` would build from the same dict; tests/test_params.py checks this against real modules.
+
+Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral; `architectures[0]` picks the head:
+`<Prefix>Model` -> "base", `...ForSequenceClassification`, `...ForMaskedLM` (encoders),
+`GPT2LMHeadModel` / `...ForCausalLM` (decoders).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlannerError
+from planner.spec import Component, InputSpec, ModelSpec, TransformerSpec
+
+FIELD = "config.json"
+
+CLASS_PREFIX: dict[str, str] = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert", "gpt2": "GPT2",
+                                "llama": "Llama", "mistral": "Mistral"}
+ENCODERS: tuple[str, ...] = ("bert", "roberta", "distilbert")
+DECODERS: tuple[str, ...] = ("gpt2", "llama", "mistral")
+
+# Class-name suffix per head; decoders' causal-LM class is GPT2LMHeadModel but LlamaForCausalLM.
+_SUFFIX: dict[str, str] = {"base": "Model", "sequence-classification": "ForSequenceClassification",
+                           "masked-lm": "ForMaskedLM", "causal-lm": "ForCausalLM"}
+
+# transformers 5 defaults of `tie_word_embeddings` per config class (BertConfig ... MistralConfig).
+TIE_DEFAULT: dict[str, bool] = {"bert": True, "roberta": True, "distilbert": True, "gpt2": True, "llama": False,
+                                "mistral": False}
+
+# Tokenizers' `model_input_names`: only BERT's tokenizer returns token_type_ids (RoBERTa's, DistilBERT's,
+# GPT-2's and Llama's return input_ids and attention_mask), so only BERT batches carry that int64 tensor.
+TOKEN_TYPE_INPUTS: tuple[str, ...] = ("bert",)
+
+
+def heads_of(family: str) -> tuple[str, ...]:
+    """Heads the planner supports for a family: encoders have masked-LM, decoders causal-LM."""
+    lm = "masked-lm" if family in ENCODERS else "causal-lm"
+    return ("base", "sequence-classification", lm)
+
+
+def architecture_for(family: str, head: str) -> str:
+    """The transformers class name for a family and head, e.g. ("gpt2", "causal-lm") -> GPT2LMHeadModel."""
+    if head not in heads_of(family):
+        raise PlannerError("head", head, heads_of(family))
+    if family == "gpt2" and head == "causal-lm":
+        return "GPT2LMHeadModel"
+    return CLASS_PREFIX[family] + _SUFFIX[head]
+
+
+def _architectures(family: str) -> dict[str, str]:
+    out = {architecture_for(family, h): h for h in heads_of(family)}
+    return out
+
+
+# ------------------------------------------------------------------------------------- field readers
+
+
+def _missing(key: str, allowed: str) -> PlannerError:
+    return PlannerError(f"{FIELD}:{key}", None, f"missing; required {allowed}")
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None, *, minimum: int = 1,
+         required: bool = False) -> int | None:
+    """An integer field (absent or null -> `default`); bools are not integers here (JSON `true` is no size)."""
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise _missing(key, f"integer >= {minimum}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlannerError(f"{FIELD}:{key}", value, f"an integer >= {minimum}")
+    return value
+
+
+def _req(cfg: dict[str, Any], key: str) -> int:
+    value = _int(cfg, key, required=True)
+    assert value is not None
+    return value
+
+
+def _float(cfg: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise PlannerError(f"{FIELD}:{key}", value, "a probability in [0, 1)")
+    return float(value)
+
+
+def _bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise PlannerError(f"{FIELD}:{key}", value, "true or false")
+    return value
+
+
+def _str(cfg: dict[str, Any], key: str, default: str) -> str:
+    value = cfg.get(key, default)
+    if not isinstance(value, str):
+        raise PlannerError(f"{FIELD}:{key}", value, "a string")
+    return value
+
+
+def num_labels_of(cfg: dict[str, Any]) -> int:
+    """As transformers 5 does: an explicit `num_labels` wins, else len(id2label), else 2."""
+    if cfg.get("num_labels") is not None:
+        return _req(cfg, "num_labels")
+    id2label = cfg.get("id2label")
+    if id2label is None:
+        return 2
+    if not isinstance(id2label, dict) or not id2label:
+        raise PlannerError(f"{FIELD}:id2label", id2label, "a non-empty object {index: label}")
+    return len(id2label)
+
+
+def _check_heads(hidden: int, heads: int, kv_heads: int, head_dim: int | None) -> None:
+    if hidden % heads:
+        raise PlannerError(f"{FIELD}:num_attention_heads", heads, f"a divisor of hidden_size={hidden}")
+    if heads % kv_heads:
+        raise PlannerError(f"{FIELD}:num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+    if head_dim is not None and head_dim != hidden // heads:
+        raise PlannerError(f"{FIELD}:head_dim", head_dim,
+                           f"hidden_size/num_attention_heads={hidden // heads} (other head sizes are not modelled)")
+
+
+# ------------------------------------------------------------------------------------- per family
+
+
+def _bert_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """BERT and RoBERTa share BertConfig's fields; RoBERTa's position ids start after padding_idx."""
+    if _bool(cfg, "add_cross_attention", False):
+        raise PlannerError(f"{FIELD}:add_cross_attention", True, "false (cross-attention is not modelled)")
+    pet = cfg.get("position_embedding_type", "absolute")
+    if pet not in (None, "absolute"):
+        raise PlannerError(f"{FIELD}:position_embedding_type", pet, "absolute (transformers 5 builds only that)")
+    hidden, heads = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
+    _check_heads(hidden, heads, heads, None)
+    table = _req(cfg, "max_position_embeddings")
+    usable = table
+    if family == "roberta":
+        # RobertaEmbeddings numbers positions padding_idx + 1 ... so the table holds pad_token_id + 1 fewer.
+        pad = _int(cfg, "pad_token_id", 1, minimum=0)
+        assert pad is not None
+        usable = table - pad - 1
+        if usable < 1:
+            raise PlannerError(f"{FIELD}:max_position_embeddings", table, f"> pad_token_id + 1 = {pad + 1}")
+    hidden_dropout = _float(cfg, "hidden_dropout_prob", 0.1)
+    return dict(
+        vocab_size=_req(cfg, "vocab_size"), hidden_size=hidden, num_layers=_req(cfg, "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=heads, intermediate_size=_req(cfg, "intermediate_size"),
+        max_positions=usable, position_table=table, type_vocab_size=_int(cfg, "type_vocab_size", 2),
+        hidden_act=_str(cfg, "hidden_act", "gelu"), norm="layernorm", hidden_dropout=hidden_dropout,
+        attention_dropout=_float(cfg, "attention_probs_dropout_prob", 0.1), embedding_dropout=hidden_dropout,
+        classifier_dropout=_float(cfg, "classifier_dropout", None), attention_bias=True, mlp_bias=True,
+    )
+
+
+def _distilbert(cfg: dict[str, Any]) -> dict[str, Any]:
+    hidden, heads = _req(cfg, "dim"), _req(cfg, "n_heads")
+    _check_heads(hidden, heads, heads, None)
+    table = _req(cfg, "max_position_embeddings")
+    dropout = _float(cfg, "dropout", 0.1)
+    return dict(
+        vocab_size=_req(cfg, "vocab_size"), hidden_size=hidden, num_layers=_req(cfg, "n_layers"),
+        num_heads=heads, num_kv_heads=heads, intermediate_size=_req(cfg, "hidden_dim"),
+        max_positions=table, position_table=table, type_vocab_size=0, hidden_act=_str(cfg, "activation", "gelu"),
+        norm="layernorm", hidden_dropout=dropout, attention_dropout=_float(cfg, "attention_dropout", 0.1),
+        embedding_dropout=dropout, classifier_dropout=_float(cfg, "seq_classif_dropout", 0.2),
+        attention_bias=True, mlp_bias=True,
+    )
+
+
+def _alias(cfg: dict[str, Any], key: str, alias: str) -> str:
+    """GPT2Config's attribute_map lets `hidden_size` stand for `n_embd` etc.; prefer the real name."""
+    return key if key in cfg or alias not in cfg else alias
+
+
+def _gpt2(cfg: dict[str, Any]) -> dict[str, Any]:
+    hidden = _req(cfg, _alias(cfg, "n_embd", "hidden_size"))
+    heads = _req(cfg, _alias(cfg, "n_head", "num_attention_heads"))
+    _check_heads(hidden, heads, heads, None)
+    if _bool(cfg, "add_cross_attention", False):
+        raise PlannerError(f"{FIELD}:add_cross_attention", True, "false (cross-attention is not modelled)")
+    table = _req(cfg, _alias(cfg, "n_positions", "max_position_embeddings"))
+    inner = _int(cfg, "n_inner", None) or 4 * hidden  # GPT2MLP: n_inner or 4 * n_embd
+    return dict(
+        vocab_size=_req(cfg, "vocab_size"), hidden_size=hidden,
+        num_layers=_req(cfg, _alias(cfg, "n_layer", "num_hidden_layers")), num_heads=heads, num_kv_heads=heads,
+        intermediate_size=inner, max_positions=table, position_table=table, type_vocab_size=0,
+        hidden_act=_str(cfg, "activation_function", "gelu_new"), norm="layernorm",
+        hidden_dropout=_float(cfg, "resid_pdrop", 0.1), attention_dropout=_float(cfg, "attn_pdrop", 0.1),
+        embedding_dropout=_float(cfg, "embd_pdrop", 0.1), classifier_dropout=None,
+        attention_bias=True, mlp_bias=True,
+    )
+
+
+def _llama_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """Llama and Mistral: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no hidden dropout."""
+    hidden, heads = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
+    # LlamaConfig: num_key_value_heads=None -> num_attention_heads; MistralConfig defaults to 8.
+    kv_default = heads if family == "llama" else 8
+    kv_heads = _int(cfg, "num_key_value_heads", kv_default)
+    assert kv_heads is not None
+    _check_heads(hidden, heads, kv_heads, _int(cfg, "head_dim", None))
+    default_positions = 2048 if family == "llama" else 4096 * 32
+    # MistralAttention/MistralMLP are built with bias=False whatever the config says.
+    biased = family == "llama"
+    return dict(
+        vocab_size=_req(cfg, "vocab_size"), hidden_size=hidden, num_layers=_req(cfg, "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=kv_heads, intermediate_size=_req(cfg, "intermediate_size"),
+        max_positions=_int(cfg, "max_position_embeddings", default_positions), position_table=0,
+        type_vocab_size=0, hidden_act=_str(cfg, "hidden_act", "silu"), norm="rmsnorm", hidden_dropout=0.0,
+        attention_dropout=_float(cfg, "attention_dropout", 0.0), embedding_dropout=0.0, classifier_dropout=None,
+        attention_bias=biased and _bool(cfg, "attention_bias", False),
+        mlp_bias=biased and _bool(cfg, "mlp_bias", False),
+    )
+
+
+# ------------------------------------------------------------------------------------- public
+
+
+def family_of(config: Any) -> str:
+    if not isinstance(config, dict):
+        raise PlannerError(FIELD, type(config).__name__, "a JSON object")
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise _missing("model_type", f"one of {', '.join(CLASS_PREFIX)}")
+    if model_type not in CLASS_PREFIX:
+        raise PlannerError(f"{FIELD}:model_type", model_type, f"one of {', '.join(CLASS_PREFIX)}")
+    return str(model_type)
+
+
+def head_of(config: dict[str, Any]) -> tuple[str, str]:
+    """(architecture, head) from `architectures[0]`."""
+    family = family_of(config)
+    archs = config.get("architectures")
+    allowed = _architectures(family)
+    if archs is None:
+        raise _missing("architectures", f"a list whose first entry is one of {', '.join(allowed)}")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise PlannerError(f"{FIELD}:architectures", archs, f"a list whose first entry is one of {', '.join(allowed)}")
+    if archs[0] not in allowed:
+        raise PlannerError(f"{FIELD}:architectures[0]", archs[0], f"for model_type={family!r} one of {', '.join(allowed)}")
+    return archs[0], allowed[archs[0]]
+
+
+def with_head(config: dict[str, Any], head: str | None = None, num_labels: int | None = None) -> dict[str, Any]:
+    """A copy of `config` whose `architectures[0]` is the class for `head` (and `num_labels` labels).
+
+    `num_labels` replaces id2label/label2id as `PreTrainedConfig.num_labels`'s setter would.
+    """
+    family = family_of(config)
+    out = copy.deepcopy(config)
+    if head is not None:
+        out["architectures"] = [architecture_for(family, head)]
+    if num_labels is not None:
+        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+            raise PlannerError("num_labels", num_labels, "an integer >= 1")
+        out.pop("id2label", None)
+        out.pop("label2id", None)
+        out["num_labels"] = num_labels
+    return out
+
+
+def transformer_from_hf_config(config: dict[str, Any]) -> TransformerSpec:
+    """One `TransformerSpec` from a config.json dict; `hf_config` keeps the whole dict."""
+    family = family_of(config)
+    architecture, head = head_of(config)
+    if family in ("bert", "roberta"):
+        fields = _bert_like(config, family)
+    elif family == "distilbert":
+        fields = _distilbert(config)
+    elif family == "gpt2":
+        fields = _gpt2(config)
+    else:
+        fields = _llama_like(config, family)
+    # BertModel/RobertaModel default to add_pooling_layer=True; the LM and RoBERTa classification classes
+    # build theirs with add_pooling_layer=False; BertForSequenceClassification classifies the pooled output.
+    pooler = family in ("bert", "roberta") and (
+        head == "base" or (family == "bert" and head == "sequence-classification"))
+    return TransformerSpec(
+        family=family, architecture=architecture, head=head, pooler=pooler,  # type: ignore[arg-type]
+        num_labels=num_labels_of(config) if head == "sequence-classification" else 2,
+        tie_word_embeddings=_bool(config, "tie_word_embeddings", TIE_DEFAULT[family]),
+        hf_config=copy.deepcopy(config), **fields,
+    )
+
+
+def inputs_for(spec: TransformerSpec) -> InputSpec:
+    """What one sample of this model's batch holds (labels per sample or per token)."""
+    labels = {"sequence-classification": "class", "masked-lm": "tokens", "causal-lm": "tokens"}.get(spec.head, "none")
+    return InputSpec(token_type_ids=spec.family in TOKEN_TYPE_INPUTS, labels=labels)  # type: ignore[arg-type]
+
+
+def spec_from_hf_config(config: dict[str, Any], *, name: str, component: str = "model",
+                        source: dict[str, Any] | None = None) -> ModelSpec:
+    """A one-component `ModelSpec` for a config.json dict (loss: the head's cross-entropy, none for base)."""
+    t = transformer_from_hf_config(config)
+    return ModelSpec(
+        name=name, components=(Component(name=component, layers=(t,)),), inputs=inputs_for(t),
+        loss="none" if t.head == "base" else "cross-entropy",
+        description=f"{t.architecture} ({t.family}, {t.num_layers} layers, hidden {t.hidden_size})",
+        source=source if source is not None else {"config": copy.deepcopy(config)},
+    )
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a config.json file (or a folder holding one); bad JSON names the file, line and column."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlannerError("--model", str(path), "an existing config.json file or a catalog name") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlannerError("--model", str(path), f"a readable UTF-8 config.json ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlannerError(FIELD, str(p), f"valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise PlannerError(FIELD, str(p), "a JSON object at the top level")
+    return data

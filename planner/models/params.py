@@ -1,0 +1,198 @@
+"""Exact parameter counts by formula, per block, following the transformers 5 module definitions.
+
+Why formulas and not `sum(p.numel())` over a built module: the core must not import torch, and building a
+7B model just to count it is slow. tests/test_params.py checks every formula against the real modules.
+
+Notation: V vocab, h hidden, P position-table rows, T token-type rows, a heads, g key/value heads,
+d = h/a head size, i intermediate size, L labels.
+"""
+
+from __future__ import annotations
+
+from planner.models.blocks import Block, model_blocks
+from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
+
+INT64_BYTES = 8  # torch.long: position_ids / token_type_ids / num_batches_tracked buffers
+FLOAT32_BYTES = 4  # default dtype of float buffers (running stats, rotary inv_freq) before any .to(dtype)
+
+
+def norm_parameters(spec: TransformerSpec) -> int:
+    """nn.LayerNorm(h): weight + bias = 2h; LlamaRMSNorm(h): weight only = h."""
+    return 2 * spec.hidden_size if spec.norm == "layernorm" else spec.hidden_size
+
+
+def linear_parameters(n_in: int, n_out: int, bias: bool = True) -> int:
+    """nn.Linear / GPT-2 Conv1D: n_in*n_out weights (+ n_out bias)."""
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def embedding_parameters(spec: TransformerSpec) -> int:
+    """Token table V*h, + learned positions P*h, + token types T*h, + embedding LayerNorm (BERT family).
+
+    GPT-2 (wte, wpe) has no embedding norm; Llama/Mistral only a token table (rotary positions).
+    """
+    h = spec.hidden_size
+    n = spec.vocab_size * h + spec.position_table * h + spec.type_vocab_size * h
+    if spec.family in ("bert", "roberta", "distilbert"):
+        n += norm_parameters(spec)
+    return n
+
+
+def attention_parameters(spec: TransformerSpec) -> int:
+    """q: h*(a*d), k and v: h*(g*d) each, o: (a*d)*h; biases a*d + 2*g*d + h when `attention_bias`."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    n = h * q + 2 * h * kv + q * h
+    if spec.attention_bias:
+        n += q + 2 * kv + h
+    return n
+
+
+def gated_mlp(spec: TransformerSpec) -> bool:
+    """Llama/Mistral use SwiGLU (gate, up, down); the others a 2-matrix GELU MLP."""
+    return spec.family in ("llama", "mistral")
+
+
+def mlp_parameters(spec: TransformerSpec) -> int:
+    """GELU: h*i + i*h (+ i + h biases); SwiGLU: 3*h*i (+ 2i + h biases when `mlp_bias`)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    if gated_mlp(spec):
+        return 3 * h * i + ((2 * i + h) if spec.mlp_bias else 0)
+    return h * i + i * h + ((i + h) if spec.mlp_bias else 0)
+
+
+def layer_parameters(spec: TransformerSpec) -> int:
+    """One transformer layer: attention + MLP + two norms (post-norm in BERT family, pre-norm otherwise)."""
+    return attention_parameters(spec) + mlp_parameters(spec) + 2 * norm_parameters(spec)
+
+
+def pooler_parameters(spec: TransformerSpec) -> int:
+    """BertPooler / RobertaPooler: dense h*h + h (then tanh)."""
+    return linear_parameters(spec.hidden_size, spec.hidden_size)
+
+
+def lm_head_parameters(spec: TransformerSpec) -> int:
+    """Language-model head; the output matrix V*h counts only when untied (`tie_word_embeddings=False`).
+
+    BERT `cls.predictions` / RoBERTa `lm_head`: dense h*h+h, LayerNorm 2h, a bias V; the decoder's own bias is
+    tied to that bias only together with the weight, so untied adds V*h + V. DistilBERT: vocab_transform h*h+h,
+    vocab_layer_norm 2h, vocab_projector bias V (+ V*h untied). GPT-2/Llama/Mistral lm_head: no bias, V*h untied.
+    """
+    h, v = spec.hidden_size, spec.vocab_size
+    untied = not spec.tie_word_embeddings
+    if spec.family in ("bert", "roberta"):
+        return linear_parameters(h, h) + 2 * h + v + ((v * h + v) if untied else 0)
+    if spec.family == "distilbert":
+        return linear_parameters(h, h) + 2 * h + v + (v * h if untied else 0)
+    return v * h if untied else 0
+
+
+def classifier_parameters(spec: TransformerSpec) -> int:
+    """Sequence-classification head (the BERT pooler is its own block).
+
+    BERT: classifier h*L + L on the pooled output. RoBERTa: classification head dense h*h+h + out_proj h*L+L
+    (RobertaForSequenceClassification has no pooler). DistilBERT: pre_classifier h*h+h + classifier h*L+L.
+    GPT-2/Llama/Mistral: `score` h*L without bias.
+    """
+    h, labels = spec.hidden_size, spec.num_labels
+    if spec.family == "bert":
+        return linear_parameters(h, labels)
+    if spec.family in ("roberta", "distilbert"):
+        return linear_parameters(h, h) + linear_parameters(h, labels)
+    return linear_parameters(h, labels, bias=False)
+
+
+def head_parameters(spec: TransformerSpec) -> int:
+    if spec.head == "sequence-classification":
+        return classifier_parameters(spec)
+    if spec.head in ("masked-lm", "causal-lm"):
+        return lm_head_parameters(spec)
+    return 0
+
+
+def block_parameters(block: Block) -> int:
+    """Parameters of one block of `model_blocks` (each tensor counted once, tied ones in their owner)."""
+    layer = block.layer
+    if isinstance(layer, DenseSpec):
+        return linear_parameters(layer.in_features, layer.out_features, layer.bias)
+    if isinstance(layer, BatchNormSpec):
+        return 2 * layer.num_features  # affine weight + bias; running stats are buffers
+    role = block.role
+    if role == "embeddings":
+        return embedding_parameters(layer)
+    if role == "layer":
+        return layer_parameters(layer)
+    if role == "final_norm":
+        return norm_parameters(layer)
+    if role == "pooler":
+        return pooler_parameters(layer)
+    if role == "head":
+        return head_parameters(layer)
+    raise ValueError(f"block {block.name}: role {role!r} has no parameter formula")
+
+
+def block_gradient_parameters(block: Block) -> int:
+    """Parameters that receive a gradient (and so get a .grad tensor) in a training step.
+
+    All of them, except in an untied BERT/RoBERTa masked-LM head: there transformers 5 ties the decoder's bias
+    to the head's `bias` only together with the weight, so untied, `cls.predictions.bias` / `lm_head.bias`
+    (V values) is a parameter the forward never uses; its .grad stays None (and DDP would need
+    find_unused_parameters=True).
+    """
+    n = block_parameters(block)
+    layer = block.layer
+    if (block.role == "head" and isinstance(layer, TransformerSpec) and layer.head == "masked-lm"
+            and layer.family in ("bert", "roberta") and not layer.tie_word_embeddings):
+        n -= layer.vocab_size
+    return n
+
+
+def block_buffers_bytes(block: Block, float_bytes: int = FLOAT32_BYTES) -> int:
+    """Bytes of registered buffers (not parameters) that a block moves to the GPU with `model.to(device)`.
+
+    BERT/RoBERTa embeddings: position_ids and token_type_ids, int64 (1, P) each; DistilBERT: position_ids;
+    GPT-2: none; Llama/Mistral rotary: inv_freq and original_inv_freq, ceil(d/2) floats each.
+    BatchNorm1d: running_mean, running_var (n floats each) + num_batches_tracked (one int64).
+    `float_bytes` is the float buffers' size after a `model.to(dtype)` cast (4 for fp32/AMP).
+    """
+    layer = block.layer
+    if isinstance(layer, BatchNormSpec):
+        return 2 * layer.num_features * float_bytes + INT64_BYTES
+    if isinstance(layer, DenseSpec) or block.role != "embeddings":
+        return 0
+    if layer.family in ("bert", "roberta"):
+        return 2 * layer.position_table * INT64_BYTES
+    if layer.family == "distilbert":
+        return layer.position_table * INT64_BYTES
+    if layer.family in ("llama", "mistral"):
+        return 2 * ((layer.head_dim + 1) // 2) * float_bytes
+    return 0
+
+
+def count_parameters(model: ModelSpec) -> dict[str, int]:
+    """Parameters per component, plus "total" (all of them trainable: nothing is frozen)."""
+    out: dict[str, int] = {c.name: 0 for c in model.components}
+    for block in model_blocks(model):
+        out[block.component] += block_parameters(block)
+    out["total"] = sum(out[c.name] for c in model.components)
+    return out
+
+
+def trainable_parameters(model: ModelSpec) -> int:
+    """Parameters with requires_grad: every one, since the planner trains the whole model."""
+    return count_parameters(model)["total"]
+
+
+def count_gradient_parameters(model: ModelSpec) -> int:
+    """Parameters whose .grad is allocated in a step (see `block_gradient_parameters`)."""
+    return sum(block_gradient_parameters(b) for b in model_blocks(model))
+
+
+def parameters_by_block(model: ModelSpec) -> dict[str, int]:
+    """Block name -> parameters, in forward order."""
+    return {b.name: block_parameters(b) for b in model_blocks(model)}
+
+
+def count_buffers_bytes(model: ModelSpec, float_bytes: int = FLOAT32_BYTES) -> int:
+    """Bytes of all registered buffers (see `block_buffers_bytes`)."""
+    return sum(block_buffers_bytes(b, float_bytes) for b in model_blocks(model))

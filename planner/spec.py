@@ -1,0 +1,260 @@
+"""The data model that every other module imports: model spec, training config, hardware, estimate.
+
+Everything here is a frozen, validated pydantic model, so a value that reaches the core has already
+been checked, and a result can be serialised to JSON with `.model_dump(mode="json")`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+Precision = Literal["fp32", "amp-fp16", "amp-bf16", "fp16", "bf16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16")
+OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit"]
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
+OptimizerImpl = Literal["foreach", "fused", "for-loop"]
+Parallelism = Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+Attention = Literal["eager", "sdpa", "flash"]
+ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
+Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral"]
+FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral")
+Head = Literal["base", "sequence-classification", "masked-lm", "causal-lm"]
+# Where kernels run. "cuda" is what the planner predicts; "cpu" exists so tests can compare the same
+# formulas with what CPU kernels save (dropout masks, SDPA fallback, autocast op lists differ).
+Backend = Literal["cuda", "cpu"]
+
+BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
+                                    "uint8": 1}
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+class TransformerSpec(Frozen):
+    """One Hugging Face transformer (encoder or decoder), with the fields the formulas need.
+
+    `hf_config` keeps the original config.json so that tests and the probe job build exactly this model.
+    """
+
+    kind: Literal["transformer"] = "transformer"
+    family: Family
+    architecture: str  # transformers class name, e.g. "BertForSequenceClassification"
+    head: Head
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    num_layers: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    intermediate_size: PositiveInt
+    max_positions: PositiveInt  # longest usable sequence (RoBERTa: table size - padding_idx - 1)
+    position_table: int = 0  # rows of a learned position table; 0 for rotary embeddings
+    type_vocab_size: int = 0  # rows of the token-type table; 0 when the model has none
+    hidden_act: str = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    embedding_dropout: float = 0.1
+    classifier_dropout: float | None = None
+    pooler: bool = False
+    num_labels: int = 2
+    tie_word_embeddings: bool = True
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class DenseSpec(Frozen):
+    """nn.Linear applied to one feature vector per sample."""
+
+    kind: Literal["dense"] = "dense"
+    in_features: PositiveInt
+    out_features: PositiveInt
+    bias: bool = True
+
+
+class BatchNormSpec(Frozen):
+    """nn.BatchNorm1d over one feature vector per sample."""
+
+    kind: Literal["batchnorm"] = "batchnorm"
+    num_features: PositiveInt
+
+
+Layer = Annotated[TransformerSpec | DenseSpec | BatchNormSpec, Field(discriminator="kind")]
+
+
+class Component(Frozen):
+    """A named part of a model (e.g. TabAE, TextBertBase, merge) reported separately."""
+
+    name: str
+    layers: tuple[Layer, ...]
+
+
+class InputSpec(Frozen):
+    """What one training sample feeds the model, to size the batch with PyTorch's real dtypes."""
+
+    input_ids: bool = True  # int64
+    attention_mask: bool = True  # int64 in HF tokenizers' output
+    token_type_ids: bool = False  # int64
+    tabular_features: int = 0  # float32
+    labels: Literal["class", "tokens", "none"] = "class"  # int64 per sample, or per token for LMs
+
+
+class ModelSpec(Frozen):
+    name: str
+    components: tuple[Component, ...]
+    inputs: InputSpec = InputSpec()
+    loss: Literal["cross-entropy", "multimodal", "none"] = "cross-entropy"
+    description: str = ""
+    # How the model was made, so the probe job can rebuild it (catalog name + options, or a config).
+    source: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def transformers(self) -> list[TransformerSpec]:
+        return [layer for c in self.components for layer in c.layers if isinstance(layer, TransformerSpec)]
+
+    @property
+    def max_positions(self) -> int | None:
+        limits = [t.max_positions for t in self.transformers]
+        return min(limits) if limits else None
+
+
+# --------------------------------------------------------------------------------------- training
+
+
+class TrainConfig(Frozen):
+    """One training configuration, per GPU. `batch_size` is the micro-batch on one GPU."""
+
+    batch_size: PositiveInt
+    seq_len: PositiveInt
+    precision: Precision = "fp32"
+    optimizer: OptimizerName = "adamw"
+    optimizer_impl: OptimizerImpl = "foreach"
+    parallelism: Parallelism = "auto"
+    checkpointing: bool = False
+    attention: Attention = "sdpa"
+    grad_accum: PositiveInt = 1
+    instances: PositiveInt = 1
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = Field(25.0, gt=0)
+
+
+# --------------------------------------------------------------------------------------- hardware
+
+
+class GPU(Frozen):
+    """Facts about one GPU model; every figure carries its source in `sources`."""
+
+    name: str  # e.g. "NVIDIA V100-SXM2-16GB"
+    family: str  # e.g. "V100": the key for runtime constants and calibration
+    memory_bytes: int
+    compute_capability: tuple[int, int]
+    peak_tflops: dict[str, float]  # per precision: fp32, tf32, fp16, bf16 (dense tensor-core peak)
+    memory_bandwidth_gbs: float
+    bf16: bool
+    flash_attention: bool  # FlashAttention-2 kernels need sm80+
+    sources: tuple[str, ...] = ()
+    # What the driver reports as total (nvidia-smi "Total", typical figure); memory_bytes is the nominal size.
+    reported_memory_bytes: int | None = None
+
+
+class Instance(Frozen):
+    name: str
+    gpu: GPU
+    gpus: PositiveInt
+    vcpus: int
+    memory_gib: float
+    interconnect: str  # e.g. "NVLink 300 GB/s", "PCIe Gen3"
+    allreduce_bandwidth_gbs: float  # achievable bus bandwidth of a ring all-reduce inside the instance
+    network_gbps: float  # between instances
+    price_per_hour: float | None = None  # on-demand USD, region in `price_region`
+    price_region: str = "us-east-1"
+    price_date: str = ""
+    price_source: str = ""
+
+
+class RuntimeConstants(Frozen):
+    """Memory outside PyTorch's tensors, per GPU family. Documented defaults, overridable, calibratable."""
+
+    cuda_context_bytes: int  # driver + CUDA runtime + kernels loaded lazily, outside the caching allocator
+    cublas_workspace_bytes: int  # allocated through the caching allocator, once per stream
+    nccl_bytes_per_peer: int  # NCCL channel buffers, outside the allocator, only when world size > 1
+    fragmentation: float  # reserved / allocated at the peak, minus one
+    source: str = ""
+
+
+# --------------------------------------------------------------------------------------- estimate
+
+
+class MemoryBytes(Frozen):
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int  # bytes saved for backward by one micro-batch's forward (what stays under checkpointing)
+    batch: int
+    buffers: int  # temporaries at the peak: DDP buckets, optimizer temporaries, cuBLAS workspace, AMP casts
+    peak_allocated: int  # what torch.cuda.max_memory_allocated would read
+    peak_reserved: int  # what torch.cuda.max_memory_reserved would read
+    cuda_context: int
+    nccl: int
+    peak_device: int  # what the whole GPU would show (nvidia-smi / mem_get_info)
+
+
+class PhasePeak(Frozen):
+    phase: Literal["load", "forward", "backward", "optimizer"]
+    allocated: int
+    detail: dict[str, int]
+
+
+class Throughput(Frozen):
+    """Predicted speed of one configuration; `breakdown_s` splits one optimizer step's time."""
+
+    step_time_s: float  # one optimizer step (grad_accum micro-steps) on one instance
+    samples_per_s: float  # per instance... summed over all instances in `instances_total`
+    tokens_per_s: float
+    mfu: float  # model FLOPs (no recompute) / (peak * time)
+    global_batch_size: int
+    breakdown_s: dict[str, float] = Field(default_factory=dict)
+
+
+class Cost(Frozen):
+    price_per_hour: float  # for all instances of the job
+    spot: bool = False
+    usd_per_million_samples: float
+    dataset_size: int | None = None
+    hours_per_epoch: float | None = None
+    usd_per_epoch: float | None = None
+    price_source: str = ""
+
+
+class Estimate(Frozen):
+    model: str
+    instance: str
+    gpu: str
+    config: TrainConfig  # resolved: parallelism is never "auto" here
+    world_size: int
+    parameters: dict[str, int]  # one entry per component, plus "total"
+    memory_bytes: MemoryBytes
+    phases: tuple[PhasePeak, ...]
+    peak_phase: str
+    gpu_memory_bytes: int
+    usable_memory_bytes: int
+    fits: bool
+    headroom_bytes: int
+    runtime: RuntimeConstants
+    throughput: Throughput | None = None
+    cost: Cost | None = None
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
