@@ -152,7 +152,7 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.activations import activation_blocks
     from planner.memory.runtime import runtime_constants
-    from planner.models.params import block_parameters, count_parameters
+    from planner.models.params import count_parameters, model_gradient_tensor_shapes
 
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
@@ -175,9 +175,9 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     block_mem = _block_memory(blocks, activations, cfg, world, share)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
-    states = optimizer.optimizer_state_bytes(total_params, cfg, p_bytes, share.optimizer_states)
-    largest = max((block_parameters(b) for b in blocks), default=0)
-    opt_temp = optimizer.optimizer_temporary_bytes(total_params, largest, cfg, p_bytes, share.optimizer_states)
+    shapes = model_gradient_tensor_shapes(spec)  # optimizers keep states only for tensors with a .grad
+    states = optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states)
+    opt_temp = optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states)
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
@@ -217,6 +217,10 @@ def estimate(
     `config.batch_size` is the micro-batch of one GPU. `runtime` overrides the GPU family's runtime
     constants (a RuntimeConstants or a dict of its fields).
     """
+    from planner.memory.runtime import nccl_bytes
+
+    if dataset_size is not None and dataset_size < 1:
+        raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
     prep = _prepare(model, config, instance, runtime, backend, model_options)
     spec, inst, cfg, world, rt, counts, step = (prep.spec, prep.inst, prep.cfg, prep.world, prep.rt, prep.counts,
                                                 prep.step)
@@ -229,9 +233,8 @@ def estimate(
 
     peak_allocated = top.total
     peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
-    multi_process = world > 1 or cfg.parallelism == "dp"
-    peers = (min(inst.gpus, world) - 1) if multi_process else 0
-    nccl = rt.nccl_bytes_per_peer * max(peers, 1) if multi_process else 0
+    # DataParallel is one process but still moves tensors between its GPUs through NCCL.
+    nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
     peak_device = rt.cuda_context_bytes + nccl + peak_reserved
     # The verdict uses what the driver reports as total (V100-16GB: 16160 MiB), not the marketed size.
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
@@ -279,21 +282,16 @@ def estimate(
 
 
 def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool):
+    """Throughput, and cost at the instance's price (the refreshed cache when present, else the embedded table;
+    `predict_cost` records which, with its date)."""
     from planner.perf.cost import predict_cost
     from planner.perf.throughput import predict_throughput
 
     throughput = predict_throughput(spec, cfg, inst)
-    price = None
     try:
-        from planner.aws.pricing import price_per_hour
-
-        price = price_per_hour(inst.name)[0]
-    except (ImportError, PlannerError):
-        price = inst.price_per_hour
-    cost = None
-    if price is not None:
-        cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot,
-                            price_per_hour=price)
+        cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
+    except PlannerError:  # no price known for this instance type
+        cost = None
     return throughput, cost
 
 

@@ -99,8 +99,8 @@ def print_estimate(est: Estimate) -> None:
 
     phases = Table(title="Peak allocated by phase", show_edge=False)
     phases.add_column("phase")
-    for c in ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers"):
-        phases.add_column(c.replace("_", " "), justify="right")
+    for c in ("params", "grads", "optim", "activ", "batch", "buffers"):
+        phases.add_column(c, justify="right")
     phases.add_column("total", justify="right")
     for ph in est.phases:
         phases.add_row(ph.phase, *(fmt_bytes(ph.detail.get(c, 0)) for c in

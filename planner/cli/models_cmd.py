@@ -29,7 +29,8 @@ def register(app: typer.Typer) -> None:
         table = Table(title="Model catalog (parameters counted exactly; heads as on the hub)")
         for col, justify in (("name", "left"), ("family", "left"), ("head", "left"), ("parameters", "right"),
                              ("", "right"), ("layers", "right"), ("hidden", "right"), ("max positions", "right")):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
+            # Names are what users copy into --model: never wrap them, whatever the terminal width.
+            table.add_column(col, justify=justify, no_wrap=col == "name")  # type: ignore[arg-type]
         for r in rows:
             table.add_row(r["name"], r["family"], r["head"], f"{r['parameters']:,}", _millions(r["parameters"]),
                           str(r["layers"]), str(r["hidden"]), str(r["max_positions"]))

@@ -196,3 +196,151 @@ def parameters_by_block(model: ModelSpec) -> dict[str, int]:
 def count_buffers_bytes(model: ModelSpec, float_bytes: int = FLOAT32_BYTES) -> int:
     """Bytes of all registered buffers (see `block_buffers_bytes`)."""
     return sum(block_buffers_bytes(b, float_bytes) for b in model_blocks(model))
+
+
+# ------------------------------------------------------------------------------------ tensor shapes
+# Per-tensor shapes, for what depends on each tensor and not only on the total: Adafactor's factored states
+# (a row and a column vector per matrix), bitsandbytes' 32-bit fallback for small tensors, the largest tensor
+# that a for-loop optimizer step works on. Same blocks, families, heads and tying rules as the counts above;
+# Listed in registration order, so that a model's list equals `[p.shape for p in module.parameters()]`
+# (Adafactor's peak depends on which tensors are adjacent); tests/test_tensor_shapes.py checks both.
+
+Shape = tuple[int, ...]
+
+
+def linear_shapes(n_in: int, n_out: int, bias: bool = True) -> list[Shape]:
+    """nn.Linear(n_in, n_out): weight (n_out, n_in) [+ bias (n_out,)]."""
+    return [(n_out, n_in)] + ([(n_out,)] if bias else [])
+
+
+def conv1d_shapes(n_in: int, n_out: int) -> list[Shape]:
+    """GPT-2 Conv1D(nf=n_out, nx=n_in): weight stored transposed (n_in, n_out), bias (n_out,)."""
+    return [(n_in, n_out), (n_out,)]
+
+
+def norm_shapes(spec: TransformerSpec) -> list[Shape]:
+    """nn.LayerNorm: weight (h,), bias (h,); LlamaRMSNorm: weight (h,)."""
+    h = spec.hidden_size
+    return [(h,), (h,)] if spec.norm == "layernorm" else [(h,)]
+
+
+def embedding_shapes(spec: TransformerSpec) -> list[Shape]:
+    """Token table (V, h), learned positions (P, h), token types (T, h), BERT-family embedding LayerNorm.
+
+    In registration order: RobertaEmbeddings registers its position table after the LayerNorm.
+    """
+    h = spec.hidden_size
+    positions: list[Shape] = [(spec.position_table, h)] if spec.position_table else []
+    types: list[Shape] = [(spec.type_vocab_size, h)] if spec.type_vocab_size else []
+    norm = norm_shapes(spec) if spec.family in ("bert", "roberta", "distilbert") else []
+    if spec.family == "roberta":
+        return [(spec.vocab_size, h)] + types + norm + positions
+    return [(spec.vocab_size, h)] + positions + types + norm
+
+
+def attention_shapes(spec: TransformerSpec) -> list[Shape]:
+    """GPT-2: c_attn Conv1D h -> 3h and c_proj h -> h. Others: q (a·d, h), k and v (g·d, h), o (h, a·d)."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    if spec.family == "gpt2":
+        return conv1d_shapes(h, q + 2 * kv) + conv1d_shapes(q, h)
+    b = spec.attention_bias
+    return linear_shapes(h, q, b) + linear_shapes(h, kv, b) + linear_shapes(h, kv, b) + linear_shapes(q, h, b)
+
+
+def mlp_shapes(spec: TransformerSpec) -> list[Shape]:
+    """GPT-2: Conv1D h -> i, i -> h; SwiGLU: gate and up (i, h), down (h, i); others Linear h -> i -> h."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    if spec.family == "gpt2":
+        return conv1d_shapes(h, i) + conv1d_shapes(i, h)
+    b = spec.mlp_bias
+    if gated_mlp(spec):
+        return linear_shapes(h, i, b) + linear_shapes(h, i, b) + linear_shapes(i, h, b)
+    return linear_shapes(h, i, b) + linear_shapes(i, h, b)
+
+
+def layer_shapes(spec: TransformerSpec) -> list[Shape]:
+    """One layer, in registration order: post-norm encoders put each norm after its sub-block, GPT-2 before it,
+    Llama/Mistral register both norms after the MLP."""
+    attn, mlp, norm = attention_shapes(spec), mlp_shapes(spec), norm_shapes(spec)
+    if spec.family == "gpt2":
+        return norm + attn + norm + mlp
+    if spec.family in ("bert", "roberta", "distilbert"):
+        return attn + norm + mlp + norm
+    return attn + mlp + norm + norm
+
+
+def lm_head_shapes(spec: TransformerSpec) -> list[Shape]:
+    """See `lm_head_parameters`: the (V, h) output matrix (and BERT/RoBERTa decoder bias) only when untied.
+
+    Registration order: BERT `cls.predictions` / RoBERTa `lm_head` own `bias` (V,) first, then dense, norm,
+    decoder; DistilBERT vocab_transform, vocab_layer_norm, vocab_projector (weight, bias).
+    """
+    h, v = spec.hidden_size, spec.vocab_size
+    untied = not spec.tie_word_embeddings
+    if spec.family in ("bert", "roberta"):
+        return [(v,)] + linear_shapes(h, h) + norm_shapes(spec) + ([(v, h), (v,)] if untied else [])
+    if spec.family == "distilbert":
+        return linear_shapes(h, h) + norm_shapes(spec) + ([(v, h)] if untied else []) + [(v,)]
+    return [(v, h)] if untied else []
+
+
+def classifier_shapes(spec: TransformerSpec) -> list[Shape]:
+    """See `classifier_parameters`."""
+    h, labels = spec.hidden_size, spec.num_labels
+    if spec.family == "bert":
+        return linear_shapes(h, labels)
+    if spec.family in ("roberta", "distilbert"):
+        return linear_shapes(h, h) + linear_shapes(h, labels)
+    return linear_shapes(h, labels, bias=False)
+
+
+def head_shapes(spec: TransformerSpec) -> list[Shape]:
+    if spec.head == "sequence-classification":
+        return classifier_shapes(spec)
+    if spec.head in ("masked-lm", "causal-lm"):
+        return lm_head_shapes(spec)
+    return []
+
+
+def block_tensor_shapes(block: Block) -> list[Shape]:
+    """Shapes of the trainable parameter tensors of one block; sum of their products == `block_parameters`."""
+    layer = block.layer
+    if isinstance(layer, DenseSpec):
+        return linear_shapes(layer.in_features, layer.out_features, layer.bias)
+    if isinstance(layer, BatchNormSpec):
+        return [(layer.num_features,), (layer.num_features,)]
+    role = block.role
+    if role == "embeddings":
+        return embedding_shapes(layer)
+    if role == "layer":
+        return layer_shapes(layer)
+    if role == "final_norm":
+        return norm_shapes(layer)
+    if role == "pooler":
+        return linear_shapes(layer.hidden_size, layer.hidden_size)
+    if role == "head":
+        return head_shapes(layer)
+    raise ValueError(f"block {block.name}: role {role!r} has no parameter shapes")
+
+
+def model_tensor_shapes(model: ModelSpec) -> list[Shape]:
+    """Shapes of every trainable parameter tensor (tied ones once), in `module.parameters()` order."""
+    return [shape for block in model_blocks(model) for shape in block_tensor_shapes(block)]
+
+
+def block_gradient_tensor_shapes(block: Block) -> list[Shape]:
+    """`block_tensor_shapes` less the tensor whose .grad stays None (see `block_gradient_parameters`).
+
+    Optimizers skip a parameter without a gradient, so this is what they keep states for.
+    """
+    shapes = block_tensor_shapes(block)
+    unused = block_parameters(block) - block_gradient_parameters(block)
+    if unused:  # untied BERT/RoBERTa MLM: the head's own bias (V,), first in `lm_head_shapes`
+        return shapes[1:]
+    return shapes
+
+
+def model_gradient_tensor_shapes(model: ModelSpec) -> list[Shape]:
+    """Shapes of the parameter tensors that receive a gradient, in `module.parameters()` order."""
+    return [shape for block in model_blocks(model) for shape in block_gradient_tensor_shapes(block)]

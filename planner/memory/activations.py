@@ -1,0 +1,829 @@
+"""Bytes that autograd saves for backward, per block, for the Hugging Face models and the multimodal model.
+
+Why this is not one formula: what a forward saves depends on the exact ops the modeling code runs, the
+attention kernel, the precision (and which ops autocast keeps in fp32) and the device's kernels. So each
+tensor group has its own small function below, returning the *storages* it saves (`Saved`: name, element
+count, dtype). A block's `saved_bytes` is their sum, each storage counted once, rounded the way the CUDA
+caching allocator rounds allocations. `tests/saved_tensors.py` measures the same thing on the real modules
+(saved-tensor hooks under FakeTensorMode) and `tests/test_activations.py` checks these functions against it.
+
+Symbols: b batch, s sequence, n = b·s tokens, h hidden, H = heads·head_dim (= h here), KV = kv_heads·head_dim,
+i intermediate, V vocabulary, a heads. "low" is the dtype of matmul outputs (bf16/fp16 under AMP or pure 16-bit,
+fp32 otherwise); "act" the dtype of the residual stream (fp32 for fp32 and AMP, 16-bit for pure 16-bit).
+
+For comparison, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
+count 34·s·b·h + 5·a·s²·b bytes per layer for 16-bit eager attention. Our BERT layer on CUDA in pure
+16-bit gives exactly that plus the LayerNorm statistics (2·2·n·4 bytes, fp32 on CUDA): 3 q/k/v copies,
+context, 2 LayerNorm inputs, the LayerNorm output fed to the MLP, the layer input (2 bytes each), two 1-byte
+dropout masks, GELU input and output (2·4h·2) = 34; softmax output, probs after dropout (2 each) and a
+1-byte mask = 5 per attention score. Where HF differs: under AMP every Linear saves its own 16-bit cast of
+its input (Q, K and V three casts), the residual stream and LayerNorm inputs stay fp32, scores that meet
+an fp32 mask are promoted to fp32; GPT-2's Python `gelu_new` saves 4 tensors of n·i instead of 1; Llama's
+RMSNorm saves fp32 copies; fused SDPA kernels save no s² tensor at all.
+
+CUDA is the default backend. `backend="cpu"` reproduces the CPU kernels so the tests can compare with
+real modules on this CPU-only machine; every CPU/CUDA difference is one named function:
+`dropout_saved`, `norm_stats_dtype`, `autocast_fp32_op`, `sdpa_kernel`, `math_sdpa_dtype`,
+`sdpa_bias`, `attention_lse` and `alloc_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.models.blocks import Block, model_blocks
+from planner.spec import (
+    BYTES_PER_DTYPE,
+    Backend,
+    BatchNormSpec,
+    DenseSpec,
+    ModelSpec,
+    TrainConfig,
+    TransformerSpec,
+)
+
+F32, BOOL, I64 = "float32", "bool", "int64"
+LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
+
+# Allocation granularity of the CUDA caching allocator, bytes (c10/cuda/CUDACachingAllocator.cpp,
+# kMinBlockSize = 512): torch.cuda.memory_allocated counts every tensor rounded up to it.
+CUDA_ALLOCATION_ROUND_BYTES = 512
+# Memory-efficient SDPA pads its logsumexp rows to kAlignLSE = 32 queries (aten/src/ATen/native/transformers/
+# cuda/mem_eff_attention/kernel_forward.h; attention.cu `_efficient_attention_forward` allocates
+# logsumexp {B, num_heads, ceil_div(max_seqlen_q, kAlignLSE) * kAlignLSE} fp32).
+EFFICIENT_LSE_ALIGN = 32
+# Memory-efficient SDPA pads an unaligned bias's last dim (attention.cpp `preprocess_mask`,
+# mem_eff_alignment = 8; `pad_bias` pads by alignment - last % alignment and slices back).
+EFFICIENT_BIAS_ALIGN = 8
+# FlashAttention-2 (and SDPA's flash backend) supports head_dim <= 256 (sdp_utils.cpp check_head_dim_size_flash).
+FLASH_MAX_HEAD_DIM = 256
+
+
+# ----------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One storage saved for backward: `numel` elements of `dtype`."""
+
+    name: str
+    numel: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BYTES_PER_DTYPE[self.dtype]
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    block: str  # Block.name from planner.models.blocks.model_blocks, plus one final "loss" entry
+    saved_bytes: int  # bytes this block's forward saves for backward, no checkpointing
+    kept_bytes: int  # what stays after the forward: == saved_bytes, or the checkpoint inputs when checkpointed
+    weight_cast_bytes: int  # AMP: 16-bit weight copies saved for backward (0 in fp32 / pure 16-bit)
+    forward_transient_bytes: int  # estimate: peak extra temporaries inside the forward that are not saved
+    backward_transient_bytes: int  # estimate: peak extra temporaries while back-propagating through the block
+    checkpointed: bool
+    # Added: tensors the model returns that the caller keeps through backward (HF ModelOutput.logits).
+    retained_output_bytes: int = 0
+    # Added: the storages behind saved_bytes / kept_bytes, for explanations and tests.
+    tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
+    kept_tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def kept_total_bytes(self) -> int:
+        """What autograd holds after the forward: kept activations plus weight casts unless recomputed."""
+        return self.kept_bytes + (0 if self.checkpointed else self.weight_cast_bytes)
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Everything the formulas need about one micro-batch, precision, kernel choice and backend."""
+
+    b: int
+    s: int
+    precision: str
+    attention: str
+    backend: Backend
+    padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
+    flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
+
+    @property
+    def n(self) -> int:
+        return self.b * self.s
+
+    @property
+    def amp(self) -> bool:
+        return self.precision.startswith("amp-")
+
+    @property
+    def low(self) -> str:
+        return LOW_DTYPE[self.precision]
+
+    @property
+    def act(self) -> str:
+        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else LOW_DTYPE[self.precision]
+
+
+def promote(a: str, b: str) -> str:
+    """Type promotion between the floating dtypes we meet: fp32 wins, otherwise both are the same 16-bit."""
+    return F32 if F32 in (a, b) else a
+
+
+# ------------------------------------------------------------------------- CUDA vs CPU, one each
+
+
+def alloc_bytes(nbytes: int, backend: Backend) -> int:
+    """Bytes one tensor takes: CUDA's caching allocator rounds to 512 B blocks; CPU storages are exact."""
+    if backend == "cuda" and nbytes > 0:
+        return -(-nbytes // CUDA_ALLOCATION_ROUND_BYTES) * CUDA_ALLOCATION_ROUND_BYTES
+    return nbytes
+
+
+def dropout_saved(name: str, numel: int, dtype: str, p: float, backend: Backend) -> list[Saved]:
+    """What `F.dropout(x, p, training=True)` saves.
+
+    CUDA: `native_dropout` (Dropout.cpp `is_fused_kernel_acceptable`) saves a 1-byte bool mask.
+    CPU: `_dropout_impl` multiplies by a noise tensor of x's dtype (bernoulli_ then div_), and `mul` saves it.
+    p == 0 returns x unchanged and saves nothing. The output is a new tensor either way (when p > 0).
+    """
+    if p <= 0:
+        return []
+    return [Saved(name, numel, BOOL if backend == "cuda" else dtype)]
+
+
+def norm_stats_dtype(dtype: str, backend: Backend) -> str:
+    """dtype of the per-row (LayerNorm) / per-feature (BatchNorm) statistics a norm saves: CUDA allocates
+    them in the accumulate type, fp32 (layer_norm_kernel.cu, Normalization.cuh); the CPU kernels in the
+    input's dtype (measured)."""
+    return F32 if backend == "cuda" else dtype
+
+
+def autocast_fp32_op(op: str, backend: Backend) -> bool:
+    """Whether autocast runs `op` in fp32 (casting 16-bit inputs up).
+
+    CUDA: AT_FORALL_FP32 / AT_FORALL_FP32_SET_OPT_DTYPE in ATen/autocast_mode.h (softmax, log_softmax,
+    layer_norm, pow, rsqrt, sum, nll_loss, binary_cross_entropy_with_logits, ...).
+    CPU: its own, shorter fp32 list: of the ops our models use only the losses (cross_entropy_loss, nll_loss,
+    binary_cross_entropy_with_logits); softmax, layer_norm, pow stay 16-bit (measured on torch 2.13).
+    """
+    cuda = {"softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss", "cross_entropy",
+            "bce_with_logits"}
+    cpu = {"cross_entropy", "nll_loss", "bce_with_logits"}
+    return op in (cuda if backend == "cuda" else cpu)
+
+
+def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: int) -> str:
+    """Which kernel `F.scaled_dot_product_attention` runs in training: "math", "cpu_flash", "flash",
+    "efficient".
+
+    CPU (sdp_utils_cpp.cpp): the CPU flash kernel refuses dropout (check_for_dropout), so training with
+    attention dropout falls back to the math path. CUDA (sdp_utils.cpp priority flash > efficient > math):
+    flash needs 16-bit, no explicit mask, head_dim <= 256 and sm80+; otherwise the memory-efficient kernel
+    (any dtype, additive bias, dropout). attention="flash" means FlashAttention-2: always the flash kernel
+    (HF's FA2 path unpads instead of masking).
+    """
+    if ctx.backend == "cpu":
+        return "math" if dropout_p > 0 else "cpu_flash"
+    if ctx.attention == "flash":
+        return "flash"
+    if not masked and dtype != F32 and ctx.flash_ok and head_dim <= FLASH_MAX_HEAD_DIM:
+        return "flash"
+    return "efficient"
+
+
+def math_sdpa_dtype(dtype: str, backend: Backend) -> str:
+    """Compute dtype of SDPA's math fallback: on CPU it upcasts 16-bit q/k/v to fp32 (measured); our CUDA
+    predictions never take the math path."""
+    return F32 if backend == "cpu" and dtype != F32 else dtype
+
+
+def attention_lse(kernel: str, ctx: Ctx, heads: int) -> Saved:
+    """Fused kernels save the fp32 logsumexp of each query row: b·a·s, padded to 32 rows by the
+    memory-efficient kernel (EFFICIENT_LSE_ALIGN)."""
+    rows = math.ceil(ctx.s / EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN if kernel == "efficient" else ctx.s
+    return Saved("attention.logsumexp", ctx.b * heads * rows, F32)
+
+
+def sdpa_bias(kernel: str, ctx: Ctx, dtype: str) -> list[Saved]:
+    """The additive bias a fused kernel saves, once per layer (SDPA converts HF's bool mask per call:
+    attention.cpp `convert_boolean_attn_mask`, into the query dtype).
+
+    CPU flash saves it as is (b·s·s). CUDA memory-efficient pads the last dim to a multiple of 8 when s is
+    not one (`preprocess_mask`), so the saved storage is b·s·(s + 8 - s % 8). Flash takes no mask.
+    """
+    if kernel == "cpu_flash":
+        return [Saved("attention.bias", ctx.b * ctx.s * ctx.s, dtype)]
+    if kernel == "efficient":
+        last = ctx.s if ctx.s % EFFICIENT_BIAS_ALIGN == 0 else ctx.s + EFFICIENT_BIAS_ALIGN - ctx.s % EFFICIENT_BIAS_ALIGN
+        return [Saved("attention.bias", ctx.b * ctx.s * last, dtype)]
+    return []
+
+
+# ------------------------------------------------------------------------------- shared pieces
+
+
+def linear_inputs(name: str, numel: int, dtype: str, ctx: Ctx, consumers: int = 1) -> list[Saved]:
+    """Inputs saved by `consumers` Linear layers reading the same new tensor of `dtype`.
+
+    Without autocast they all save that one storage. Under autocast each Linear casts its input to 16-bit
+    again (only leaf parameters are cached, autocast_mode.cpp `cached_cast`): one copy per consumer, unless
+    the input already is 16-bit, in which case the storage itself is saved once.
+    """
+    if ctx.amp and dtype != ctx.low:
+        return [Saved(f"{name}.cast{i}" if consumers > 1 else f"{name}.cast", numel, ctx.low)
+                for i in range(consumers)]
+    return [Saved(name, numel, dtype)]
+
+
+def layernorm_saved(name: str, tokens: int, width: int, dtype: str, ctx: Ctx) -> tuple[list[Saved], str]:
+    """nn.LayerNorm: saves its input and fp32-or-input-dtype mean and rstd per row; returns the output dtype.
+    Under CUDA autocast layer_norm runs in fp32, so a 16-bit input is saved as an fp32 copy."""
+    op_dtype = F32 if ctx.amp and autocast_fp32_op("layer_norm", ctx.backend) else dtype
+    stats = norm_stats_dtype(op_dtype, ctx.backend)
+    return ([Saved(f"{name}.input", tokens * width, op_dtype), Saved(f"{name}.mean", tokens, stats),
+             Saved(f"{name}.rstd", tokens, stats)], op_dtype)
+
+
+def rmsnorm_saved(name: str, tokens: int, width: int, dtype: str, ctx: Ctx, input_is_new: bool = True
+                  ) -> list[Saved]:
+    """HF LlamaRMSNorm: x.to(fp32); x * rsqrt(mean(x²) + eps); weight * that.to(input_dtype).
+
+    Saved: the fp32 x (x itself when already fp32, then owned by the caller unless `input_is_new`), the fp32
+    rsqrt (one per row), and the normalised tensor in the input dtype (a new storage: the fp32 product, or
+    its 16-bit cast). The output (weight * normalised) is saved by whoever consumes it.
+    """
+    out: list[Saved] = []
+    if dtype != F32:
+        out.append(Saved(f"{name}.input_fp32", tokens * width, F32))
+    elif input_is_new:
+        out.append(Saved(f"{name}.input", tokens * width, F32))
+    out += [Saved(f"{name}.rsqrt", tokens, F32), Saved(f"{name}.normalized", tokens * width, dtype)]
+    return out
+
+
+def activation_saved(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[list[Saved], str]:
+    """The MLP nonlinearity on an up-projection output of `dtype`: what it saves (input included) and the
+    dtype of its output. The output itself is saved by the down-projection (see `mlp_saved`).
+
+    gelu / gelu_pytorch_tanh / silu: the C kernels save their input. relu: saves its output (which the
+    down-projection saves too). gelu_new (GPT-2, transformers NewGELUActivation) is Python:
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) saves x (for pow), tanh's output, 0.5·x and (1 + tanh);
+    under CUDA autocast `pow` runs in fp32, so x is saved as an fp32 copy and the tanh branch is fp32.
+    """
+    if act in ("gelu", "gelu_pytorch_tanh", "silu", "swish", "gelu_python", "gelu_accurate"):
+        return [Saved(f"{name}.input", numel, dtype)], dtype
+    if act == "relu":
+        return [], dtype
+    if act in ("gelu_new", "gelu_fast"):
+        branch = F32 if ctx.amp and autocast_fp32_op("pow", ctx.backend) else dtype
+        return ([Saved(f"{name}.x_for_pow", numel, branch), Saved(f"{name}.tanh", numel, branch),
+                 Saved(f"{name}.half_x", numel, dtype), Saved(f"{name}.one_plus_tanh", numel, branch)],
+                promote(dtype, branch))
+    raise ValueError(f"activation {act!r}: no saved-tensor formula (known: gelu, gelu_new, relu, silu)")
+
+
+def mlp_saved(spec: TransformerSpec, ctx: Ctx, in_dtype: str, gated: bool) -> list[Saved]:
+    """Feed-forward block after its (new) input tensor of `in_dtype`.
+
+    BERT/GPT-2: up (saves input) -> act -> down (saves the activation output): input, act's tensors, n·i.
+    Llama (gated): gate and up read the same input; silu saves the gate output; silu(g)·u saves both
+    factors; down saves the product: input, 4·n·i.
+    """
+    n, i, low = ctx.n, spec.intermediate_size, ctx.low
+    out = linear_inputs("mlp.input", n * spec.hidden_size, in_dtype, ctx, consumers=2 if gated else 1)
+    acts, act_out = activation_saved("mlp.act", spec.hidden_act, n * i, low, ctx)
+    out += acts
+    if gated:
+        out += [Saved("mlp.act_output", n * i, act_out), Saved("mlp.up", n * i, low)]
+        out += [Saved("mlp.product", n * i, promote(act_out, low))]
+    elif spec.hidden_act == "relu":
+        out += [Saved("mlp.act_output", n * i, act_out)]  # saved by relu and down-projection: one storage
+    else:
+        out += linear_inputs("mlp.act_output", n * i, act_out, ctx)
+    return out
+
+
+# ------------------------------------------------------------------------------------- attention
+
+
+def _eager_softmax_dtype(score_dtype: str, family: str, ctx: Ctx) -> str:
+    """Llama's eager path asks softmax for fp32; BERT/GPT-2 call softmax plainly, which CUDA autocast
+    still runs in fp32."""
+    if family in ("llama", "mistral"):
+        return F32
+    return F32 if ctx.amp and autocast_fp32_op("softmax", ctx.backend) else score_dtype
+
+
+def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked: bool) -> list[Saved]:
+    """HF `eager_attention_forward`: matmul(q, kᵀ)·scale (+ mask) -> softmax -> dropout -> matmul(·, v).
+
+    q, k, v arrive as (b, a, s, d) views of the projections, so `matmul` copies them into contiguous bmm
+    operands (3·n·H, 16-bit under AMP). Scores meeting HF's additive mask (in the model's dtype: fp32 under
+    AMP) are promoted to fp32. Saved: the softmax output (b·a·s²), the dropout mask and the dropped
+    probabilities (a new tensor; under AMP a 16-bit cast when they are fp32). GPT-2 casts the probs back to
+    v's dtype before dropout, Llama after an fp32 softmax (`.to(query.dtype)`).
+    """
+    b, s, a, H = ctx.b, ctx.s, spec.num_heads, spec.num_heads * spec.head_dim
+    s2 = b * a * s * s
+    low = ctx.low
+    out = [Saved("attention.q", ctx.n * H, low), Saved("attention.k", ctx.n * H, low),
+           Saved("attention.v", ctx.n * H, low)]
+    scores = promote(low, ctx.act) if masked else low
+    soft = _eager_softmax_dtype(scores, spec.family, ctx)
+    out.append(Saved("attention.softmax", s2, soft))
+    probs, probs_new = soft, False
+    if spec.family == "gpt2" and soft != low:
+        probs, probs_new = low, True  # attn_weights.type(value.dtype)
+    if spec.family in ("llama", "mistral") and soft != q_dtype:
+        probs, probs_new = q_dtype, True  # .to(query.dtype)
+    p = spec.attention_dropout
+    out += dropout_saved("attention.dropout_mask", s2, probs, p, ctx.backend)
+    if p > 0:
+        probs_new = True
+    if ctx.amp and probs != low:
+        out.append(Saved("attention.probs.cast", s2, low))  # matmul casts fp32 probs to 16-bit
+    elif probs_new:
+        out.append(Saved("attention.probs", s2, probs))
+    return out
+
+
+def math_attention_saved(spec: TransformerSpec, ctx: Ctx, masked: bool, v_storage: int = 0) -> list[Saved]:
+    """SDPA's math fallback (CPU training with dropout): q·√scale and kᵀ·√scale copies, v, softmax, dropout
+    noise and dropped probs, all in `math_sdpa_dtype` (fp32 for 16-bit inputs on CPU). The bool mask is
+    added in place and not saved.
+
+    v is reshaped for bmm: a copy of n·H, except when b == 1 and no upcast is needed, where the reshape
+    is a view and bmm saves the projection's whole storage (`v_storage` elements: n·3h for GPT-2's fused
+    c_attn output).
+    """
+    b, s, a, H = ctx.b, ctx.s, spec.num_heads, spec.num_heads * spec.head_dim
+    s2 = b * a * s * s
+    cd = math_sdpa_dtype(ctx.low, ctx.backend)
+    v = v_storage if b == 1 and cd == ctx.low and v_storage else ctx.n * H
+    out = [Saved("attention.q", ctx.n * H, cd), Saved("attention.k", ctx.n * H, cd),
+           Saved("attention.v", v, cd), Saved("attention.softmax", s2, cd)]
+    p = spec.attention_dropout
+    out += dropout_saved("attention.dropout_mask", s2, cd, p, ctx.backend)
+    if p > 0:
+        out.append(Saved("attention.probs", s2, cd))
+    return out
+
+
+def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: list[Saved], masked: bool
+                          ) -> list[Saved]:
+    """Flash / memory-efficient / CPU-flash SDPA: saves q, k, v as passed (`qkv`, storages decided by the
+    caller), the output (b·s·H, which the output projection saves too: one storage), the fp32 logsumexp
+    and, with a mask, the per-layer converted bias. No s² tensor; dropout is regenerated from the Philox
+    seed/offset, which are CPU scalars outside CUDA-graph capture (0 GPU bytes)."""
+    out = list(qkv)
+    out.append(Saved("attention.output", ctx.n * spec.num_heads * spec.head_dim, ctx.low))
+    out.append(attention_lse(kernel, ctx, spec.num_heads))
+    if masked:
+        out += sdpa_bias(kernel, ctx, ctx.low)
+    return out
+
+
+def attention_kernel(spec: TransformerSpec, ctx: Ctx, masked: bool) -> str:
+    """"eager" or the SDPA kernel (see `sdpa_kernel`) for this layer."""
+    if ctx.attention == "eager":
+        return "eager"
+    return sdpa_kernel(ctx, ctx.low, spec.attention_dropout, masked, spec.head_dim)
+
+
+def mask_materialised(spec: TransformerSpec, ctx: Ctx) -> bool:
+    """Whether HF builds a 4-D mask (masking_utils): always for decoders in eager; otherwise only when the
+    batch has padding (an all-ones mask is skipped for SDPA: `_ignore_causal_mask_sdpa`,
+    `_ignore_bidirectional_mask_sdpa`). FlashAttention-2 takes the 2-D mask and unpads instead."""
+    if ctx.attention == "flash" and ctx.backend == "cuda":
+        return False
+    if spec.family in ("gpt2", "llama", "mistral") and ctx.attention == "eager":
+        return True
+    return ctx.padded
+
+
+def mask_bytes_dtype(ctx: Ctx) -> str:
+    """HF's 4-D mask: bool for SDPA, additive in the model's dtype for eager."""
+    return BOOL if ctx.attention != "eager" else ctx.act
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+def encoder_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """One BERT / RoBERTa / DistilBERT layer (post-norm): Q,K,V Linear -> attention -> dense -> dropout ->
+    LayerNorm(+x) -> up -> GELU -> down -> dropout -> LayerNorm(+residual). HF BertLayer; DistilBERT's
+    TransformerBlock is the same without the dropout after the attention output projection.
+    """
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    out = linear_inputs("layer.input", n * h, act, ctx, consumers=3)
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    if kernel == "eager":
+        out += eager_attention_saved(spec, ctx, low, masked)
+    elif kernel == "math":
+        out += math_attention_saved(spec, ctx, masked)
+    else:
+        qkv = [Saved(f"attention.{x}", n * h, low) for x in "qkv"]
+        out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
+    if kernel in ("eager", "math"):
+        out.append(Saved("attention.context", n * h, low))  # transpose().contiguous(): saved by the dense
+    if spec.family != "distilbert":  # DistilBERT's TransformerBlock has no dropout after out_lin
+        out += dropout_saved("attention.output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
+    ln, ln_dtype = layernorm_saved("attention.output.LayerNorm", n, h, promote(low, act), ctx)
+    out += ln
+    out += mlp_saved(spec, ctx, ln_dtype, gated=False)
+    out += dropout_saved("output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
+    ln, _ = layernorm_saved("output.LayerNorm", n, h, promote(low, act), ctx)
+    return out + ln
+
+
+def gpt2_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """One GPT-2 block (pre-norm): ln_1 -> c_attn -> attention -> c_proj -> dropout -> +x -> ln_2 -> c_fc ->
+    gelu_new -> c_proj -> dropout -> +residual (transformers GPT2Block). q, k, v are views of the one
+    c_attn output (n·3h), which fused kernels save as a single storage.
+    """
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    ln, ln_dtype = layernorm_saved("ln_1", n, h, act, ctx)
+    out = ln
+    out += linear_inputs("attn.c_attn.input", n * h, ln_dtype, ctx)
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    if kernel == "eager":
+        out += eager_attention_saved(spec, ctx, low, masked)
+    elif kernel == "math":
+        out += math_attention_saved(spec, ctx, masked, v_storage=n * 3 * h)
+    else:
+        out += fused_attention_saved(spec, ctx, kernel, [Saved("attention.qkv", n * 3 * h, low)], masked)
+    if kernel in ("eager", "math"):
+        out.append(Saved("attention.context", n * h, low))
+    out += dropout_saved("attn.resid_dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
+    ln, ln_dtype = layernorm_saved("ln_2", n, h, promote(low, act), ctx)
+    out += ln
+    out += mlp_saved(spec, ctx, ln_dtype, gated=False)
+    out += dropout_saved("mlp.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
+    return out
+
+
+def llama_layer_saved(spec: TransformerSpec, ctx: Ctx, first: bool) -> list[Saved]:
+    """One Llama / Mistral decoder layer (pre-RMSNorm, rotary, GQA, SwiGLU; transformers LlamaDecoderLayer).
+
+    Rotary: q·cos + rotate_half(q)·sin saves cos and sin (1·s·d each, the model's dtype, shared by all
+    layers: counted on the first). The rotated q, k are in promote(low, act) (fp32 under AMP, cast back
+    to 16-bit by SDPA/matmul). With a 4-D mask (or eager) HF repeats k, v to all heads (`repeat_kv`);
+    without one SDPA gets enable_gqa and saves k, v at kv-head size.
+    """
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    d, a, kvh = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    H, KV = a * d, kvh * d
+    out = rmsnorm_saved("input_layernorm", n, h, act, ctx, input_is_new=True)
+    out += linear_inputs("self_attn.input", n * h, act, ctx, consumers=3)
+    if first:
+        out += [Saved("rotary.cos", ctx.s * d, act), Saved("rotary.sin", ctx.s * d, act)]
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    rot = promote(low, act)
+    if kernel == "eager":
+        out += eager_attention_saved(spec, ctx, rot, masked)
+        out.append(Saved("attention.context", n * H, low))
+    elif kernel == "math":
+        out += math_attention_saved(spec, ctx, masked)
+        out.append(Saved("attention.context", n * H, low))
+    else:
+        repeat = masked or kvh == a
+        kv_width = H if repeat else KV
+        qkv = [Saved("attention.q", n * H, low), Saved("attention.k", n * kv_width, low),
+               Saved("attention.v", n * kv_width, low)]
+        out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
+    out += rmsnorm_saved("post_attention_layernorm", n, h, act, ctx, input_is_new=True)
+    out += mlp_saved(spec, ctx, act, gated=True)
+    return out
+
+
+def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
+    if spec.family in ("bert", "roberta", "distilbert"):
+        return encoder_layer_saved(spec, ctx)
+    if spec.family == "gpt2":
+        return gpt2_layer_saved(spec, ctx)
+    return llama_layer_saved(spec, ctx, first=index == 0)
+
+
+def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
+    """What a checkpointed layer keeps: the tensors HF passes it positionally, which non-reentrant
+    `torch.utils.checkpoint` saves (`_NoopSaveInputs`; transformers GradientCheckpointingLayer, whose
+    checkpoint defaults to use_reentrant=False in modeling_utils `_activation_checkpointing_enable`).
+
+    The hidden states (n·h, the residual dtype), and for BERT-like encoders and GPT-2, which pass the 4-D
+    mask positionally, that mask (shared by all layers: counted on the first). Llama passes it by keyword.
+    """
+    out = [Saved("checkpoint.hidden_states", ctx.n * spec.hidden_size, ctx.act)]
+    if index == 0 and spec.family != "llama" and spec.family != "mistral" and mask_materialised(spec, ctx):
+        out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.s * ctx.s, mask_bytes_dtype(ctx)))
+    return out
+
+
+# ------------------------------------------------------------------------------ other transformer blocks
+
+
+def embeddings_saved(spec: TransformerSpec, ctx: Ctx, token_types_in_batch: bool) -> list[Saved]:
+    """Embedding lookups save their indices; token ids and a given token_type_ids are the batch's own
+    tensors (counted in MemoryBytes.batch), BERT's position ids are a buffer slice. New index tensors:
+    RoBERTa's position ids from input_ids (n int64) and its token types gathered through them (n int64),
+    BERT's token types gathered from the buffer when the batch has none (s int64), GPT-2's
+    `arange` position ids (s int64). Then LayerNorm (encoders) and dropout; Llama saves nothing here.
+    """
+    n, h, s, act = ctx.n, spec.hidden_size, ctx.s, ctx.act
+    out: list[Saved] = []
+    if spec.family == "roberta":
+        out += [Saved("embeddings.position_ids", n, I64)]
+        if not token_types_in_batch:
+            out += [Saved("embeddings.token_type_ids", n, I64)]
+    elif spec.family == "bert" and not token_types_in_batch:
+        out += [Saved("embeddings.token_type_ids", s, I64)]
+    elif spec.family == "gpt2":
+        out += [Saved("embeddings.position_ids", s, I64)]
+    if spec.family in ("bert", "roberta", "distilbert"):
+        ln, _ = layernorm_saved("embeddings.LayerNorm", n, h, act, ctx)
+        out += ln
+    if spec.family not in ("llama", "mistral"):
+        out += dropout_saved("embeddings.dropout_mask", n * h, act, spec.embedding_dropout, ctx.backend)
+    return out
+
+
+def final_norm_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """GPT-2 ln_f (LayerNorm) or Llama norm (RMSNorm) on the residual stream, a new tensor of n·h."""
+    if spec.family == "gpt2":
+        return layernorm_saved("ln_f", ctx.n, spec.hidden_size, ctx.act, ctx)[0]
+    return rmsnorm_saved("norm", ctx.n, spec.hidden_size, ctx.act, ctx, input_is_new=True)
+
+
+def first_token_input(name: str, spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """A Linear applied to hidden[:, 0]: without autocast it saves that *view*, which keeps the whole last
+    hidden state (n·h) alive; under autocast it saves a 16-bit copy of just b·h."""
+    if ctx.amp:
+        return [Saved(f"{name}.cast", ctx.b * spec.hidden_size, ctx.low)]
+    return [Saved(f"{name}.last_hidden_state", ctx.n * spec.hidden_size, ctx.act)]
+
+
+def pooler_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """BertPooler: dense(hidden[:, 0]) -> tanh (saves its output, b·h)."""
+    return first_token_input("pooler.dense", spec, ctx) + [Saved("pooler.tanh", ctx.b * spec.hidden_size, ctx.low)]
+
+
+def classifier_dropout(spec: TransformerSpec) -> float:
+    return spec.classifier_dropout if spec.classifier_dropout is not None else spec.hidden_dropout
+
+
+def head_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """The task head before the loss (transformers *ForSequenceClassification / *ForMaskedLM / *LMHeadModel).
+
+    - BERT seq-cls: dropout(pooled) -> classifier (b·h).
+    - RoBERTa seq-cls (RobertaClassificationHead): dropout(hidden[:,0]) -> dense -> tanh -> dropout -> out_proj.
+    - DistilBERT seq-cls: pre_classifier(hidden[:,0]) -> ReLU -> dropout -> classifier.
+    - GPT-2 / Llama seq-cls: score on all n tokens, then indexing the last token saves 2 index vectors.
+    - masked-lm: dense -> GELU -> LayerNorm -> decoder (n·h each).
+    - causal-lm: lm_head saves the final norm's output (n·h).
+    """
+    b, n, h, low, act = ctx.b, ctx.n, spec.hidden_size, ctx.low, ctx.act
+    bh = b * h
+    if spec.head == "sequence-classification":
+        p = classifier_dropout(spec)
+        if spec.family == "bert":
+            out = dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
+            return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
+        if spec.family == "roberta":
+            if p > 0:
+                out = dropout_saved("head.dropout_mask", bh, act, p, ctx.backend)
+                out += linear_inputs("classifier.dense.input", bh, act, ctx)
+            else:
+                out = first_token_input("classifier.dense", spec, ctx)
+            out += [Saved("classifier.tanh", bh, low)]
+            out += dropout_saved("classifier.dropout_mask2", bh, low, p, ctx.backend)
+            return out + ([Saved("classifier.out_proj.input", bh, low)] if p > 0 else [])
+        if spec.family == "distilbert":
+            out = first_token_input("pre_classifier", spec, ctx) + [Saved("relu", bh, low)]
+            out += dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
+            return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
+        # decoders: score over all tokens (the pooling index is saved by the loss block)
+        return linear_inputs("score.input", n * h, act, ctx)
+    if spec.head == "masked-lm":
+        out = linear_inputs("lm.transform.dense.input", n * h, act, ctx)
+        acts, act_out = activation_saved("lm.transform.act", spec.hidden_act, n * h, low, ctx)
+        ln, ln_dtype = layernorm_saved("lm.transform.LayerNorm", n, h, act_out, ctx)
+        out += acts + ln  # under CUDA autocast LayerNorm saves an fp32 copy of the GELU output instead
+        return out + linear_inputs("lm.decoder.input", n * h, ln_dtype, ctx)
+    if spec.head == "causal-lm":
+        return linear_inputs("lm_head.input", n * h, act, ctx)
+    return []
+
+
+def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
+    """HF losses. cross_entropy = log_softmax (saves its output) + nll_loss (saves the target and a
+    1-element total_weight). The dtype: the causal LM loss (loss_utils.ForCausalLMLoss) upcasts logits to
+    fp32 first (`logits.float()`) and saves its shifted labels (a new n int64 tensor); the masked-LM and
+    classification heads call CrossEntropyLoss on the logits as they are: fp32 under autocast (the loss ops
+    are on both fp32 lists), 16-bit in pure 16-bit. Decoder classifiers first pick each row's last token
+    with `logits[arange(b), last_non_pad_token]`, whose backward saves both index vectors (2·b int64).
+    """
+    n, b = ctx.n, ctx.b
+    cls_dtype = F32 if ctx.amp or ctx.low == F32 else ctx.low
+    if spec.head == "causal-lm":
+        # pad(labels, (0, 1))[..., 1:].contiguous(): a copy, except for b == 1 where the slice already is
+        # contiguous and the padded b·(s+1) tensor is what nll_loss saves
+        labels = b * (ctx.s + 1) if b == 1 else n
+        return [Saved("loss.log_softmax", n * spec.vocab_size, F32), Saved("loss.total_weight", 1, F32),
+                Saved("loss.shift_labels", labels, I64)]
+    if spec.head == "masked-lm":
+        return [Saved("loss.log_softmax", n * spec.vocab_size, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
+    if spec.head == "sequence-classification":
+        out = [Saved("loss.log_softmax", b * spec.num_labels, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
+        if spec.family in ("gpt2", "llama", "mistral"):
+            out.append(Saved("loss.pooling_indices", 2 * b, I64))
+        return out
+    return []
+
+
+def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
+    """Logits the model returns (ModelOutput.logits), alive through backward while the caller holds the
+    output: n·V (LM heads) or b·labels, in the matmul dtype."""
+    rows = ctx.n if spec.head in ("causal-lm", "masked-lm") else ctx.b
+    width = spec.vocab_size if spec.head in ("causal-lm", "masked-lm") else spec.num_labels
+    if spec.head == "base":
+        return 0
+    return rows * width * BYTES_PER_DTYPE[ctx.low]
+
+
+# ---------------------------------------------------------------------------------- weight casts
+
+
+def linear_weights(block: Block) -> list[int]:
+    """Element counts of the matmul weights a block uses (autocast casts and saves each once)."""
+    layer = block.layer
+    if isinstance(layer, DenseSpec):
+        return [layer.in_features * layer.out_features]
+    if isinstance(layer, BatchNormSpec):
+        return []
+    spec = layer
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    if block.role == "layer":
+        if spec.family in ("llama", "mistral"):
+            kv = spec.num_kv_heads * d
+            return [h * spec.num_heads * d, h * kv, h * kv, spec.num_heads * d * h, h * i, h * i, i * h]
+        if spec.family == "gpt2":
+            return [h * 3 * h, h * h, h * i, i * h]
+        return [h * h] * 4 + [h * i, i * h]
+    if block.role == "pooler":
+        return [h * h]
+    if block.role == "head":
+        if spec.head == "sequence-classification":
+            if spec.family == "roberta" or spec.family == "distilbert":
+                return [h * h, h * spec.num_labels]
+            return [h * spec.num_labels]
+        if spec.head == "masked-lm":
+            return [h * h, h * spec.vocab_size]
+        if spec.head == "causal-lm":
+            return [h * spec.vocab_size]
+    return []
+
+
+def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
+    if not ctx.amp:
+        return []
+    return [Saved(f"weight{k}.cast", numel, ctx.low) for k, numel in enumerate(linear_weights(block))]
+
+
+# ------------------------------------------------------------------------------ multimodal parts
+
+
+def dense_block_saved(block: Block, model: ModelSpec, ctx: Ctx) -> list[Saved]:
+    """nn.Linear / nn.BatchNorm1d blocks of the multimodal model (jobs/modeling.MultimodalBert).
+
+    BatchNorm1d(tabular) saves its input (the batch's features: not an activation) and save_mean /
+    save_invstd (f each, see `norm_stats_dtype`). TabAE.1 saves the BatchNorm output (b·f), TabAE.2 the TabAE.1 output (already
+    16-bit under AMP), TextBertBase's Linear the pooled vector (the pooler's tanh output, already saved;
+    DistilBERT has no pooler: hidden[:, 0], see `first_token_input`), merge the concatenation (b·(t+o)).
+    """
+    layer = block.layer
+    b, low, act = ctx.b, ctx.low, ctx.act
+    if isinstance(layer, BatchNormSpec):
+        stats = norm_stats_dtype(act, ctx.backend)  # batch_norm is on no autocast list: runs in act dtype
+        return [Saved("batchnorm.save_mean", layer.num_features, stats),
+                Saved("batchnorm.save_invstd", layer.num_features, stats)]
+    assert isinstance(layer, DenseSpec)
+    comp = next(c for c in model.components if c.name == block.component)
+    prev = comp.layers[block.index - 1] if block.index > 0 else None
+    if block.component == "merge" and block.index == 0:
+        return [Saved("merge.concat", b * layer.in_features, low)]
+    if isinstance(prev, BatchNormSpec):
+        return linear_inputs(f"{block.name}.input", b * layer.in_features, act, ctx)
+    if isinstance(prev, TransformerSpec):
+        if prev.pooler:
+            return []  # the pooler's tanh output, saved by the pooler block
+        return first_token_input(block.name, prev, ctx)
+    if prev is None:
+        return linear_inputs(f"{block.name}.input", b * layer.in_features, act, ctx)
+    return [Saved(f"{block.name}.input", b * layer.in_features, low)]
+
+
+def multimodal_loss_saved(model: ModelSpec, ctx: Ctx) -> list[Saved]:
+    """cross_entropy(merge logits) + BCE-with-logits(TabAE logits) (binary) or cross_entropy(TabAE logits).
+
+    Cross-entropy: log_softmax output (b·C) and total_weight, fp32 under autocast. BCE-with-logits saves its
+    input (the TabAE logits, b) and target (labels.to(logits dtype), b), as fp32 copies under autocast.
+    """
+    b = ctx.b
+    dtype = F32 if ctx.amp or ctx.low == F32 else ctx.low
+    merge = model.components[-1].layers[-1]
+    tab = next(c for c in model.components if c.name == "TabAE").layers[-1]
+    assert isinstance(merge, DenseSpec) and isinstance(tab, DenseSpec)
+    out = [Saved("loss.log_softmax", b * merge.out_features, dtype), Saved("loss.total_weight", 1, dtype)]
+    if tab.out_features == 1:
+        # under autocast both arguments are cast to fp32 copies (BCE-with-logits is on both fp32 lists)
+        out += [Saved("loss.bce.input", b, dtype), Saved("loss.bce.target", b, dtype)]
+    else:
+        out += [Saved("loss.tab.log_softmax", b * tab.out_features, dtype), Saved("loss.tab.total_weight", 1, dtype)]
+    return out
+
+
+# ------------------------------------------------------------------------------------ transients
+
+
+def _transients(saved: list[Saved], ctx: Ctx) -> tuple[int, int]:
+    """Rough peaks of unsaved temporaries (not checked by the tests): in the forward, the largest saved
+    tensor's producer output before the next op consumes it (one extra copy of the largest tensor); in
+    backward, the gradient of the largest saved tensor plus that of its input (two copies)."""
+    largest = max((alloc_bytes(t.nbytes, ctx.backend) for t in saved), default=0)
+    return largest, 2 * largest
+
+
+# -------------------------------------------------------------------------------------------- API
+
+
+def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) -> Ctx:
+    return Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend, padded, flash_ok)
+
+
+def _total(tensors: list[Saved], backend: Backend) -> int:
+    return sum(alloc_bytes(t.nbytes, backend) for t in tensors)
+
+
+def block_saved(block: Block, model: ModelSpec, ctx: Ctx) -> list[Saved]:
+    """Storages the forward of one block saves (no checkpointing)."""
+    layer = block.layer
+    if not isinstance(layer, TransformerSpec):
+        return dense_block_saved(block, model, ctx)
+    if block.role == "embeddings":
+        return embeddings_saved(layer, ctx, model.inputs.token_type_ids)
+    if block.role == "layer":
+        return layer_saved(layer, ctx, block.index)
+    if block.role == "final_norm":
+        return final_norm_saved(layer, ctx)
+    if block.role == "pooler":
+        return pooler_saved(layer, ctx)
+    if block.role == "head":
+        return head_saved(layer, ctx)
+    raise ValueError(f"block role {block.role!r}")
+
+
+def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = "cuda", *,
+                      padded: bool | None = None, flash_ok: bool = True) -> list[BlockActivations]:
+    """Per block (planner.models.blocks order) + a final "loss" entry: bytes saved for backward by one
+    micro-batch (config.batch_size × config.seq_len) under config.precision / attention / checkpointing.
+
+    `padded`: whether batches contain padding, so HF materialises a 4-D attention mask (default: when the
+    model takes an attention_mask). An all-ones mask is dropped by HF's SDPA path, which lets CUDA pick the
+    flash kernel and saves no bias. `flash_ok`: the GPU runs flash kernels (sm80+; GPU.flash_attention).
+    """
+    if padded is None:
+        padded = model.inputs.attention_mask
+    ctx = _ctx(config, backend, padded, flash_ok)
+    out: list[BlockActivations] = []
+    for block in model_blocks(model):
+        saved = block_saved(block, model, ctx)
+        casts = weight_casts(block, ctx)
+        ckpt = config.checkpointing and block.role == "layer" and isinstance(block.layer, TransformerSpec)
+        kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
+        fwd, bwd = _transients(saved, ctx)
+        retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
+        out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
+                                    _total(casts, backend), fwd, bwd, ckpt, retained, tuple(saved), tuple(kept)))
+    loss = _loss(model, ctx)
+    fwd, bwd = _transients(loss, ctx)
+    out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, bwd, False, 0,
+                                tuple(loss), tuple(loss)))
+    return out
+
+
+def _loss(model: ModelSpec, ctx: Ctx) -> list[Saved]:
+    if model.loss == "multimodal":
+        return multimodal_loss_saved(model, ctx)
+    if model.loss == "none" or not model.transformers:
+        return []
+    return loss_saved(model.transformers[-1], ctx)
+
+
+def saved_activation_bytes(model: ModelSpec, config: TrainConfig, backend: Backend = "cuda", **kwargs: bool) -> int:
+    """Everything autograd holds after one micro-batch's forward: kept activations + AMP weight casts
+    (casts of checkpointed layers are recomputed, not kept)."""
+    return sum(b.kept_total_bytes for b in activation_blocks(model, config, backend, **kwargs))

@@ -1,0 +1,162 @@
+"""GPU memory that is not a PyTorch tensor of the model: CUDA context, cuBLAS workspaces, NCCL buffers,
+and the caching allocator's fragmentation. One documented default per GPU family, overridable, calibratable.
+
+Precedence (lowest to highest): the defaults below < `results/calibration.json` (written by
+`planner calibrate` from probe readings) < explicit `overrides`.
+
+Calibration file format (per family, any subset of the RuntimeConstants fields)::
+
+    {"families": {"V100": {"cuda_context_bytes": 436207616, "fragmentation": 0.07}}, "date": "...", "source": "..."}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlannerError
+from planner.spec import GPU, RuntimeConstants
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+# ---- CUDA context --------------------------------------------------------------------------------
+# Driver + CUDA runtime + the kernel images loaded lazily (CUDA_MODULE_LOADING=LAZY, PyTorch's default since
+# 1.13) + per-SM local-memory reservations; outside the caching allocator, so torch.cuda.memory_reserved()
+# never shows it but nvidia-smi does. Sources: PyTorch PR #86509 (context of 287,047,680 B with lazy loading vs
+# 666,632,192 B eager, measured with cudaMemGetInfo after one small tensor); ptrblck in pytorch/pytorch #107667
+# ("~300MB", CUDA >= 11.7 lazy loading) and #109888 ("around 400MB"). A training step loads more kernels than
+# one tensor op (cuBLAS/cuBLASLt GEMMs, cuDNN, fused optimizer, NCCL), and the per-SM reservation grows with
+# the SM count (V100 80, T4 40, A100 108, H100 132), hence the larger figures on newer/bigger parts.
+# ASSUMPTION: the per-family split is an estimate to be replaced by `planner calibrate`.
+CUDA_CONTEXT_MIB: dict[str, int] = {
+    "V100": 400, "T4": 400, "A10G": 450, "L4": 450, "L40S": 450, "A100": 500, "H100": 550, "H200": 550,
+}
+CUDA_CONTEXT_DEFAULT_MIB = 500
+
+# ---- cuBLAS workspaces ---------------------------------------------------------------------------
+# PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize(): default CUBLAS_WORKSPACE_CONFIG
+# is ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB = 8,519,680 B, except sm90 (Hopper, major 9 minor 0) where it is
+# 4096 x 8 KiB = 32 MiB. getCUDABlasLtWorkspaceSize(): the cuBLASLt workspace defaults to 1024 KiB and is a
+# separate allocation unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1. Both come from the caching allocator (they
+# count in memory_allocated) and are kept per (handle, stream): one set for the thread that runs forward, one
+# for the autograd engine's device thread that runs backward (it reserves its own cuBLAS handle from the pool).
+CUBLAS_WORKSPACE_DEFAULT_BYTES = 2 * 4096 * KiB + 8 * 16 * KiB  # ":4096:2:16:8"
+CUBLAS_WORKSPACE_SM90_BYTES = 8 * 4096 * KiB  # 32 MiB on Hopper
+CUBLASLT_WORKSPACE_BYTES = 1024 * KiB
+CUBLAS_HANDLES_PER_TRAINING_PROCESS = 2  # forward thread + autograd device thread
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
+    """cuBLAS + cuBLASLt workspaces of one training process: handles x (cuBLAS default + cuBLASLt 1 MiB)."""
+    cublas = CUBLAS_WORKSPACE_SM90_BYTES if tuple(compute_capability) == (9, 0) else CUBLAS_WORKSPACE_DEFAULT_BYTES
+    return CUBLAS_HANDLES_PER_TRAINING_PROCESS * (cublas + CUBLASLT_WORKSPACE_BYTES)
+
+
+# ---- NCCL ----------------------------------------------------------------------------------------
+# Each NCCL channel keeps, per connected peer, FIFO buffers for its three protocols: Simple = NCCL_BUFFSIZE
+# (4 MiB default, NVIDIA/nccl #391), LL128 (~4.6 MiB) and LL (~0.25 MiB): ~9-10 MiB per channel per peer
+# (NVIDIA/nccl #1685 shows 10,485,760 B buffers per channel connection). Memory grows linearly with the number
+# of channels (S. Jeaugey, NVIDIA/nccl #864/#986: more channels to reach NVLink bandwidth, few on PCIe).
+# A ring connects each rank to 2 peers (previous, next); see nccl_bytes().
+NCCL_BYTES_PER_CHANNEL_PEER = 10 * MiB
+# ASSUMPTION: typical channel counts NCCL picks for a ring all-reduce on these topologies.
+NCCL_CHANNELS: dict[str, int] = {
+    "V100": 8, "T4": 2, "A10G": 4, "L4": 4, "L40S": 4, "A100": 16, "H100": 16, "H200": 16,
+}
+NCCL_CHANNELS_DEFAULT = 8
+NCCL_RING_PEERS = 2
+
+# ---- fragmentation -------------------------------------------------------------------------------
+# reserved/allocated - 1 at the peak. The caching allocator rounds blocks (512 B, 2 MiB segments for large
+# blocks) and cannot reuse a split segment for a larger request. ZeRO (Rajbhandari et al. 2020, sec. 3.2)
+# reports OOM with >30% of memory nominally free in extreme cases; typical steady training sits near 5-15%.
+# ASSUMPTION: 0.10 for every family until `planner calibrate` measures it.
+FRAGMENTATION: dict[str, float] = {}
+FRAGMENTATION_DEFAULT = 0.10
+
+FIELDS = ("cuda_context_bytes", "cublas_workspace_bytes", "nccl_bytes_per_peer", "fragmentation")
+CALIBRATION_ENV = "PLANNER_CALIBRATION"
+DEFAULT_CALIBRATION_PATH = Path("results") / "calibration.json"
+
+
+def default_runtime(gpu: GPU) -> dict[str, Any]:
+    """The documented defaults for this GPU's family, as a dict of RuntimeConstants fields."""
+    fam = gpu.family
+    return {
+        "cuda_context_bytes": CUDA_CONTEXT_MIB.get(fam, CUDA_CONTEXT_DEFAULT_MIB) * MiB,
+        "cublas_workspace_bytes": cublas_workspace_bytes(gpu.compute_capability),
+        "nccl_bytes_per_peer": NCCL_CHANNELS.get(fam, NCCL_CHANNELS_DEFAULT) * NCCL_BYTES_PER_CHANNEL_PEER,
+        "fragmentation": FRAGMENTATION.get(fam, FRAGMENTATION_DEFAULT),
+        "source": f"defaults for {fam} (planner.memory.runtime)",
+    }
+
+
+def calibrated_values(calibration: Mapping[str, Any] | None, family: str) -> dict[str, Any]:
+    """The calibration entries for one family (pure): {"families": {fam: {...}}} or {fam: {...}}."""
+    if not calibration:
+        return {}
+    families = calibration.get("families", calibration)
+    entry = families.get(family) if isinstance(families, Mapping) else None
+    if not isinstance(entry, Mapping):
+        return {}
+    return {k: v for k, v in entry.items() if k in FIELDS}
+
+
+def _check_overrides(overrides: Mapping[str, Any]) -> None:
+    bad = [k for k in overrides if k not in FIELDS]
+    if bad:
+        raise PlannerError("runtime override", bad[0], FIELDS)
+
+
+def runtime_constants(gpu: GPU, overrides: Mapping[str, Any] | None = None,
+                      calibration: Mapping[str, Any] | None = None) -> RuntimeConstants:
+    """Defaults for `gpu.family`, then calibration, then `overrides` (keys = RuntimeConstants field names).
+
+    `calibration` None reads `results/calibration.json` (or $PLANNER_CALIBRATION) when it exists; pass {} to
+    ignore any file.
+    """
+    values = default_runtime(gpu)
+    if calibration is None:
+        calibration = load_calibration()
+    cal = calibrated_values(calibration, gpu.family)
+    if cal:
+        values.update(cal)
+        values["source"] += f"; calibrated: {', '.join(sorted(cal))} ({calibration.get('source', 'calibration')})"
+    if overrides:
+        _check_overrides(overrides)
+        values.update(overrides)
+        values["source"] += f"; overridden: {', '.join(sorted(overrides))}"
+    values["cuda_context_bytes"] = int(values["cuda_context_bytes"])
+    values["cublas_workspace_bytes"] = int(values["cublas_workspace_bytes"])
+    values["nccl_bytes_per_peer"] = int(values["nccl_bytes_per_peer"])
+    return RuntimeConstants(**values)
+
+
+def nccl_bytes(constants: RuntimeConstants, world_size: int) -> int:
+    """NCCL buffers on one GPU: none alone, one peer at world size 2, a ring's two peers beyond."""
+    if world_size <= 1:
+        return 0
+    return constants.nccl_bytes_per_peer * min(world_size - 1, NCCL_RING_PEERS)
+
+
+# ---- I/O edge ------------------------------------------------------------------------------------
+
+
+def calibration_path() -> Path:
+    return Path(os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH))
+
+
+def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
+    """The calibration JSON, or {} when the file does not exist (a missing file is the normal case)."""
+    p = Path(path) if path is not None else calibration_path()
+    if not p.is_file():
+        return {}
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlannerError("calibration file", str(p), f"readable JSON ({exc})") from None
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,70 @@
+"""What a configuration costs: $/hour for the whole job, $ per million samples, hours and $ per epoch.
+
+    job $/h        = instance $/h * instances * (1 - spot discount if spot)
+    $ / 1M samples = job $/h / 3600 / samples_per_s * 1e6
+    hours / epoch  = dataset_size / samples_per_s / 3600
+
+`throughput.samples_per_s` is already the whole job's rate (all GPUs of all instances).
+The instance price comes from `price_per_hour=` when given, else from planner.aws.pricing (the refreshed
+cache `results/prices.json` when present, else the embedded table in planner/data/instances.json).
+"""
+
+from __future__ import annotations
+
+from planner.errors import PlannerError
+from planner.spec import Cost, Instance, Throughput
+
+SECONDS_PER_HOUR = 3600.0
+# Managed spot training: AWS says spot "can optimize the cost of training models up to 90% over on-demand"
+# (https://docs.aws.amazon.com/sagemaker/latest/dg/model-managed-spot-training.html). Up to 90% is the
+# best case; GPU spot discounts typically sit around 60-70% and vary by instance, region and time, and
+# interruptions lengthen the wall-clock time (not modelled here). ASSUMPTION: 70% off on-demand.
+DEFAULT_SPOT_DISCOUNT = 0.70
+
+
+def _instance_price(instance: Instance) -> tuple[float | None, str]:
+    """(USD per instance-hour, source) from the pricing module, falling back to the Instance itself."""
+    try:
+        from planner.aws.pricing import price_per_hour
+
+        price, date, source = price_per_hour(instance.name)
+        if price is not None:
+            return price, f"{source} ({date})" if date else source
+    except PlannerError:
+        pass
+    if instance.price_per_hour is not None:
+        return instance.price_per_hour, f"{instance.price_source} ({instance.price_date})"
+    return None, ""
+
+
+def predict_cost(throughput: Throughput, instance: Instance, *, instances: int = 1, dataset_size: int | None = None,
+                 spot: bool = False, spot_discount: float | None = None,
+                 price_per_hour: float | None = None) -> Cost:
+    """Cost of the job; `price_per_hour` (per instance, on-demand) overrides the known price."""
+    if instances < 1:
+        raise PlannerError("--instances", instances, "an integer >= 1")
+    if dataset_size is not None and dataset_size < 1:
+        raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
+    discount = DEFAULT_SPOT_DISCOUNT if spot_discount is None else spot_discount
+    if not 0.0 <= discount < 1.0:
+        raise PlannerError("--spot-discount", discount, "a fraction in [0, 1)")
+    if price_per_hour is not None:
+        if price_per_hour <= 0:
+            raise PlannerError("--price-per-hour", price_per_hour, "a positive USD amount")
+        unit, source = price_per_hour, "given by the user"
+    else:
+        found, source = _instance_price(instance)
+        if found is None:
+            raise PlannerError("--instance", instance.name, "an instance with a known price, or --price-per-hour")
+        unit = found
+    job_price = unit * instances * ((1.0 - discount) if spot else 1.0)
+    if spot:
+        source += f"; managed spot at {discount:.0%} off (assumed)"
+    rate = throughput.samples_per_s
+    per_million = job_price / SECONDS_PER_HOUR / rate * 1e6 if rate > 0 else float("inf")
+    hours = usd = None
+    if dataset_size is not None and rate > 0:
+        hours = dataset_size / rate / SECONDS_PER_HOUR
+        usd = hours * job_price
+    return Cost(price_per_hour=job_price, spot=spot, usd_per_million_samples=per_million, dataset_size=dataset_size,
+                hours_per_epoch=hours, usd_per_epoch=usd, price_source=source)

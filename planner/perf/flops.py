@@ -1,0 +1,164 @@
+"""Floating-point operations of one training micro-step, per block.
+
+Counted like `torch.utils.flop_counter.FlopCounterMode`: only matrix products, each as 2*m*n*k (a multiply
+and an add per term); biases, norms, activations, softmax, dropout and the loss are left out (they are
+memory-bound and small next to the matmuls). With T = batch*seq tokens, h hidden, i intermediate, a heads,
+kv key/value heads, d = h/a, V vocabulary, L labels, per block forward:
+
+- embeddings: 0 (table look-ups);
+- layer: Q and O projections 2*T*h*h each, K and V 2*T*h*(kv*d) each; attention scores Q@K^T and
+  probabilities@V 2*b*a*s*s*d each (= 4*b*s^2*h together); MLP 2*T*h*i per matrix (2 matrices; Llama/Mistral's
+  SwiGLU has 3: gate, up, down);
+- pooler (BERT/RoBERTa): 2*b*h*h on the first token;
+- head: per family, as transformers builds it (MLM: transform h*h + decoder h*V on every token; causal LM:
+  h*V on every token; classification: on the first token for BERT/RoBERTa/DistilBERT, on every token
+  for GPT-2/Llama/Mistral, whose `score` runs before the last token is picked);
+- dense (nn.Linear per sample): 2*b*in*out; batchnorm: 0.
+
+Causal attention: the s^2 terms are counted FULL (as FlopCounterMode and the eager/SDPA kernels' shapes do);
+`causal_fraction=0.5` counts only the lower triangle, which is what a causal flash kernel actually computes.
+
+Backward = 2 x forward for every block (gradient w.r.t. the input and w.r.t. the weight: two matmuls of
+the forward's size per forward matmul). Activation checkpointing re-runs each checkpointed layer's
+forward during backward ("recompute"). transformers 5 checkpoints with torch.utils.checkpoint non-reentrant
+(use_reentrant=False) whose early_stop (default True) stops re-running a layer once every tensor saved for
+backward is recovered: a layer's trailing matmul whose output nothing saves is skipped. That is Llama's and
+Mistral's down_proj (its output only feeds the residual add); BERT/RoBERTa/DistilBERT end in a LayerNorm and
+GPT-2 in a dropout, which save that output, so their whole layer is re-run. Fused SDPA/flash backward also recomputes the scores Q@K^T
+(one more s^2 matmul: FlopCounterMode's sdpa_backward counts 5 attention bmm's instead of 4); that extra
+work is `attention_recompute` and is only counted when the kernel is fused (attention != "eager").
+MFU conventionally uses model FLOPs = forward + backward, without any recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.models.blocks import Block, model_blocks
+from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TrainConfig, TransformerSpec
+
+FLOPS_PER_MAC = 2  # a multiply-accumulate is two floating-point operations
+BACKWARD_TO_FORWARD = 2  # dL/dinput and dL/dweight, each a matmul of the forward's size
+GATED_MLP_FAMILIES = ("llama", "mistral")  # SwiGLU: gate_proj, up_proj, down_proj
+# Heads that apply their classifier to every position before picking one (GPT2/Llama/Mistral ...ForSequenceClassification).
+SCORE_ALL_TOKENS_FAMILIES = ("gpt2", "llama", "mistral")
+CHECKPOINTED_ROLES = ("layer",)  # HF gradient checkpointing wraps each transformer layer
+# Families whose layer ends in a matmul (MLP down projection) that checkpoint early-stop does not re-run.
+EARLY_STOP_SKIPS_MLP_OUT = ("llama", "mistral")
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """(m x k) @ (k x n): 2*m*n*k."""
+    return FLOPS_PER_MAC * m * n * k
+
+
+def attention_score_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+    """Q@K^T and P@V of one layer: 2 * (2*b*a*s*s*d), times the causal fraction counted."""
+    per_product = matmul_flops(batch * t.num_heads * seq, seq, t.head_dim)
+    return round(2 * per_product * causal_fraction)
+
+
+def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+    tokens = batch * seq
+    h, kv = t.hidden_size, t.num_kv_heads * t.head_dim
+    projections = 2 * matmul_flops(tokens, h, h) + 2 * matmul_flops(tokens, kv, h)
+    mlp_matrices = 3 if t.family in GATED_MLP_FAMILIES else 2
+    mlp = mlp_matrices * matmul_flops(tokens, t.intermediate_size, h)
+    return projections + mlp + attention_score_flops(t, batch, seq, causal_fraction)
+
+
+def layer_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+    """Forward re-run of one checkpointed layer, less the trailing matmul early-stop skips."""
+    full = layer_flops(t, batch, seq, causal_fraction)
+    if t.family in EARLY_STOP_SKIPS_MLP_OUT:
+        full -= matmul_flops(batch * seq, t.hidden_size, t.intermediate_size)
+    return full
+
+
+def head_flops(t: TransformerSpec, batch: int, seq: int) -> int:
+    tokens = batch * seq
+    h = t.hidden_size
+    if t.head in ("masked-lm",):
+        return matmul_flops(tokens, h, h) + matmul_flops(tokens, t.vocab_size, h)
+    if t.head == "causal-lm":
+        return matmul_flops(tokens, t.vocab_size, h)
+    if t.head == "sequence-classification":
+        if t.family in SCORE_ALL_TOKENS_FAMILIES:
+            return matmul_flops(tokens, t.num_labels, h)
+        if t.family == "bert":  # pooler is its own block; classifier h -> L
+            return matmul_flops(batch, t.num_labels, h)
+        # RoBERTa classification head (dense + out_proj), DistilBERT (pre_classifier + classifier)
+        return matmul_flops(batch, h, h) + matmul_flops(batch, t.num_labels, h)
+    return 0
+
+
+def block_forward_flops(block: Block, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+    """Forward matmul FLOPs of one block for a micro-batch of `batch` samples of `seq` tokens."""
+    layer = block.layer
+    if isinstance(layer, DenseSpec):
+        return matmul_flops(batch, layer.out_features, layer.in_features)
+    if isinstance(layer, BatchNormSpec):
+        return 0
+    if block.role == "layer":
+        return layer_flops(layer, batch, seq, causal_fraction)
+    if block.role == "pooler":
+        return matmul_flops(batch, layer.hidden_size, layer.hidden_size)
+    if block.role == "head":
+        return head_flops(layer, batch, seq)
+    return 0  # embeddings, final_norm
+
+
+@dataclass(frozen=True)
+class BlockFlops:
+    name: str
+    role: str
+    forward: int
+    backward: int
+    recompute: int  # forward re-run under activation checkpointing + fused-attention score recompute
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one micro-step (forward + backward of one micro-batch on one GPU)."""
+
+    blocks: tuple[BlockFlops, ...]
+    forward: int
+    backward: int
+    recompute: int
+
+    @property
+    def model(self) -> int:
+        """Forward + backward: the FLOPs MFU is defined on (no recompute)."""
+        return self.forward + self.backward
+
+    @property
+    def executed(self) -> int:
+        """What the GPU actually runs, recompute included."""
+        return self.forward + self.backward + self.recompute
+
+
+def step_flops(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0) -> StepFlops:
+    """Per-block FLOPs of one micro-step with `config.batch_size` samples of `config.seq_len` tokens."""
+    b, s = config.batch_size, config.seq_len
+    fused = config.attention != "eager"
+    out: list[BlockFlops] = []
+    for block in model_blocks(model):
+        fwd = block_forward_flops(block, b, s, causal_fraction)
+        recompute = 0
+        is_layer = block.role == "layer" and isinstance(block.layer, TransformerSpec)
+        if config.checkpointing and block.role in CHECKPOINTED_ROLES and is_layer:
+            recompute = layer_recompute_flops(block.layer, b, s, causal_fraction)
+        if fused and is_layer:
+            recompute += attention_score_flops(block.layer, b, s, causal_fraction) // 2  # Q@K^T once more
+        out.append(BlockFlops(block.name, block.role, fwd, BACKWARD_TO_FORWARD * fwd, recompute))
+    return StepFlops(
+        blocks=tuple(out),
+        forward=sum(x.forward for x in out),
+        backward=sum(x.backward for x in out),
+        recompute=sum(x.recompute for x in out),
+    )
+
+
+def tokens_per_sample(model: ModelSpec, seq_len: int) -> int:
+    """Tokens one sample feeds the model: seq_len if it has a transformer, else 1 (tabular rows)."""
+    return seq_len if model.transformers else 1

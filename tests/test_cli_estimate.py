@@ -1,0 +1,103 @@
+"""`planner estimate` / `planner explain` as a user runs them: JSON contract, steps in order, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli.main import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_estimate_json_parses_and_has_contract_keys():
+    r = run("estimate", "--model", "bert-base-uncased", "--instance", "ml.p3.16xlarge", "--batch-size", "16",
+            "--seq-len", "128", "--precision", "amp-fp16", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["config"]["parallelism"] == "ddp"
+    for key in ("parameters", "memory_bytes", "peak_phase", "gpu_memory_bytes", "fits", "headroom_bytes"):
+        assert key in out
+    assert out["memory_bytes"]["peak_device"] > out["memory_bytes"]["peak_allocated"]
+
+
+def test_global_batch_size_sets_the_micro_batch():
+    r = run("estimate", "--model", "bert-base-uncased", "--instance", "ml.p3.16xlarge", "--global-batch-size",
+            "256", "--grad-accum", "2", "--seq-len", "128", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["config"]["batch_size"] == 16
+
+
+def test_human_output_has_verdict():
+    r = run("estimate", "--model", "gpt2", "--instance", "ml.g5.2xlarge", "--batch-size", "4", "--seq-len", "512")
+    assert r.exit_code == 0, r.output
+    assert "Verdict" in r.stdout and "peak" in r.stdout
+
+
+def test_explain_defaults_answer_the_questions_in_order():
+    r = run("explain", "--json")
+    assert r.exit_code == 0, r.output
+    titles = [s["title"] for s in json.loads(r.stdout)]
+    expected = ["Memory of each GPU", "How the model is stored", "Parameters of each component",
+                "storage at each precision", "Gradients", "computational graph", "parameters and data are stored",
+                "Total by phase", "Verdict"]
+    assert len(titles) == len(expected)
+    for title, want in zip(titles, expected, strict=True):
+        assert want.lower() in title.lower()
+    text = json.dumps(json.loads(r.stdout))
+    assert "TabAE" in text and "TextBertBase" in text and "merge" in text
+
+
+def test_explain_on_oom_suggests_fixes_that_fit():
+    r = run("explain", "--model", "bert-large-uncased", "--instance", "ml.p3.2xlarge", "--batch-size", "64",
+            "--seq-len", "512", "--json")
+    assert r.exit_code == 0, r.output
+    verdict = json.loads(r.stdout)[-1]["lines"]
+    assert verdict[0].startswith("OUT OF MEMORY")
+    assert any(line.startswith("fits with") for line in verdict[1:])
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--model", "bert-huge"], "--model"),
+    (["--instance", "ml.p3.16xlage"], "--instance"),
+    (["--precision", "bf16"], "--precision"),
+    (["--attention", "flash", "--precision", "amp-fp16"], "--attention"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--batch-size", "-3"], "--batch-size"),
+    (["--seq-len", "4096", "--model", "bert-base-uncased"], "--seq-len"),
+    (["--precision", "fp8"], "--precision"),
+])
+def test_bad_input_is_one_line_exit_2(args, field):
+    r = run("estimate", *args)
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip()
+    assert err.startswith("error:") and "\n" not in err and field in err
+    assert "Traceback" not in r.output
+
+
+def test_malformed_config_json_is_one_line(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    r = run("estimate", "--model", str(bad))
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "\n" not in r.stderr.strip()
+
+
+def test_unknown_instance_suggests_closest_names():
+    r = run("estimate", "--instance", "ml.p3.16xlage")
+    assert "ml.p3.16xlarge" in r.stderr
+
+
+def test_real_process_exit_code_and_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "planner", "estimate", "--precision", "bf16"], capture_output=True,
+                       text=True)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
