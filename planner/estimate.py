@@ -20,6 +20,7 @@ from planner.spec import (
     ModelSpec,
     PhasePeak,
     RuntimeConstants,
+    Throughput,
     TrainConfig,
 )
 
@@ -287,12 +288,25 @@ def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_s
     from planner.perf.cost import predict_cost
     from planner.perf.throughput import predict_throughput
 
-    throughput = predict_throughput(spec, cfg, inst)
+    throughput = _calibrated(predict_throughput(spec, cfg, inst), inst)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
     except PlannerError:  # no price known for this instance type
         cost = None
     return throughput, cost
+
+
+def _calibrated(throughput: Throughput, inst: Instance) -> Throughput:
+    """Scale speed by the measured/predicted median of this GPU family (`planner calibrate`), if any."""
+    from planner.memory.runtime import calibration_entry, load_calibration
+
+    scale = calibration_entry(load_calibration(), inst.gpu.family).get("throughput_scale")
+    if not scale or scale == 1:
+        return throughput
+    t = throughput
+    return t.model_copy(update={"step_time_s": t.step_time_s / scale, "samples_per_s": t.samples_per_s * scale,
+                                "tokens_per_s": t.tokens_per_s * scale, "mfu": t.mfu * scale,
+                                "breakdown_s": t.breakdown_s | {"calibration_scale": scale}})
 
 
 def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:

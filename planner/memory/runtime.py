@@ -95,15 +95,18 @@ def default_runtime(gpu: GPU) -> dict[str, Any]:
     }
 
 
-def calibrated_values(calibration: Mapping[str, Any] | None, family: str) -> dict[str, Any]:
-    """The calibration entries for one family (pure): {"families": {fam: {...}}} or {fam: {...}}."""
+def calibration_entry(calibration: Mapping[str, Any] | None, family: str) -> dict[str, Any]:
+    """Everything calibrated for one family (pure): {"families": {fam: {...}}} or {fam: {...}}."""
     if not calibration:
         return {}
     families = calibration.get("families", calibration)
     entry = families.get(family) if isinstance(families, Mapping) else None
-    if not isinstance(entry, Mapping):
-        return {}
-    return {k: v for k, v in entry.items() if k in FIELDS}
+    return {k: v for k, v in entry.items() if v is not None} if isinstance(entry, Mapping) else {}
+
+
+def calibrated_values(calibration: Mapping[str, Any] | None, family: str) -> dict[str, Any]:
+    """The calibrated RuntimeConstants fields for one family."""
+    return {k: v for k, v in calibration_entry(calibration, family).items() if k in FIELDS}
 
 
 def _check_overrides(overrides: Mapping[str, Any]) -> None:

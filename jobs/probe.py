@@ -1,0 +1,999 @@
+"""Measure what one training configuration really uses: the probe job.
+
+Runs on the training machine (a SageMaker Deep Learning Container, a GPU box, or a laptop's CPU for the
+tests) and needs only torch, transformers and `modeling.py` next to this file. It reads a request written
+by `planner probe` (model spec, training config, the planner's predictions), builds exactly that model
+with random weights, and runs warm-up plus a few real optimizer steps with the requested precision,
+checkpointing, attention kernel, gradient accumulation, optimizer and parallelism. For every phase of
+every step (load, forward, backward, optimizer) it records:
+
+* `torch.cuda.max_memory_allocated` / `max_memory_reserved` (peaks reset before each phase),
+* `torch.cuda.memory_allocated` / `memory_reserved` at the end of the phase,
+* `torch.cuda.mem_get_info` (what the whole device shows: CUDA context and other processes included),
+* wall time, and on CPU the process RSS.
+
+It also counts bytes exactly by walking tensors (parameters, gradients, optimizer states) and the bytes
+that autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`), which work on CPU too.
+
+A CUDA out-of-memory error is a result (`status: "oom"` and the phase where it happened), not a crash.
+The result is JSON, written to `--out` and to `$SM_OUTPUT_DATA_DIR/probe.json` on SageMaker, and key
+figures are printed as `probe_<name>=<value>;` lines for SageMaker MetricDefinitions
+(`planner/aws/launch.py` builds the matching regexes from the same names).
+
+Usage:  python probe.py --request request.json --out probe.json
+        (several GPUs with DDP/ZeRO/FSDP: the script re-launches itself under torchrun)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "planner.probe-result/1"
+REQUEST_SCHEMA = "planner.probe-request/1"
+# Names of the `probe_<name>=<value>;` lines; planner/aws/launch.py turns each into a MetricDefinition.
+METRIC_NAMES: tuple[str, ...] = (
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "device_peak_bytes",
+    "activation_bytes",
+    "saved_tensor_bytes",
+    "model_state_bytes",
+    "first_step_time_s",
+    "step_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_rss_bytes",
+    "oom",
+)
+STATUS_ORDER = ("ok", "unsupported", "error", "oom")  # worst last: used to merge ranks
+DEFAULT_LR = 1e-4  # any small value: memory does not depend on it, and few steps never diverge
+GRAD_SCALER_INIT_SCALE = 2.0**12  # lower than PyTorch's 2**16 so random-init fp16 steps rarely overflow
+
+
+class Unsupported(Exception):
+    """The configuration cannot run here (missing package, needs more GPUs...): a result, not a crash."""
+
+
+# --------------------------------------------------------------------------------------------- utils
+
+
+def log(msg: str) -> None:
+    print(f"[probe] {msg}", file=sys.stderr, flush=True)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """CUDA OOM surfaces as torch.OutOfMemoryError, or as a RuntimeError from cuBLAS/cuDNN workspaces."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text
+    )
+
+
+def rss_bytes() -> int | None:
+    """Current resident set size of this process (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            pages = int(fh.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak RSS since the process started (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return None
+
+
+def local_tensor(t: Any) -> Any:
+    """The shard this rank holds: FSDP2 parameters, gradients and states are DTensors."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(t: Any) -> int:
+    t = local_tensor(t)
+    return int(t.numel() * t.element_size())
+
+
+def tensor_key(t: Any) -> tuple[int, int] | None:
+    """Identity of a tensor's bytes (views into one flat buffer, as FSDP2 makes, stay distinct)."""
+    try:
+        t = local_tensor(t)
+        return (int(t.data_ptr()), int(t.numel()))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def storage_ptr(t: Any) -> int | None:
+    try:
+        return int(local_tensor(t).untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "cudnn": None, "transformers": None,
+                           "bitsandbytes": None, "nccl": None}
+    with contextlib.suppress(Exception):
+        out["cudnn"] = torch.backends.cudnn.version()
+    with contextlib.suppress(Exception):
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    with contextlib.suppress(Exception):
+        import bitsandbytes  # type: ignore[import-not-found]
+
+        out["bitsandbytes"] = bitsandbytes.__version__
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_available():
+            out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+    return out
+
+
+# --------------------------------------------------------------------------------------- request
+
+
+def load_request(path_or_json: str) -> dict[str, Any]:
+    """A request file path (relative to cwd or to this script) or the JSON text itself."""
+    text = path_or_json.strip()
+    if not text.startswith("{"):
+        candidates = [Path(text), Path(__file__).resolve().parent / text]
+        for p in candidates:
+            if p.is_file():
+                text = p.read_text()
+                break
+        else:
+            raise FileNotFoundError(f"request file not found: {path_or_json}")
+    request = json.loads(text)
+    for key in ("model", "config"):
+        if key not in request:
+            raise ValueError(f"request has no '{key}' block")
+    return request
+
+
+@dataclass
+class Plan:
+    """What to run, resolved from the request and the machine."""
+
+    precision: str
+    optimizer: str
+    optimizer_impl: str
+    parallelism: str
+    checkpointing: bool
+    attention: str
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    world_size: int
+    gpus_per_instance: int
+    instances: int
+    warmup_steps: int
+    measure_steps: int
+    lr: float
+    seed: int
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = 25.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallelism in ("ddp", "zero1", "zero2", "zero3", "fsdp") and self.world_size > 1
+
+
+def make_plan(request: dict[str, Any]) -> Plan:
+    cfg = request["config"]
+    instances = int(cfg.get("instances", 1) or 1)
+    gpus = int(request.get("gpus_per_instance") or 1)
+    world = int(request.get("world_size") or gpus * instances)
+    parallelism = cfg.get("parallelism", "auto") or "auto"
+    if parallelism == "auto":
+        parallelism = "single" if world == 1 else "ddp"
+    return Plan(
+        precision=cfg.get("precision", "fp32"),
+        optimizer=cfg.get("optimizer", "adamw"),
+        optimizer_impl=cfg.get("optimizer_impl", "foreach"),
+        parallelism=parallelism,
+        checkpointing=bool(cfg.get("checkpointing", False)),
+        attention=cfg.get("attention", "sdpa"),
+        batch_size=int(cfg["batch_size"]),
+        seq_len=int(cfg["seq_len"]),
+        grad_accum=int(cfg.get("grad_accum", 1) or 1),
+        world_size=world,
+        gpus_per_instance=gpus,
+        instances=instances,
+        warmup_steps=int(request.get("warmup_steps", 1)),
+        measure_steps=max(1, int(request.get("measure_steps", 3))),
+        lr=float(request.get("lr", DEFAULT_LR)),
+        seed=int(request.get("seed", 0)),
+        gradient_as_bucket_view=bool(cfg.get("gradient_as_bucket_view", False)),
+        bucket_cap_mb=float(cfg.get("bucket_cap_mb", 25.0)),
+    )
+
+
+# ------------------------------------------------------------------------------------- recorder
+
+
+class Recorder:
+    """Reads the allocator and the device after each phase; resets peaks before the next."""
+
+    def __init__(self, device: Any, all_devices: list[Any] | None = None):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.all_devices = all_devices or [device]
+        self.phases: list[dict[str, Any]] = []
+        self._t0 = 0.0
+        self._alloc_before = 0
+
+    def sync(self) -> None:
+        if self.cuda:
+            for d in self.all_devices:
+                self.torch.cuda.synchronize(d)
+
+    def allocated(self) -> int | None:
+        return int(self.torch.cuda.memory_allocated(self.device)) if self.cuda else None
+
+    def begin(self) -> None:
+        self.sync()
+        if self.cuda:
+            for d in self.all_devices:
+                self.torch.cuda.reset_peak_memory_stats(d)
+        self._alloc_before = self.allocated() or 0
+        self._t0 = time.perf_counter()
+
+    def end(self, phase: str, step: int, micro: int = 0, **extra: Any) -> dict[str, Any]:
+        self.sync()
+        elapsed = time.perf_counter() - self._t0
+        row: dict[str, Any] = {"step": step, "micro": micro, "phase": phase, "time_s": elapsed,
+                               "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes()}
+        if self.cuda:
+            cuda = self.torch.cuda
+            free, total = cuda.mem_get_info(self.device)
+            row.update(
+                allocated_before=self._alloc_before,
+                allocated=int(cuda.memory_allocated(self.device)),
+                reserved=int(cuda.memory_reserved(self.device)),
+                peak_allocated=int(cuda.max_memory_allocated(self.device)),
+                peak_reserved=int(cuda.max_memory_reserved(self.device)),
+                device_used=int(total - free),
+                device_total=int(total),
+            )
+            if len(self.all_devices) > 1:  # DataParallel: every replica's peak
+                row["per_device_peak_allocated"] = [int(cuda.max_memory_allocated(d)) for d in self.all_devices]
+                row["per_device_peak_reserved"] = [int(cuda.max_memory_reserved(d)) for d in self.all_devices]
+        row.update(extra)
+        self.phases.append(row)
+        return row
+
+
+class SavedTensorCounter:
+    """Bytes autograd saves for backward, counted once per storage, parameters excluded.
+
+    Counted in the pack hook of `saved_tensors_hooks`, so it sees exactly what autograd keeps (including
+    dropout masks and softmax outputs); with checkpointing only what the checkpoint regions keep.
+    """
+
+    def __init__(self, model: Any):
+        self.exclude = {storage_ptr(p) for p in model.parameters()} - {None}
+        self.seen: set[tuple[int, str]] = set()
+        self.bytes = 0
+        self.count = 0
+
+    def pack(self, t: Any) -> Any:
+        try:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), str(t.device))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return t
+        if key[0] not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            self.bytes += int(st.nbytes())
+            self.count += 1
+        return t
+
+    @staticmethod
+    def unpack(t: Any) -> Any:
+        return t
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+def import_modeling() -> Any:
+    """`modeling.py` ships next to this file (planner packs both into the SageMaker source dir)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import modeling  # type: ignore[import-not-found]
+
+    return modeling
+
+
+def _hf_models(model: Any) -> list[Any]:
+    """Top-most transformers PreTrainedModel instances inside `model` (itself included)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return []
+    found: list[Any] = []
+    for _, module in model.named_modules():
+        if isinstance(module, PreTrainedModel) and not any(module is not f and _contains(f, module)
+                                                            for f in found):
+            found.append(module)
+    return found
+
+
+def _contains(parent: Any, child: Any) -> bool:
+    return any(m is child for m in parent.modules())
+
+
+ATTN_IMPL = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+
+
+def apply_attention(model: Any, attention: str) -> str:
+    """Set the attention kernel on every HF model inside; returns what the model reports afterwards."""
+    impl = ATTN_IMPL.get(attention, attention)
+    applied = []
+    for m in _hf_models(model):
+        if hasattr(m, "set_attn_implementation"):
+            m.set_attn_implementation(impl)
+        else:  # older transformers
+            m.config._attn_implementation = impl
+        applied.append(getattr(m.config, "_attn_implementation", impl))
+    return ",".join(sorted(set(applied))) if applied else "n/a"
+
+
+def apply_checkpointing(model: Any) -> list[str]:
+    """Per-layer activation checkpointing on every HF model inside (the multimodal model: its BERT)."""
+    done = []
+    for m in _hf_models(model):
+        if getattr(m, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}  # PyTorch's recommended variant; what `planner` models
+            if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            done.append(type(m).__name__)
+    if not done:
+        raise Unsupported("checkpointing requested but the model has no transformers module that supports it")
+    return done
+
+
+def build(modeling: Any, spec: dict[str, Any], plan: Plan, device: Any) -> tuple[Any, dict[str, Any]]:
+    """modeling.build_model on the target device, cast for pure fp16/bf16, kernel and checkpointing set."""
+    import inspect
+
+    import torch
+
+    applied: dict[str, Any] = {}
+    if plan.attention == "flash":
+        try:
+            import flash_attn  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError as exc:
+            raise Unsupported("attention=flash needs the flash_attn package (FlashAttention-2, sm80+)") from exc
+    takes_attention = "attention" in inspect.signature(modeling.build_model).parameters
+    with torch.device(device):
+        model = modeling.build_model(spec, attention=plan.attention) if takes_attention else modeling.build_model(spec)
+    model.to(device)
+    if plan.precision in ("fp16", "bf16"):
+        model.to(torch.float16 if plan.precision == "fp16" else torch.bfloat16)
+    applied["attention"] = apply_attention(model, plan.attention)
+    applied["checkpointing"] = apply_checkpointing(model) if plan.checkpointing else []
+    model.train()
+    return model, applied
+
+
+# ------------------------------------------------------------------------------------- optimizer
+
+
+def _impl_kwargs(impl: str) -> dict[str, bool]:
+    """foreach (PyTorch's default on CUDA), fused (one kernel), for-loop (one tensor at a time)."""
+    if impl == "fused":
+        return {"fused": True}
+    return {"foreach": impl == "foreach"}
+
+
+def make_optimizer(params: Any, plan: Plan, *, zero_redundancy: bool = False) -> Any:
+    import torch
+
+    name, impl = plan.optimizer, plan.optimizer_impl
+    kwargs: dict[str, Any] = {"lr": plan.lr}
+    if name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        kwargs.update(_impl_kwargs(impl))
+    elif name in ("sgd", "sgd-momentum"):
+        cls = torch.optim.SGD
+        kwargs["momentum"] = 0.9 if name == "sgd-momentum" else 0.0
+        kwargs.update(_impl_kwargs(impl))
+    elif name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        cls = Adafactor
+        kwargs = {"lr": plan.lr, "scale_parameter": False, "relative_step": False, "warmup_init": False}
+    elif name == "adamw-8bit":
+        try:
+            import bitsandbytes as bnb  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise Unsupported("optimizer=adamw-8bit needs bitsandbytes, which is not installed here") from exc
+        cls = bnb.optim.AdamW8bit
+    else:
+        raise Unsupported(f"optimizer={name!r} is not known to the probe")
+    if zero_redundancy:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    return cls(params, **kwargs)
+
+
+def optimizer_state_bytes(optimizer: Any, device: Any = None) -> tuple[int, int]:
+    """(bytes on `device`, bytes elsewhere) of every tensor in optimizer.state (ZeRO-1: this rank's shard).
+
+    Apart because PyTorch keeps Adam's `step` counters on the CPU unless fused/capturable: they cost no GPU
+    memory.
+    """
+    import torch
+
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the local one in .optim
+    seen: set[tuple[int, int] | None] = set()
+    on_device = elsewhere = 0
+    for state in inner.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                key = tensor_key(v)
+                if key is None or key not in seen:
+                    seen.add(key)
+                    if device is None or local_tensor(v).device == device:
+                        on_device += tensor_bytes(v)
+                    else:
+                        elsewhere += tensor_bytes(v)
+    return on_device, elsewhere
+
+
+def _has_state(optimizer: Any) -> bool:
+    inner = getattr(optimizer, "optim", optimizer)
+    return any(len(s) > 0 for s in inner.state.values())
+
+
+# ---------------------------------------------------------------------------------- distributed
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def wrap_parallel(model: Any, plan: Plan, device: Any) -> tuple[Any, dict[str, Any]]:
+    """DataParallel / DDP / FSDP as asked; ZeRO-1 is DDP plus a sharded optimizer (see make_optimizer)."""
+    import torch
+
+    info: dict[str, Any] = {"parallelism": plan.parallelism}
+    p = plan.parallelism
+    if p in ("single",) or (p == "dp" and plan.world_size == 1):
+        return model, info
+    if p == "dp":
+        n = torch.cuda.device_count() if device.type == "cuda" else 0
+        if n < plan.world_size:
+            raise Unsupported(f"parallelism=dp needs {plan.world_size} GPUs in one process, found {n}")
+        ids = list(range(plan.world_size))
+        info["device_ids"] = ids
+        return torch.nn.DataParallel(model, device_ids=ids), info
+    if plan.world_size <= 1 or not torch.distributed.is_initialized():
+        raise Unsupported(f"parallelism={p} needs world size > 1 under torchrun (world size {plan.world_size})")
+    if p in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        kwargs: dict[str, Any] = {"gradient_as_bucket_view": plan.gradient_as_bucket_view,
+                                  "bucket_cap_mb": plan.bucket_cap_mb}
+        if device.type == "cuda":
+            kwargs["device_ids"] = [device.index]
+        return DDP(model, **kwargs), info
+    # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3/FSDP reshards after forward.
+    reshard = p != "zero2"
+    layer_names: set[str] = set()
+    for m in _hf_models(model):
+        layer_names |= set(getattr(m, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    info.update(reshard_after_forward=reshard, wrapped=sorted({type(m).__name__ for m in layers}))
+    try:  # FSDP2 (per-parameter DTensor sharding), PyTorch >= 2.6
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        fully_shard = None
+    if fully_shard is not None:
+        for m in layers:
+            fully_shard(m, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        info["fsdp"] = "fully_shard (FSDP2)"
+        return model, info
+    if device.type != "cuda":
+        raise Unsupported("FSDP1 needs a GPU")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    strategy = ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP
+    policy = ModuleWrapPolicy({type(m) for m in layers}) if layers else None
+    info["fsdp"] = f"FullyShardedDataParallel ({strategy.name})"
+    return FSDP(model, sharding_strategy=strategy, use_orig_params=True, auto_wrap_policy=policy,
+                device_id=device), info
+
+
+# ---------------------------------------------------------------------------------------- probe
+
+
+@dataclass
+class Ctx:
+    plan: Plan
+    device: Any
+    rec: Recorder
+    result: dict[str, Any]
+    phase: str = "setup"
+
+
+def _autocast(plan: Plan, device: Any) -> Any:
+    import torch
+
+    if plan.precision == "amp-fp16":
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
+    if plan.precision == "amp-bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _cast_batch(batch: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """Pure fp16/bf16 models need floating inputs (tabular features) in their dtype."""
+    import torch
+
+    if plan.precision not in ("fp16", "bf16"):
+        return batch
+    dtype = torch.float16 if plan.precision == "fp16" else torch.bfloat16
+    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in batch.items()}
+
+
+def _native_bf16() -> bool:
+    """bf16 in hardware (sm80+); PyTorch otherwise reports True for emulated bf16 (V100)."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # older PyTorch without the argument
+        return torch.cuda.get_device_capability() >= (8, 0)
+
+
+def _grad_bytes(model: Any) -> int:
+    seen: set[tuple[int, int] | None] = set()
+    total = 0
+    for p in model.parameters():
+        g = p.grad
+        if g is not None:
+            key = tensor_key(g)
+            if key is None or key not in seen:
+                seen.add(key)
+                total += tensor_bytes(g)
+    return total
+
+
+def run_probe(request: dict[str, Any], *, modeling: Any = None, device: str | None = None) -> dict[str, Any]:
+    """Run the request here; always returns a result dict (status ok / oom / unsupported / error)."""
+    import torch
+
+    started = time.time()
+    plan = make_plan(request)
+    rank, local_rank, env_world = dist_env()
+    result: dict[str, Any] = {
+        "schema": SCHEMA, "request_id": request.get("request_id"), "status": "ok", "phase": None,
+        "message": None, "model": (request.get("model") or {}).get("name"), "config": request.get("config"),
+        "instance": request.get("instance"), "world_size": plan.world_size,
+        "gpus_per_instance": plan.gpus_per_instance, "rank": rank, "study": request.get("study"),
+        "trial": request.get("trial"), "estimate": request.get("estimate"), "model_spec": request.get("model"),
+        "versions": _versions(),
+        "host": platform.node(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+    }
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    result["device"] = dev.type
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        props = torch.cuda.get_device_properties(dev)
+        result.update(gpu_name=props.name, gpu_total_bytes=int(props.total_memory),
+                      compute_capability=[props.major, props.minor], gpu_count=torch.cuda.device_count())
+    else:
+        result.update(gpu_name=None, gpu_total_bytes=None, compute_capability=None, gpu_count=0,
+                      cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count())
+    all_devices = [dev]
+    if plan.parallelism == "dp" and dev.type == "cuda" and plan.world_size > 1:
+        all_devices = [torch.device(f"cuda:{i}") for i in range(min(plan.world_size, torch.cuda.device_count()))]
+    rec = Recorder(dev, all_devices)
+    ctx = Ctx(plan, dev, rec, result)
+    try:
+        if plan.distributed and env_world != plan.world_size:
+            raise Unsupported(f"parallelism={plan.parallelism} with world size {plan.world_size} must run under "
+                              f"torchrun with WORLD_SIZE={plan.world_size} (found {env_world})")
+        if plan.parallelism in ("zero1", "zero2", "zero3", "fsdp") and plan.world_size <= 1:
+            raise Unsupported(f"parallelism={plan.parallelism} shards over GPUs: world size 1 has nothing to shard")
+        if plan.precision in ("amp-bf16", "bf16") and dev.type == "cuda" and not _native_bf16():
+            raise Unsupported(f"precision={plan.precision} needs a GPU with native bf16 (sm80+)")
+        if plan.attention == "flash" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):
+            raise Unsupported("attention=flash (FlashAttention-2) needs sm80+")
+        _train(ctx, request, modeling or import_modeling())
+    except Unsupported as exc:
+        result.update(status="unsupported", phase=ctx.phase, message=str(exc))
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a result
+        if is_oom(exc):
+            result.update(status="oom", phase=ctx.phase, message=str(exc).strip().splitlines()[0][:500])
+        else:
+            result.update(status="error", phase=ctx.phase, message=f"{type(exc).__name__}: {exc}"[:2000],
+                          traceback=traceback.format_exc()[-4000:])
+    finally:
+        gc.collect()
+        if dev.type == "cuda":
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+    result["phases"] = rec.phases
+    result["summary"] = summarize(result, plan)
+    result["duration_s"] = time.time() - started
+    return result
+
+
+def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
+    import torch
+
+    plan, dev, rec, result = ctx.plan, ctx.device, ctx.rec, ctx.result
+    torch.manual_seed(plan.seed)
+    spec = request["model"]
+
+    # ---- load: model, wrapper, optimizer, batch ------------------------------------------------
+    ctx.phase = "load"
+    rec.begin()
+    model, applied = build(modeling, spec, plan, dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(tensor_bytes(p) for p in model.parameters())
+    buffer_bytes = sum(tensor_bytes(b) for b in model.buffers())
+    wrapped, par_info = wrap_parallel(model, plan, dev)
+    applied.update(par_info)
+    optimizer = make_optimizer(wrapped.parameters(), plan, zero_redundancy=plan.parallelism == "zero1")
+    applied["optimizer"] = type(optimizer).__name__ + (
+        f"({type(optimizer.optim).__name__})" if hasattr(optimizer, "optim") else "")
+    scaler = None
+    if plan.precision == "amp-fp16":
+        scaler = torch.amp.GradScaler(dev.type, init_scale=GRAD_SCALER_INIT_SCALE)
+    applied.update(autocast={"amp-fp16": "float16", "amp-bf16": "bfloat16"}.get(plan.precision),
+                   grad_scaler=scaler is not None,
+                   model_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
+    per_process_batch = plan.batch_size * (plan.world_size if plan.parallelism == "dp" else 1)
+    batch = _cast_batch(modeling.make_batch(spec, per_process_batch, plan.seq_len, dev), plan)
+    batch_bytes = sum(tensor_bytes(v) for v in batch.values() if isinstance(v, torch.Tensor))
+    rec.end("load", step=-1)
+    local_param_bytes = sum(tensor_bytes(p) for p in wrapped.parameters())  # FSDP: this rank's shards
+    result["applied"] = applied
+    result["tensors"] = {"parameter_count": int(n_params), "parameters_bytes": int(param_bytes),
+                         "local_parameters_bytes": int(local_param_bytes), "buffers_bytes": int(buffer_bytes),
+                         "batch_bytes": int(batch_bytes), "gradients_bytes": None,
+                         "optimizer_state_bytes": None, "saved_tensor_bytes": None, "saved_tensor_count": None}
+
+    # ---- steps --------------------------------------------------------------------------------
+    total_steps = plan.warmup_steps + plan.measure_steps
+    step_times: list[float] = []
+    states_step = None
+    for step in range(total_steps):
+        t_step = time.perf_counter()
+        for micro in range(plan.grad_accum):
+            last_micro = micro == plan.grad_accum - 1
+            sync_ctx = contextlib.nullcontext()
+            if not last_micro and hasattr(wrapped, "no_sync"):
+                sync_ctx = wrapped.no_sync()  # DDP/FSDP1: all-reduce only on the last micro-step
+            if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter only on the last
+                wrapped.set_requires_gradient_sync(last_micro)
+            with sync_ctx:
+                ctx.phase = "forward"
+                counter = SavedTensorCounter(model) if (step == 0 and micro == 0) else None
+                rec.begin()
+                hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if counter
+                         else contextlib.nullcontext())
+                with hooks, _autocast(plan, dev):
+                    loss = modeling.loss_of(wrapped, batch)
+                    if loss.dim() > 0:  # DataParallel gathers one loss per replica
+                        loss = loss.mean()
+                    loss = loss / plan.grad_accum
+                rec.end("forward", step, micro, loss=float(loss.detach().float().item()))
+                if counter is not None:
+                    result["tensors"].update(saved_tensor_bytes=counter.bytes, saved_tensor_count=counter.count)
+                ctx.phase = "backward"
+                rec.begin()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                del loss
+                rec.end("backward", step, micro)
+        if step == 0:
+            result["tensors"]["gradients_bytes"] = _grad_bytes(wrapped)
+        ctx.phase = "optimizer"
+        rec.begin()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        had_state = _has_state(optimizer)
+        alloc_after_step = rec.allocated()
+        optimizer.zero_grad(set_to_none=True)
+        rec.end("optimizer", step, allocated_after_step=alloc_after_step, optimizer_state=had_state)
+        if had_state and states_step is None:
+            states_step = step
+            on_dev, host = optimizer_state_bytes(optimizer, dev)
+            result["tensors"].update(optimizer_state_bytes=on_dev, optimizer_state_host_bytes=host)
+        rec.sync()
+        step_times.append(time.perf_counter() - t_step)
+    result["step_times_s"] = step_times
+    result["optimizer_states_from_step"] = states_step
+    if states_step is None:
+        on_dev, host = optimizer_state_bytes(optimizer, dev)
+        result["tensors"].update(optimizer_state_bytes=on_dev, optimizer_state_host_bytes=host)
+    ctx.phase = "done"
+
+
+# ------------------------------------------------------------------------------------- summary
+
+
+def _max(rows: list[dict[str, Any]], key: str) -> int | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return max(vals) if vals else None
+
+
+def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The figures `planner validate` compares, computed from the phase rows.
+
+    activations = allocated after forward - allocated before it, in the last step (its first micro-step):
+    by then gradients are freed (zero_grad(set_to_none=True)) and optimizer states exist, so the delta is
+    what the forward keeps for backward plus its outputs. model states = allocated right after the first
+    optimizer step that created states, before zero_grad: parameters + gradients + optimizer states (+ the
+    batch). cuda context = device used - reserved, read at the same instant.
+    """
+    rows = result.get("phases") or []
+    steps = [r for r in rows if r["step"] >= 0]
+    s: dict[str, Any] = {"peak_allocated": _max(rows, "peak_allocated"), "peak_reserved": _max(rows, "peak_reserved"),
+                         "device_peak": _max(rows, "device_used"), "device_total": _max(rows, "device_total"),
+                         "peak_rss_bytes": _max(rows, "peak_rss_bytes")}
+    by_phase: dict[str, int | None] = {}
+    for phase in ("load", "forward", "backward", "optimizer"):
+        by_phase[phase] = _max([r for r in rows if r["phase"] == phase], "peak_allocated")
+    s["phase_peak_allocated"] = by_phase
+    s["peak_phase"] = (max((p for p in by_phase if by_phase[p] is not None), key=lambda p: by_phase[p] or 0)
+                       if any(v is not None for v in by_phase.values()) else None)
+    fwd = [r for r in steps if r["phase"] == "forward" and r["micro"] == 0 and r.get("allocated") is not None]
+    s["activations"] = (fwd[-1]["allocated"] - fwd[-1]["allocated_before"]) if fwd else None
+    s["activations_first_step"] = (fwd[0]["allocated"] - fwd[0]["allocated_before"]) if fwd else None
+    opt = [r for r in steps if r["phase"] == "optimizer"]
+    with_state = [r for r in opt if r.get("optimizer_state")] or opt  # plain SGD keeps no state at all
+    s["model_states_after_first_step"] = with_state[0].get("allocated_after_step") if with_state else None
+    first = [r for r in steps if r["step"] == 0]
+    later = [r for r in steps if r["step"] >= max(1, plan.warmup_steps)]
+    s["first_step_peak_allocated"] = _max(first, "peak_allocated")
+    s["steady_peak_allocated"] = _max(later, "peak_allocated")
+    last = rows[-1] if rows else {}
+    if last.get("device_used") is not None:
+        s["cuda_context"] = last["device_used"] - last["reserved"]
+        s["fragmentation"] = (s["peak_reserved"] / s["peak_allocated"] - 1) if s["peak_allocated"] else None
+    else:
+        s["cuda_context"] = s["fragmentation"] = None
+    tensors = result.get("tensors") or {}
+    s["saved_tensor_bytes"] = tensors.get("saved_tensor_bytes")
+    s["model_state_bytes"] = (sum(tensors.get(k) or 0 for k in ("local_parameters_bytes", "gradients_bytes",
+                                                                 "optimizer_state_bytes"))
+                              if tensors.get("gradients_bytes") is not None else None)
+    times = result.get("step_times_s") or []
+    s["first_step_time_s"] = times[0] if times else None
+    steady = times[plan.warmup_steps:] or times[1:] or times
+    s["step_time_s"] = statistics.median(steady) if steady else None
+    samples = plan.batch_size * plan.grad_accum * plan.world_size
+    if s["step_time_s"]:
+        s["samples_per_s"] = samples / s["step_time_s"]
+        s["tokens_per_s"] = s["samples_per_s"] * plan.seq_len
+    else:
+        s["samples_per_s"] = s["tokens_per_s"] = None
+    s["global_batch_size"] = samples
+    s["oom"] = 1 if result.get("status") == "oom" else 0
+    return s
+
+
+def metric_lines(result: dict[str, Any]) -> list[str]:
+    """`probe_<name>=<value>;` for SageMaker MetricDefinitions (numbers only; missing ones skipped)."""
+    s = result.get("summary") or {}
+    values = {
+        "peak_allocated_bytes": s.get("peak_allocated"), "peak_reserved_bytes": s.get("peak_reserved"),
+        "device_peak_bytes": s.get("device_peak"), "activation_bytes": s.get("activations"),
+        "saved_tensor_bytes": s.get("saved_tensor_bytes"), "model_state_bytes": s.get("model_state_bytes"),
+        "first_step_time_s": s.get("first_step_time_s"), "step_time_s": s.get("step_time_s"),
+        "samples_per_s": s.get("samples_per_s"), "tokens_per_s": s.get("tokens_per_s"),
+        "peak_rss_bytes": s.get("peak_rss_bytes"), "oom": s.get("oom", 0),
+    }
+    assert set(values) == set(METRIC_NAMES)
+    lines = []
+    for name in METRIC_NAMES:
+        v = values[name]
+        if isinstance(v, int | float) and math.isfinite(v):
+            lines.append(f"probe_{name}={v:.6g};" if isinstance(v, float) else f"probe_{name}={v};")
+    return lines
+
+
+# ----------------------------------------------------------------------------------- launching
+
+
+def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from every rank's: rank 0's figures, the worst status, every rank's peaks."""
+    if not results:
+        raise ValueError("no rank results")
+    results = sorted(results, key=lambda r: r.get("rank", 0))
+    worst = max(results, key=lambda r: STATUS_ORDER.index(r.get("status", "error")))
+    base = dict(results[0]) if worst.get("status") == results[0].get("status") else dict(worst)
+    base["status"] = worst.get("status")
+    if base is not worst and worst.get("status") != "ok":
+        base.update(phase=worst.get("phase"), message=f"rank {worst.get('rank')}: {worst.get('message')}")
+    base["ranks"] = [{"rank": r.get("rank"), "status": r.get("status"), "phase": r.get("phase"),
+                      "peak_allocated": (r.get("summary") or {}).get("peak_allocated"),
+                      "peak_reserved": (r.get("summary") or {}).get("peak_reserved"),
+                      "device_peak": (r.get("summary") or {}).get("device_peak")} for r in results]
+    peaks = [x["peak_allocated"] for x in base["ranks"] if x["peak_allocated"] is not None]
+    if peaks:
+        base.setdefault("summary", {})["max_rank_peak_allocated"] = max(peaks)
+    return base
+
+
+def torchrun_command(script: str, request_arg: str, out: str, nproc: int, *, nnodes: int = 1,
+                     node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 29500,
+                     device: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
+           f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={master_port}",
+           script, "--request", request_arg, "--out", out, "--rank-output"]
+    return cmd + (["--device", device] if device else [])
+
+
+def launch_distributed(request_arg: str, request: dict[str, Any], out: Path,
+                       device: str | None = None) -> dict[str, Any]:
+    """Re-run this script under torchrun (one process per GPU, and per node on SageMaker)."""
+    plan = make_plan(request)
+    hosts = json.loads(os.environ.get("SM_HOSTS", "[]") or "[]")
+    current = os.environ.get("SM_CURRENT_HOST")
+    nnodes, node_rank, master = 1, 0, "127.0.0.1"
+    if len(hosts) > 1 and current in hosts:
+        hosts = sorted(hosts)
+        nnodes, node_rank, master = len(hosts), hosts.index(current), hosts[0]
+    nproc = max(1, plan.world_size // nnodes)
+    import torch
+
+    have = torch.cuda.device_count()
+    if device != "cpu" and have < nproc:
+        return {"schema": SCHEMA, "request_id": request.get("request_id"), "status": "unsupported",
+                "phase": "launch", "message": f"parallelism={plan.parallelism} needs {nproc} GPUs per node, "
+                                              f"found {have} (pass --device cpu to run the processes on CPU)",
+                "summary": {}, "phases": [], "estimate": request.get("estimate"), "config": request.get("config"),
+                "model_spec": request.get("model"), "model": (request.get("model") or {}).get("name"),
+                "instance": request.get("instance"), "world_size": plan.world_size}
+    if request_arg.strip().startswith("{"):
+        req_file = out.with_suffix(".request.json")
+        req_file.write_text(request_arg)
+        request_arg = str(req_file)
+    cmd = torchrun_command(str(Path(__file__).resolve()), request_arg, str(out), nproc, nnodes=nnodes,
+                           node_rank=node_rank, master_addr=master,
+                           master_port=int(os.environ.get("PLANNER_MASTER_PORT", 29500)), device=device)
+    log("launching: " + " ".join(cmd))
+    code = subprocess.call(cmd)
+    parts = [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".rank*"))]
+    for p in out.parent.glob(out.name + ".rank*"):
+        p.unlink()
+    if not parts:
+        return {"schema": SCHEMA, "request_id": request.get("request_id"), "status": "error", "phase": "launch",
+                "message": f"torchrun exited with code {code} and no rank wrote a result", "summary": {},
+                "phases": [], "estimate": request.get("estimate"), "config": request.get("config"),
+                "model_spec": request.get("model"),
+                "model": (request.get("model") or {}).get("name"), "instance": request.get("instance")}
+    merged = merge_ranks(parts)
+    merged["torchrun_exit_code"] = code
+    return merged
+
+
+def output_paths(out_arg: str | None) -> list[Path]:
+    paths = []
+    if out_arg:
+        paths.append(Path(out_arg))
+    sm_dir = os.environ.get("SM_OUTPUT_DATA_DIR")
+    if sm_dir:
+        paths.append(Path(sm_dir) / "probe.json")
+    return paths or [Path("probe.json")]
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def write_failure_file(message: str) -> None:
+    """SageMaker shows /opt/ml/output/failure as the job's FailureReason."""
+    sm_out = os.environ.get("SM_OUTPUT_DIR") or ("/opt/ml/output" if os.environ.get("SM_TRAINING_ENV") else None)
+    if sm_out and Path(sm_out).is_dir():
+        with contextlib.suppress(OSError):
+            (Path(sm_out) / "failure").write_text(message[:1000])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--request", required=True, help="request JSON file (or the JSON text)")
+    parser.add_argument("--out", default=None, help="result JSON path (default: $SM_OUTPUT_DATA_DIR/probe.json)")
+    parser.add_argument("--device", default=None, help="force a device, e.g. cpu or cuda:0")
+    parser.add_argument("--rank-output", action="store_true", help=argparse.SUPPRESS)
+    # SageMaker passes every hyperparameter as --key value: accept and ignore the rest.
+    args, _unknown = parser.parse_known_args(argv)
+    try:
+        request = load_request(args.request)
+    except (OSError, ValueError) as exc:
+        log(f"bad request: {exc}")
+        write_failure_file(f"bad probe request: {exc}")
+        return 2
+    outs = output_paths(args.out)
+    plan = make_plan(request)
+    if args.rank_output:
+        rank = dist_env()[0]
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+        if not dist.is_initialized():
+            if backend == "nccl":
+                torch.cuda.set_device(dist_env()[1])
+            dist.init_process_group(backend=backend)
+        result = run_probe(request, device=args.device)
+        write_json(outs[0].with_name(outs[0].name + f".rank{rank}"), result)
+        if result["status"] in ("oom", "error"):
+            os._exit(3)  # a peer may wait in a collective forever: let torchrun tear the group down
+        with contextlib.suppress(Exception):
+            dist.barrier()
+            dist.destroy_process_group()
+        return 0
+    if plan.distributed and "LOCAL_RANK" not in os.environ:
+        result = launch_distributed(args.request, request, outs[0], device=args.device)
+    else:
+        result = run_probe(request, device=args.device)
+    for p in outs:
+        write_json(p, result)
+    for line in metric_lines(result):
+        print(line, flush=True)
+    print(f"probe_status={result['status']};", flush=True)
+    log(f"status={result['status']} phase={result.get('phase')} -> {', '.join(str(p) for p in outs)}")
+    if result["status"] == "error":
+        write_failure_file(f"probe error in {result.get('phase')}: {result.get('message')}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The probe request: what `planner probe` asks `jobs/probe.py` to build, run and measure.
+
+A request carries the model spec (`ModelSpec.model_dump(mode="json")`, which `jobs/modeling.py` turns back
+into a torch module), the resolved training config, how many GPUs/processes, the planner's predictions
+(`estimate`, so a result can be compared later even without the planner) and where it came from (study,
+trial). Its `request_id` hashes what determines the measurement (model, config, GPUs, steps, seed; not the
+predictions nor the study), so the same candidate always maps to the same id, job name and result file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.errors import PlannerError
+from planner.spec import ModelSpec, TrainConfig
+
+REQUEST_SCHEMA = "planner.probe-request/1"
+PROBE_VERSION = 1  # bump when jobs/probe.py measures differently, so old results get new ids
+DEFAULT_WARMUP_STEPS = 1  # the first step allocates optimizer states and cuBLAS workspaces
+DEFAULT_MEASURE_STEPS = 3  # steady-state steps timed after warm-up (median)
+
+
+class ProbeRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: dict[str, Any]  # ModelSpec.model_dump(mode="json")
+    config: dict[str, Any]  # TrainConfig.model_dump(mode="json"), parallelism resolved
+    instance: str | None = None
+    gpu: str | None = None  # the GPU the prediction is for
+    gpus_per_instance: int = Field(1, ge=1)
+    world_size: int = Field(1, ge=1)
+    warmup_steps: int = Field(DEFAULT_WARMUP_STEPS, ge=0)
+    measure_steps: int = Field(DEFAULT_MEASURE_STEPS, ge=1)
+    seed: int = 0
+    lr: float = 1e-4
+    estimate: dict[str, Any] | None = None  # Estimate.to_json() at request time
+    estimate_error: str | None = None  # why there is no estimate (the estimator failed on this candidate)
+    study: str | None = None
+    trial: int | None = None
+    model_options: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        ident = {"probe_version": PROBE_VERSION, "model": self.model, "config": self.config,
+                 "instance": self.instance, "gpus_per_instance": self.gpus_per_instance,
+                 "world_size": self.world_size, "warmup_steps": self.warmup_steps,
+                 "measure_steps": self.measure_steps, "seed": self.seed, "lr": self.lr}
+        blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model.get("name", "model"))
+
+    @property
+    def train_config(self) -> TrainConfig:
+        return TrainConfig.model_validate(self.config)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec.model_validate(self.model)
+
+    def to_json(self) -> dict[str, Any]:
+        """What jobs/probe.py reads (plain JSON; the probe does not need pydantic)."""
+        out = {"schema": REQUEST_SCHEMA, "request_id": self.request_id}
+        out.update(self.model_dump(mode="json"))
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProbeRequest:
+        data = {k: v for k, v in data.items() if k not in ("schema", "request_id")}
+        return cls.model_validate(data)
+
+
+# ------------------------------------------------------------------ seams to the other modules
+# Each is a small function so tests can replace it, and so a module still being written does not
+# break probe commands that do not need it.
+
+
+def resolve_model(model: ModelSpec | str | dict, options: dict[str, Any] | None = None) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):  # a ModelSpec stored as JSON (e.g. in a trial's user attrs)
+        return ModelSpec.model_validate(model)
+    from planner.models.catalog import get_model  # type: ignore[import-not-found]
+
+    return get_model(model, **(options or {}))
+
+
+def resolve_instance(instance: Any) -> Any:
+    if not isinstance(instance, str):
+        return instance
+    from planner.hardware import get_instance  # type: ignore[import-not-found]
+
+    return get_instance(instance)
+
+
+def predict(model: ModelSpec, config: TrainConfig, instance: Any) -> Any:
+    """planner.estimate(...) -> Estimate."""
+    import planner
+
+    return planner.estimate(model, config, instance)  # type: ignore[attr-defined]
+
+
+def resolve_parallelism(config: TrainConfig, gpus: int) -> str:
+    """What `auto` means when no estimate is at hand: one GPU alone, DDP over several."""
+    if config.parallelism != "auto":
+        return config.parallelism
+    return "single" if gpus * config.instances == 1 else "ddp"
+
+
+def world_size(parallelism: str, gpus_per_instance: int, instances: int) -> tuple[int, int]:
+    """(gpus used per instance, world size): `single` uses one GPU, `dp` one process over all GPUs."""
+    if parallelism == "single":
+        return 1, 1
+    return gpus_per_instance, gpus_per_instance * instances
+
+
+def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: Any, *,
+                 estimate: Any = None, with_estimate: bool = True, study: str | None = None,
+                 trial: int | None = None, model_options: dict[str, Any] | None = None,
+                 warmup_steps: int = DEFAULT_WARMUP_STEPS, measure_steps: int = DEFAULT_MEASURE_STEPS,
+                 seed: int = 0) -> ProbeRequest:
+    """A request for one candidate; the estimate (if any) fixes the resolved parallelism."""
+    spec = resolve_model(model, model_options)
+    inst = resolve_instance(instance)
+    estimate_error = None
+    if estimate is None and with_estimate:
+        try:
+            estimate = predict(spec, config, inst)
+        except (PlannerError, ValidationError):
+            raise  # bad input (e.g. seq_len beyond the model's positions): the user must fix it
+        except Exception as exc:  # noqa: BLE001 - a broken estimator must not stop a measurement
+            estimate, estimate_error = None, f"{type(exc).__name__}: {exc}"[:500]
+    gpus = int(getattr(inst, "gpus", 1) or 1)
+    est_json: dict[str, Any] | None = None
+    if estimate is not None:
+        est_json = estimate.to_json() if hasattr(estimate, "to_json") else dict(estimate)
+        resolved = TrainConfig.model_validate(est_json.get("config") or config.model_dump())
+    else:
+        resolved = config.model_copy(update={"parallelism": resolve_parallelism(config, gpus)})
+    per_instance, world = world_size(resolved.parallelism, gpus, resolved.instances)
+    if est_json and est_json.get("world_size") and resolved.parallelism != "single":
+        world = int(est_json["world_size"])
+        per_instance = max(1, world // resolved.instances)
+    gpu = getattr(getattr(inst, "gpu", None), "name", None)
+    return ProbeRequest(model=spec.model_dump(mode="json"), config=resolved.model_dump(mode="json"),
+                        instance=getattr(inst, "name", inst if isinstance(inst, str) else None), gpu=gpu,
+                        gpus_per_instance=per_instance, world_size=world, warmup_steps=warmup_steps,
+                        measure_steps=measure_steps, seed=seed, estimate=est_json, estimate_error=estimate_error,
+                        study=study, trial=trial,
+                        model_options=dict(model_options or {}))
+
+
+# ------------------------------------------------------------------------ candidates from a study
+# planner.search keeps a study `S` in results/S/study.db as one Optuna study per instance type, named
+# `S@<instance>`, with the sweep definition (model, model_options, ...) in the study's user attr
+# `planner:definition` and each trial's resolved config in the trial's user attr `config`.
+
+CONFIG_KEYS = tuple(TrainConfig.model_fields)
+DEFINITION_ATTR = "planner:definition"
+
+
+def _trial_key(trial: Any, direction: Any) -> float:
+    value = trial.value if trial.value is not None else float("inf")
+    return -float(value) if str(getattr(direction, "name", direction)).upper().endswith("MAXIMIZE") else float(value)
+
+
+def _feasible(trial: Any) -> bool:
+    constraints = getattr(trial, "constraints", None)
+    if constraints is None:
+        constraints = (getattr(trial, "system_attrs", {}) or {}).get("constraints") or []
+    if isinstance(constraints, dict):
+        constraints = list(constraints.values())
+    return all(float(c) <= 0 for c in constraints)
+
+
+def trial_candidate(trial: Any, definition: dict[str, Any], instance: str) -> dict[str, Any]:
+    """model / instance / config of a finished trial (config from user attrs, else from params)."""
+    attrs = dict(getattr(trial, "user_attrs", {}) or {})
+    params = dict(getattr(trial, "params", {}) or {})
+    cfg = dict(attrs.get("config") or {})
+    for k in CONFIG_KEYS:
+        if k not in cfg and k in params:
+            cfg[k] = params[k]
+    cfg = {k: v for k, v in cfg.items() if k in CONFIG_KEYS}
+    model = definition.get("model") or attrs.get("model")
+    if not model or "batch_size" not in cfg or "seq_len" not in cfg:
+        raise PlannerError("--study", f"trial {trial.number}",
+                           "trials with a config (batch_size, seq_len) in a study whose definition names the model")
+    return {"model": model, "instance": instance, "config": TrainConfig.model_validate(cfg),
+            "model_options": definition.get("model_options") or {}, "trial": trial.number,
+            "feasible": _feasible(trial)}
+
+
+def find_study_storage(study: str, results: Any) -> str:
+    """results/<study>/study.db (planner.search's layout), else any SQLite file under results/ holding it."""
+    from pathlib import Path
+
+    import optuna
+
+    results = Path(results)
+    own = results / study / "study.db"
+    candidates = [own] if own.is_file() else sorted(results.rglob("*.db"))
+    for db in candidates:
+        url = f"sqlite:///{db}"
+        try:
+            names = [s.study_name for s in optuna.study.get_all_study_summaries(url, include_best_trial=False)]
+        except Exception:  # noqa: BLE001 - not an Optuna database
+            continue
+        if any(n == study or n.startswith(study + "@") for n in names):
+            return url
+    raise PlannerError("--study", study, f"a study stored under {results}/ (run `planner search --study {study}`)")
+
+
+def study_candidates(study: str, top: int, results: Any = "results", storage: str | None = None) -> list[dict[str, Any]]:
+    """The `top` best feasible finished trials of a search (all its instance types ranked together)."""
+    import optuna
+
+    if top < 1:
+        raise PlannerError("--top", top, "an integer >= 1")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage or find_study_storage(study, results)
+    names = [s.study_name for s in optuna.study.get_all_study_summaries(url, include_best_trial=False)
+             if s.study_name == study or s.study_name.startswith(study + "@")]
+    ranked: list[tuple[tuple[float, int], dict[str, Any]]] = []
+    for name in names:
+        st = optuna.load_study(study_name=name, storage=url)
+        definition = dict(st.user_attrs.get(DEFINITION_ATTR) or {})
+        instance = definition.get("instance") or (name.split("@", 1)[1] if "@" in name else None)
+        if not instance:
+            raise PlannerError("--study", name, "a planner search study (its definition or name gives the instance)")
+        direction = st.directions[0]
+        for t in st.trials:
+            if t.state != optuna.trial.TrialState.COMPLETE:
+                continue
+            cand = trial_candidate(t, definition, instance)
+            if cand["feasible"]:
+                ranked.append(((_trial_key(t, direction), t.number), cand))
+    if not ranked:
+        raise PlannerError("--study", study, "a study with feasible completed trials")
+    ranked.sort(key=lambda x: x[0])
+    out, seen = [], set()
+    for _, cand in ranked:
+        key = (json.dumps(cand["model"], sort_keys=True, default=str), cand["instance"],
+               json.dumps(cand["config"].model_dump(mode="json"), sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append(cand)
+        if len(out) == top:
+            break
+    return out
+
+
+def requests_from_study(study: str, top: int, results: Any = "results", **kw: Any) -> list[ProbeRequest]:
+    reqs = []
+    for cand in study_candidates(study, top, results):
+        reqs.append(make_request(cand["model"], cand["config"], cand["instance"], study=study, trial=cand["trial"],
+                                 model_options=cand["model_options"], **kw))
+    return reqs

@@ -1,0 +1,223 @@
+"""Predicted vs measured, per configuration and per memory term: how wrong is the planner, and where.
+
+Terms and what is measured for each (jobs/probe.py):
+
+=====================  =============================================================  ===================
+term                   measured                                                       predicted
+=====================  =============================================================  ===================
+parameters             bytes of this rank's parameter tensors (shards under FSDP)     memory.parameters
+gradients              bytes of .grad tensors after the first backward                memory.gradients
+optimizer_states       bytes of optimizer.state tensors after the first step          optimizer_states
+model_states           allocated right after the first optimizer step (+ the batch)   params+grads+opt+batch
+activations            CUDA: allocated after forward - before (steady step);          memory.activations
+                       CPU: bytes autograd saved (saved_tensors_hooks)
+peak_allocated         torch.cuda.max_memory_allocated over the run                   peak_allocated
+peak_reserved          torch.cuda.max_memory_reserved                                 peak_reserved
+device_peak            max(total - free) from torch.cuda.mem_get_info                 peak_device
+samples_per_s          global samples per optimizer step / median steady step time    throughput
+=====================  =============================================================  ===================
+
+Signed error = (predicted - measured) / measured x 100: positive means the planner over-estimates (safe
+for OOM), negative under-estimates. Fit agreement compares `Estimate.fits` with whether the run OOMed,
+only when the measured GPU is the one predicted for.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+TERMS: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "model_states", "activations",
+                          "peak_allocated", "peak_reserved", "device_peak", "samples_per_s")
+ALLOCATOR_TERMS = ("model_states", "peak_allocated", "peak_reserved", "device_peak")
+
+
+def signed_error_pct(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (float(predicted) - float(measured)) / float(measured) * 100.0
+
+
+def measured_terms(record: dict[str, Any]) -> dict[str, float | None]:
+    s = record.get("summary") or {}
+    t = record.get("tensors") or {}
+    cuda = record.get("device") == "cuda"
+    params = t.get("local_parameters_bytes", t.get("parameters_bytes"))
+    return {
+        "parameters": params,
+        "gradients": t.get("gradients_bytes"),
+        "optimizer_states": t.get("optimizer_state_bytes"),
+        "model_states": s.get("model_states_after_first_step") if cuda else None,
+        "activations": s.get("activations") if cuda else s.get("saved_tensor_bytes"),
+        "peak_allocated": s.get("peak_allocated") if cuda else None,
+        "peak_reserved": s.get("peak_reserved") if cuda else None,
+        "device_peak": s.get("device_peak") if cuda else None,
+        # a CPU run's speed says nothing about the GPU the throughput model predicts
+        "samples_per_s": s.get("samples_per_s") if cuda and record.get("status") == "ok" else None,
+    }
+
+
+def predicted_terms(estimate: dict[str, Any] | None) -> dict[str, float | None]:
+    if not estimate:
+        return dict.fromkeys(TERMS)
+    m = estimate.get("memory_bytes") or {}
+    thr = estimate.get("throughput") or {}
+    states = [m.get(k) for k in ("parameters", "gradients", "optimizer_states", "batch")]
+    return {
+        "parameters": m.get("parameters"), "gradients": m.get("gradients"),
+        "optimizer_states": m.get("optimizer_states"),
+        "model_states": sum(states) if all(v is not None for v in states) else None,
+        "activations": m.get("activations"), "peak_allocated": m.get("peak_allocated"),
+        "peak_reserved": m.get("peak_reserved"), "device_peak": m.get("peak_device"),
+        "samples_per_s": thr.get("samples_per_s"),
+    }
+
+
+def gpu_family(name: str | None) -> str | None:
+    """'Tesla V100-SXM2-16GB' -> 'V100', 'NVIDIA A10G' -> 'A10G' (longest known family name first)."""
+    if not name:
+        return None
+    families: list[str] = []
+    try:
+        from planner.hardware import gpu_families
+
+        families = list(gpu_families())
+    except Exception:  # noqa: BLE001 - the hardware catalog is optional here
+        pass
+    families += ["GB200", "B200", "H200", "H100", "A100", "A10G", "L40S", "L4", "T4", "V100", "K80", "M60"]
+    upper = name.upper()
+    for fam in sorted(set(families), key=len, reverse=True):
+        if fam.upper() in upper:
+            return fam
+    return None
+
+
+@dataclass
+class Row:
+    record_id: str
+    model: str | None
+    instance: str | None
+    gpu_measured: str | None
+    gpu_predicted: str | None
+    config: dict[str, Any]
+    status: str
+    device: str | None
+    predicted: dict[str, float | None]
+    measured: dict[str, float | None]
+    errors: dict[str, float | None]
+    fits_predicted: bool | None
+    fits_measured: bool | None
+    fit_agrees: bool | None
+    prediction_source: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def config_label(cfg: dict[str, Any]) -> str:
+    parts = [f"b{cfg.get('batch_size')}", f"s{cfg.get('seq_len')}", str(cfg.get("precision", ""))]
+    if cfg.get("checkpointing"):
+        parts.append("ckpt")
+    parts.append(str(cfg.get("attention", "")))
+    if (cfg.get("grad_accum") or 1) > 1:
+        parts.append(f"ga{cfg['grad_accum']}")
+    if cfg.get("parallelism") not in (None, "single", "auto"):
+        parts.append(str(cfg["parallelism"]))
+    if cfg.get("optimizer") not in (None, "adamw"):
+        parts.append(str(cfg["optimizer"]))
+    return " ".join(parts)
+
+
+def compare(record: dict[str, Any], estimate: dict[str, Any] | None, source: str) -> Row:
+    """One record against one estimate (an Estimate.to_json() dict)."""
+    measured = measured_terms(record)
+    predicted = predicted_terms(estimate)
+    errors = {k: signed_error_pct(predicted[k], measured[k]) for k in TERMS}
+    status = str(record.get("status"))
+    fits_measured = {"ok": True, "oom": False}.get(status)
+    fits_predicted = estimate.get("fits") if estimate else None
+    gm, gp = record.get("gpu_name"), (estimate or {}).get("gpu")
+    notes = []
+    same_gpu = record.get("device") == "cuda" and gpu_family(gm) is not None and gpu_family(gm) == gpu_family(gp)
+    if record.get("device") == "cuda" and gp and not same_gpu:
+        notes.append(f"measured on {gm}, predicted for {gp}: fit not compared")
+    agrees = (fits_predicted == fits_measured) if (same_gpu and fits_predicted is not None
+                                                  and fits_measured is not None) else None
+    if status == "oom":
+        # Only the terms measured before the failing phase mean anything.
+        for k in ("peak_allocated", "peak_reserved", "device_peak", "samples_per_s"):
+            errors[k] = None
+    return Row(record_id=str(record.get("record_id")), model=record.get("model"), instance=record.get("instance"),
+               gpu_measured=gm, gpu_predicted=gp, config=record.get("config") or {}, status=status,
+               device=record.get("device"), predicted=predicted, measured=measured, errors=errors,
+               fits_predicted=fits_predicted, fits_measured=fits_measured, fit_agrees=agrees,
+               prediction_source=source, notes=notes)
+
+
+EstimateFn = Callable[[dict[str, Any]], dict[str, Any] | None]
+
+
+def current_estimate(record: dict[str, Any]) -> dict[str, Any] | None:
+    """planner.estimate(...) for the record's model spec, config and instance, with today's formulas."""
+    import planner
+    from planner.spec import ModelSpec, TrainConfig
+
+    spec = record.get("model_spec")
+    if not spec or not record.get("instance") or not record.get("config"):
+        return None
+    backend = "cpu" if record.get("device") == "cpu" else "cuda"
+    est = planner.estimate(ModelSpec.model_validate(spec), TrainConfig.model_validate(record["config"]),
+                           record["instance"], backend=backend)
+    return est.to_json()
+
+
+def validate(records: Iterable[dict[str, Any]], *, estimate_fn: EstimateFn | None = current_estimate,
+             stored_only: bool = False) -> list[Row]:
+    """A Row per record: re-estimated now (falls back to the prediction stored in the record)."""
+    rows = []
+    for rec in records:
+        if rec.get("status") not in ("ok", "oom"):  # unsupported, error, failed, stopped: nothing measured
+            continue
+        est, source = None, "stored"
+        if not stored_only and estimate_fn is not None:
+            try:
+                est, source = estimate_fn(rec), "current"
+            except Exception as exc:  # noqa: BLE001 - fall back to the stored prediction, say so
+                est, source = None, f"stored ({type(exc).__name__})"
+        if est is None:
+            est = rec.get("estimate")
+            source = source if source.startswith("stored") else "stored"
+        rows.append(compare(rec, est, source))
+    return rows
+
+
+def summary(rows: list[Row]) -> dict[str, dict[str, float | int | None]]:
+    """Per term: n, median signed %, mean |%|, max |%|; and fit agreement."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for term in TERMS:
+        errs = [r.errors[term] for r in rows if r.errors.get(term) is not None and math.isfinite(r.errors[term])]
+        out[term] = {"n": len(errs),
+                     "median_signed_pct": statistics.median(errs) if errs else None,
+                     "mean_abs_pct": statistics.fmean(abs(e) for e in errs) if errs else None,
+                     "max_abs_pct": max(abs(e) for e in errs) if errs else None}
+    verdicts = [r.fit_agrees for r in rows if r.fit_agrees is not None]
+    out["fit_agreement"] = {"n": len(verdicts), "agree": sum(verdicts),
+                            "rate": (sum(verdicts) / len(verdicts)) if verdicts else None}
+    return out
+
+
+def long_rows(rows: list[Row]) -> list[dict[str, Any]]:
+    """One CSV row per (record, term)."""
+    out = []
+    for r in rows:
+        for term in TERMS:
+            out.append({"record_id": r.record_id, "model": r.model, "instance": r.instance,
+                        "gpu": r.gpu_measured, "config": config_label(r.config), "status": r.status, "term": term,
+                        "predicted": r.predicted.get(term), "measured": r.measured.get(term),
+                        "error_pct": r.errors.get(term), "fits_predicted": r.fits_predicted,
+                        "fits_measured": r.fits_measured, "prediction": r.prediction_source})
+    return out

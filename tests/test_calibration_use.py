@@ -1,0 +1,23 @@
+"""A calibration file written by `planner calibrate` changes what estimate (and so search) predicts."""
+
+from __future__ import annotations
+
+import json
+
+import planner
+from planner.spec import TrainConfig
+
+
+def test_calibration_file_is_used(tmp_path, monkeypatch):
+    cfg = TrainConfig(batch_size=8, seq_len=128)
+    before = planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge")
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"families": {"V100": {"cuda_context_bytes": 700 * 2**20, "fragmentation": 0.25,
+                                                      "throughput_scale": 0.5}}}))
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(path))
+    after = planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge")
+    assert after.memory_bytes.cuda_context == 700 * 2**20
+    assert after.memory_bytes.peak_reserved > before.memory_bytes.peak_reserved
+    assert after.throughput.samples_per_s == before.throughput.samples_per_s * 0.5
+    other = planner.estimate("bert-base-uncased", cfg, "ml.g5.xlarge")  # another family: untouched
+    assert other.runtime.cuda_context_bytes != 700 * 2**20
