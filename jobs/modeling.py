@@ -40,6 +40,10 @@ def hf_config_object(layer: dict[str, Any], attention: str = "sdpa", use_cache: 
     if attention not in ATTN_IMPLEMENTATION:
         raise ValueError(f"attention={attention!r}: one of {', '.join(ATTN_IMPLEMENTATION)}")
     cfg = {k: v for k, v in layer["hf_config"].items() if k not in _PLANNER_KEYS}
+    # The hub's torch_dtype/dtype is the checkpoint's storage dtype; some classes (Llama/Mistral sequence
+    # classifiers) honour it at construction. Training precision is the probe's choice, so build in fp32.
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
     model_type = cfg.pop("model_type")
     cfg["architectures"] = [layer["architecture"]]
     cfg["use_cache"] = use_cache
@@ -189,7 +193,11 @@ def make_batch(spec: dict[str, Any], batch_size: int, seq_len: int, device: Any 
     if inputs["input_ids"]:
         batch["input_ids"] = torch.randint(0, texts[0]["vocab_size"], shape, dtype=torch.int64, device=device)
     if inputs["attention_mask"]:
+        # Real batches are padded to the longest sample; one padded position makes HF build the 4-D mask
+        # that the planner assumes (an all-ones mask is dropped and would measure a different kernel path).
         batch["attention_mask"] = torch.ones(shape, dtype=torch.int64, device=device)
+        if batch_size > 1 and seq_len > 1:
+            batch["attention_mask"][-1, -1] = 0
     if inputs["token_type_ids"]:
         batch["token_type_ids"] = torch.zeros(shape, dtype=torch.int64, device=device)
     if inputs["tabular_features"]:

@@ -15,15 +15,9 @@ from planner.spec import (
 )
 
 __all__ = ["GPU", "Estimate", "Instance", "MemoryBytes", "ModelSpec", "PlannerError", "RuntimeConstants",
-           "TrainConfig", "estimate", "search"]
+           "TrainConfig", "estimate"]
 
 # Binding the function after the submodule import keeps `planner.estimate` callable (the submodule of the
 # same name stays reachable as `sys.modules["planner.estimate"]`).
 from planner.estimate import estimate  # noqa: E402
 
-
-def search(*args, **kwargs):
-    """See `planner.search.study.run_search`."""
-    from planner.search.study import run_search
-
-    return run_search(*args, **kwargs)

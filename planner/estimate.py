@@ -116,17 +116,20 @@ def _block_memory(blocks: list[Block], activations: list, config: TrainConfig, w
         gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0
         transient_g = full_g - resident_g if share.gradients < 1 else 0
         casts = act.weight_cast_bytes if act else 0
+        saved_casts = 0 if not act or act.checkpointed else casts
         out.append(timeline.BlockMemory(
             name=name,
             param_bytes=resident_p,
             grad_bytes=resident_g,
             gathered_param_bytes=gathered,
             transient_grad_bytes=transient_g,
-            kept_bytes=(act.kept_bytes + (0 if act.checkpointed else casts)) if act else 0,
+            kept_bytes=act.kept_total_bytes if act else 0,
             saved_bytes=(act.saved_bytes + casts) if act else 0,
             forward_transient_bytes=act.forward_transient_bytes if act else 0,
             backward_transient_bytes=act.backward_transient_bytes if act else 0,
             checkpointed=bool(act and act.checkpointed),
+            forward_cache_bytes=max(act.autocast_cache_bytes - saved_casts, 0) if act else 0,
+            retained_bytes=act.retained_output_bytes if act else 0,
         ))
     return tuple(out)
 
@@ -172,7 +175,7 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     total_params = counts["total"]
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
 
-    activations = activation_blocks(spec, cfg, backend=backend)
+    activations = activation_blocks(spec, cfg, backend=backend, flash_ok=inst.gpu.flash_attention)
     block_mem = _block_memory(blocks, activations, cfg, world, share)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)

@@ -260,8 +260,8 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
     rt = est.runtime
     return [
         Step(f"Memory of each GPU on {inst.name}", (
-            f"{inst.gpus} × {g.name}, {fmt_bytes(g.memory_bytes)} each; GPUs do not pool memory: each must hold "
-            "its own share.",
+            f"{inst.gpus} × {g.name}, {fmt_bytes(g.memory_bytes)} nominal, {fmt_bytes(est.gpu_memory_bytes)} as the "
+            "driver reports it; GPUs do not pool memory: each must hold its own share.",
             f"Not all of it is for tensors: CUDA context {fmt_bytes(rt.cuda_context_bytes)}, NCCL buffers "
             f"{fmt_bytes(est.memory_bytes.nccl)} sit outside PyTorch's allocator, so "
             f"{fmt_bytes(est.usable_memory_bytes)} is usable. Interconnect: {inst.interconnect}.",

@@ -21,6 +21,12 @@ its input (Q, K and V three casts), the residual stream and LayerNorm inputs sta
 an fp32 mask are promoted to fp32; GPT-2's Python `gelu_new` saves 4 tensors of n·i instead of 1; Llama's
 RMSNorm saves fp32 copies; fused SDPA kernels save no s² tensor at all.
 
+Besides `saved_bytes` / `kept_bytes`, each block reports its AMP cast cache (`autocast_cache_bytes`:
+alive until autocast exits, checkpointed or not), the logits the model returns (`retained_output_bytes`)
+and rough, untested estimates of unsaved temporaries (`forward_transient_bytes`, `backward_transient_bytes`).
+Module-level constants (CUDA_ALLOCATION_ROUND_BYTES, EFFICIENT_LSE_ALIGN, ...) can be overridden by
+assignment; every function reads them at call time.
+
 CUDA is the default backend. `backend="cpu"` reproduces the CPU kernels so the tests can compare with
 real modules on this CPU-only machine; every CPU/CUDA difference is one named function:
 `dropout_saved`, `norm_stats_dtype`, `autocast_fp32_op`, `sdpa_kernel`, `math_sdpa_dtype`,
@@ -32,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from planner.errors import PlannerError
 from planner.models.blocks import Block, model_blocks
 from planner.spec import (
     BYTES_PER_DTYPE,
@@ -87,6 +94,9 @@ class BlockActivations:
     checkpointed: bool
     # Added: tensors the model returns that the caller keeps through backward (HF ModelOutput.logits).
     retained_output_bytes: int = 0
+    # Added: AMP's cast cache for this block (16-bit weights and biases), alive from the block's forward
+    # until the autocast context exits, checkpointed or not (see `autocast_cache`). 0 without AMP.
+    autocast_cache_bytes: int = 0
     # Added: the storages behind saved_bytes / kept_bytes, for explanations and tests.
     tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
     kept_tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
@@ -182,7 +192,8 @@ def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: 
     attention dropout falls back to the math path. CUDA (sdp_utils.cpp priority flash > efficient > math):
     flash needs 16-bit, no explicit mask, head_dim <= 256 and sm80+; otherwise the memory-efficient kernel
     (any dtype, additive bias, dropout). attention="flash" means FlashAttention-2: always the flash kernel
-    (HF's FA2 path unpads instead of masking).
+    (HF's FA2 path unpads instead of masking). Where a recent torch prefers cuDNN attention (sm90+), that
+    kernel saves the same q, k, v, output and fp32 row statistics as flash, so the flash formula applies.
     """
     if ctx.backend == "cpu":
         return "math" if dropout_p > 0 else "cpu_flash"
@@ -380,6 +391,8 @@ def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: lis
     out = list(qkv)
     out.append(Saved("attention.output", ctx.n * spec.num_heads * spec.head_dim, ctx.low))
     out.append(attention_lse(kernel, ctx, spec.num_heads))
+    if ctx.attention == "flash" and ctx.backend == "cuda" and spec.attention_dropout > 0:
+        out.append(Saved("attention.rng_state", 2, I64))  # flash_attn keeps its Philox state on the device
     if masked:
         out += sdpa_bias(kernel, ctx, ctx.low)
     return out
@@ -393,13 +406,17 @@ def attention_kernel(spec: TransformerSpec, ctx: Ctx, masked: bool) -> str:
 
 
 def mask_materialised(spec: TransformerSpec, ctx: Ctx) -> bool:
-    """Whether HF builds a 4-D mask (masking_utils): always for decoders in eager; otherwise only when the
-    batch has padding (an all-ones mask is skipped for SDPA: `_ignore_causal_mask_sdpa`,
-    `_ignore_bidirectional_mask_sdpa`). FlashAttention-2 takes the 2-D mask and unpads instead."""
+    """Whether HF builds a 4-D mask (masking_utils): always for decoders in eager, and for Mistral once
+    s >= sliding_window; otherwise only when the batch has padding (an all-ones mask is skipped for SDPA:
+    `_ignore_causal_mask_sdpa`, `_ignore_bidirectional_mask_sdpa`). FlashAttention-2 takes the 2-D mask and
+    unpads instead."""
     if ctx.attention == "flash" and ctx.backend == "cuda":
         return False
     if spec.family in ("gpt2", "llama", "mistral") and ctx.attention == "eager":
         return True
+    window = spec.hf_config.get("sliding_window") if spec.family == "mistral" else None
+    if window and ctx.s >= window:
+        return True  # a sliding window needs an explicit mask once s reaches it (local_attention_size)
     return ctx.padded
 
 
@@ -518,7 +535,7 @@ def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved
     mask positionally, that mask (shared by all layers: counted on the first). Llama passes it by keyword.
     """
     out = [Saved("checkpoint.hidden_states", ctx.n * spec.hidden_size, ctx.act)]
-    if index == 0 and spec.family != "llama" and spec.family != "mistral" and mask_materialised(spec, ctx):
+    if index == 0 and spec.family not in ("llama", "mistral") and mask_materialised(spec, ctx):
         out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.s * ctx.s, mask_bytes_dtype(ctx)))
     return out
 
@@ -657,40 +674,61 @@ def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
 # ---------------------------------------------------------------------------------- weight casts
 
 
-def linear_weights(block: Block) -> list[int]:
-    """Element counts of the matmul weights a block uses (autocast casts and saves each once)."""
+def linear_params(block: Block) -> list[tuple[int, int]]:
+    """(weight, bias) element counts of each matmul a block runs. Autocast casts both to 16-bit and caches
+    the casts until the autocast context exits; the matmul saves the weight's cast for backward."""
     layer = block.layer
     if isinstance(layer, DenseSpec):
-        return [layer.in_features * layer.out_features]
+        return [(layer.in_features * layer.out_features, layer.out_features if layer.bias else 0)]
     if isinstance(layer, BatchNormSpec):
         return []
     spec = layer
-    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    h, i, d, labels, vocab = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_labels, spec.vocab_size
+    ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
     if block.role == "layer":
         if spec.family in ("llama", "mistral"):
-            kv = spec.num_kv_heads * d
-            return [h * spec.num_heads * d, h * kv, h * kv, spec.num_heads * d * h, h * i, h * i, i * h]
-        if spec.family == "gpt2":
-            return [h * 3 * h, h * h, h * i, i * h]
-        return [h * h] * 4 + [h * i, i * h]
+            q, kv = spec.num_heads * d, spec.num_kv_heads * d
+            return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
+                    (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
+        if spec.family == "gpt2":  # Conv1D: addmm(bias, x, weight), always with bias
+            return [(h * 3 * h, 3 * h), (h * h, h), (h * i, i), (i * h, h)]
+        return [(h * h, h)] * 4 + [(h * i, i), (i * h, h)]
     if block.role == "pooler":
-        return [h * h]
+        return [(h * h, h)]
     if block.role == "head":
         if spec.head == "sequence-classification":
-            if spec.family == "roberta" or spec.family == "distilbert":
-                return [h * h, h * spec.num_labels]
-            return [h * spec.num_labels]
+            if spec.family in ("roberta", "distilbert"):
+                return [(h * h, h), (h * labels, labels)]
+            if spec.family == "bert":
+                return [(h * labels, labels)]
+            return [(h * labels, 0)]  # decoders' score: no bias
         if spec.head == "masked-lm":
-            return [h * h, h * spec.vocab_size]
+            return [(h * h, h), (h * vocab, vocab)]
         if spec.head == "causal-lm":
-            return [h * spec.vocab_size]
+            return [(h * vocab, 0)]
     return []
 
 
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
+    """16-bit weight copies the block's matmuls save under autocast (0 without autocast)."""
     if not ctx.amp:
         return []
-    return [Saved(f"weight{k}.cast", numel, ctx.low) for k, numel in enumerate(linear_weights(block))]
+    return [Saved(f"weight{k}.cast", w, ctx.low) for k, (w, _) in enumerate(linear_params(block))]
+
+
+def autocast_cache(block: Block, ctx: Ctx) -> list[Saved]:
+    """Every parameter cast autocast caches for this block: weights and biases. They stay alive until the
+    autocast context exits (autocast_mode.cpp: the cache is cleared when the outermost autocast exits), even
+    for checkpointed layers, whose casts are not saved: under AMP + checkpointing the end of the forward
+    holds all layers' casts."""
+    if not ctx.amp:
+        return []
+    out = []
+    for k, (w, bias) in enumerate(linear_params(block)):
+        out.append(Saved(f"weight{k}.cast", w, ctx.low))
+        if bias:
+            out.append(Saved(f"bias{k}.cast", bias, ctx.low))
+    return out
 
 
 # ------------------------------------------------------------------------------ multimodal parts
@@ -795,6 +833,9 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
     model takes an attention_mask). An all-ones mask is dropped by HF's SDPA path, which lets CUDA pick the
     flash kernel and saves no bias. `flash_ok`: the GPU runs flash kernels (sm80+; GPU.flash_attention).
     """
+    if config.attention == "flash" and backend == "cuda" and LOW_DTYPE[config.precision] == F32:
+        raise PlannerError("attention", "flash", "fp16, bf16, amp-fp16 or amp-bf16 precision (FlashAttention-2 "
+                           "has no fp32 kernel); use sdpa or eager with fp32")
     if padded is None:
         padded = model.inputs.attention_mask
     ctx = _ctx(config, backend, padded, flash_ok)
@@ -807,10 +848,11 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         fwd, bwd = _transients(saved, ctx)
         retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
-                                    _total(casts, backend), fwd, bwd, ckpt, retained, tuple(saved), tuple(kept)))
+                                    _total(casts, backend), fwd, bwd, ckpt, retained,
+                                    _total(autocast_cache(block, ctx), backend), tuple(saved), tuple(kept)))
     loss = _loss(model, ctx)
     fwd, bwd = _transients(loss, ctx)
-    out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, bwd, False, 0,
+    out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, bwd, False, 0, 0,
                                 tuple(loss), tuple(loss)))
     return out
 

@@ -8,10 +8,13 @@ PyTorch >= 2.0 default) frees them before the forward, and backward allocates th
 Phases (seed note 002's zones, corrected):
 - load: parameters, module buffers, DDP's gradient buckets (allocated when the model is wrapped).
 - forward: + batch + optimizer states, and each block's saved activations accumulate; a block's transient
-  temporaries sit on top while it runs.
+  temporaries sit on top while it runs. Under AMP the autocast cast cache (16-bit weight copies) lives until the
+  forward ends, also for checkpointed blocks that do not save their casts.
 - backward: blocks in reverse; a block's activations are freed after its backward, its gradients appear; a
   checkpointed block first recomputes its forward (its full saved set comes back for a moment).
 - optimizer: parameters + gradients + states (allocated at the first step) + the step's temporaries.
+The outputs a training loop keeps (`outputs = model(**batch)`: the logits) stay alive through backward and
+the optimizer step, until the variable is rebound.
 
 Everything is a pure function of `StepMemory`: no torch, no I/O.
 """
@@ -37,6 +40,8 @@ class BlockMemory:
     forward_transient_bytes: int
     backward_transient_bytes: int
     checkpointed: bool
+    forward_cache_bytes: int = 0  # AMP cast cache not saved for backward: alive until autocast exits
+    retained_bytes: int = 0  # outputs the training loop holds (logits): alive through backward and the step
 
 
 @dataclass(frozen=True)
@@ -81,14 +86,15 @@ def simulate(step: StepMemory) -> list[Point]:
     grads = grads_total if step.grads_resident else 0
     common = dict(optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes)
 
-    kept = 0
+    kept = cache = 0
     for b in blocks:
-        running = b.kept_bytes if b.checkpointed else b.saved_bytes
+        running = (b.kept_bytes if b.checkpointed else b.saved_bytes) + b.forward_cache_bytes + b.retained_bytes
         points.append(_point("forward", b.name, parameters=params + b.gathered_param_bytes, gradients=grads,
-                             activations=kept + running, buffers=base_buffers + b.forward_transient_bytes,
-                             **common))
-        kept += b.kept_bytes
-    points.append(_point("forward", "end of forward", parameters=params, gradients=grads, activations=kept,
+                             activations=kept + cache + running,
+                             buffers=base_buffers + b.forward_transient_bytes, **common))
+        kept += b.kept_bytes + b.retained_bytes
+        cache += b.forward_cache_bytes
+    points.append(_point("forward", "end of forward", parameters=params, gradients=grads, activations=kept + cache,
                          buffers=base_buffers, **common))
 
     for b in reversed(blocks):
@@ -101,7 +107,7 @@ def simulate(step: StepMemory) -> list[Point]:
         kept -= b.kept_bytes
         grads += new_grads
     points.append(_point("optimizer", "optimizer step", parameters=params, gradients=grads_total,
-                         optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes,
+                         optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes, activations=kept,
                          buffers=static_buffers + step.workspace_bytes + step.optimizer_temporary_bytes))
     return points
 
