@@ -165,8 +165,18 @@ def build_model(spec: dict[str, Any], attention: str = "sdpa", *, device: Any = 
                 raise ValueError("build_model: a spec is either one transformer or the multimodal model")
             model = encoder = build_transformer(layers[0], attention, use_cache)
     if checkpointing:
-        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(encoder)
     return model.train()
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Per-layer activation checkpointing, non-reentrant (PyTorch's recommended variant; what `planner`
+    models). transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def num_classes(spec: dict[str, Any]) -> int:

@@ -376,11 +376,7 @@ def apply_checkpointing(model: Any) -> list[str]:
     done = []
     for m in _hf_models(model):
         if getattr(m, "supports_gradient_checkpointing", False):
-            kwargs = {"use_reentrant": False}  # PyTorch's recommended variant; what `planner` models
-            if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x name
-                m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            import_modeling().enable_checkpointing(m)
             done.append(type(m).__name__)
     if not done:
         raise Unsupported("checkpointing requested but the model has no transformers module that supports it")

@@ -207,8 +207,6 @@ def test_launcher_merges_rank_files(tiny_spec, tmp_path, monkeypatch):
     assert not list(tmp_path.glob("out.json.rank*"))
 
 
-@pytest.mark.skipif(not os.environ.get("PLANNER_SLOW_TESTS"),
-                    reason="~15 s on 2 cores (two torch processes); set PLANNER_SLOW_TESTS=1")
 def test_ddp_two_cpu_processes_under_torchrun(tiny_spec, tmp_path):
     req = request(tiny_spec, parallelism="ddp", gpus_per_instance=2, world_size=2)
     (tmp_path / "req.json").write_text(json.dumps(req))
