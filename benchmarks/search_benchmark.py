@@ -38,7 +38,8 @@ def estimate_fn(fake: bool):
 
 def objective_for(instance: str, fake: bool):
     from planner.hardware import get_instance
-    from planner.search.objective import Objective, cached_model
+    from planner.models.catalog import cached_model
+    from planner.search.objective import Objective
     from planner.search.space import resolve_space
     from planner.search.sweep import DEFAULT_SWEEP
 

@@ -6,13 +6,11 @@ This module only orchestrates: each term is a small function in `planner.memory`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from planner.errors import PlannerError
 from planner.memory import batch as batch_mem
 from planner.memory import model_states, optimizer, parallel, timeline
-from planner.models.blocks import Block, model_blocks
 from planner.spec import (
     Estimate,
     Instance,
@@ -30,14 +28,9 @@ SIXTEEN_BIT = ("amp-fp16", "amp-bf16", "fp16", "bf16")
 def _resolve_model(model: ModelSpec | str, options: dict[str, Any] | None) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
-    return _cached_model(model, tuple(sorted((options or {}).items())))
+    from planner.models.catalog import cached_model
 
-
-@lru_cache(maxsize=256)
-def _cached_model(name: str, options: tuple[tuple[str, Any], ...]) -> ModelSpec:
-    from planner.models.catalog import get_model
-
-    return get_model(name, **dict(options))
+    return cached_model(model, options)
 
 
 def _resolve_instance(instance: Instance | str) -> Instance:
@@ -97,48 +90,38 @@ def _dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -
     return inputs + config.batch_size * gpus * out_per_sample
 
 
-def _block_memory(blocks: list[Block], activations: list, config: TrainConfig, world: int,
+def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
                   share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
-    from planner.models.params import block_parameters
+    """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
+    from planner.models.params import parameters_by_block
 
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
-    by_name = {a.block: a for a in activations}
+    counts = parameters_by_block(model)
     out = []
-    names = [b.name for b in blocks] + [a.block for a in activations if a.block not in {b.name for b in blocks}]
-    counts = {b.name: block_parameters(b) for b in blocks}
-    for name in names:
-        n = counts.get(name, 0)
-        act = by_name.get(name)
+    for act in activations:  # every block in forward order, then "loss"
+        n = counts.get(act.block, 0)
         full_p, full_g = n * p_bytes, n * g_bytes
         resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
         # ZeRO-3/FSDP all-gathers a unit's full parameters while it runs (and prefetches the next one).
         gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0
         transient_g = full_g - resident_g if share.gradients < 1 else 0
-        casts = act.weight_cast_bytes if act else 0
-        saved_casts = 0 if not act or act.checkpointed else casts
+        saved_casts = 0 if act.checkpointed else act.weight_cast_bytes
         out.append(timeline.BlockMemory(
-            name=name,
+            name=act.block,
             param_bytes=resident_p,
             grad_bytes=resident_g,
             gathered_param_bytes=gathered,
             transient_grad_bytes=transient_g,
-            kept_bytes=act.kept_total_bytes if act else 0,
-            saved_bytes=(act.saved_bytes + casts) if act else 0,
-            forward_transient_bytes=act.forward_transient_bytes if act else 0,
-            backward_transient_bytes=act.backward_transient_bytes if act else 0,
-            checkpointed=bool(act and act.checkpointed),
-            forward_cache_bytes=max(act.autocast_cache_bytes - saved_casts, 0) if act else 0,
-            retained_bytes=act.retained_output_bytes if act else 0,
+            kept_bytes=act.kept_total_bytes,
+            saved_bytes=act.saved_bytes + act.weight_cast_bytes,
+            forward_transient_bytes=act.forward_transient_bytes,
+            backward_transient_bytes=act.backward_transient_bytes,
+            checkpointed=act.checkpointed,
+            forward_cache_bytes=max(act.autocast_cache_bytes - saved_casts, 0),
+            retained_bytes=act.retained_output_bytes,
         ))
     return tuple(out)
-
-
-def _module_buffer_bytes(blocks: list[Block]) -> int:
-    from planner.models import params
-
-    fn = getattr(params, "block_buffers_bytes", None)
-    return sum(fn(b) for b in blocks) if fn else 0
 
 
 @dataclass(frozen=True)
@@ -150,13 +133,14 @@ class _Prepared:
     rt: RuntimeConstants
     counts: dict[str, int]
     step: timeline.StepMemory
+    throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
 
 
 def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.activations import activation_blocks
-    from planner.memory.runtime import runtime_constants
-    from planner.models.params import count_parameters, model_gradient_tensor_shapes
+    from planner.memory.runtime import calibration_entry, load_calibration, runtime_constants
+    from planner.models.params import count_buffers_bytes, count_parameters, model_gradient_tensor_shapes
 
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
@@ -165,18 +149,18 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     world = parallel.world_size(cfg, inst)
     share = parallel.sharding(cfg, world)
 
+    calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     if isinstance(runtime, RuntimeConstants):
         rt = runtime
     else:
-        rt = runtime_constants(inst.gpu, runtime or None)
+        rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
 
-    blocks = model_blocks(spec)
     counts = count_parameters(spec)
     total_params = counts["total"]
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
 
     activations = activation_blocks(spec, cfg, backend=backend, flash_ok=inst.gpu.flash_attention)
-    block_mem = _block_memory(blocks, activations, cfg, world, share)
+    block_mem = _block_memory(spec, activations, cfg, share)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
     shapes = model_gradient_tensor_shapes(spec)  # optimizers keep states only for tensors with a .grad
@@ -185,7 +169,7 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
-        module_buffer_bytes=_module_buffer_bytes(blocks),
+        module_buffer_bytes=count_buffers_bytes(spec),
         ddp_bucket_bytes=_ddp_bucket_bytes(cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
@@ -194,7 +178,8 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
         grads_resident=cfg.grad_accum > 1,
         extra_forward_bytes=_dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
-    return _Prepared(spec, inst, cfg, world, rt, counts, step)
+    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
+    return _Prepared(spec, inst, cfg, world, rt, counts, step, scale)
 
 
 def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
@@ -262,7 +247,7 @@ def estimate(
 
     throughput = cost = None
     if with_throughput:
-        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot)
+        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale)
 
     return Estimate(
         model=spec.name,
@@ -285,13 +270,14 @@ def estimate(
     )
 
 
-def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool):
+def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
+                    scale: float | None):
     """Throughput, and cost at the instance's price (the refreshed cache when present, else the embedded table;
     `predict_cost` records which, with its date)."""
     from planner.perf.cost import predict_cost
     from planner.perf.throughput import predict_throughput
 
-    throughput = _calibrated(predict_throughput(spec, cfg, inst), inst)
+    throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
     except PlannerError:  # no price known for this instance type
@@ -299,11 +285,8 @@ def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_s
     return throughput, cost
 
 
-def _calibrated(throughput: Throughput, inst: Instance) -> Throughput:
+def _calibrated(throughput: Throughput, scale: float | None) -> Throughput:
     """Scale speed by the measured/predicted median of this GPU family (`planner calibrate`), if any."""
-    from planner.memory.runtime import calibration_entry, load_calibration
-
-    scale = calibration_entry(load_calibration(), inst.gpu.family).get("throughput_scale")
     if not scale or scale == 1:
         return throughput
     t = throughput

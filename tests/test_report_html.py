@@ -187,7 +187,8 @@ def _tiny_study(root: Path, values: list[float]) -> Path:
     import optuna
 
     from planner.hardware import get_instance
-    from planner.search.objective import Objective, cached_model
+    from planner.models.catalog import cached_model
+    from planner.search.objective import Objective
     from planner.search.space import INDEX_SUFFIX, SpaceSpec, resolve_space
     from planner.search.study import DEFINITION_ATTR
     from planner.search.sweep import Sweep

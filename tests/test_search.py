@@ -12,7 +12,8 @@ from search_fixtures import fake_estimate
 
 from planner.errors import PlannerError
 from planner.hardware import get_instance
-from planner.search.objective import SUPPORTED_VIOLATION, Objective, cached_model
+from planner.models.catalog import cached_model
+from planner.search.objective import SUPPORTED_VIOLATION, Objective
 from planner.search.space import SpaceSpec, parse_flag_list, resolve_space, space_from_flags
 from planner.search.study import run_search, safe_url
 from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep, parse_sweep

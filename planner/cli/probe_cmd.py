@@ -58,17 +58,6 @@ def _jobs_dir() -> Path:
     return Path(os.environ.get("PLANNER_JOBS_DIR", JOBS_DIR))
 
 
-def _config(batch_size: int | None, seq_len: int, precision: str, optimizer: str, optimizer_impl: str,
-            parallelism: str, checkpointing: bool, attention: str, grad_accum: int, instances: int) -> Any:
-    from planner.spec import TrainConfig
-
-    if batch_size is None:
-        raise PlannerError("--batch-size", None, "a micro-batch per GPU (or --study to take trials)")
-    return TrainConfig(batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                       optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-                       attention=attention, grad_accum=grad_accum, instances=instances)
-
-
 def build_requests(study: str | None, top: int, model: str | None, instance: str | None, config_args: dict[str, Any],
                    model_option: list[str] | None, warmup: int, steps: int) -> list[Any]:
     from planner.probes import spec as pspec
@@ -81,7 +70,12 @@ def build_requests(study: str | None, top: int, model: str | None, instance: str
         raise PlannerError("--model", None, "a catalog model or config.json path (or --study)")
     if not instance:
         raise PlannerError("--instance", None, "a SageMaker instance type, e.g. ml.g5.xlarge (or --study)")
-    config = _config(**config_args)
+    if config_args.get("batch_size") is None:
+        raise PlannerError("--batch-size", None, "a micro-batch per GPU (or --study to take trials)")
+    from planner.cli.options import build_config
+    from planner.hardware import get_instance
+
+    config = build_config(instance_gpus=get_instance(instance).gpus, global_batch_size=None, **config_args)
     return [pspec.make_request(model, config, instance, model_options=parse_model_options(model_option), **kw)]
 
 

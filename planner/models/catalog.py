@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,13 @@ def describe_models() -> list[dict[str, Any]]:
             "source": _configs()[name].get("_source", "") if name in _configs() else "planner",
         })
     return rows
+
+
+@lru_cache(maxsize=256)
+def _cached_from_key(name: str, options_json: str) -> ModelSpec:
+    return get_model(name, **json.loads(options_json))
+
+
+def cached_model(name: str, options: dict[str, Any] | None = None) -> ModelSpec:
+    """`get_model` once per (name, options) per process: estimate and search resolve the same model often."""
+    return _cached_from_key(name, json.dumps(options or {}, sort_keys=True))

@@ -76,7 +76,7 @@ def _stored_run(study: Any, study_name: str, search_name: str) -> Any:
     from pydantic import ValidationError
 
     from planner.hardware import get_instance
-    from planner.search.objective import cached_model
+    from planner.models.catalog import cached_model
     from planner.search.space import resolve_space
     from planner.search.study import DEFINITION_ATTR, InstanceRun
     from planner.search.sweep import Sweep
@@ -170,7 +170,7 @@ def probe_pairs(path: str | Path) -> Any | None:
 def _estimate_of(search: Search, row: Any, estimate_fn: Callable[..., Any] | None = None) -> Any:
     """Recompute a trial's estimate from its stored (resolved) config, called as the search calls it."""
     from planner.hardware import get_instance
-    from planner.search.objective import cached_model
+    from planner.models.catalog import cached_model
     from planner.spec import TrainConfig
 
     if estimate_fn is None:

@@ -17,11 +17,9 @@ The estimate of a configuration is cached: TPE proposes the same point of a disc
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from pydantic import ValidationError
@@ -37,18 +35,6 @@ GIB = 1024**3
 SUPPORTED_VIOLATION = 1000.0
 
 EstimateFn = Callable[..., Estimate]
-
-
-@lru_cache(maxsize=64)
-def _model_from_key(name: str, options_json: str) -> ModelSpec:
-    from planner.models.catalog import get_model
-
-    return get_model(name, **json.loads(options_json))
-
-
-def cached_model(name: str, options: dict[str, Any] | None = None) -> ModelSpec:
-    """`get_model` once per (name, options) per process."""
-    return _model_from_key(name, json.dumps(options or {}, sort_keys=True))
 
 
 def default_estimate() -> EstimateFn:

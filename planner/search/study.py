@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError
-from planner.search.objective import EstimateFn, Objective, cached_model
+from planner.models.catalog import cached_model
+from planner.search.objective import EstimateFn, Objective
 from planner.search.space import SearchSpace, resolve_space
 from planner.search.sweep import DEFAULT_SWEEP, DEFAULT_TRIALS, Sweep, load_sweep
 

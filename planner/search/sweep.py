@@ -159,7 +159,7 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
 
     With a `source` (a file), the error names the file's field; without, the flag's own error stands.
     """
-    from planner.search.objective import cached_model
+    from planner.models.catalog import cached_model
 
     for field, call in (("model", lambda: cached_model(sweep.model, sweep.model_options)),
                         ("instance", sweep.instance_names)):
