@@ -22,8 +22,6 @@ from planner.spec import (
     TrainConfig,
 )
 
-SIXTEEN_BIT = ("amp-fp16", "amp-bf16", "fp16", "bf16")
-
 
 def _resolve_model(model: ModelSpec | str, options: dict[str, Any] | None) -> ModelSpec:
     if isinstance(model, ModelSpec):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -99,6 +98,3 @@ def parse_model_options(items: list[str] | None) -> dict[str, Any]:
         out[key.strip().replace("-", "_")] = value
     return out
 
-
-def exit_on_stdout_error() -> None:  # pragma: no cover - used when piping into `head`
-    sys.stdout = sys.__stdout__
