@@ -25,6 +25,9 @@ Head = Literal["base", "sequence-classification", "masked-lm", "causal-lm"]
 # Where kernels run. "cuda" is what the planner predicts; "cpu" exists so tests can compare the same
 # formulas with what CPU kernels save (dropout masks, SDPA fallback, autocast op lists differ).
 Backend = Literal["cuda", "cpu"]
+# The OOM verdict with its uncertainty band: "fits" only when even the high end of the whole-device peak is
+# under the GPU's memory, "oom" only when even the low end is over it, "tight" in between.
+Verdict = Literal["fits", "tight", "oom"]
 
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                                     "uint8": 1}
@@ -249,8 +252,11 @@ class Estimate(Frozen):
     peak_phase: str
     gpu_memory_bytes: int
     usable_memory_bytes: int
-    fits: bool
+    fits: bool  # a sure fit: the high end of the band is under the GPU's memory (verdict == "fits")
     headroom_bytes: int
+    verdict: Verdict = "fits"
+    peak_device_low_bytes: int = 0  # low end of the whole-device peak band
+    peak_device_high_bytes: int = 0  # high end of the whole-device peak band
     runtime: RuntimeConstants
     throughput: Throughput | None = None
     cost: Cost | None = None
