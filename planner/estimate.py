@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
-from planner.memory import model_states, optimizer, parallel, timeline
 from planner.spec import (
     Estimate,
     Instance,
@@ -18,6 +18,7 @@ from planner.spec import (
     ModelSpec,
     PhasePeak,
     RuntimeConstants,
+    SoftwareStack,
     Throughput,
     TrainConfig,
 )
@@ -132,9 +133,39 @@ class _Prepared:
     counts: dict[str, int]
     step: timeline.StepMemory
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
+    stack: SoftwareStack | None = None
+    context: tuple[int, int, int, str] = (0, 0, 0, "")  # (point, low, high, why) of the CUDA context
+    given: frozenset[str] = frozenset()  # runtime fields the user fixed (no band on them)
+    fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
 
 
-def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
+def _with_stack(spec: ModelSpec, cfg: TrainConfig, inst: Instance, stack, runtime, calibration,
+                rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, SoftwareStack, tuple, frozenset]:
+    """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
+    cuBLAS workspaces of that torch version, unless the user fixed them."""
+    from planner.memory import stack as sw
+    from planner.memory.runtime import CUBLAS_HANDLES_PER_TRAINING_PROCESS, calibration_entry
+
+    st = sw.resolve_stack(stack, inst.gpu)
+    if cfg.attention == "auto":
+        cfg = cfg.model_copy(update={"attention": sw.model_default_attention(st, [t.family for t in
+                                                                                spec.transformers])})
+    given = frozenset(RuntimeConstants.model_fields) if isinstance(runtime, RuntimeConstants) else frozenset(runtime or ())
+    cal = calibration_entry(calibration, inst.gpu.family)
+    ctx = sw.context_band(st, inst.gpu.family, rt.cuda_context_bytes, overridden="cuda_context_bytes" in given,
+                          calibrated="cuda_context_bytes" in cal, calibrated_range=cal.get("context_range"))
+    update: dict[str, Any] = {}
+    if ctx[0] != rt.cuda_context_bytes:
+        update["cuda_context_bytes"] = ctx[0]
+    if "cublas_workspace_bytes" not in given:
+        update["cublas_workspace_bytes"] = sw.cublas_workspace_bytes(st, inst.gpu.compute_capability,
+                                                                     CUBLAS_HANDLES_PER_TRAINING_PROCESS)
+    if update:
+        rt = rt.model_copy(update=update | {"source": rt.source + f"; stack: {sw.describe(st)}"})
+    return cfg, rt, st, ctx, given
+
+
+def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.activations import activation_blocks
     from planner.memory.runtime import calibration_entry, load_calibration, runtime_constants
@@ -143,15 +174,15 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
-    check_supported(spec, cfg, inst)
-    world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
-
     calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     if isinstance(runtime, RuntimeConstants):
         rt = runtime
     else:
         rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
+    cfg, rt, st, ctx, given = _with_stack(spec, cfg, inst, stack, runtime, calibration, rt)
+    check_supported(spec, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
 
     counts = count_parameters(spec)
     total_params = counts["total"]
@@ -176,15 +207,17 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
         grads_resident=cfg.grad_accum > 1,
         extra_forward_bytes=_dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
-    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return _Prepared(spec, inst, cfg, world, rt, counts, step, scale)
+    cal = calibration_entry(calibration, inst.gpu.family)
+    return _Prepared(spec, inst, cfg, world, rt, counts, step, cal.get("throughput_scale"), st, ctx, given,
+                     tuple(cal.get("fragmentation_range") or ()))
 
 
 def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
                     runtime: RuntimeConstants | dict[str, Any] | None = None, backend: str = "cuda",
-                    model_options: dict[str, Any] | None = None) -> list[timeline.Point]:
+                    model_options: dict[str, Any] | None = None,
+                    stack: SoftwareStack | dict[str, Any] | None = None) -> list[timeline.Point]:
     """The allocated bytes by category at each block of one step (what `--plot` draws)."""
-    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options).step)
+    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options, stack).step)
 
 
 def estimate(
@@ -198,17 +231,21 @@ def estimate(
     dataset_size: int | None = None,
     spot: bool = False,
     with_throughput: bool = True,
+    stack: SoftwareStack | dict[str, Any] | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
     `config.batch_size` is the micro-batch of one GPU. `runtime` overrides the GPU family's runtime
-    constants (a RuntimeConstants or a dict of its fields).
+    constants (a RuntimeConstants or a dict of its fields). `stack`: the software stack (a SoftwareStack or a
+    dict with any of torch, cuda, transformers, alloc_conf; None = the DLC `probe launch` would use): it decides
+    the CUDA context, the workspaces and `config.attention` "auto". `verdict` comes from the band of the
+    whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     """
     from planner.memory.runtime import nccl_bytes
 
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
-    prep = _prepare(model, config, instance, runtime, backend, model_options)
+    prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
     spec, inst, cfg, world, rt, counts, step = (prep.spec, prep.inst, prep.cfg, prep.world, prep.rt, prep.counts,
                                                 prep.step)
     states = step.optimizer_state_bytes
@@ -227,6 +264,9 @@ def estimate(
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     usable = gpu_memory - rt.cuda_context_bytes - nccl
     headroom = gpu_memory - peak_device
+    terms = _band_terms(prep, peak_allocated, peak_reserved, nccl)
+    low, _, high = band.totals(terms)
+    verdict = band.verdict(low, high, gpu_memory)
 
     memory = MemoryBytes(
         parameters=sum(b.param_bytes for b in block_mem),
@@ -259,15 +299,31 @@ def estimate(
         peak_phase=top.phase,
         gpu_memory_bytes=gpu_memory,
         usable_memory_bytes=usable,
-        fits=headroom >= 0,
+        fits=verdict == "fits",
         headroom_bytes=headroom,
-        verdict="fits" if headroom >= 0 else "oom",
-        peak_device_low_bytes=peak_device,
-        peak_device_high_bytes=peak_device,
+        verdict=verdict,
+        peak_device_low_bytes=low,
+        peak_device_high_bytes=high,
         runtime=rt,
+        stack=prep.stack,
+        band=terms,
         throughput=throughput,
         cost=cost,
         notes=tuple(_notes(spec, cfg)),
+    )
+
+
+def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
+    """The whole-device peak term by term, each with its band (planner.memory.band)."""
+    workspace = prep.step.workspace_bytes
+    return (
+        band.exact("tensors", allocated - workspace, "exact: parameters, gradients, optimizer states, "
+                   "activations, batch and temporaries, checked against real modules"),
+        band.workspace_term(workspace, "cublas_workspace_bytes" in prep.given),
+        band.reserved_pool_term(allocated, reserved, given="fragmentation" in prep.given, replayed=replayed,
+                                calibrated_range=prep.fragmentation_range or None),
+        band.context_term(*prep.context),
+        band.nccl_term(nccl, "nccl_bytes_per_peer" in prep.given),
     )
 
 

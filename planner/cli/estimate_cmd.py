@@ -9,9 +9,11 @@ import typer
 from rich.table import Table
 
 from planner.cli.common import (
+    AllocConfOpt,
     AttentionOpt,
     BatchOpt,
     CheckpointingOpt,
+    CudaVersionOpt,
     GlobalBatchOpt,
     GradAccumOpt,
     InstanceOpt,
@@ -24,9 +26,12 @@ from planner.cli.common import (
     ParallelismOpt,
     PrecisionOpt,
     SeqOpt,
+    TorchVersionOpt,
+    TransformersVersionOpt,
     console,
     handles_errors,
     parse_model_options,
+    stack_from_flags,
 )
 from planner.cli.options import build_config
 from planner.spec import Estimate
@@ -49,7 +54,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  attention: str, grad_accum: int, instances: int, model_option: list[str] | None,
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
-                 spot: bool = False) -> Estimate:
+                 spot: bool = False, stack: dict[str, str] | None = None) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -66,7 +71,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     if fragmentation is not None:
         overrides["fragmentation"] = fragmentation
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot)
+                    dataset_size=dataset_size, spot=spot, stack=stack)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -75,6 +80,10 @@ def print_estimate(est: Estimate) -> None:
                   f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}, "
                   f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
                   f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}")
+    if est.stack:
+        from planner.memory.stack import describe
+
+        console.print(f"Stack: {describe(est.stack)} ({est.stack.source})", highlight=False)
     params = Table(title="Parameters", show_edge=False)
     params.add_column("component")
     params.add_column("parameters", justify="right")
@@ -108,9 +117,8 @@ def print_estimate(est: Estimate) -> None:
                                     "buffers")), fmt_bytes(ph.allocated))
     console.print(phases)
 
-    verdict = "[bold green]fits[/]" if est.fits else "[bold red]OOM[/]"
-    console.print(f"Verdict: {verdict}: peak {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} "
-                  f"(peak in {est.peak_phase}), headroom {fmt_bytes(est.headroom_bytes)}")
+    for line in verdict_lines(est):
+        console.print(line, highlight=False)
     if est.throughput:
         t = est.throughput
         console.print(f"Throughput: {t.samples_per_s:,.1f} samples/s, {t.tokens_per_s:,.0f} tokens/s, "
@@ -123,6 +131,38 @@ def print_estimate(est: Estimate) -> None:
         console.print(line)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+def probe_command(est: Estimate) -> str:
+    """The `planner probe launch` line that measures this configuration on the real GPU."""
+    cfg = est.config
+    parts = [f"planner probe launch --model {est.model} --instance {est.instance} --batch-size {cfg.batch_size}",
+             f"--seq-len {cfg.seq_len} --precision {cfg.precision} --attention {cfg.attention}"]
+    if cfg.checkpointing:
+        parts.append("--checkpointing")
+    if cfg.grad_accum > 1:
+        parts.append(f"--grad-accum {cfg.grad_accum}")
+    if cfg.parallelism not in ("single", "auto"):
+        parts.append(f"--parallelism {cfg.parallelism}")
+    return " ".join(parts)
+
+
+def verdict_lines(est: Estimate) -> list[str]:
+    """The verdict with its band; when tight, which terms make it so and what settles it."""
+    from planner.memory.band import tight_terms
+
+    m, cap = est.memory_bytes, est.gpu_memory_bytes
+    word = {"fits": "[bold green]fits[/]", "tight": "[bold yellow]TIGHT[/]", "oom": "[bold red]OOM[/]"}[est.verdict]
+    lines = [f"Verdict: {word}: peak {fmt_bytes(m.peak_device)} (band {fmt_bytes(est.peak_device_low_bytes)} to "
+             f"{fmt_bytes(est.peak_device_high_bytes)}) of {fmt_bytes(cap)} (peak in {est.peak_phase}), headroom "
+             f"{fmt_bytes(est.headroom_bytes)}"]
+    if est.verdict == "tight" and est.band:
+        why = "; ".join(f"{t.name.replace('_', ' ')} {fmt_bytes(t.low)} to {fmt_bytes(t.high)} ({t.basis})"
+                        for t in tight_terms(est.band, m.peak_device, cap)[:3])
+        lines.append(f"  tight because: {why}")
+        lines.append(f"  settle it with a probe on the real GPU: {probe_command(est)}")
+        lines.append("  (then `planner calibrate` narrows the band for this GPU family)")
+    return lines
 
 
 def register(app: typer.Typer) -> None:
@@ -139,7 +179,7 @@ def register(app: typer.Typer) -> None:
         optimizer_impl: OptimizerImplOpt = "foreach",
         parallelism: ParallelismOpt = "auto",
         checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "sdpa",
+        attention: AttentionOpt = "auto",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
@@ -148,6 +188,10 @@ def register(app: typer.Typer) -> None:
         fragmentation: FragOpt = None,
         dataset_size: DatasetOpt = None,
         spot: SpotOpt = False,
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         plot: PlotOpt = None,
         json_out: JsonOpt = False,
     ) -> None:
@@ -157,7 +201,7 @@ def register(app: typer.Typer) -> None:
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
-                           spot)
+                           spot, stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -182,11 +226,15 @@ def register(app: typer.Typer) -> None:
         optimizer_impl: OptimizerImplOpt = "foreach",
         parallelism: ParallelismOpt = "auto",
         checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "sdpa",
+        attention: AttentionOpt = "auto",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
         gradient_as_bucket_view: BucketViewOpt = False,
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         json_out: JsonOpt = False,
     ) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
@@ -196,7 +244,8 @@ def register(app: typer.Typer) -> None:
             batch_size = 8
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view)
+                           model_option, gradient_as_bucket_view,
+                           stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
         steps = explain(est, model_options=parse_model_options(model_option))
         if json_out:
             print(json.dumps([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
