@@ -28,6 +28,7 @@ FIELD = "config.json"
 # 16,384 and FFN 53,248 in Llama 3.1 405B, longest context 10M tokens in Llama 4 Scout < 2^24).
 MAX_LAYERS = 1024
 MAX_DIM = 1 << 24
+LAYER_KEYS = ("num_hidden_layers", "n_layers", "n_layer")
 # Activations with a saved-tensor formula in planner.memory.activations.mlp_activation (transformers' ACT2FN
 # names); any other `hidden_act` is refused here rather than failing deep inside the estimate.
 ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_pytorch_tanh", "silu", "swish", "gelu_python", "gelu_accurate",
@@ -88,8 +89,9 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None, *, minimum: 
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PlannerError(f"{FIELD}:{key}", value, f"an integer >= {minimum}")
-    if value > MAX_DIM:
-        raise PlannerError(f"{FIELD}:{key}", value, f"an integer <= {MAX_DIM:,} (planner.models.hf_config.MAX_DIM)")
+    limit, name = (MAX_LAYERS, "MAX_LAYERS") if key in LAYER_KEYS else (MAX_DIM, "MAX_DIM")
+    if value > limit:
+        raise PlannerError(f"{FIELD}:{key}", value, f"an integer <= {limit:,} (planner.models.hf_config.{name})")
     return value
 
 
@@ -311,10 +313,7 @@ def transformer_from_hf_config(config: dict[str, Any]) -> TransformerSpec:
 
 
 def _check_limits(fields: dict[str, Any]) -> None:
-    """Layers within MAX_LAYERS and an activation we have a formula for (names the config key)."""
-    if fields["num_layers"] > MAX_LAYERS:
-        raise PlannerError(f"{FIELD}:num_hidden_layers", fields["num_layers"],
-                           f"at most {MAX_LAYERS} layers (planner.models.hf_config.MAX_LAYERS)")
+    """An activation we have a saved-tensor formula for (names the config key)."""
     if fields["hidden_act"] not in ACTIVATIONS:
         raise PlannerError(f"{FIELD}:hidden_act", fields["hidden_act"], f"one of {', '.join(ACTIVATIONS)}")
 

@@ -119,6 +119,14 @@ RECORD_PARTS: dict[str, type] = {"summary": dict, "tensors": dict, "estimate": d
                                  "phases": list}
 
 
+# The measured figures validate/calibrate compare with predictions (planner.probes.validate.measured_terms).
+MEASURED_KEYS: dict[str, tuple[str, ...]] = {
+    "summary": ("peak_allocated", "peak_reserved", "device_peak", "activations", "saved_tensor_bytes",
+                "model_states_after_first_step", "samples_per_s"),
+    "tensors": ("parameters_bytes", "local_parameters_bytes", "gradients_bytes", "optimizer_state_bytes"),
+}
+
+
 def check_record(data: Any, path: Path) -> dict[str, Any]:
     """A probe record's shape: an object whose parts have the right types and whose measured byte counts are
     finite numbers; anything else names the file and the field."""
@@ -131,9 +139,10 @@ def check_record(data: Any, path: Path) -> dict[str, Any]:
         value = data.get(key)
         if value is not None and not isinstance(value, kind):
             raise PlannerError(f"{path}: {key}", value, f"a JSON {'object' if kind is dict else 'list'} or null")
-    for part in ("summary", "tensors"):
-        for key, value in (data.get(part) or {}).items():
-            if value is not None and not isinstance(value, str | dict | list):
+    for part, keys in MEASURED_KEYS.items():
+        for key in keys:
+            value = (data.get(part) or {}).get(key)
+            if value is not None:
                 number(value, f"{path}: {part}.{key}")
     return data
 
