@@ -282,7 +282,9 @@ def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_s
     throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
-    except PlannerError:  # no price known for this instance type
+    except PlannerError as exc:  # no price known for this instance type; a corrupt prices cache stays an error
+        if exc.field != "--instance":
+            raise
         cost = None
     return throughput, cost
 

@@ -108,11 +108,13 @@ def write_timeline(est: Estimate, path: str, model_options: dict | None = None) 
     points = memory_timeline(est.model, est.config, est.instance, runtime=est.runtime,
                              model_options=model_options)
     data = timeline_data(est, points)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if suffix == ".png":
-        timeline_png(data, path)
-    else:
-        timeline_figure(data).write_html(path, include_plotlyjs=True, full_html=True)
+    from planner.io import atomic_path
+
+    with atomic_path(path, "--plot") as tmp:  # a failure leaves no half-written file
+        if suffix == ".png":
+            timeline_png(data, str(tmp))
+        else:
+            timeline_figure(data).write_html(str(tmp), include_plotlyjs=True, full_html=True)
 
 
 def _short(label: str) -> str:
