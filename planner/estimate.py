@@ -294,7 +294,12 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                     model_options: dict[str, Any] | None, inputs: str | None, loss: str | None) -> _Prepared:
     """`_prepare` for a traced model: the same step memory, with each block's saved / kept bytes, transients
     and parameters measured by the tracer (blocks = the module's top-level children, then the loss)."""
-    from planner.memory.runtime import calibrated_values, calibration_entry, load_calibration, runtime_constants
+    from planner.memory.runtime import (
+        calibrated_values,
+        calibration_entry,
+        load_calibration,
+        runtime_constants,
+    )
     from planner.program.sources import user_trace
 
     inst = _resolve_instance(instance)
