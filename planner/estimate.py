@@ -61,33 +61,6 @@ def check_supported(model: ModelSpec, config: TrainConfig, instance: Instance) -
         raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
 
 
-def _ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
-    """DDP's Reducer allocates flat buckets covering every gradient when the model is wrapped
-    (torch/csrc/distributed/c10d/reducer.cpp `initialize_buckets`); with gradient_as_bucket_view=True the
-    .grad tensors are views into them, so no second copy. ZeroRedundancyOptimizer (zero1) runs over DDP."""
-    if config.parallelism in ("ddp", "zero1") and not config.gradient_as_bucket_view:
-        return gradient_bytes
-    return 0
-
-
-def _dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -> int:
-    """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
-    gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
-    in fp32 (LM heads: seq_len × vocab logits)."""
-    if config.parallelism != "dp":
-        return 0
-    others = config.batch_size * (gpus - 1)
-    inputs = batch_mem.batch_bytes(model, others, config.seq_len)
-    out_per_sample = 0
-    for t in model.transformers:
-        if t.head == "causal-lm" or t.head == "masked-lm":
-            out_per_sample = config.seq_len * t.vocab_size * 4
-    if not out_per_sample:
-        last = model.components[-1].layers[-1]
-        out_per_sample = getattr(last, "out_features", 0) * 4 or 8
-    return inputs + config.batch_size * gpus * out_per_sample
-
-
 def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
                   share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
     """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
@@ -131,13 +104,21 @@ class _Prepared:
     rt: RuntimeConstants
     counts: dict[str, int]
     step: timeline.StepMemory
+    activations: tuple  # planner.memory.activations.BlockActivations per block, then "loss"
+    share: parallel.Sharding
+    fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
 
 
 def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.activations import activation_blocks
-    from planner.memory.runtime import calibration_entry, load_calibration, runtime_constants
+    from planner.memory.runtime import (
+        calibrated_values,
+        calibration_entry,
+        load_calibration,
+        runtime_constants,
+    )
     from planner.models.params import count_buffers_bytes, count_parameters, model_gradient_tensor_shapes
 
     spec = _resolve_model(model, model_options)
@@ -152,6 +133,9 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
         rt = runtime
     else:
         rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
+    # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
+    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
+                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
 
     counts = count_parameters(spec)
     total_params = counts["total"]
@@ -168,16 +152,17 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     step = timeline.StepMemory(
         blocks=block_mem,
         module_buffer_bytes=count_buffers_bytes(spec),
-        ddp_bucket_bytes=_ddp_bucket_bytes(cfg, full_grad_bytes),
+        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
         grads_resident=cfg.grad_accum > 1,
-        extra_forward_bytes=_dataparallel_gpu0_extra(spec, cfg, inst.gpus),
+        extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return _Prepared(spec, inst, cfg, world, rt, counts, step, scale)
+    return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
+                     scale)
 
 
 def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
@@ -198,12 +183,17 @@ def estimate(
     dataset_size: int | None = None,
     spot: bool = False,
     with_throughput: bool = True,
+    expandable_segments: bool = False,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
     `config.batch_size` is the micro-batch of one GPU. `runtime` overrides the GPU family's runtime
-    constants (a RuntimeConstants or a dict of its fields).
+    constants (a RuntimeConstants or a dict of its fields). `peak_reserved` comes from replaying the step's
+    tensors through the caching-allocator model (`planner.memory.reserved`) unless a fragmentation is given
+    (explicit RuntimeConstants, a `fragmentation` override, or calibration): then allocated × (1 + it).
+    `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
     """
+    from planner.memory.reserved import replay_step
     from planner.memory.runtime import nccl_bytes
 
     if dataset_size is not None and dataset_size < 1:
@@ -219,12 +209,22 @@ def estimate(
     top = timeline.peak(points)
 
     peak_allocated = top.total
-    peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
     nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
+    gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
+    alloc = None
+    if prep.fragmentation_given:
+        peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
+    else:
+        alloc = replay_step(spec, cfg, step, prep.activations, parameter_share=prep.share.parameters,
+                            gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
+                            capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
+                            expandable_segments=expandable_segments, backend=backend,
+                            flash_ok=inst.gpu.flash_attention)
+        # The allocator's reserved peak, never under the allocated peak of the timeline.
+        peak_reserved = max(alloc.peak_reserved, peak_allocated)
     peak_device = rt.cuda_context_bytes + nccl + peak_reserved
     # The verdict uses what the driver reports as total (V100-16GB: 16160 MiB), not the marketed size.
-    gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     usable = gpu_memory - rt.cuda_context_bytes - nccl
     headroom = gpu_memory - peak_device
 
@@ -265,6 +265,7 @@ def estimate(
         peak_device_low_bytes=peak_device,
         peak_device_high_bytes=peak_device,
         runtime=rt,
+        allocator=alloc,
         throughput=throughput,
         cost=cost,
         notes=tuple(_notes(spec, cfg)),
@@ -281,7 +282,9 @@ def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_s
     throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
-    except PlannerError:  # no price known for this instance type
+    except PlannerError as exc:  # no price known for this instance type; a corrupt prices cache stays an error
+        if exc.field != "--instance":
+            raise
         cost = None
     return throughput, cost
 

@@ -45,6 +45,10 @@ def handles_errors(fn: F) -> F:
         except (PlannerError, ValidationError) as exc:
             err_console.print(f"[bold red]error:[/] {one_line(exc)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except OSError as exc:  # an unreadable or unwritable place the command did not check itself
+            where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+            err_console.print(f"[bold red]error:[/] {where}{exc.strerror or exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("interrupted; everything finished so far is saved")
             raise typer.Exit(130) from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
@@ -29,6 +28,7 @@ from planner.cli.common import (
     parse_model_options,
 )
 from planner.cli.options import build_config
+from planner.io import dumps_json
 from planner.spec import Estimate
 from planner.units import fmt_bytes
 
@@ -53,6 +53,8 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
+    from planner.io import number
+    from planner.memory.runtime import MAX_FRAGMENTATION, MAX_RUNTIME_BYTES
 
     inst = get_instance(instance)
     config = build_config(instance_gpus=inst.gpus, batch_size=batch_size, global_batch_size=global_batch_size,
@@ -62,9 +64,10 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                           gradient_as_bucket_view=gradient_as_bucket_view)
     overrides: dict[str, Any] = {}
     if cuda_context_mib is not None:
+        number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
         overrides["cuda_context_bytes"] = int(cuda_context_mib * 2**20)
     if fragmentation is not None:
-        overrides["fragmentation"] = fragmentation
+        overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
                     dataset_size=dataset_size, spot=spot)
 
@@ -163,7 +166,7 @@ def register(app: typer.Typer) -> None:
 
             write_timeline(est, plot, model_options=parse_model_options(model_option))
         if json_out:
-            print(json.dumps(est.to_json(), indent=2))
+            print(dumps_json(est.to_json(), indent=2))
         else:
             print_estimate(est)
             if plot:
@@ -199,7 +202,7 @@ def register(app: typer.Typer) -> None:
                            model_option, gradient_as_bucket_view)
         steps = explain(est, model_options=parse_model_options(model_option))
         if json_out:
-            print(json.dumps([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
+            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))
             return
         for i, s in enumerate(steps, 1):
