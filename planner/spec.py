@@ -6,6 +6,7 @@ been checked, and a result can be serialised to JSON with `.model_dump(mode="jso
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -30,6 +31,12 @@ Backend = Literal["cuda", "cpu"]
 # The OOM verdict with its uncertainty band: "fits" only when even the high end of the whole-device peak is
 # under the GPU's memory, "oom" only when even the low end is over it, "tight" in between.
 Verdict = Literal["fits", "tight", "oom"]
+
+# Instances in one training job. SageMaker's per-account quotas (Service Quotas, "ml.<type> for training job
+# usage") are adjustable and the API itself sets no maximum (botocore sagemaker-2017-07-24 TrainingInstanceCount:
+# min 0 only). ASSUMPTION: 2,048 instances (16,384 GPUs at 8 per instance) bounds any job this tool plans, above
+# the largest published SageMaker runs (hundreds of p4d/p5 instances). Override: $PLANNER_MAX_INSTANCES.
+MAX_INSTANCES = int(os.environ.get("PLANNER_MAX_INSTANCES", "2048"))
 
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                                     "uint8": 1}
@@ -149,7 +156,7 @@ class TrainConfig(Frozen):
     checkpointing: bool = False
     attention: Attention = "auto"
     grad_accum: PositiveInt = 1
-    instances: PositiveInt = 1
+    instances: int = Field(1, ge=1, le=MAX_INSTANCES)  # SageMaker InstanceCount; see MAX_INSTANCES
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = Field(25.0, gt=0)
 
@@ -171,6 +178,12 @@ class GPU(Frozen):
     sources: tuple[str, ...] = ()
     # What the driver reports as total (nvidia-smi "Total", typical figure); memory_bytes is the nominal size.
     reported_memory_bytes: int | None = None
+    # Added for the roofline (planner.perf.roofline); None where unknown (the wave rule is then skipped).
+    sm_count: int | None = None  # streaming multiprocessors
+    boost_clock_mhz: float | None = None
+    l2_mib: float | None = None
+    nvlink_gbs: float = 0.0  # total NVLink bandwidth per GPU, both directions (0: none)
+    pcie_gbs: float | None = None  # host link, both directions
 
 
 class Instance(Frozen):
@@ -270,6 +283,22 @@ class Cost(Frozen):
     price_source: str = ""
 
 
+class AllocatorReplay(Frozen):
+    """What replaying the step's tensors through the CUDA caching allocator model says
+    (`planner.memory.allocator`): why reserved exceeds allocated."""
+
+    peak_allocated: int  # allocated blocks at the peak (block sizes: rounded, unsplit remainders included)
+    peak_reserved: int  # segments held at the peak (torch.cuda.max_memory_reserved)
+    segments: int  # segments held when the reserved peak was reached
+    peak_allocation: str  # the tensor whose new segment set the reserved peak
+    peak_allocation_bytes: int  # its size
+    peak_segment_bytes: int  # the segment (or expandable pages) it made the allocator reserve
+    oom_retry: bool  # the allocator had to free its cached segments and retry (empty_cache path)
+    oom_after_retry: bool  # even after that retry a cudaMalloc would exceed the GPU's memory
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    events: int = 0  # allocations + frees replayed
+
+
 class Estimate(Frozen):
     model: str
     instance: str
@@ -288,6 +317,7 @@ class Estimate(Frozen):
     peak_device_low_bytes: int = 0  # low end of the whole-device peak band
     peak_device_high_bytes: int = 0  # high end of the whole-device peak band
     runtime: RuntimeConstants
+    allocator: AllocatorReplay | None = None  # the allocator replay behind peak_reserved (None: flat fragmentation given)
     stack: SoftwareStack | None = None  # the software stack the runtime terms were computed for
     band: tuple[BandTerm, ...] = ()  # the terms of peak_device_low/high_bytes (planner.memory.band)
     throughput: Throughput | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -29,6 +30,9 @@ COMPONENT = "Training"
 DEFAULT_REGION = "us-east-1"
 CACHE_ENV = "PLANNER_PRICES"
 DEFAULT_CACHE = Path("results") / "prices.json"
+# ASSUMPTION: no SageMaker training instance costs more than this per hour (the dearest, ml.p6-b200.48xlarge
+# and ml.p5en.48xlarge, list well under $200/h on demand); a bigger figure in a cache is a corrupt file.
+MAX_PRICE_PER_HOUR = 10_000.0
 API_SOURCE = "AWS Price List API (AmazonSageMaker, component Training, On-Demand)"
 
 
@@ -77,8 +81,11 @@ def parse_price_list(price_list: Iterable[str | Mapping[str, Any]], region: str 
             for dim in term.get("priceDimensions", {}).values():
                 if str(dim.get("unit", "")).lower() not in ("hrs", "hours", "hour"):
                     continue
-                usd = float(dim.get("pricePerUnit", {}).get("USD", "0") or 0)
-                if usd > 0:
+                try:
+                    usd = float(dim.get("pricePerUnit", {}).get("USD", "0") or 0)
+                except (TypeError, ValueError):
+                    continue
+                if math.isfinite(usd) and 0 < usd <= MAX_PRICE_PER_HOUR:
                     prices[name] = usd
     return prices
 
@@ -112,15 +119,22 @@ def cache_path() -> Path:
 
 
 def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
-    """The refreshed price cache, or None when absent or unreadable (then the embedded table answers)."""
+    """The refreshed price cache, or None when absent; a cache that is not what `--refresh` writes is an error
+    naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
+    from planner.errors import PlannerError
+    from planner.io import number, read_json
+
     p = Path(path) if path is not None else cache_path()
-    if not p.is_file():
+    if not p.exists():
         return None
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("prices"), dict) else None
+    what = f"prices cache (${CACHE_ENV}; delete it or run `planner prices --refresh`)"
+    data = read_json(p, what)
+    prices = data.get("prices")
+    if not isinstance(prices, dict):
+        raise PlannerError(f"{p}: prices", prices, 'an object {"ml.p3.2xlarge": 3.825, ...}')
+    for name, usd in prices.items():
+        number(usd, f"{p}: prices.{name}", low=0, high=MAX_PRICE_PER_HOUR, low_open=True)
+    return data
 
 
 def price_per_hour(instance_name: str) -> tuple[float | None, str, str]:
@@ -168,13 +182,11 @@ def write_cache(prices: Mapping[str, float], region: str, path: str | Path | Non
                 fetched: str | None = None) -> Path:
     """Write the cache atomically (temporary file + rename), so a failure never leaves half a file."""
     p = Path(path) if path is not None else cache_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
     data = {"fetched": fetched or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "region": region,
             "source": API_SOURCE, "prices": dict(sorted(prices.items()))}
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(p)
-    return p
+    from planner.io import write_json
+
+    return write_json(p, data, "prices cache", indent=1)
 
 
 def refresh(region: str = DEFAULT_REGION, path: str | Path | None = None, client: Any = None) -> tuple[Path, int]:

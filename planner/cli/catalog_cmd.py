@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from planner.cli.common import JsonOpt, console, handles_errors
+from planner.io import dumps_json
 
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="Only instances with this GPU family or id, e.g. V100, A100-80GB.")]
 
@@ -44,7 +44,7 @@ def instances(gpu: GpuOpt = None, json_out: JsonOpt = False) -> None:
     cache = load_cache()
     rows = [_row(n, cache) for n in names]
     if json_out:
-        typer.echo(json.dumps(rows, indent=1))
+        typer.echo(dumps_json(rows, indent=1))
         return
     from rich.table import Table
 

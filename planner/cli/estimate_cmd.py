@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
@@ -16,9 +15,11 @@ from planner.cli.common import (
     CudaVersionOpt,
     GlobalBatchOpt,
     GradAccumOpt,
+    InputsOpt,
     InstanceOpt,
     InstancesOpt,
     JsonOpt,
+    LossOpt,
     ModelOpt,
     ModelOptionOpt,
     OptimizerImplOpt,
@@ -34,6 +35,7 @@ from planner.cli.common import (
     stack_from_flags,
 )
 from planner.cli.options import build_config
+from planner.io import dumps_json
 from planner.spec import Estimate
 from planner.units import fmt_bytes
 
@@ -54,10 +56,13 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  attention: str, grad_accum: int, instances: int, model_option: list[str] | None,
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
-                 spot: bool = False, stack: dict[str, str] | None = None) -> Estimate:
+                 spot: bool = False, inputs: str | None = None, loss: str | None = None,
+                 stack: dict[str, str] | None = None) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
+    from planner.io import number
+    from planner.memory.runtime import MAX_FRAGMENTATION, MAX_RUNTIME_BYTES
 
     inst = get_instance(instance)
     config = build_config(instance_gpus=inst.gpus, batch_size=batch_size, global_batch_size=global_batch_size,
@@ -67,11 +72,12 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                           gradient_as_bucket_view=gradient_as_bucket_view)
     overrides: dict[str, Any] = {}
     if cuda_context_mib is not None:
+        number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
         overrides["cuda_context_bytes"] = int(cuda_context_mib * 2**20)
     if fragmentation is not None:
-        overrides["fragmentation"] = fragmentation
+        overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot, stack=stack)
+                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -194,6 +200,8 @@ def register(app: typer.Typer) -> None:
         alloc_conf: AllocConfOpt = None,
         plot: PlotOpt = None,
         json_out: JsonOpt = False,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         if batch_size is None and global_batch_size is None:
@@ -201,13 +209,14 @@ def register(app: typer.Typer) -> None:
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
-                           spot, stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
+                           spot, inputs, loss,
+                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
             write_timeline(est, plot, model_options=parse_model_options(model_option))
         if json_out:
-            print(json.dumps(est.to_json(), indent=2))
+            print(dumps_json(est.to_json(), indent=2))
         else:
             print_estimate(est)
             if plot:
@@ -236,6 +245,8 @@ def register(app: typer.Typer) -> None:
         transformers_version: TransformersVersionOpt = None,
         alloc_conf: AllocConfOpt = None,
         json_out: JsonOpt = False,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
     ) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
         from planner.explain import explain
@@ -244,11 +255,11 @@ def register(app: typer.Typer) -> None:
             batch_size = 8
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view,
+                           model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
         steps = explain(est, model_options=parse_model_options(model_option))
         if json_out:
-            print(json.dumps([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
+            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))
             return
         for i, s in enumerate(steps, 1):

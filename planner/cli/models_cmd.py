@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from planner.cli.common import JsonOpt, console, handles_errors
+from planner.io import dumps_json
 
 
 def _millions(n: int) -> str:
@@ -24,7 +23,7 @@ def register(app: typer.Typer) -> None:
 
         rows = describe_models()
         if as_json:
-            typer.echo(json.dumps(rows, indent=2))
+            typer.echo(dumps_json(rows, indent=2))
             return
         table = Table(title="Model catalog (parameters counted exactly; heads as on the hub)")
         for col, justify in (("name", "left"), ("family", "left"), ("head", "left"), ("parameters", "right"),

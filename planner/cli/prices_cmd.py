@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from planner.cli.common import JsonOpt, console, err_console, fail, handles_errors
+from planner.io import dumps_json
 
 RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Fetch current prices from the AWS Price List API "
                                                             "and cache them in results/prices.json.")]
@@ -47,7 +47,7 @@ def prices(refresh: RefreshOpt = False, region: RegionOpt = "us-east-1", json_ou
         err_console.print(f"cached {count} SageMaker training prices for {region} in {path}", highlight=False)
     rows = _rows()
     if json_out:
-        typer.echo(json.dumps(rows, indent=1))
+        typer.echo(dumps_json(rows, indent=1))
         return
     from rich.table import Table
 

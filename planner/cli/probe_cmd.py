@@ -6,7 +6,6 @@ planner.probes.store, comparisons from planner.probes.validate / calibrate.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,10 +32,12 @@ from planner.cli.common import (
     SeqOpt,
     console,
     err_console,
+    fail,
     handles_errors,
     parse_model_options,
 )
 from planner.errors import PlannerError
+from planner.io import dumps_json
 
 StudyOpt = Annotated[str | None, typer.Option("--study", help="Optuna study under results/ to take candidates from.")]
 TopOpt = Annotated[int, typer.Option("--top", "-k", help="How many of the study's best trials.")]
@@ -82,6 +83,22 @@ def build_requests(study: str | None, top: int, model: str | None, instance: str
 # ------------------------------------------------------------------------------------------ local
 
 
+def check_torch() -> None:
+    """`probe run --local` runs jobs/probe.py with this Python: without torch it can only fail, so say so now."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise PlannerError("probe run --local", f"no torch in {sys.executable}",
+                           "PyTorch installed in this Python (pip install torch --index-url "
+                           "https://download.pytorch.org/whl/cpu for the CPU build), or `planner probe launch`")
+
+
+def last_line(text: Any) -> str:
+    """The last non-empty line of a traceback or message: the one that says what went wrong."""
+    lines = [ln.strip() for ln in str(text or "").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "no message"
+
+
 def probe_command(request_file: Path, out_file: Path, *, python: str | None = None,
                   device: str | None = None) -> list[str]:
     """`python jobs/probe.py --request R --out O` (the probe re-launches itself under torchrun for DDP)."""
@@ -109,7 +126,9 @@ def run_local(request: Any, *, device: str | None = None, timeout_s: int = PROBE
     except subprocess.TimeoutExpired:
         code, tail = None, f"timed out after {timeout_s} s"
     if out_file.is_file():
-        record = json.loads(out_file.read_text())
+        from planner.io import read_json
+
+        record = read_json(out_file, "probe result", nonfinite_as_none=True)
         out_file.unlink()
     else:
         record = {"request_id": request.request_id, "status": "error", "phase": "launch",
@@ -225,6 +244,7 @@ def register(app: typer.Typer) -> None:
 
         if not local:
             raise PlannerError("--no-local", True, "`planner probe launch` for SageMaker")
+        check_torch()
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
@@ -237,9 +257,13 @@ def register(app: typer.Typer) -> None:
             if records:
                 store.rebuild_parquet()
         if json_out:
-            typer.echo(json.dumps(records, default=str))
+            typer.echo(dumps_json(records, default=str))
         else:
             print_records(records)
+        failed = [r for r in records if r.get("status") == "error"]
+        if failed:  # an OOM is a measurement; a probe that could not run is a failure of the command
+            fail(f"{len(failed)} of {len(records)} probe(s) failed; {failed[0].get('record_id')} "
+                 f"@{failed[0].get('phase')}: {last_line(failed[0].get('message'))}")
 
     @probe.command("launch")
     @handles_errors
@@ -294,7 +318,7 @@ def register(app: typer.Typer) -> None:
             results = awslaunch.launch(requests, opts, dry_run=True, jobs_dir=_jobs_dir())
             payload = [{**store.redact(r.request), "RoleArn": store.redact_string(r.request["RoleArn"])}
                        for r in results]  # the role is shown with its account id masked
-            typer.echo(json.dumps(payload if len(payload) > 1 else payload[0], indent=None if json_out else 2))
+            typer.echo(dumps_json(payload if len(payload) > 1 else payload[0], indent=None if json_out else 2))
             return
 
         def saved(res: Any, req: Any) -> None:  # record each job as soon as it exists
@@ -304,7 +328,7 @@ def register(app: typer.Typer) -> None:
         aws = awssession.Aws(region_name, profile)
         results = awslaunch.launch(requests, opts, aws=aws, jobs_dir=_jobs_dir(), on_result=saved)
         if json_out:
-            typer.echo(json.dumps([{"job_name": r.job_name, "action": r.action, "status": r.status,
+            typer.echo(dumps_json([{"job_name": r.job_name, "action": r.action, "status": r.status,
                                     "request_id": r.request_id, "image": store.redact_string(r.image)}
                                    for r in results]))
             return
@@ -331,7 +355,7 @@ def register(app: typer.Typer) -> None:
                          "training_seconds": info.training_seconds if info else None,
                          "study": entry.get("study"), "trial": entry.get("trial")})
         if json_out:
-            typer.echo(json.dumps(rows, default=str))
+            typer.echo(dumps_json(rows, default=str))
             return
         t = Table(title="probe jobs")
         for col in ("job", "status", "secondary", "seconds", "failure reason"):
@@ -357,7 +381,7 @@ def register(app: typer.Typer) -> None:
             if any(store.probes_dir().glob("*.json")):
                 store.rebuild_parquet()  # whatever was collected before an error stays in the table
         if json_out:
-            typer.echo(json.dumps([{"job_name": c.job_name, "action": c.action, "status": c.status,
+            typer.echo(dumps_json([{"job_name": c.job_name, "action": c.action, "status": c.status,
                                     "job_status": c.job_status} for c in results]))
             return
         for c in results:
@@ -391,7 +415,7 @@ def register(app: typer.Typer) -> None:
         csv_path.parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(long_rows(rows)).to_csv(csv_path, index=False)
         if json_out:
-            typer.echo(json.dumps({"rows": [r.to_json() for r in rows], "summary": summ, "csv": str(csv_path)},
+            typer.echo(dumps_json({"rows": [r.to_json() for r in rows], "summary": summ, "csv": str(csv_path)},
                                   default=str))
             return
         print_validation(rows, summ)
@@ -422,7 +446,7 @@ def register(app: typer.Typer) -> None:
         if not dry_run:
             write_json_atomic(path, cal.merge_into(path, doc))
         if json_out:
-            typer.echo(json.dumps({"calibration": doc, "report": result["report"], "path": str(path),
+            typer.echo(dumps_json({"calibration": doc, "report": result["report"], "path": str(path),
                                    "written": not dry_run}, default=str))
             return
         print_calibration(result["report"])

@@ -155,14 +155,9 @@ def calibration_document(result: dict[str, Any], records_used: int) -> dict[str,
 
 def merge_into(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
     """Families calibrated now replace their entries; other families already in the file stay."""
-    import json
+    from planner.memory.runtime import load_calibration
 
-    old: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-        except (OSError, ValueError):
-            old = {}
+    old = load_calibration(path)  # a corrupt file is an error naming it, not silently overwritten
     fams = dict(old.get("families") or {})
     fams.update(doc["families"])
     out = dict(doc)
