@@ -378,5 +378,26 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step('The "computational graph": saved activations', tuple(_activation_lines(spec, est))),
         Step("How parameters and data are stored", tuple(_data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
-        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options))),
+        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options)) + _speed_bound_lines(est)),
     ]
+
+
+def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
+    """What bounds the step's speed: the share of its time in kernels limited by bytes rather than FLOPs
+    (planner.perf.roofline), so the user knows whether HBM bandwidth or FLOP/s buys more speed."""
+    t = est.throughput
+    if t is None or "bytes_bound_s" not in t.breakdown_s:
+        return ()
+    b = t.breakdown_s
+    share = b["bytes_bound_s"] / t.step_time_s
+    cpu = b.get("launch_overhead", 0.0) / t.step_time_s
+    if share >= 0.5:
+        head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
+                "with more FLOPs.")
+    else:
+        head = (f"{1 - share - cpu:.0%} of this step is bound by FLOPs ({share:.0%} memory-bound): a GPU with "
+                "more tensor-core FLOP/s helps most.")
+    kinds = ", ".join(f"{k.replace('_', '-')} {b[k] / t.step_time_s:.0%}" for k in
+                      ("gemm", "attention", "memory_bound", "optimizer", "communication", "launch_overhead")
+                      if k in b)
+    return (f"Speed: {head}", f"Time by kernel kind: {kinds}; MFU {t.mfu:.0%}.")

@@ -176,6 +176,12 @@ class GPU(Frozen):
     sources: tuple[str, ...] = ()
     # What the driver reports as total (nvidia-smi "Total", typical figure); memory_bytes is the nominal size.
     reported_memory_bytes: int | None = None
+    # Added for the roofline (planner.perf.roofline); None where unknown (the wave rule is then skipped).
+    sm_count: int | None = None  # streaming multiprocessors
+    boost_clock_mhz: float | None = None
+    l2_mib: float | None = None
+    nvlink_gbs: float = 0.0  # total NVLink bandwidth per GPU, both directions (0: none)
+    pcie_gbs: float | None = None  # host link, both directions
 
 
 class Instance(Frozen):
@@ -247,6 +253,22 @@ class Cost(Frozen):
     price_source: str = ""
 
 
+class AllocatorReplay(Frozen):
+    """What replaying the step's tensors through the CUDA caching allocator model says
+    (`planner.memory.allocator`): why reserved exceeds allocated."""
+
+    peak_allocated: int  # allocated blocks at the peak (block sizes: rounded, unsplit remainders included)
+    peak_reserved: int  # segments held at the peak (torch.cuda.max_memory_reserved)
+    segments: int  # segments held when the reserved peak was reached
+    peak_allocation: str  # the tensor whose new segment set the reserved peak
+    peak_allocation_bytes: int  # its size
+    peak_segment_bytes: int  # the segment (or expandable pages) it made the allocator reserve
+    oom_retry: bool  # the allocator had to free its cached segments and retry (empty_cache path)
+    oom_after_retry: bool  # even after that retry a cudaMalloc would exceed the GPU's memory
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    events: int = 0  # allocations + frees replayed
+
+
 class Estimate(Frozen):
     model: str
     instance: str
@@ -265,6 +287,7 @@ class Estimate(Frozen):
     peak_device_low_bytes: int = 0  # low end of the whole-device peak band
     peak_device_high_bytes: int = 0  # high end of the whole-device peak band
     runtime: RuntimeConstants
+    allocator: AllocatorReplay | None = None  # the allocator replay behind peak_reserved (None: flat fragmentation given)
     throughput: Throughput | None = None
     cost: Cost | None = None
     notes: tuple[str, ...] = ()

@@ -12,9 +12,11 @@ from planner.cli.common import (
     CheckpointingOpt,
     GlobalBatchOpt,
     GradAccumOpt,
+    InputsOpt,
     InstanceOpt,
     InstancesOpt,
     JsonOpt,
+    LossOpt,
     ModelOpt,
     ModelOptionOpt,
     OptimizerImplOpt,
@@ -48,7 +50,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  attention: str, grad_accum: int, instances: int, model_option: list[str] | None,
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
-                 spot: bool = False) -> Estimate:
+                 spot: bool = False, inputs: str | None = None, loss: str | None = None) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -68,7 +70,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     if fragmentation is not None:
         overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot)
+                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -146,6 +148,8 @@ def register(app: typer.Typer) -> None:
         spot: SpotOpt = False,
         plot: PlotOpt = None,
         json_out: JsonOpt = False,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         if batch_size is None and global_batch_size is None:
@@ -153,7 +157,7 @@ def register(app: typer.Typer) -> None:
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
-                           spot)
+                           spot, inputs, loss)
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -184,6 +188,8 @@ def register(app: typer.Typer) -> None:
         model_option: ModelOptionOpt = None,
         gradient_as_bucket_view: BucketViewOpt = False,
         json_out: JsonOpt = False,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
     ) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
         from planner.explain import explain
@@ -192,7 +198,7 @@ def register(app: typer.Typer) -> None:
             batch_size = 8
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view)
+                           model_option, gradient_as_bucket_view, inputs=inputs, loss=loss)
         steps = explain(est, model_options=parse_model_options(model_option), requested_parallelism=parallelism)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
