@@ -176,6 +176,12 @@ class GPU(Frozen):
     sources: tuple[str, ...] = ()
     # What the driver reports as total (nvidia-smi "Total", typical figure); memory_bytes is the nominal size.
     reported_memory_bytes: int | None = None
+    # Added for the roofline (planner.perf.roofline); None where unknown (the wave rule is then skipped).
+    sm_count: int | None = None  # streaming multiprocessors
+    boost_clock_mhz: float | None = None
+    l2_mib: float | None = None
+    nvlink_gbs: float = 0.0  # total NVLink bandwidth per GPU, both directions (0: none)
+    pcie_gbs: float | None = None  # host link, both directions
 
 
 class Instance(Frozen):
