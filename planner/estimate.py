@@ -39,8 +39,9 @@ def _resolve_instance(instance: Instance | str) -> Instance:
     return get_instance(instance)
 
 
-def check_supported(model: ModelSpec, config: TrainConfig, instance: Instance) -> None:
-    """What the GPU and the model allow; raises PlannerError naming the flag."""
+def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Instance) -> None:
+    """What the GPU and the model allow (model None: a traced model, GPU checks only); raises PlannerError
+    naming the flag."""
     gpu = instance.gpu
     if "bf16" in config.precision and not gpu.bf16:
         raise PlannerError("--precision", config.precision,
@@ -54,8 +55,8 @@ def check_supported(model: ModelSpec, config: TrainConfig, instance: Instance) -
         if config.precision == "fp32":
             raise PlannerError("--attention", "flash", "FlashAttention runs in fp16/bf16 only; use --precision "
                                "amp-fp16, amp-bf16, fp16 or bf16, or --attention sdpa")
-    limit = model.max_positions
-    if limit is not None and config.seq_len > limit:
+    limit = model.max_positions if model is not None else None
+    if model is not None and limit is not None and config.seq_len > limit:
         raise PlannerError("--seq-len", config.seq_len, f"{model.name} has {limit} positions; use <= {limit}")
     if config.optimizer_impl == "fused" and config.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
         raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
@@ -97,7 +98,7 @@ def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
 
 @dataclass(frozen=True)
 class _Prepared:
-    spec: ModelSpec
+    spec: ModelSpec | None  # None for a traced model (user code, HF config outside the families)
     inst: Instance
     cfg: TrainConfig
     world: int
@@ -108,6 +109,8 @@ class _Prepared:
     share: parallel.Sharding
     fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
+    name: str = ""
+    notes: tuple[str, ...] = ()
 
 
 def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
@@ -162,7 +165,7 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
-                     scale)
+                     scale, spec.name, tuple(_notes(spec, cfg)))
 
 
 def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
@@ -184,6 +187,8 @@ def estimate(
     spot: bool = False,
     with_throughput: bool = True,
     expandable_segments: bool = False,
+    inputs: str | None = None,
+    loss: str | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
@@ -191,14 +196,27 @@ def estimate(
     constants (a RuntimeConstants or a dict of its fields). `peak_reserved` comes from replaying the step's
     tensors through the caching-allocator model (`planner.memory.reserved`) unless a fragmentation is given
     (explicit RuntimeConstants, a `fragmentation` override, or calibration): then allocated × (1 + it).
-    `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+    `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A `model` of the form
+    `file.py:build` is the user's own module, traced (`planner.program`) with `inputs` (`file.py:batch`) and
+    `loss` (`file.py:fn`).
     """
-    from planner.memory.reserved import replay_step
-    from planner.memory.runtime import nccl_bytes
+    from planner.models.user_module import is_reference
 
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
-    prep = _prepare(model, config, instance, runtime, backend, model_options)
+    if is_reference(model):
+        prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss)
+    else:
+        prep = _prepare(model, config, instance, runtime, backend, model_options)
+    return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend)
+
+
+def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughput: bool,
+            expandable_segments: bool, backend: str) -> Estimate:
+    """The verdict, phases, speed and cost from the prepared step (analytic or traced)."""
+    from planner.memory.reserved import replay_step
+    from planner.memory.runtime import nccl_bytes
+
     spec, inst, cfg, world, rt, counts, step = (prep.spec, prep.inst, prep.cfg, prep.world, prep.rt, prep.counts,
                                                 prep.step)
     states = step.optimizer_state_bytes
@@ -213,7 +231,7 @@ def estimate(
     nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     alloc = None
-    if prep.fragmentation_given:
+    if prep.fragmentation_given or spec is None:  # traced models: flat fragmentation until the replay reads traces
         peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
     else:
         alloc = replay_step(spec, cfg, step, prep.activations, parameter_share=prep.share.parameters,
@@ -244,11 +262,11 @@ def estimate(
     phases = tuple(PhasePeak(phase=name, allocated=p.total, detail=dict(p.bytes)) for name, p in peaks.items())
 
     throughput = cost = None
-    if with_throughput:
+    if with_throughput and spec is not None:
         throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale)
 
     return Estimate(
-        model=spec.name,
+        model=prep.name,
         instance=inst.name,
         gpu=inst.gpu.name,
         config=cfg,
@@ -268,8 +286,80 @@ def estimate(
         allocator=alloc,
         throughput=throughput,
         cost=cost,
-        notes=tuple(_notes(spec, cfg)),
+        notes=prep.notes,
     )
+
+
+def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
+                    model_options: dict[str, Any] | None, inputs: str | None, loss: str | None) -> _Prepared:
+    """`_prepare` for a traced model: the same step memory, with each block's saved / kept bytes, transients
+    and parameters measured by the tracer (blocks = the module's top-level children, then the loss)."""
+    from planner.memory.runtime import (
+        calibrated_values,
+        calibration_entry,
+        load_calibration,
+        runtime_constants,
+    )
+    from planner.program.sources import user_trace
+
+    inst = _resolve_instance(instance)
+    cfg = parallel.resolve_parallelism(config, inst)
+    check_supported(None, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
+    calibration = load_calibration()
+    rt = runtime if isinstance(runtime, RuntimeConstants) else runtime_constants(inst.gpu, runtime or None,
+                                                                                 calibration=calibration)
+    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
+                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
+
+    def trace(checkpointing: bool):
+        return user_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
+                          inputs=inputs, loss=loss, backend=backend, flash_ok=inst.gpu.flash_attention)
+
+    full = trace(False)
+    kept = trace(True) if cfg.checkpointing else full
+    kept_by = {b.name: b.saved_bytes + b.retained_bytes for b in kept.blocks}
+    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
+    g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
+    blocks = []
+    for b in full.blocks:
+        full_p, full_g = b.parameters * p_bytes, b.parameters * g_bytes
+        resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
+        keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
+        blocks.append(timeline.BlockMemory(
+            name=b.name, param_bytes=resident_p, grad_bytes=resident_g,
+            gathered_param_bytes=2 * (full_p - resident_p) if share.parameters < 1 else 0,
+            transient_grad_bytes=full_g - resident_g if share.gradients < 1 else 0,
+            kept_bytes=keep, saved_bytes=b.saved_bytes, forward_transient_bytes=b.forward_transient_bytes,
+            backward_transient_bytes=b.backward_transient_bytes, checkpointed=keep < b.saved_bytes,
+            retained_bytes=b.retained_bytes))
+    total = full.parameters["total"]
+    shapes = list(full.gradient_shapes)
+    dp_extra = 0
+    if cfg.parallelism == "dp":  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
+        dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
+    step = timeline.StepMemory(
+        blocks=tuple(blocks),
+        module_buffer_bytes=full.buffer_bytes,
+        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(total, cfg)),
+        workspace_bytes=rt.cublas_workspace_bytes,
+        batch_bytes=full.batch_bytes,
+        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+        grads_resident=cfg.grad_accum > 1,
+        extra_forward_bytes=dp_extra,
+    )
+    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
+             "models yet", *full.notes]
+    if cfg.checkpointing and not kept.checkpointed:
+        notes.append("checkpointing: the module offers none; activations are the full forward's")
+    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
+    if not fragmentation_given:
+        notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}) (the allocator replay reads the "
+                     "analytic step only)")
+    return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
+                     scale, full.name, tuple(notes))
 
 
 def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,

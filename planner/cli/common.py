@@ -62,7 +62,7 @@ def fail(message: str, code: int = 2) -> None:
 
 
 # ---- the flags of `planner estimate`, shared by explain, probe run and probe launch -------------
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name or path to a Hugging Face config.json.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name, path to a Hugging Face config.json, or FILE.py:build (your nn.Module).")]
 InstanceOpt = Annotated[str, typer.Option("--instance", "-i", help="SageMaker instance type, e.g. ml.p3.16xlarge.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", "-b", help="Micro-batch per GPU.")]
 GlobalBatchOpt = Annotated[int | None, typer.Option("--global-batch-size",
@@ -79,6 +79,11 @@ GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per
 InstancesOpt = Annotated[int, typer.Option("--instances", help="Number of instances (nodes).")]
 ModelOptionOpt = Annotated[list[str] | None, typer.Option(
     "--model-option", "-o", help="Model option KEY=VALUE, e.g. tab_in=200 (multimodal-bert).")]
+InputsOpt = Annotated[str | None, typer.Option(
+    "--inputs", help="With --model FILE.py:build: FILE.py:batch, a batch(batch_size, seq_len) function.")]
+LossOpt = Annotated[str | None, typer.Option(
+    "--loss", help="With --model FILE.py:build: FILE.py:fn, fn(output, batch) -> loss (default: output.loss, "
+                   "else the sum of the first output tensor).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 

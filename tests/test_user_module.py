@@ -1,0 +1,83 @@
+"""`--model FILE.py:build --inputs FILE.py:batch` from the command line: the example, and each bad input as one
+line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli.main import app
+
+runner = CliRunner()
+
+USER = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, width=16):
+            super().__init__()
+            self.a = nn.Linear(8, width)
+            self.b = nn.Linear(width, 2)
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+        def forward(self, x):
+            h = self.a(x)
+            return h[h > 0].sum()
+
+    def build(width=16):
+        return Net(width)
+    def broken():
+        raise ValueError("width must be even")
+    def not_module():
+        return 3
+    def branchy():
+        return Branchy()
+    def batch(b, s):
+        return (torch.randn(b, 8),)
+    def bad_batch(b, s):
+        return 7
+""")
+
+
+@pytest.fixture()
+def user(tmp_path):
+    path = tmp_path / "user.py"
+    path.write_text(USER)
+    return str(path)
+
+
+def run(*args: str):
+    return runner.invoke(app, ["estimate", "--instance", "ml.g5.2xlarge", "-b", "4", "-s", "8", *args])
+
+
+def test_user_module_estimate_json(user):
+    r = run("--model", f"{user}:build", "--inputs", f"{user}:batch", "-o", "width=32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["parameters"] == {"a": 8 * 32 + 32, "b": 32 * 2 + 2, "total": 8 * 32 + 32 + 32 * 2 + 2}
+    assert out["memory_bytes"]["activations"] > 0
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (("--model", "{d}/missing.py:build", "--inputs", "{u}:batch"), "does not exist"),
+    (("--model", "{u}:nope", "--inputs", "{u}:batch"), "no function 'nope'"),
+    (("--model", "{u}:broken", "--inputs", "{u}:batch"), "ValueError: width must be even"),
+    (("--model", "{u}:not_module", "--inputs", "{u}:batch"), "torch.nn.Module, got int"),
+    (("--model", "{u}:build", "--inputs", "{u}:bad_batch"), "dict of tensors or a tuple, got int"),
+    (("--model", "{u}:build"), "--inputs"),
+    (("--model", "{u}:branchy", "--inputs", "{u}:batch"), "aten.nonzero.default cannot run on fake tensors in module '(root Branchy)'"),
+])
+def test_bad_user_input_is_one_line_exit_2(user, tmp_path, args, expect):
+    r = run(*(a.format(u=user, d=tmp_path) for a in args))
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert expect in " ".join(r.output.split())
