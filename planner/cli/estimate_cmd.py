@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from planner.cli.common import (
     AllocConfOpt,
@@ -90,38 +89,32 @@ def print_estimate(est: Estimate) -> None:
         from planner.memory.stack import describe
 
         console.print(f"Stack: {describe(est.stack)} ({est.stack.source})", highlight=False)
-    params = Table(title="Parameters", show_edge=False)
-    params.add_column("component")
-    params.add_column("parameters", justify="right")
-    for name, n in est.parameters.items():
-        params.add_row(name, f"{n:,}")
-    console.print(params)
+    from planner.cli.tables import Col, print_table
+    from planner.explain import PHASE_LABELS, phase_moment_note
+
+    print_table(console, "Parameters", [Col("component", whole=True), Col("parameters", "right", whole=True)],
+                [[name, f"{n:,}"] for name, n in est.parameters.items()])
 
     m = est.memory_bytes
-    mem = Table(title="Memory of one GPU", show_edge=False)
-    mem.add_column("term")
-    mem.add_column("bytes", justify="right")
-    mem.add_column("", justify="right")
     rows = [("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
             ("activations (saved for backward)", m.activations), ("input batch", m.batch),
-            ("buffers at the peak", m.buffers), ("peak allocated", m.peak_allocated),
+            ("temporaries and buffers at the peak", m.buffers), ("peak allocated", m.peak_allocated),
             ("peak reserved (+fragmentation)", m.peak_reserved), ("CUDA context", m.cuda_context),
             ("NCCL buffers", m.nccl), ("peak on the device", m.peak_device),
             ("GPU memory", est.gpu_memory_bytes)]
-    for name, value in rows:
-        mem.add_row(name, f"{value:,}", fmt_bytes(value))
-    console.print(mem)
+    print_table(console, "Memory of one GPU", [Col("term", min=24), Col("bytes", "right", whole=True),
+                                                Col("", "right", whole=True)],
+                [[name, f"{value:,}", fmt_bytes(value)] for name, value in rows],
+                caption="temporaries and buffers: DDP gradient buckets, cuBLAS workspaces, optimizer and AMP "
+                        "temporaries (JSON key memory_bytes.buffers)")
 
-    phases = Table(title="Peak allocated by phase", show_edge=False)
-    phases.add_column("phase")
-    for c in ("params", "grads", "optim", "activ", "batch", "buffers"):
-        phases.add_column(c, justify="right")
-    phases.add_column("total", justify="right")
-    for ph in est.phases:
-        phases.add_row(ph.phase, *(fmt_bytes(ph.detail.get(c, 0)) for c in
-                                   ("parameters", "gradients", "optimizer_states", "activations", "batch",
-                                    "buffers")), fmt_bytes(ph.allocated))
-    console.print(phases)
+    keys = ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers")
+    heads = ("params", "grads", "optim", "activ", "batch", PHASE_LABELS["buffers"])
+    print_table(console, "Peak allocated by phase",
+                [Col("phase", whole=True)] + [Col(h, "right", min=9) for h in heads] + [Col("total", "right", min=9)],
+                [[ph.phase, *(fmt_bytes(ph.detail.get(k, 0)) for k in keys), fmt_bytes(ph.allocated)]
+                 for ph in est.phases],
+                caption=phase_moment_note(est))
 
     for line in verdict_lines(est):
         console.print(line, highlight=False)
@@ -257,12 +250,15 @@ def register(app: typer.Typer) -> None:
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
-        steps = explain(est, model_options=parse_model_options(model_option))
+        steps = explain(est, model_options=parse_model_options(model_option), requested_parallelism=parallelism)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))
             return
+        from rich.padding import Padding
+        from rich.text import Text
+
         for i, s in enumerate(steps, 1):
-            console.print(f"\n[bold cyan]{i}. {s.title}[/]")
-            for line in s.lines:
-                console.print(f"   {line}", highlight=False)
+            console.print(Text(f"\n{i}. {s.title}", style="bold cyan"))
+            for line in s.lines:  # wrapped lines keep the indent; no cell or word is cut
+                console.print(Padding(Text(line, overflow="fold"), (0, 0, 0, 3)))
