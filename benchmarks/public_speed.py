@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         if sub:
             print(line(source, [r["err"] for r in sub]))
     print(line("all", [r["err"] for r in multi]))
-    used = sum(r["stack"] for r in res)
-    print(f"\nstack: {used} of {len(res)} rows estimated with their own software versions")
+    full = sum(r["stack"] == "full" for r in res)
+    part = sum(r["stack"] == "partial" for r in res)
+    print(f"\nstack: {full} of {len(res)} rows estimated with their own software versions,"
+          f" {part} with part of them")
 
     if args.rows:
         print(f"\n{'row':<42}{'b':>4}{'published':>11}{'predicted':>11}{'err':>7}")
