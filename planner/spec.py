@@ -157,6 +157,9 @@ class TrainConfig(Frozen):
     instances: int = Field(1, ge=1, le=MAX_INSTANCES)  # SageMaker InstanceCount; see MAX_INSTANCES
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = Field(25.0, gt=0)
+    # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 = True; NGC containers and
+    # HF's --tf32 turn it on; PyTorch's own default is off). Only Ampere and later have TF32.
+    tf32: bool = False
 
 
 # --------------------------------------------------------------------------------------- hardware

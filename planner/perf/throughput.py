@@ -160,6 +160,8 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
                        constants: ThroughputConstants | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
     c = constants or ThroughputConstants()
+    if config.tf32 and not c.allow_tf32:
+        c = c.model_copy(update={"allow_tf32": True})
     parallelism = resolve_parallelism(config, instance)
     if parallelism == "dp" and config.instances > 1:
         raise PlannerError("--parallelism", "dp", "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")
