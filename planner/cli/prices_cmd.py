@@ -49,15 +49,13 @@ def prices(refresh: RefreshOpt = False, region: RegionOpt = "us-east-1", json_ou
     if json_out:
         typer.echo(dumps_json(rows, indent=1))
         return
-    from rich.table import Table
+    from planner.cli.tables import Col, print_table
 
-    table = Table(title="SageMaker training, on-demand USD per instance-hour")
-    for col in ("instance", "GPUs", "$/h", "date", "source"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        price = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.3f}"
-        table.add_row(str(r["instance"]), f"{r['gpus']}x {r['gpu']}", price, str(r["date"]), _short(str(r["source"])))
-    console.print(table)
+    cols = [Col("instance", whole=True), Col("GPUs", whole=True), Col("$/h", "right", whole=True),
+            Col("date", whole=True), Col("source")]
+    print_table(console, "SageMaker training, on-demand USD per instance-hour", cols, [
+        [str(r["instance"]), f"{r['gpus']}x {r['gpu']}", "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.3f}",
+         str(r["date"]), _short(str(r["source"]))] for r in rows])
 
 
 def register(app: typer.Typer) -> None:

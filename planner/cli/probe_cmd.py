@@ -152,11 +152,10 @@ def _num(v: Any, fmt: str = "{:.1f}") -> str:
 
 
 def print_records(records: list[dict[str, Any]]) -> None:
-    from rich.table import Table
-
+    from planner.cli.tables import Rows
     from planner.probes.validate import config_label
 
-    t = Table(title="probe results (GiB)")
+    t = Rows(title="probe results (GiB)")
     for col in ("model", "instance", "config", "status", "device", "peak alloc", "peak resv", "device peak",
                 "activations", "samples/s", "pred device", "pred fits"):
         t.add_column(col)
@@ -171,7 +170,7 @@ def print_records(records: list[dict[str, Any]]) -> None:
                   _gib(s.get("activations") if s.get("activations") is not None else s.get("saved_tensor_bytes")),
                   _num(s.get("samples_per_s")), _gib((est.get("memory_bytes") or {}).get("peak_device")),
                   str(est.get("fits", "-")))
-    console.print(t)
+    t.print(console)
 
 
 # -------------------------------------------------------------------------------------------- AWS
@@ -341,9 +340,8 @@ def register(app: typer.Typer) -> None:
     def status_cmd(study: StudyOpt = None, job: JobOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
                    json_out: JsonOpt = False) -> None:
         """DescribeTrainingJob for launched probe jobs."""
-        from rich.table import Table
-
         from planner.aws.collect import describe
+        from planner.cli.tables import Rows
 
         aws_for = _aws_factory(profile, region)
         rows = []
@@ -357,13 +355,13 @@ def register(app: typer.Typer) -> None:
         if json_out:
             typer.echo(dumps_json(rows, default=str))
             return
-        t = Table(title="probe jobs")
+        t = Rows(title="probe jobs")
         for col in ("job", "status", "secondary", "seconds", "failure reason"):
             t.add_column(col)
         for r in rows:
             t.add_row(r["job_name"], r["status"], str(r["secondary_status"] or ""), str(r["training_seconds"] or ""),
                       (r["failure_reason"] or "")[:120])
-        console.print(t)
+        t.print(console)
 
     @probe.command("collect")
     @handles_errors
@@ -475,22 +473,21 @@ def _pct(v: float | None) -> str:
 
 
 def print_validation(rows: list[Any], summ: dict[str, Any]) -> None:
-    from rich.table import Table
-
+    from planner.cli.tables import Rows
     from planner.probes.validate import TERMS, config_label
 
     short = {"parameters": "params", "gradients": "grads", "optimizer_states": "optim", "model_states": "states",
              "activations": "act", "peak_allocated": "peak alloc", "peak_reserved": "peak resv",
              "device_peak": "device", "samples_per_s": "samples/s"}
-    t = Table(title="predicted vs measured (signed error: + = over-estimate)")
+    t = Rows(title="predicted vs measured (signed error: + = over-estimate)")
     for col in ("model", "gpu", "config", "status", *(short[k] for k in TERMS), "fit", "pred."):
         t.add_column(col)
     for r in rows:
         fit = "-" if r.fit_agrees is None else ("agree" if r.fit_agrees else "DISAGREE")
         t.add_row(str(r.model), str(r.gpu_measured or r.device), config_label(r.config), r.status,
                   *(_pct(r.errors[k]) for k in TERMS), fit, r.prediction_source)
-    console.print(t)
-    s = Table(title="summary per term")
+    t.print(console)
+    s = Rows(title="summary per term")
     for col in ("term", "n", "median signed", "mean |err|", "max |err|"):
         s.add_column(col)
     for k in TERMS:
@@ -499,13 +496,13 @@ def print_validation(rows: list[Any], summ: dict[str, Any]) -> None:
                   _num(v["max_abs_pct"], "{:.1f}%"))
     fa = summ["fit_agreement"]
     s.add_row("fit/OOM agreement", str(fa["n"]), "-", "-" if fa["rate"] is None else f"{fa['rate']:.0%} agree", "")
-    console.print(s)
+    s.print(console)
 
 
 def print_calibration(report: dict[str, Any]) -> None:
-    from rich.table import Table
+    from planner.cli.tables import Rows
 
-    t = Table(title="calibration per GPU family (median |error| before -> after, leave-one-out)")
+    t = Rows(title="calibration per GPU family (median |error| before -> after, leave-one-out)")
     for col in ("family", "runs", "cuda context", "fragmentation", "throughput scale", "reserved err",
                 "device err", "samples/s err"):
         t.add_column(col)
@@ -519,4 +516,4 @@ def print_calibration(report: dict[str, Any]) -> None:
         t.add_row(fam, str(r["n"]), "-" if c["cuda_context_bytes"] is None else f"{c['cuda_context_bytes'] / 2**20:.0f} MiB",
                   _num(c["fragmentation"], "{:.3f}"), _num(c["throughput_scale"], "{:.3f}"), trio("peak_reserved"),
                   trio("device_peak"), trio("samples_per_s"))
-    console.print(t)
+    t.print(console)
