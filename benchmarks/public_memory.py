@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     for source in dict.fromkeys(r["source"] for r in res):
         print(summary_line(source, [r for r in res if r["source"] == source]))
     print(summary_line("all", res))
-    used = sum(r["stack"] for r in res)
-    print(f"stack: {used} of {len(res)} rows estimated with their own torch/CUDA/transformers")
-    print("versions (others: the planner's defaults); |err|, err: medians over the")
-    print("measured peaks (predicted / measured - 1)")
+    full = sum(r["stack"] == "full" for r in res)
+    part = sum(r["stack"] == "partial" for r in res)
+    print(f"stack: {full} of {len(res)} rows estimated with their torch/CUDA/transformers")
+    print(f"versions, {part} with part of them (the planner did not know the rest), the")
+    print("others with the planner's defaults; |err|, err: medians over the measured")
+    print("peaks (predicted / measured - 1)")
     bad = [r["id"] for r in res if r["verdict"] == "fits" and r["outcome"] == "oom"]
     print("sure fits that OOM'd:" + ("".join(f"\n  {b}" for b in bad) if bad else " none"))
     if args.rows:

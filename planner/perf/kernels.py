@@ -25,6 +25,9 @@ Rules, each a small function below:
 - Optimizer: torch.optim's foreach AdamW launches one multi_tensor_apply kernel per `_foreach_*` call and
   per chunk of tensors; fused AdamW one pass; for-loop the same ops per tensor. GradScaler's unscale_ is one
   more foreach pass over the gradients.
+- Gradient reduction (DDP all-reduce per bucket, ZeRO/FSDP reduce-scatter and all-gather, DataParallel's
+  copies): kernels of kind communication carrying the bytes each GPU sends; planner.perf.throughput times
+  them with the ring formulas and the overlap rules.
 
 Identical layers share one record with `count` = number of layers, so a model's list is ~100 records,
 built per configuration in well under a millisecond.
@@ -553,16 +556,43 @@ def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: 
     return tuple(ks)
 
 
-@dataclass(frozen=True)
-class StepKernels:
-    """The kernels of one micro-step (forward, backward, recompute: run grad_accum times per optimizer
-    step) and of the optimizer step (once)."""
+# How each collective overlaps compute (planner.perf.throughput.communication_seconds times them):
+# "backward": hidden behind backward up to `allreduce_overlap` of it (DDP buckets, ZeRO-1/2 reduce-scatter);
+# "share": `allreduce_overlap` of it hidden, every micro-step (ZeRO-3/FSDP prefetch); "exposed": not hidden.
+COLLECTIVE_OVERLAP = {"allreduce": "backward", "reduce_scatter": "backward", "all_gather": "exposed",
+                      "fsdp_all_gather": "share", "fsdp_reduce_scatter": "share", "dp_copy": "exposed",
+                      "dp_replicate": "exposed"}
 
-    micro: tuple[Kernel, ...]
-    step: tuple[Kernel, ...]
 
-    def all(self) -> tuple[Kernel, ...]:
-        return self.micro + self.step
+def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
+                          bucket_cap_mb: float) -> tuple[Kernel, ...]:
+    """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
+    bytes each GPU sends (`bytes_read`) per occurrence and `count` occurrences per optimizer step.
+
+    DDP: one all-reduce of all gradients per optimizer step (no_sync on the other micro-steps), launched
+    per bucket (`launches` = ceil(bytes / bucket_cap_mb)). ZeRO-1/2: reduce-scatter of gradients + all-gather
+    of the updated parameters. ZeRO-3/FSDP: per micro-step, all-gather of parameters for forward and again for
+    backward, reduce-scatter of gradients. DataParallel: per micro-step, parameters broadcast to the replicas
+    and gradients reduced to GPU 0 (two copies of the gradient bytes), plus its thread/replicate cost."""
+    if world <= 1 or parallelism == "single":
+        return ()
+    buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
+
+    def comm(name: str, collective: str, count: int = 1, launches: int = 1, nbytes: int = grad_bytes) -> Kernel:
+        return Kernel(name, "communication", 0, nbytes, nbytes, F32, "step", count=count, launches=launches,
+                      collective=collective)
+
+    if parallelism == "ddp":
+        return (comm("ddp.allreduce", "allreduce", launches=buckets),)
+    if parallelism in ("zero1", "zero2"):
+        return (comm("zero.reduce_scatter", "reduce_scatter"), comm("zero.all_gather", "all_gather"))
+    if parallelism in ("zero3", "fsdp"):
+        return (comm("fsdp.all_gather", "fsdp_all_gather", count=2 * grad_accum),
+                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum))
+    if parallelism == "dp":
+        return (comm("dp.broadcast_reduce", "dp_copy", count=grad_accum, nbytes=2 * grad_bytes),
+                comm("dp.replicate", "dp_replicate", count=grad_accum, nbytes=0))
+    return ()
 
 
 def _fold(kernels: list[Kernel]) -> list[Kernel]:
@@ -594,11 +624,3 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
         fwd = loss(model.transformers[-1], sh)
         out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
     return _fold(out)
-
-
-def step_kernels(model: ModelSpec, config: TrainConfig, n_params: int, n_tensors: int, *,
-                 causal_fraction: float = 1.0, flash_ok: bool = True) -> StepKernels:
-    """The whole step; `n_params`/`n_tensors` are what this GPU's optimizer updates (its shard)."""
-    return StepKernels(tuple(micro_kernels(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok)),
-                       optimizer_kernels(n_params, n_tensors, config.precision, config.optimizer,
-                                         config.optimizer_impl))
