@@ -27,12 +27,20 @@ def major_minor(version: str) -> str:
 def stack_kwargs(row: PublicRun, fields: tuple[str, ...] = ("torch", "cuda", "transformers")) -> dict[str, Any]:
     """The row's stack (only `fields`) as keyword arguments `planner.estimate` accepts today (empty when none)."""
     params = inspect.signature(planner.estimate).parameters
-    stack = {k: major_minor(v) for k, v in row.stack().items() if k in fields}
+    stack = {k: major_minor(v) for k, v in row_stack(row).items() if k in fields}
     out: dict[str, Any] = {name: stack[field] for field, name in STACK_KWARGS.items()
                            if field in stack and name in params}
     if stack and "stack" in params and not out:
         out["stack"] = stack
     return out
+
+
+def row_stack(row: PublicRun) -> dict[str, str]:
+    """The versions the source states; else those of the NGC container its stack note names (NGC release
+    notes, planner/data/stacks.json "ngc")."""
+    from planner.memory.stack import ngc_stack
+
+    return row.stack() or ngc_stack(row.stack_note) or {}
 
 
 # What to try, most complete first: a stack table may not know an old transformers (or CUDA) version.
@@ -54,7 +62,7 @@ def run_estimate(row: PublicRun, with_throughput: bool) -> tuple[dict[str, Any],
             est = planner.estimate(*args, **kwargs, **extra).model_dump(mode="json")
         except (PlannerError, TypeError):
             continue
-        return est, "full" if number == 0 and len(row.stack()) == 3 else "partial"
+        return est, "full" if number == 0 and len(row_stack(row)) == 3 else "partial"
     return planner.estimate(*args, **kwargs).model_dump(mode="json"), "none"
 
 

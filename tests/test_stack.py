@@ -32,7 +32,7 @@ def test_every_torch_row_has_cuda_builds_a_source_and_a_date():
     t = sw.table()
     assert DATE.match(t["checked"])
     versions = [sw.parse_version("v", r["version"]) for r in t["torch"]]
-    assert versions == sorted(versions) and versions[0] == (1, 7)  # torch 1.7 to today, in order
+    assert versions == sorted(versions) and versions[0] <= (1, 7)  # torch 1.7 (and older) to today, in order
     for row in t["torch"]:
         assert row["source"] and row["cuda"], row
         assert row["released"] == "" or DATE.match(row["released"]), row
@@ -43,7 +43,7 @@ def test_every_torch_row_has_cuda_builds_a_source_and_a_date():
 def test_every_other_section_has_a_source_and_a_date():
     t = sw.table()
     for section in ("module_loading", "eager_context_mib", "lazy_context_band", "defaulted_stack_widening",
-                    "sdpa_default", "cublas_workspace", "alloc_conf"):
+                    "sdpa_default", "cublas_workspace", "alloc_conf", "ngc"):
         assert DATE.match(t[section]["date"]), section
         assert "source" in t[section] or all("source" in r for r in t[section].get("rules", [])), section
     for fam in FAMILIES:  # every model family the catalog has gets a sourced, dated row
@@ -207,10 +207,11 @@ def test_bad_alloc_conf_names_flag_and_value(conf, torch, needle):
 
 @pytest.mark.parametrize(("flags", "needles"), [
     (["--torch-version", "banana"], ["--torch-version", "banana", "MAJOR.MINOR"]),
-    (["--torch-version", "1.5"], ["--torch-version", "1.5", "closest known: 1.7"]),
+    (["--torch-version", "0.4"], ["--torch-version", "0.4", "closest known: 1.2"]),
     (["--torch-version", "2.40"], ["--torch-version", "closest known: 2.15"]),
     (["--torch-version", "1.12", "--cuda-version", "11.7"], ["--cuda-version", "11.7", "closest known: 11.6"]),
-    (["--transformers-version", "3.5"], ["--transformers-version", "3.5", "closest known: 4.0"]),
+    (["--transformers-version", "1.2"], ["--transformers-version", "1.2", "closest known: 2.0"]),
+    (["--transformers-version", "3.9"], ["--transformers-version", "3.9", "closest known: 3.5"]),
     (["--transformers-version", "4.x"], ["--transformers-version", "4.x"]),
     (["--alloc-conf", "expandable:True"], ["--alloc-conf", "expandable:True", "expandable_segments"]),
 ])
@@ -240,3 +241,12 @@ def test_text_output_names_the_stack():
     r = runner.invoke(app, ["estimate", "-m", "gpt2", "-i", "ml.g5.2xlarge", "-b", "4", "-s", "256"])
     assert r.exit_code == 0, r.output
     assert "Stack: torch" in r.stdout and "probe launch" in r.stdout
+
+
+def test_ngc_containers_map_to_known_stacks():
+    """NGC release notes: 20.06 ships PyTorch 1.6 with CUDA 11.0 (eager loading), 21.11 PyTorch 1.11 / CUDA 11.5."""
+    assert sw.ngc_stack("NGC pytorch:20.06-py3; NVIDIA modeling.py") == {"torch": "1.6", "cuda": "11.0"}
+    assert sw.ngc_stack("no container named") is None
+    for tag, row in sw.table()["ngc"]["containers"].items():
+        assert row["source"] and sw.check_cuda(sw.check_torch(row["torch"]), row["cuda"]), tag
+        assert not sw.lazy_loading(st(row["torch"], row["cuda"]))  # all before CUDA 11.7: eager contexts

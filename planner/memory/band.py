@@ -30,6 +30,11 @@ FLAT_POOL_HIGH_FRACTION = 0.30
 # With the allocator replay: its pool, minus/plus a margin of the allocated peak for what the replay leaves out
 # (other streams' pools, cuDNN/cuBLAS transients it does not trace). ASSUMPTION.
 REPLAY_POOL_MARGIN = (0.03, 0.08)
+# Until the replay is checked against real allocator snapshots (results/validation/ has none yet), its high end
+# is never under the flat bound: the replay can move the point, not yet narrow the band. On the public runs
+# (results/public/memory) the replay's point leaves two published OOMs (huggingface/transformers#7704, #10754)
+# as sure fits with the narrow margin alone (benchmarks/public_memory.py).
+REPLAY_VALIDATED = False
 # Calibrated family: the measured fragmentation range, widened by this much of the allocated peak. ASSUMPTION.
 CALIBRATED_POOL_MARGIN = 0.02
 
@@ -72,6 +77,10 @@ def reserved_pool_term(allocated: int, reserved: int, *, given: bool = False, re
         low = max(point - int(allocated * REPLAY_POOL_MARGIN[0]), 0)
         high = point + int(allocated * REPLAY_POOL_MARGIN[1])
         basis = "caching-allocator replay, with a margin for what it does not trace"
+        if not REPLAY_VALIDATED and high < int(allocated * FLAT_POOL_HIGH_FRACTION):
+            high = int(allocated * FLAT_POOL_HIGH_FRACTION)
+            basis += (f" (not yet checked against real snapshots: up to {1 + FLAT_POOL_HIGH_FRACTION:.1f}x "
+                      "allocated)")
     else:
         low, high = 0, int(allocated * FLAT_POOL_HIGH_FRACTION)
         basis = (f"flat fragmentation (no allocator model): reserved between allocated and "

@@ -325,3 +325,13 @@ def context_band(stack: SoftwareStack, family: str, lazy_bytes: int, *, overridd
         high = int(high * t["defaulted_stack_widening"]["factor"])
         why += "; stack not given (DLC default assumed)"
     return point, min(low, point), max(high, point), why
+
+
+NGC_TAG = re.compile(r"pytorch:(\d\d\.\d\d)-py3")
+
+
+def ngc_stack(text: str) -> dict[str, str] | None:
+    """{"torch", "cuda"} of the NGC PyTorch container named in `text` ("NGC pytorch:20.06-py3"), if known."""
+    m = NGC_TAG.search(text or "")
+    row = table()["ngc"]["containers"].get(m.group(1)) if m else None
+    return {"torch": row["torch"], "cuda": row["cuda"]} if row else None
