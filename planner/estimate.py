@@ -141,6 +141,10 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
     given = frozenset(RuntimeConstants.model_fields) if isinstance(runtime, RuntimeConstants) \
         else frozenset(runtime or ())
     cal = calibration_entry(calibration, inst.gpu.family)
+    # Calibration readings narrow the band only for stacks like the ones they were taken on (probe jobs run
+    # DLCs, lazy loading, when the file does not say).
+    if (cal.get("module_loading") or "lazy") != ("lazy" if sw.lazy_loading(st) else "eager"):
+        cal = {}
     ctx = sw.context_band(st, inst.gpu.family, rt.cuda_context_bytes, overridden="cuda_context_bytes" in given,
                           calibrated="cuda_context_bytes" in cal, calibrated_range=cal.get("context_range"))
     update: dict[str, Any] = {}
@@ -244,16 +248,18 @@ def estimate(
     (explicit RuntimeConstants, a `fragmentation` override, or calibration): then allocated × (1 + it).
     `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A `model` of the form
     `file.py:build` is the user's own module, traced (`planner.program`) with `inputs` (`file.py:batch`) and
-    `loss` (`file.py:fn`). `stack`: the software stack (a SoftwareStack or a dict with any of torch, cuda,
+    `loss` (`file.py:fn`); so is a config.json whose model_type is none of the six hand-modelled families.
+    `stack`: the software stack (a SoftwareStack or a dict with any of torch, cuda,
     transformers, alloc_conf; None = the DLC `probe launch` would use): it decides the CUDA context, the
     workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
     whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     """
     from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
 
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
-    if is_reference(model):
+    if is_reference(model) or is_traced_config(model):
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
     else:
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
@@ -370,7 +376,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         load_calibration,
         runtime_constants,
     )
-    from planner.program.sources import user_trace
+    from planner.program.sources import model_trace
 
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
@@ -386,7 +392,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
 
     def trace(checkpointing: bool):
-        return user_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
+        return model_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
                           inputs=inputs, loss=loss, backend=backend, flash_ok=inst.gpu.flash_attention)
 
     full = trace(False)

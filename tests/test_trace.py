@@ -209,3 +209,41 @@ def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, atten
     # largest saved tensor forward, two backward); on these tiny models they are a large share of the peak.
     t, a = traced.memory_bytes.peak_allocated, analytic.memory_bytes.peak_allocated
     assert abs(t - a) <= PEAK_TOLERANCE * a, (t, a)
+
+
+# ------------------------------------------------------------------- any transformers config.json
+
+
+def _tiny_configs() -> dict[str, dict]:
+    from transformers import T5Config, ViTConfig, WhisperConfig
+
+    t5 = T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64, decoder_start_token_id=0)
+    vit = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                    patch_size=8, num_labels=3)
+    whisper = WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+                            max_source_positions=16, num_mel_bins=8, pad_token_id=1, bos_token_id=2,
+                            eos_token_id=2, decoder_start_token_id=2, max_target_positions=16)
+    out = {}
+    for cfg, arch in ((t5, "T5ForConditionalGeneration"), (vit, "ViTForImageClassification"),
+                      (whisper, "WhisperForConditionalGeneration")):
+        d = cfg.to_dict()
+        d["architectures"] = [arch]
+        out[arch] = d
+    return out
+
+
+@pytest.mark.parametrize("arch", ["T5ForConditionalGeneration", "ViTForImageClassification",
+                                  "WhisperForConditionalGeneration"])
+def test_hf_config_outside_the_families_traces_like_the_real_module(arch):
+    """Saved bytes (CPU kernels) equal saved_tensors_hooks on the real module; parameters exact, tied once."""
+    from planner.program import hf
+
+    config = hf.hf_config_object(_tiny_configs()[arch], "config.json", "eager")
+    make = hf.batch_maker(config, "config.json")
+    torch.manual_seed(0)
+    real = hf.model_class(config)(config).train()
+    expected = real_saved_bytes(real, make(2, 6), lambda m, b: m(**b).loss)
+    trace = trace_step(hf.builder(config, "config.json"), make, TrainConfig(batch_size=2, seq_len=6), backend="cpu")
+    assert trace.parameters["total"] == sum(p.numel() for p in real.parameters())
+    assert trace.saved_bytes == expected

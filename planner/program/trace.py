@@ -212,12 +212,18 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _poll(self, index: int) -> None:
-        for key, info in list(self.polled.items()):
-            if info.ref.expired():
-                del self.polled[key]
-                if self.live.get(key) is info:
-                    del self.live[key]
-                self.raw_events.append((index, "free", info.sid))
+        """Free events for storages whose weak reference expired (the C check, without the Python wrapper:
+        this runs after every op)."""
+        expired = _EXPIRED
+        gone = [key for key, info in self.polled.items() if expired(info.ref.cdata)]
+        for key in gone:
+            info = self.polled.pop(key)
+            if self.live.get(key) is info:
+                del self.live[key]
+            self.raw_events.append((index, "free", info.sid))
+
+
+_EXPIRED = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls (torch/storage.py)
 
 
 def component_of(qualname: str) -> str:
