@@ -75,3 +75,20 @@ def test_fused_attention_is_faster_than_eager_on_long_sequences():
     eager, fused = runs["eager"], runs["sdpa"]
     assert fused.samples_per_s > eager.samples_per_s
     assert fused.breakdown_s["attention"] < eager.breakdown_s["attention"]
+
+
+def test_explain_names_what_bounds_the_step():
+    """A memory-bound step (eager attention over long sequences on an L40S) and a launch-bound one (one short
+    sequence per GPU): the Verdict step says which, from the breakdown."""
+    from planner.estimate import estimate
+    from planner.explain import explain
+    from planner.spec import TrainConfig
+
+    opts = {"num_labels": 2}
+    memory = estimate("distilbert-base-uncased", TrainConfig(batch_size=16, seq_len=512, precision="amp-fp16",
+                                                              attention="eager"), "ml.g6e.xlarge", model_options=opts)
+    lines = explain(memory, model_options=opts)[-1].lines
+    assert any("memory-bound: a GPU with more HBM bandwidth helps more" in line for line in lines)
+    launch = estimate("distilbert-base-uncased", TrainConfig(batch_size=1, seq_len=16, precision="amp-bf16"),
+                      "ml.p4d.24xlarge", model_options=opts)
+    assert any("launch overhead" in line for line in explain(launch, model_options=opts)[-1].lines)
