@@ -141,6 +141,10 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
     given = frozenset(RuntimeConstants.model_fields) if isinstance(runtime, RuntimeConstants) \
         else frozenset(runtime or ())
     cal = calibration_entry(calibration, inst.gpu.family)
+    # Calibration readings narrow the band only for stacks like the ones they were taken on (probe jobs run
+    # DLCs, lazy loading, when the file does not say).
+    if (cal.get("module_loading") or "lazy") != ("lazy" if sw.lazy_loading(st) else "eager"):
+        cal = {}
     ctx = sw.context_band(st, inst.gpu.family, rt.cuda_context_bytes, overridden="cuda_context_bytes" in given,
                           calibrated="cuda_context_bytes" in cal, calibrated_range=cal.get("context_range"))
     update: dict[str, Any] = {}

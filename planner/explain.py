@@ -241,7 +241,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     found = []
     for label, change in tries:
         try:
-            alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options)
+            alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options,
+                           stack=est.stack)
         except PlannerError:
             continue
         if alt.fits:
@@ -257,7 +258,7 @@ def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
     hi = lo
     while True:
         alt = estimate(model, cfg.model_copy(update={"batch_size": hi * 2}), est.instance,
-                       model_options=model_options, with_throughput=False)
+                       model_options=model_options, with_throughput=False, stack=est.stack)
         if not alt.fits or hi > 4096:
             break
         hi *= 2
@@ -265,7 +266,7 @@ def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if estimate(model, cfg.model_copy(update={"batch_size": mid}), est.instance, model_options=model_options,
-                    with_throughput=False).fits:
+                    with_throughput=False, stack=est.stack).fits:
             lo = mid
         else:
             hi = mid
@@ -286,6 +287,10 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list
         return lines
     lines = [f"OUT OF MEMORY: {fmt_bytes(m.peak_device)} needed at the {est.peak_phase} peak, "
              f"{fmt_bytes(est.gpu_memory_bytes)} on the GPU ({fmt_bytes(-est.headroom_bytes)} short)."]
+    if est.verdict == "tight":  # not a sure fit: the band of the runtime terms crosses the GPU's memory
+        lines = [f"TIGHT: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)} at the "
+                 f"{est.peak_phase} peak (point {fmt_bytes(m.peak_device)}), {fmt_bytes(est.gpu_memory_bytes)} on "
+                 "the GPU: it may fit or OOM (see the step before); a probe settles it."]
     fixes = _fixes(model, est, model_options)
     if not fixes:
         lines.append("No single change tried (smaller micro-batch with accumulation, checkpointing, AMP, ZeRO) fits;"
@@ -319,7 +324,7 @@ def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[
 
     try:
         dp = estimate(model, est.config.model_copy(update={"parallelism": "dp"}), est.instance,
-                      runtime=est.runtime, model_options=model_options)
+                      runtime=est.runtime, model_options=model_options, stack=est.stack)
     except PlannerError:
         return []
     rows = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
@@ -378,8 +383,66 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step('The "computational graph": saved activations', tuple(_activation_lines(spec, est))),
         Step("How parameters and data are stored", tuple(_data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
+        Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
         Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options)) + _speed_bound_lines(est)),
     ]
+
+
+def _beyond_tensors_lines(est: Estimate) -> list[str]:
+    """Context, workspaces, NCCL, the reserved pool and the band: the runtime terms, with the stack named and
+    why each has the size and the uncertainty it has (planner.memory.stack, planner.memory.band)."""
+    from planner.memory.stack import describe, lazy_loading, workspace_rule
+
+    m, terms = est.memory_bytes, {t.name: t for t in est.band}
+    lines = []
+    if est.stack:
+        lines.append(f"Software stack: {describe(est.stack)} ({est.stack.source}).")
+
+    def rng(name: str) -> str:
+        t = terms.get(name)
+        return "" if t is None or t.low == t.high else f" (could be {fmt_bytes(t.low)} to {fmt_bytes(t.high)})"
+
+    ctx = terms.get("cuda_context")
+    how = (" CUDA loads kernels lazily, on first use: the context holds the driver, the runtime and only the "
+           "kernels this step calls." if est.stack and lazy_loading(est.stack) else
+           " Without lazy loading every kernel of libtorch_cuda, cuBLAS and cuDNN for this GPU is loaded into "
+           "the context at start, used or not.")
+    lines.append(f"CUDA context {fmt_bytes(m.cuda_context)}{rng('cuda_context')}: outside PyTorch's allocator, "
+                 "so torch.cuda.memory_reserved() never shows it but nvidia-smi does." + how +
+                 (f" Why this size: {ctx.basis}." if ctx else ""))
+    ws = terms.get("workspaces")
+    if ws and est.stack:
+        rule = workspace_rule(est.stack)
+        where = "from the caching allocator" if rule["in_allocator"] else "inside cuBLAS, outside the allocator"
+        lines.append(f"cuBLAS/cuBLASLt workspaces {fmt_bytes(ws.point)}{rng('workspaces')}: one per cuBLAS handle "
+                     f"(forward thread and autograd's device thread), {where} in torch {est.stack.torch} "
+                     "(CUBLAS_WORKSPACE_CONFIG; counted with the buffers).")
+    lines.append(f"NCCL buffers {fmt_bytes(m.nccl)}{rng('nccl')}" + (
+        ": FIFO buffers per channel and ring peer, outside the allocator; the channel count depends on the "
+        "topology." if m.nccl else ": none, one process does not talk to another GPU."))
+    pool = m.peak_reserved - m.peak_allocated
+    line = (f"Reserved pool: the caching allocator holds {fmt_bytes(m.peak_reserved)} at the peak for "
+            f"{fmt_bytes(m.peak_allocated)} allocated, {fmt_bytes(pool)} more{rng('reserved_pool')}. ")
+    a = est.allocator
+    if a is not None:
+        line += (f"Replaying the step's tensors through its rules ({a.events:,} events, {a.segments} segments): "
+                 f"the reserved peak was set by {a.peak_allocation} ({fmt_bytes(a.peak_allocation_bytes)}), which "
+                 f"found no cached free block large enough (earlier frees left split, smaller blocks) and made "
+                 f"the allocator reserve a new {fmt_bytes(a.peak_segment_bytes)} "
+                 f"{'range of expandable pages' if a.expandable_segments else 'segment'}.")
+        if a.oom_retry:
+            line += (" Near the limit it had to free its cached segments and retry (the empty_cache path real "
+                     "runs survive on)" + ("; even then it would not fit." if a.oom_after_retry else "."))
+    else:
+        line += (f"No allocator replay here: the flat assumption reserved = allocated × "
+                 f"(1 + {est.runtime.fragmentation:.0%}) (freed blocks are cached, large ones rounded to 2 MiB "
+                 "segments and split, so reserved sits above allocated).")
+    lines.append(line)
+    lines.append(f"The whole device: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)}"
+                 f" (point {fmt_bytes(m.peak_device)}) of {fmt_bytes(est.gpu_memory_bytes)}: verdict "
+                 f"{est.verdict.upper()}. Your tensors are exact; the band is the sum of these terms' ranges. "
+                 "A probe run on the GPU and `planner calibrate` narrow it for this GPU family.")
+    return lines
 
 
 def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
@@ -391,7 +454,10 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
     b = t.breakdown_s
     share = b["bytes_bound_s"] / t.step_time_s
     cpu = b.get("launch_overhead", 0.0) / t.step_time_s
-    if share >= 0.5:
+    if cpu >= 0.5:
+        head = (f"{cpu:.0%} of this step is launch overhead: the CPU dispatching kernels (and the per-step "
+                "host work) sets the pace, so a larger micro-batch costs little extra time.")
+    elif share >= 0.5:
         head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
                 "with more FLOPs.")
     else:

@@ -94,3 +94,51 @@ def test_a_sure_fit_is_rarer_than_a_point_fit():
     assert "tight" in verdicts and verdicts.index("tight") > 0  # fits, then tight, then oom as batch grows
     seq = [v for i, v in enumerate(verdicts) if i == 0 or v != verdicts[i - 1]]
     assert seq in (["fits", "tight", "oom"], ["fits", "tight"])
+
+
+def test_calibration_readings_narrow_the_band_for_that_family_and_stack(tmp_path, monkeypatch):
+    """`planner calibrate` writes context_range / fragmentation_range; they replace the wide default bands,
+    for that family only and for stacks with the same module loading as the probe runs."""
+    import json
+
+    from planner.probes.calibrate import fit, sample_of
+
+    cfg = TrainConfig(batch_size=16, seq_len=256, precision="amp-fp16")
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(tmp_path / "none.json"))
+    before = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", with_throughput=False)
+    records = [{"device": "cuda", "status": "ok", "gpu_name": "Tesla V100-SXM2-16GB", "record_id": str(i),
+                "world_size": 1, "config": {"parallelism": "single"},
+                "versions": {"torch": "2.8.0+cu129", "cuda": "12.9"},
+                "summary": {"cuda_context": ctx, "peak_reserved": int(10e9 * (1 + f)), "peak_allocated": int(10e9)}}
+               for i, (ctx, f) in enumerate([(420 << 20, 0.06), (450 << 20, 0.09), (430 << 20, 0.08)])]
+    entry = fit([sample_of(r, None) for r in records])
+    assert entry["module_loading"] == "lazy"
+    assert entry["context_range"] == [420 << 20, 450 << 20]
+    (tmp_path / "cal.json").write_text(json.dumps({"families": {"V100": entry}}))
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(tmp_path / "cal.json"))
+    after = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", with_throughput=False)
+
+    def width(e, name):
+        t = {t.name: t for t in e.band}[name]
+        return t.high - t.low
+
+    assert width(after, "cuda_context") < width(before, "cuda_context")
+    assert width(after, "reserved_pool") < width(before, "reserved_pool")
+    assert after.peak_device_high_bytes - after.peak_device_low_bytes < \
+        before.peak_device_high_bytes - before.peak_device_low_bytes
+    # an eager-loading stack is not what the probes measured: its band stays the published eager range
+    eager = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", stack={"torch": "1.12"}, with_throughput=False)
+    assert width(eager, "cuda_context") >= (1400 - 1000) * 2**20
+    other = estimate("bert-base-uncased", cfg, "ml.g5.xlarge", with_throughput=False)  # another family
+    assert "not calibrated" in {t.name: t for t in other.band}["cuda_context"].basis
+
+
+def test_explain_has_the_beyond_tensors_step_naming_the_stack():
+    from planner.explain import explain
+
+    est = estimate("roberta-base", TrainConfig(batch_size=8, seq_len=128), "ml.p3.2xlarge",
+                   stack={"torch": "1.12"}, with_throughput=False)
+    steps = {s.title: s.lines for s in explain(est)}
+    lines = " ".join(steps["What the GPU holds beyond your tensors"])
+    assert "torch 1.12" in lines and "eager module loading" in lines
+    assert "Reserved pool" in lines and "verdict" in lines

@@ -204,6 +204,11 @@ def resolve_stack(stack: SoftwareStack | dict[str, Any] | None, gpu: GPU) -> Sof
     base = default_stack(gpu)
     if stack is None:
         return base
+    if isinstance(stack, SoftwareStack):  # already resolved (e.g. Estimate.stack): check it, keep its flags
+        check_cuda(check_torch(stack.torch), stack.cuda)
+        check_transformers(stack.transformers)
+        parse_alloc_conf(stack.alloc_conf, stack.torch)
+        return stack
     given = stack.model_dump() if isinstance(stack, SoftwareStack) else dict(stack)
     unknown_keys = set(given) - set(SoftwareStack.model_fields)
     if unknown_keys:
@@ -303,8 +308,9 @@ def context_band(stack: SoftwareStack, family: str, lazy_bytes: int, *, overridd
                f"{stack.torch} >= {t['module_loading']['lazy_min_torch']}: only the kernels used are loaded)")
         point = lazy_bytes
         if calibrated and calibrated_range:
-            low, high = int(min(calibrated_range)), int(max(calibrated_range))
-            why += f"; {family} calibrated (measured range)"
+            margin = t["lazy_context_band"]["calibrated_margin"]
+            low, high = int(min(calibrated_range) * (1 - margin)), int(max(calibrated_range) * (1 + margin))
+            why += f"; {family} calibrated (measured range ± {margin:.0%})"
         else:
             lo, hi = t["lazy_context_band"]["calibrated_relative" if calibrated else "relative"]
             low, high = int(point * lo), int(point * hi)
