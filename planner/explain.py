@@ -454,7 +454,10 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
     b = t.breakdown_s
     share = b["bytes_bound_s"] / t.step_time_s
     cpu = b.get("launch_overhead", 0.0) / t.step_time_s
-    if share >= 0.5:
+    if cpu >= 0.5:
+        head = (f"{cpu:.0%} of this step is launch overhead: the CPU dispatching kernels (and the per-step "
+                "host work) sets the pace, so a larger micro-batch costs little extra time.")
+    elif share >= 0.5:
         head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
                 "with more FLOPs.")
     else:

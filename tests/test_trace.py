@@ -182,26 +182,31 @@ def _user_file(tmp_path, spec) -> str:
 
 
 PEAK_TOLERANCE = 0.05  # see the test; the full-size multimodal-bert agrees within 0.5 % (benchmarks/trace_benchmark.py)
-AGREEMENT = [
-    ("bert", "sequence-classification", "sdpa", False),
-    ("bert", "sequence-classification", "eager", True),
-    ("gpt2", "causal-lm", "sdpa", False),
-    ("llama", "causal-lm", "eager", False),
-    ("multimodal", None, "sdpa", False),
+AGREEMENT = [  # family, head, attention, checkpointing, precision, instance (V100: no flash; A100: flash)
+    ("bert", "sequence-classification", "sdpa", False, "fp32", "ml.p3.2xlarge"),
+    ("bert", "sequence-classification", "eager", True, "amp-fp16", "ml.p3.2xlarge"),
+    ("bert", "sequence-classification", "sdpa", False, "amp-bf16", "ml.p4d.24xlarge"),
+    ("gpt2", "causal-lm", "sdpa", False, "bf16", "ml.p4d.24xlarge"),
+    ("gpt2", "causal-lm", "eager", False, "amp-bf16", "ml.p4d.24xlarge"),
+    ("llama", "causal-lm", "sdpa", True, "amp-bf16", "ml.p4d.24xlarge"),
+    ("llama", "causal-lm", "eager", False, "fp32", "ml.p3.2xlarge"),
+    ("multimodal", None, "sdpa", False, "amp-fp16", "ml.p3.2xlarge"),
+    ("multimodal", None, "eager", False, "bf16", "ml.p4d.24xlarge"),
 ]
 
 
-@pytest.mark.parametrize(("family", "head", "attention", "ckpt"), AGREEMENT)
-def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, attention, ckpt):
+@pytest.mark.parametrize(("family", "head", "attention", "ckpt", "precision", "instance"), AGREEMENT)
+def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, attention, ckpt, precision, instance):
     from planner.estimate import estimate
     from tests import saved_tensors as st
 
     spec = st.multimodal("bert") if family == "multimodal" else st.model(family, head)
     path = _user_file(tmp_path, spec)
-    cfg = TrainConfig(batch_size=4, seq_len=64, attention=attention, checkpointing=ckpt, parallelism="single")
-    traced = estimate(f"{path}:build", cfg, "ml.g5.2xlarge", inputs=f"{path}:batch",
+    cfg = TrainConfig(batch_size=4, seq_len=64, attention=attention, checkpointing=ckpt, parallelism="single",
+                      precision=precision)
+    traced = estimate(f"{path}:build", cfg, instance, inputs=f"{path}:batch",
                       model_options={"attention": attention}, with_throughput=False)
-    analytic = estimate(spec, cfg, "ml.g5.2xlarge", with_throughput=False)
+    analytic = estimate(spec, cfg, instance, with_throughput=False)
     assert traced.parameters["total"] == analytic.parameters["total"]
     t, a = traced.memory_bytes.activations, analytic.memory_bytes.activations
     assert abs(t - a) <= 0.01 * a, (t, a)
