@@ -250,3 +250,13 @@ def test_ngc_containers_map_to_known_stacks():
     for tag, row in sw.table()["ngc"]["containers"].items():
         assert row["source"] and sw.check_cuda(sw.check_torch(row["torch"]), row["cuda"]), tag
         assert not sw.lazy_loading(st(row["torch"], row["cuda"]))  # all before CUDA 11.7: eager contexts
+
+
+def test_expandable_segments_from_the_stack_reach_the_allocator_replay():
+    cfg = TrainConfig(batch_size=16, seq_len=256, precision="amp-fp16")
+    plain = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", with_throughput=False)
+    exp = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", stack={"alloc_conf": "expandable_segments:True"},
+                   with_throughput=False)
+    assert plain.allocator is not None and exp.allocator is not None
+    assert not plain.allocator.expandable_segments and exp.allocator.expandable_segments
+    assert exp.stack.alloc_conf == "expandable_segments:True"
