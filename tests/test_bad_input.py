@@ -363,3 +363,25 @@ def test_probe_run_that_cannot_start_exits_2(tmp_path, monkeypatch):
     assert code == 2
     last = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(last) == 1 and "No module named 'torch'" in last[0] and "@launch" in last[0]
+
+
+def test_unwritable_working_directory_results(tmp_path, monkeypatch):
+    """`results/` cannot be made (a file holds its name, as a read-only working directory would refuse it):
+    validate's CSV and calibrate's file fail on one line naming the flag; nothing is half-written."""
+    from test_validate_probes import MIB, estimate, record
+
+    from planner.probes.store import write_json_atomic
+
+    folder = tmp_path / "probes-in"
+    for i, ctx in enumerate((500 * MIB, 540 * MIB)):
+        write_json_atomic(folder / f"r{i}.json", record(f"r{i}", context=ctx, est=estimate()))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "results").write_text("not a folder")
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("PLANNER_RESULTS_DIR", raising=False)
+    code, _, err = invoke(["validate", "--probes", str(folder), "--stored"])
+    assert_one_line_error(code, err, "--csv", "results")
+    code, _, err = invoke(["calibrate", "--probes", str(folder)])
+    assert_one_line_error(code, err, "--out", "results")
+    assert sorted(p.name for p in work.iterdir()) == ["results"]
