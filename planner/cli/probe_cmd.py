@@ -244,6 +244,9 @@ def register(app: typer.Typer) -> None:
         if not local:
             raise PlannerError("--no-local", True, "`planner probe launch` for SageMaker")
         check_torch()
+        from planner.io import number
+
+        number(timeout, "--timeout", low=1, high=7 * 24 * 3600, integer=True)  # seconds; a week at most
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
