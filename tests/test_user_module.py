@@ -106,3 +106,12 @@ def test_config_outside_the_families_is_traced(tmp_path):
 
     assert out["parameters"]["total"] == sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**cfg)).parameters())
     assert out["memory_bytes"]["activations"] > 0
+
+
+def test_explain_a_user_module(user):
+    r = runner.invoke(app, ["explain", "--instance", "ml.g5.2xlarge", "-b", "4", "-s", "8", "--model",
+                            f"{user}:build", "--inputs", f"{user}:batch", "--json"])
+    assert r.exit_code == 0, r.output
+    steps = {s["title"]: s["lines"] for s in json.loads(r.stdout)}
+    assert steps["Parameters of each component"][:2] == ["a: 144 parameters", "b: 34 parameters"]
+    assert any("Largest saved tensors" in line for line in steps['The "computational graph": saved activations'])
