@@ -66,7 +66,7 @@ def test_freed_neighbours_merge():
     y, _ = a.malloc(3 * MiB)
     a.free(x)
     a.free(y)
-    assert sorted(a.free_keys[False]) == [(20 * MiB, x.seg)]  # one whole 20 MiB block again
+    assert list(a.free_at) == [x.seg] and a.free_at[x.seg].size == 20 * MiB  # one whole 20 MiB block again
 
 
 def test_cached_segments_are_kept_without_pressure():

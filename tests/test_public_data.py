@@ -115,3 +115,20 @@ def test_unknown_model_is_rejected(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(PlannerError, match="model"):
         load_public_throughput(tmp_path / "public")
+
+
+def test_benchmark_scripts_run_through_the_public_api(capsys):
+    """The two accuracy scripts run end to end on one source each (they use only planner.estimate + its JSON)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    for name, source, expect in (("public_memory", "hf-issue-10754", "sure fits that OOM'd"),
+                                 ("public_speed", "dle-bert-1907", "Single-GPU runs")):
+        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.main(["--source", source, "--rows"]) == 0
+        out = capsys.readouterr().out
+        assert expect in out and source in out
+        assert max(len(line) for line in out.splitlines()) <= 80

@@ -83,6 +83,9 @@ def allocation_size(nbytes: int) -> int:
     return -(-nbytes // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
+ADDR_BITS = 64  # a free block's sort key is size << ADDR_BITS | address: (size, address) order as one int
+
+
 class _Block:
     __slots__ = ("size", "addr", "seg", "prev", "next", "free", "small")
 
@@ -93,6 +96,19 @@ class _Block:
         self.free = True
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The allocator after events that allocate only tensors the step never frees (parameters, buffers,
+    buckets, optimizer states): their blocks never change again, so only the free tails of their segments
+    matter. Restoring it replaces replaying those events (see `replay`)."""
+
+    tails: tuple[tuple[int, int, int, bool], ...]  # free blocks: (size, addr, segment, small)
+    segments: tuple[tuple[int, int], ...]  # (segment, bytes)
+    next_addr: int
+    allocated: int
+    peaks: tuple  # the replay loop's peak variables
+
+
 class CachingAllocator:
     """The allocator's state; `malloc`/`free` follow the C++ functions of the same names (see module doc)."""
 
@@ -101,7 +117,7 @@ class CachingAllocator:
         self.capacity = capacity_bytes
         self.expandable = expandable_segments
         self.max_split = max_split_size
-        self.free_keys: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # pool -> sorted (size, addr)
+        self.free_keys: dict[bool, list[int]] = {True: [], False: []}  # pool -> sorted size << 64 | addr
         self.free_at: dict[int, _Block] = {}  # addr -> free block
         self.segments: dict[int, int] = {}  # segment id (its base address) -> bytes
         self.tail: dict[bool, _Block | None] = {True: None, False: None}  # expandable: last block per pool
@@ -112,29 +128,30 @@ class CachingAllocator:
     # ---- free-block index (BlockPool.blocks)
     def _insert(self, b: _Block) -> None:
         b.free = True
-        insort(self.free_keys[b.small], (b.size, b.addr))
+        insort(self.free_keys[b.small], b.size << ADDR_BITS | b.addr)
         self.free_at[b.addr] = b
 
     def _remove(self, b: _Block) -> None:
         keys = self.free_keys[b.small]
-        del keys[bisect_left(keys, (b.size, b.addr))]
+        del keys[bisect_left(keys, b.size << ADDR_BITS | b.addr)]
         del self.free_at[b.addr]
         b.free = False
 
     def _best_fit(self, size: int, small: bool) -> _Block | None:
         """`get_free_block`: the smallest cached block >= size, with the max_split_size limits."""
         keys = self.free_keys[small]
-        i = bisect_left(keys, (size, -1))
+        i = bisect_left(keys, size << ADDR_BITS)
         if i == len(keys):
             return None
-        bsize, addr = keys[i]
+        key = keys[i]
         ms = self.max_split
         if ms is not None and not small:
+            bsize = key >> ADDR_BITS
             if size < ms <= bsize:
                 return None
             if size >= ms and bsize >= size + K_LARGE_BUFFER:
                 return None
-        return self.free_at[addr]
+        return self.free_at[key & ((1 << ADDR_BITS) - 1)]
 
     def _should_split(self, b: _Block, size: int) -> bool:
         remaining = b.size - size
@@ -273,6 +290,27 @@ class CachingAllocator:
         self._insert(b)
 
 
+    def snapshot(self, peaks: tuple) -> Snapshot:
+        """See `Snapshot`: valid only while every allocated block is permanent (not expandable, no OOM)."""
+        tails = tuple((b.size, b.addr, b.seg, b.small) for b in self.free_at.values())
+        return Snapshot(tails, tuple(self.segments.items()), self.next_addr, self.allocated, peaks)
+
+    @classmethod
+    def restore(cls, snap: Snapshot, capacity_bytes: int | None = None,
+                max_split_size: int | None = None) -> CachingAllocator:
+        a = cls(capacity_bytes, False, max_split_size)
+        a.segments = dict(snap.segments)
+        a.reserved = sum(a.segments.values())
+        a.next_addr, a.allocated = snap.next_addr, snap.allocated
+        for size, addr, seg, small in snap.tails:
+            b = _Block(size, addr, seg, small)
+            if addr != seg:  # its left neighbour: a permanent block, never freed (merges never reach it)
+                b.prev = _Block(0, addr - 1, seg, small)
+                b.prev.free = False
+            a._insert(b)
+        return a
+
+
 def replay(events: Sequence[Event], *, capacity_bytes: int | None = None, expandable_segments: bool = False,
            max_split_size: int | None = None) -> ReplayResult:
     """Replay `events` through a fresh allocator; peaks, the segment that set the reserved peak, OOM flags.
@@ -281,14 +319,37 @@ def replay(events: Sequence[Event], *, capacity_bytes: int | None = None, expand
     means unlimited. `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
     `max_split_size`: PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb (bytes here); None = unlimited (default).
     """
-    a = CachingAllocator(capacity_bytes, expandable_segments, max_split_size)
+    return run(events, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments,
+               max_split_size=max_split_size)[0]
+
+
+def run(events: Sequence[Event], *, capacity_bytes: int | None = None, expandable_segments: bool = False,
+        max_split_size: int | None = None, start: Snapshot | None = None,
+        snapshot_at: int = 0) -> tuple[ReplayResult, Snapshot | None]:
+    """`replay`, resumable: `start` is a `Snapshot` standing for events[:snapshot_at] (they are skipped);
+    without it and with `snapshot_at` > 0, the state after events[:snapshot_at] comes back as a Snapshot
+    (None if those events are not all permanent allocations, under expandable segments, or after an OOM
+    retry). Returns (result, snapshot or None)."""
+    snap = None
+    if start is not None:
+        a = CachingAllocator.restore(start, capacity_bytes, max_split_size)
+        peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg = start.peaks
+        first = snapshot_at
+    else:
+        a = CachingAllocator(capacity_bytes, expandable_segments, max_split_size)
+        peak_alloc = peak_res = segments = peak_req = peak_seg = 0
+        peak_event = peak_tensor = -1
+        first = 0
     live: dict[int, _Block] = {}
-    peak_alloc = peak_res = 0
-    segments = 0
-    peak_event = peak_tensor = -1
-    peak_req = peak_seg = 0
     malloc, free = a.malloc, a.free
-    for i, (tid, nbytes) in enumerate(events):
+    take_snapshot = start is None and snapshot_at > 0 and not expandable_segments
+    end = _last_alloc(events)
+    for i in range(first, end):
+        if take_snapshot and i == snapshot_at:
+            take_snapshot = False
+            if not a.oom_retry:
+                snap = a.snapshot((peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg))
+        tid, nbytes = events[i]
         if nbytes:
             b, grown = malloc(nbytes)
             live[tid] = b
@@ -300,5 +361,15 @@ def replay(events: Sequence[Event], *, capacity_bytes: int | None = None, expand
                 peak_event, peak_tensor, peak_req, peak_seg = i, tid, nbytes, grown
         else:
             free(live.pop(tid))
-    return ReplayResult(peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg, a.oom_retry, a.oom,
-                        expandable_segments)
+    if take_snapshot and end == snapshot_at and not a.oom_retry:
+        snap = a.snapshot((peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg))
+    # What follows the last allocation only frees: it changes no peak.
+    return ReplayResult(peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg, a.oom_retry,
+                        a.oom, expandable_segments), snap
+
+
+def _last_alloc(events: Sequence[Event]) -> int:
+    for i in range(len(events) - 1, -1, -1):
+        if events[i][1]:
+            return i + 1
+    return 0

@@ -97,17 +97,16 @@ class _Builder:
         self.marks: list[Mark] = []
 
     def alloc(self, name: str, sizes: Sequence[int]) -> list[int]:
-        ids = []
-        for k, n in enumerate(sizes):
-            if n > 0:
-                tid = len(self.names)
-                self.names.append(f"{name}[{k}]" if len(sizes) > 1 else name)
-                self.events.append((tid, n))
-                ids.append(tid)
+        """One tensor per positive size; every tensor of the group is named `name` (see `tensor_name`)."""
+        first = len(self.names)
+        sizes = [n for n in sizes if n > 0]
+        ids = list(range(first, first + len(sizes)))
+        self.names.extend([name] * len(sizes))
+        self.events.extend(zip(ids, sizes, strict=True))
         return ids
 
     def free(self, ids: Sequence[int]) -> None:
-        self.events.extend((tid, 0) for tid in ids)
+        self.events.extend([(tid, 0) for tid in ids])
 
     def mark(self, phase: str, label: str) -> None:
         self.marks.append(Mark(phase, label, len(self.events)))
@@ -190,6 +189,29 @@ def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
         if k in rest:
             rest.remove(k)
     return tuple(rest)
+
+
+def tensor_name(trace: Trace, tid: int) -> str:
+    """`group[k]` for the k-th tensor of a group of several, `group` for a single one."""
+    names = trace.names
+    name = names[tid]
+    first = tid
+    while first > 0 and names[first - 1] is name:
+        first -= 1
+    last = tid
+    while last + 1 < len(names) and names[last + 1] is name:
+        last += 1
+    return name if first == last else f"{name}[{tid - first}]"
+
+
+def permanent_prefix(trace: Trace) -> int:
+    """How many leading events allocate tensors the step never frees (parameters, buffers, buckets, states):
+    the allocator state after them depends on the model and optimizer only, so it can be cached."""
+    freed = {tid for tid, n in trace.events if not n}
+    for i, (tid, n) in enumerate(trace.events):
+        if not n or tid in freed:
+            return i
+    return len(trace.events)
 
 
 def live_bytes(trace: Trace) -> list[int]:

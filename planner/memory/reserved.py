@@ -46,9 +46,26 @@ def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, a
                               bucket_cap_bytes=int(cfg.bucket_cap_mb * events.MiB))
 
 
+_PREFIXES: dict[tuple, allocator.Snapshot] = {}
+
+
 @lru_cache(maxsize=REPLAY_CACHE_SIZE)
 def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
-    return allocator.replay(trace.events, capacity_bytes=capacity, expandable_segments=expandable)
+    """Without a capacity (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed
+    once per model and optimizer and restored from a snapshot afterwards."""
+    if capacity is not None or expandable:
+        return allocator.replay(trace.events, capacity_bytes=capacity, expandable_segments=expandable)
+    n = events.permanent_prefix(trace)
+    key = trace.events[:n]
+    snap = _PREFIXES.get(key)
+    if snap is not None:
+        return allocator.run(trace.events, start=snap, snapshot_at=n)[0]
+    result, snap = allocator.run(trace.events, snapshot_at=n)
+    if snap is not None:
+        if len(_PREFIXES) >= REPLAY_CACHE_SIZE:
+            _PREFIXES.clear()
+        _PREFIXES[key] = snap
+    return result
 
 
 def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple, *,
@@ -61,7 +78,7 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
     r = _replay(trace, None, expandable_segments)
     if capacity_bytes is not None and r.peak_reserved > capacity_bytes:
         r = _replay(trace, capacity_bytes, expandable_segments)
-    name = trace.names[r.peak_tensor] if r.peak_tensor >= 0 else ""
+    name = events.tensor_name(trace, r.peak_tensor) if r.peak_tensor >= 0 else ""
     return AllocatorReplay(peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, segments=r.segments,
                            peak_allocation=name, peak_allocation_bytes=r.peak_event_bytes,
                            peak_segment_bytes=r.peak_segment_bytes, oom_retry=r.oom_retry,
@@ -72,4 +89,5 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
 def clear_caches() -> None:
     """Forget cached traces and replays (benchmarks; tests that change module constants)."""
     _TRACES.clear()
+    _PREFIXES.clear()
     _replay.cache_clear()
