@@ -440,7 +440,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
-             "models yet", *full.notes]
+             "models yet", *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -480,7 +480,8 @@ def _calibrated(throughput: Throughput, scale: float | None) -> Throughput:
                                 "breakdown_s": t.breakdown_s | {"calibration_scale": scale}})
 
 
-def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
+def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
+    """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
     if cfg.parallelism in ("ddp", "zero1") and not cfg.gradient_as_bucket_view:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
@@ -488,6 +489,6 @@ def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
     if cfg.parallelism == "dp":
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")
-    if cfg.checkpointing and not spec.transformers:
+    if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
     return notes
