@@ -116,6 +116,7 @@ class _Prepared:
     context: tuple[int, int, int, str] = (0, 0, 0, "")  # (point, low, high, why) of the CUDA context
     given: frozenset[str] = frozenset()  # runtime fields the user fixed (no band on them)
     fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
+    traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
 @dataclass(frozen=True)
@@ -286,8 +287,18 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     alloc = None
-    if prep.fragmentation_given or spec is None:  # traced models: flat fragmentation until the replay reads traces
+    replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
+    if prep.fragmentation_given or (spec is None and (prep.traced is None or not replicated
+                                                      or cfg.parallelism == "dp")):
         peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
+    elif spec is None:  # a traced model: its own storage events through the allocator model
+        from planner.program.replay import replay_trace
+
+        alloc = replay_trace(prep.traced, ddp_bucket_bytes=step.ddp_bucket_bytes,
+                             bucket_cap_bytes=int(cfg.bucket_cap_mb * 2**20), workspace_bytes=step.workspace_bytes,
+                             capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
+                             expandable_segments=expandable_segments or prep.stack.expandable_segments)
+        peak_reserved = max(alloc.peak_reserved, peak_allocated)
     else:
         alloc = replay_step(spec, cfg, step, prep.activations, parameter_share=prep.share.parameters,
                             gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
@@ -429,15 +440,17 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
-             "models yet", *full.notes]
+             "models yet", *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    if not fragmentation_given:
-        notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}) (the allocator replay reads the "
-                     "analytic step only)")
+    if not fragmentation_given and (cfg.parallelism == "dp" or min(share.parameters, share.gradients,
+                                                                   share.optimizer_states) < 1):
+        notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}): the traced allocator replay covers "
+                     "replicated single/DDP steps only")
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
-                     scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range)
+                     scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
+                     full)
 
 
 def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
@@ -467,7 +480,8 @@ def _calibrated(throughput: Throughput, scale: float | None) -> Throughput:
                                 "breakdown_s": t.breakdown_s | {"calibration_scale": scale}})
 
 
-def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
+def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
+    """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
     if cfg.parallelism in ("ddp", "zero1") and not cfg.gradient_as_bucket_view:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
@@ -475,6 +489,6 @@ def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
     if cfg.parallelism == "dp":
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")
-    if cfg.checkpointing and not spec.transformers:
+    if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
     return notes

@@ -212,7 +212,8 @@ def phase_moment_note(est: Estimate) -> str | None:
             "activations block by block (all gradients exist only at the optimizer step).")
 
 
-def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None) -> list[tuple[str, Estimate]]:
+def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+           extra: dict[str, Any] | None = None) -> list[tuple[str, Estimate]]:
     """Cheap changes that make an OOM configuration fit, fastest first."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -242,7 +243,7 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     for label, change in tries:
         try:
             alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options,
-                           stack=est.stack)
+                           stack=est.stack, **(extra or {}))
         except PlannerError:
             continue
         if alt.fits:
@@ -251,14 +252,14 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     return found
 
 
-def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
+def _largest_fitting_batch(model, est: Estimate, model_options, extra: dict[str, Any] | None = None) -> int | None:
     from planner.estimate import estimate
 
     cfg, lo = est.config, est.config.batch_size
     hi = lo
     while True:
         alt = estimate(model, cfg.model_copy(update={"batch_size": hi * 2}), est.instance,
-                       model_options=model_options, with_throughput=False, stack=est.stack)
+                       model_options=model_options, with_throughput=False, stack=est.stack, **(extra or {}))
         if not alt.fits or hi > 4096:
             break
         hi *= 2
@@ -266,14 +267,15 @@ def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if estimate(model, cfg.model_copy(update={"batch_size": mid}), est.instance, model_options=model_options,
-                    with_throughput=False, stack=est.stack).fits:
+                    with_throughput=False, stack=est.stack, **(extra or {})).fits:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list[str]:
+def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: dict[str, Any] | None = None
+                   ) -> list[str]:
     m = est.memory_bytes
     if est.fits:
         lines = [f"FITS: {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} at the peak "
@@ -281,7 +283,7 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list
                  f"({est.headroom_bytes / est.gpu_memory_bytes:.0%})."]
         if est.headroom_bytes < 0.05 * est.gpu_memory_bytes:
             lines.append("Headroom is under 5%: fragmentation or a longer batch can still OOM; leave a margin.")
-        best = _largest_fitting_batch(model, est, model_options)
+        best = _largest_fitting_batch(model, est, model_options, extra)
         if best:
             lines.append(f"The largest micro-batch that fits with these settings: {best}.")
         return lines
@@ -291,7 +293,7 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list
         lines = [f"TIGHT: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)} at the "
                  f"{est.peak_phase} peak (point {fmt_bytes(m.peak_device)}), {fmt_bytes(est.gpu_memory_bytes)} on "
                  "the GPU: it may fit or OOM (see the step before); a probe settles it."]
-    fixes = _fixes(model, est, model_options)
+    fixes = _fixes(model, est, model_options, extra)
     if not fixes:
         lines.append("No single change tried (smaller micro-batch with accumulation, checkpointing, AMP, ZeRO) fits;"
                      " combine them or use a GPU with more memory (see `planner search --instance all`).")
@@ -318,13 +320,14 @@ def _assumption_lines(spec: ModelSpec, est: Estimate, model_options: dict[str, A
             f"{est.runtime.source}."]
 
 
-def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None) -> list[str]:
+def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+                     extra: dict[str, Any] | None = None) -> list[str]:
     """`auto` picks DDP; the question users ask is often about nn.DataParallel: answer both, side by side."""
     from planner.estimate import estimate
 
     try:
         dp = estimate(model, est.config.model_copy(update={"parallelism": "dp"}), est.instance,
-                      runtime=est.runtime, model_options=model_options, stack=est.stack)
+                      runtime=est.runtime, model_options=model_options, stack=est.stack, **(extra or {}))
     except PlannerError:
         return []
     rows = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
@@ -346,19 +349,31 @@ def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[
 
 
 def explain(est: Estimate, model: ModelSpec | str | None = None,
-            model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None) -> list[Step]:
-    """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel)."""
+            model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None,
+            inputs: str | None = None, loss: str | None = None) -> list[Step]:
+    """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel).
+    A traced model (`file.py:build` with `inputs`/`loss`, or a config.json outside the families) explains
+    its components, activations and batch from the trace (`planner.explain_traced`)."""
     from planner.estimate import _resolve_model
     from planner.hardware import get_instance
+    from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
 
-    spec = _resolve_model(model or est.model, model_options)
+    extra: dict[str, Any] = {}
+    if is_reference(model) or is_traced_config(model):
+        from planner import explain_traced
+
+        extra = {"inputs": inputs, "loss": loss}
+        spec: Any = explain_traced.TracedView(str(model), est, model_options, inputs, loss)
+    else:
+        spec = _resolve_model(model or est.model, model_options)
     inst = get_instance(est.instance)
     g = inst.gpu
     rt = est.runtime
     both = (requested_parallelism == "auto" and est.config.parallelism == "ddp" and est.config.instances == 1
             and est.world_size > 1)
     side_by_side = [Step("DDP, which auto chose, and nn.DataParallel side by side",
-                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options)))] if both else []
+                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options, extra)))] if both else []
     return [
         Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
         Step(f"Memory of each GPU on {inst.name}", (
@@ -370,7 +385,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         )),
         Step(f"How the model is stored under {est.config.parallelism}", tuple(_storage_lines(est))),
         *side_by_side,
-        Step("Parameters of each component", tuple(_component_lines(spec)) +
+        Step("Parameters of each component", tuple(spec.component_lines() if extra else _component_lines(spec)) +
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
         Step("Gradients and optimizer states", (
@@ -380,11 +395,12 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
             "(AdamW: two fp32 tensors per parameter, exp_avg and exp_avg_sq, allocated at the first "
             "optimizer.step(); rules of thumb that count only parameters and activations leave them out).",
         )),
-        Step('The "computational graph": saved activations', tuple(_activation_lines(spec, est))),
-        Step("How parameters and data are stored", tuple(_data_lines(spec, est))),
+        Step('The "computational graph": saved activations',
+             tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
+        Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
         Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
-        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options)) + _speed_bound_lines(est)),
+        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options, extra)) + _speed_bound_lines(est)),
     ]
 
 

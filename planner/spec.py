@@ -38,6 +38,11 @@ Verdict = Literal["fits", "tight", "oom"]
 # the largest published SageMaker runs (hundreds of p4d/p5 instances). Override: $PLANNER_MAX_INSTANCES.
 MAX_INSTANCES = int(os.environ.get("PLANNER_MAX_INSTANCES", "2048"))
 
+# Samples per GPU in one micro-batch. ASSUMPTION: 2^31 - 1 (PyTorch's int32 kernel-indexing limit on one dimension);
+# any micro-batch near it is out of memory on every GPU, so above it the answer is this error, not an OOM verdict
+# computed with 100-digit byte counts.
+MAX_BATCH = 2**31 - 1
+
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                                     "uint8": 1}
 
@@ -147,7 +152,7 @@ class ModelSpec(Frozen):
 class TrainConfig(Frozen):
     """One training configuration, per GPU. `batch_size` is the micro-batch on one GPU."""
 
-    batch_size: PositiveInt
+    batch_size: int = Field(ge=1, le=MAX_BATCH)  # see MAX_BATCH
     seq_len: PositiveInt
     precision: Precision = "fp32"
     optimizer: OptimizerName = "adamw"

@@ -252,3 +252,28 @@ def test_hf_config_outside_the_families_traces_like_the_real_module(arch):
     trace = trace_step(hf.builder(config, "config.json"), make, TrainConfig(batch_size=2, seq_len=6), backend="cpu")
     assert trace.parameters["total"] == sum(p.numel() for p in real.parameters())
     assert trace.saved_bytes == expected
+
+
+def test_traced_events_replay_through_the_allocator_in_steady_state_order():
+    from planner.memory import allocator
+    from planner.program.replay import replay_trace, steady_state_events
+
+    trace = trace_step(TinyLM, lm_batch, TrainConfig(batch_size=2, seq_len=5), backend="cuda")
+    evs, names = steady_state_events(trace, bucket_sizes=(1000,), workspace_bytes=4096)
+    allocated: set[int] = set()
+    seen_step = False
+    for tid, nbytes in evs:
+        if nbytes:
+            assert tid not in allocated
+            allocated.add(tid)
+            if names[tid] not in ("parameter", "buffer", "ddp_bucket", "cublas_workspace", "optimizer_state"):
+                seen_step = True
+            else:
+                assert not seen_step, "permanent storages come first"
+        else:
+            assert tid in allocated
+            allocated.discard(tid)
+    permanent = sum(allocator.round_size(n) for t, n in evs if n
+                    and names[t] in ("parameter", "buffer", "optimizer_state"))
+    r = replay_trace(trace, ddp_bucket_bytes=1000, workspace_bytes=4096)
+    assert r.peak_allocated >= permanent and r.peak_reserved >= r.peak_allocated

@@ -250,7 +250,8 @@ def register(app: typer.Typer) -> None:
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
-        steps = explain(est, model_options=parse_model_options(model_option), requested_parallelism=parallelism)
+        steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
+                        inputs=inputs, loss=loss)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))

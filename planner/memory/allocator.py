@@ -83,7 +83,8 @@ def allocation_size(nbytes: int) -> int:
     return -(-nbytes // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
-ADDR_BITS = 64  # a free block's sort key is size << ADDR_BITS | address: (size, address) order as one int
+ADDR_BITS = 128  # a free block's sort key is size << ADDR_BITS | address: (size, address) order as one int;
+# 128 so that the addresses of absurd requests (10^20 samples: > 2^64 bytes) still fit below the size bits
 
 
 class _Block:

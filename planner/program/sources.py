@@ -38,7 +38,7 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
         raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
                            f"function) for --model {ref}")
     config = TrainConfig.model_validate_json(config_json)
-    return trace_step(user_module.model_builder(ref, json.loads(options_json)), user_module.batch_maker(inputs),
+    return trace_step(user_module.model_builder(ref, json.loads(options_json)), user_module.batch_maker(inputs, json.loads(options_json)),
                       config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
                       flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
                       enable_checkpointing=_checkpointing_for)

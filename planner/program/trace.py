@@ -433,6 +433,21 @@ def _fake_error(exc: Exception, stack: list[str], source: str, root: str) -> Pla
                         "value); make the shape-changing step independent of tensor values")
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback when a meta kernel rejects the user's shapes; the planner reports that
+    error as one line itself."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
@@ -448,7 +463,7 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                    ft.UnsupportedFakeTensorException, ft.UnsupportedOperatorException)
     notes: list[str] = []
     mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with mode, _quiet_fake_tensor_log():
         old = torch.get_default_dtype()
         torch.set_default_dtype(MODEL_DTYPE[config.precision])
         try:
@@ -534,6 +549,14 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                         notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
             except fake_errors as exc:
                 raise _fake_error(exc, stack, source, type(module).__name__) from None
+            except PlannerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an error in the user's forward/loss: one line, exit 2
+                from planner.models.user_module import last_line
+
+                where = (stack[-1] or "(root)") if stack else "the loss or backward"
+                raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
+                                   f"(in {where}); check --inputs matches the model") from None
 
         grads = tuple(tuple(p.shape) for _, p in named if p.requires_grad)
         pbytes = named[0][1].element_size() if named else 4
