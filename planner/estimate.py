@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
-from planner.memory import model_states, optimizer, parallel, timeline
 from planner.spec import (
     Estimate,
     Instance,
@@ -18,6 +18,7 @@ from planner.spec import (
     ModelSpec,
     PhasePeak,
     RuntimeConstants,
+    SoftwareStack,
     Throughput,
     TrainConfig,
 )
@@ -39,8 +40,9 @@ def _resolve_instance(instance: Instance | str) -> Instance:
     return get_instance(instance)
 
 
-def check_supported(model: ModelSpec, config: TrainConfig, instance: Instance) -> None:
-    """What the GPU and the model allow; raises PlannerError naming the flag."""
+def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Instance) -> None:
+    """What the GPU and the model allow (model None: a traced model, GPU checks only); raises PlannerError
+    naming the flag."""
     gpu = instance.gpu
     if "bf16" in config.precision and not gpu.bf16:
         raise PlannerError("--precision", config.precision,
@@ -54,38 +56,11 @@ def check_supported(model: ModelSpec, config: TrainConfig, instance: Instance) -
         if config.precision == "fp32":
             raise PlannerError("--attention", "flash", "FlashAttention runs in fp16/bf16 only; use --precision "
                                "amp-fp16, amp-bf16, fp16 or bf16, or --attention sdpa")
-    limit = model.max_positions
-    if limit is not None and config.seq_len > limit:
+    limit = model.max_positions if model is not None else None
+    if model is not None and limit is not None and config.seq_len > limit:
         raise PlannerError("--seq-len", config.seq_len, f"{model.name} has {limit} positions; use <= {limit}")
     if config.optimizer_impl == "fused" and config.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
         raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
-
-
-def _ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
-    """DDP's Reducer allocates flat buckets covering every gradient when the model is wrapped
-    (torch/csrc/distributed/c10d/reducer.cpp `initialize_buckets`); with gradient_as_bucket_view=True the
-    .grad tensors are views into them, so no second copy. ZeroRedundancyOptimizer (zero1) runs over DDP."""
-    if config.parallelism in ("ddp", "zero1") and not config.gradient_as_bucket_view:
-        return gradient_bytes
-    return 0
-
-
-def _dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -> int:
-    """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
-    gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
-    in fp32 (LM heads: seq_len × vocab logits)."""
-    if config.parallelism != "dp":
-        return 0
-    others = config.batch_size * (gpus - 1)
-    inputs = batch_mem.batch_bytes(model, others, config.seq_len)
-    out_per_sample = 0
-    for t in model.transformers:
-        if t.head == "causal-lm" or t.head == "masked-lm":
-            out_per_sample = config.seq_len * t.vocab_size * 4
-    if not out_per_sample:
-        last = model.components[-1].layers[-1]
-        out_per_sample = getattr(last, "out_features", 0) * 4 or 8
-    return inputs + config.batch_size * gpus * out_per_sample
 
 
 def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
@@ -124,34 +99,112 @@ def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
 
 @dataclass(frozen=True)
 class _Prepared:
-    spec: ModelSpec
+    spec: ModelSpec | None  # None for a traced model (user code, HF config outside the families)
     inst: Instance
     cfg: TrainConfig
     world: int
     rt: RuntimeConstants
     counts: dict[str, int]
     step: timeline.StepMemory
+    activations: tuple  # planner.memory.activations.BlockActivations per block, then "loss"
+    share: parallel.Sharding
+    fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
+    name: str = ""
+    notes: tuple[str, ...] = ()
+    stack: SoftwareStack | None = None
+    context: tuple[int, int, int, str] = (0, 0, 0, "")  # (point, low, high, why) of the CUDA context
+    given: frozenset[str] = frozenset()  # runtime fields the user fixed (no band on them)
+    fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
+    traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
-def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
+@dataclass(frozen=True)
+class _StackView:
+    """What the stack decided for one estimate (see `_with_stack`)."""
+
+    stack: SoftwareStack
+    context: tuple[int, int, int, str]
+    given: frozenset[str]
+    fragmentation_range: tuple[float, ...]
+
+
+def _calibrated_range(entry: dict[str, Any], key: str, family: str) -> list[float] | None:
+    """A [min, max] pair of the calibration file (`planner calibrate`), checked."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise PlannerError(f"calibration file: families.{family}.{key}", value, "[min, max], two numbers >= 0")
+    return [float(min(value)), float(max(value))]
+
+
+def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, runtime, calibration,
+                rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
+    """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
+    cuBLAS workspaces of that torch version, unless the user fixed them; and what the band needs."""
+    from planner.memory import stack as sw
+    from planner.memory.runtime import CUBLAS_HANDLES_PER_TRAINING_PROCESS, calibration_entry
+
+    st = sw.resolve_stack(stack, inst.gpu)
+    if cfg.attention == "auto":
+        cfg = cfg.model_copy(update={"attention": sw.model_default_attention(st, families)})
+    given = frozenset(RuntimeConstants.model_fields) if isinstance(runtime, RuntimeConstants) \
+        else frozenset(runtime or ())
+    cal = calibration_entry(calibration, inst.gpu.family)
+    # Calibration readings narrow the band only for stacks like the ones they were taken on (probe jobs run
+    # DLCs, lazy loading, when the file does not say).
+    if (cal.get("module_loading") or "lazy") != ("lazy" if sw.lazy_loading(st) else "eager"):
+        cal = {}
+    ctx = sw.context_band(st, inst.gpu.family, rt.cuda_context_bytes, overridden="cuda_context_bytes" in given,
+                          calibrated="cuda_context_bytes" in cal,
+                          calibrated_range=_calibrated_range(cal, "context_range", inst.gpu.family))
+    update: dict[str, Any] = {}
+    if "cublas_workspace_bytes" not in given:
+        ws = sw.cublas_workspace_bytes(st, inst.gpu.compute_capability, CUBLAS_HANDLES_PER_TRAINING_PROCESS)
+        if sw.workspace_rule(st)["in_allocator"]:
+            update["cublas_workspace_bytes"] = ws
+        else:  # before torch 1.13 cuBLAS allocates its workspace itself: device memory outside the allocator
+            update["cublas_workspace_bytes"] = 0
+            if "cuda_context_bytes" not in given:  # a measured context (device - reserved) already holds it
+                ctx = (ctx[0] + ws, ctx[1] + ws, ctx[2] + ws, ctx[3] + f"; + cuBLAS's own workspaces "
+                       f"({ws / 2**20:.1f} MiB, outside the allocator before torch 1.13)")
+    if ctx[0] != rt.cuda_context_bytes:
+        update["cuda_context_bytes"] = ctx[0]
+    if update:
+        rt = rt.model_copy(update=update | {"source": rt.source + f"; stack: {sw.describe(st)}"})
+    frag_range = _calibrated_range(cal, "fragmentation_range", inst.gpu.family) or (
+        (cal["fragmentation"], cal["fragmentation"]) if "fragmentation" in cal else ())
+    return cfg, rt, _StackView(st, ctx, given, tuple(frag_range))
+
+
+def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.activations import activation_blocks
-    from planner.memory.runtime import calibration_entry, load_calibration, runtime_constants
+    from planner.memory.runtime import (
+        calibrated_values,
+        calibration_entry,
+        load_calibration,
+        runtime_constants,
+    )
     from planner.models.params import count_buffers_bytes, count_parameters, model_gradient_tensor_shapes
 
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
-    check_supported(spec, cfg, inst)
-    world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
-
     calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     if isinstance(runtime, RuntimeConstants):
         rt = runtime
     else:
         rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
+    cfg, rt, view = _with_stack([t.family for t in spec.transformers], cfg, inst, stack, runtime, calibration, rt)
+    check_supported(spec, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
+    # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
+    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
+                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
 
     counts = count_parameters(spec)
     total_params = counts["total"]
@@ -168,23 +221,26 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     step = timeline.StepMemory(
         blocks=block_mem,
         module_buffer_bytes=count_buffers_bytes(spec),
-        ddp_bucket_bytes=_ddp_bucket_bytes(cfg, full_grad_bytes),
+        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
         grads_resident=cfg.grad_accum > 1,
-        extra_forward_bytes=_dataparallel_gpu0_extra(spec, cfg, inst.gpus),
+        extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return _Prepared(spec, inst, cfg, world, rt, counts, step, scale)
+    return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
+                     scale, spec.name, tuple(_notes(spec, cfg)), view.stack, view.context, view.given,
+                     view.fragmentation_range)
 
 
 def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
                     runtime: RuntimeConstants | dict[str, Any] | None = None, backend: str = "cuda",
-                    model_options: dict[str, Any] | None = None) -> list[timeline.Point]:
+                    model_options: dict[str, Any] | None = None,
+                    stack: SoftwareStack | dict[str, Any] | None = None) -> list[timeline.Point]:
     """The allocated bytes by category at each block of one step (what `--plot` draws)."""
-    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options).step)
+    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options, stack).step)
 
 
 def estimate(
@@ -198,17 +254,43 @@ def estimate(
     dataset_size: int | None = None,
     spot: bool = False,
     with_throughput: bool = True,
+    expandable_segments: bool = False,
+    inputs: str | None = None,
+    loss: str | None = None,
+    stack: SoftwareStack | dict[str, Any] | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
     `config.batch_size` is the micro-batch of one GPU. `runtime` overrides the GPU family's runtime
-    constants (a RuntimeConstants or a dict of its fields).
+    constants (a RuntimeConstants or a dict of its fields). `peak_reserved` comes from replaying the step's
+    tensors through the caching-allocator model (`planner.memory.reserved`) unless a fragmentation is given
+    (explicit RuntimeConstants, a `fragmentation` override, or calibration): then allocated × (1 + it).
+    `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A `model` of the form
+    `file.py:build` is the user's own module, traced (`planner.program`) with `inputs` (`file.py:batch`) and
+    `loss` (`file.py:fn`); so is a config.json whose model_type is none of the six hand-modelled families.
+    `stack`: the software stack (a SoftwareStack or a dict with any of torch, cuda,
+    transformers, alloc_conf; None = the DLC `probe launch` would use): it decides the CUDA context, the
+    workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
+    whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     """
-    from planner.memory.runtime import nccl_bytes
+    from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
 
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
-    prep = _prepare(model, config, instance, runtime, backend, model_options)
+    if is_reference(model) or is_traced_config(model):
+        prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
+    else:
+        prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
+    return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend)
+
+
+def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughput: bool,
+            expandable_segments: bool, backend: str) -> Estimate:
+    """The verdict, phases, speed and cost from the prepared step (analytic or traced)."""
+    from planner.memory.reserved import replay_step
+    from planner.memory.runtime import nccl_bytes
+
     spec, inst, cfg, world, rt, counts, step = (prep.spec, prep.inst, prep.cfg, prep.world, prep.rt, prep.counts,
                                                 prep.step)
     states = step.optimizer_state_bytes
@@ -219,14 +301,38 @@ def estimate(
     top = timeline.peak(points)
 
     peak_allocated = top.total
-    peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
     nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
+    gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
+    alloc = None
+    replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
+    if prep.fragmentation_given or (spec is None and (prep.traced is None or not replicated
+                                                      or cfg.parallelism == "dp")):
+        peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
+    elif spec is None:  # a traced model: its own storage events through the allocator model
+        from planner.program.replay import replay_trace
+
+        alloc = replay_trace(prep.traced, ddp_bucket_bytes=step.ddp_bucket_bytes,
+                             bucket_cap_bytes=int(cfg.bucket_cap_mb * 2**20), workspace_bytes=step.workspace_bytes,
+                             capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
+                             expandable_segments=expandable_segments or prep.stack.expandable_segments)
+        peak_reserved = max(alloc.peak_reserved, peak_allocated)
+    else:
+        alloc = replay_step(spec, cfg, step, prep.activations, parameter_share=prep.share.parameters,
+                            gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
+                            capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
+                            expandable_segments=expandable_segments or prep.stack.expandable_segments,
+                            backend=backend,
+                            flash_ok=inst.gpu.flash_attention)
+        # The allocator's reserved peak, never under the allocated peak of the timeline.
+        peak_reserved = max(alloc.peak_reserved, peak_allocated)
     peak_device = rt.cuda_context_bytes + nccl + peak_reserved
     # The verdict uses what the driver reports as total (V100-16GB: 16160 MiB), not the marketed size.
-    gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     usable = gpu_memory - rt.cuda_context_bytes - nccl
     headroom = gpu_memory - peak_device
+    terms = _band_terms(prep, peak_allocated, peak_reserved, nccl, replayed=alloc is not None)
+    low, _, high = band.totals(terms)
+    verdict = band.verdict(low, high, gpu_memory)
 
     memory = MemoryBytes(
         parameters=sum(b.param_bytes for b in block_mem),
@@ -244,11 +350,11 @@ def estimate(
     phases = tuple(PhasePeak(phase=name, allocated=p.total, detail=dict(p.bytes)) for name, p in peaks.items())
 
     throughput = cost = None
-    if with_throughput:
+    if with_throughput and spec is not None:
         throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale)
 
     return Estimate(
-        model=spec.name,
+        model=prep.name,
         instance=inst.name,
         gpu=inst.gpu.name,
         config=cfg,
@@ -259,16 +365,110 @@ def estimate(
         peak_phase=top.phase,
         gpu_memory_bytes=gpu_memory,
         usable_memory_bytes=usable,
-        fits=headroom >= 0,
+        fits=verdict == "fits",
         headroom_bytes=headroom,
-        verdict="fits" if headroom >= 0 else "oom",
-        peak_device_low_bytes=peak_device,
-        peak_device_high_bytes=peak_device,
+        verdict=verdict,
+        peak_device_low_bytes=low,
+        peak_device_high_bytes=high,
         runtime=rt,
+        stack=prep.stack,
+        band=terms,
+        allocator=alloc,
         throughput=throughput,
         cost=cost,
-        notes=tuple(_notes(spec, cfg)),
+        notes=prep.notes,
     )
+
+
+def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
+    """The whole-device peak term by term, each with its band (planner.memory.band)."""
+    workspace = prep.step.workspace_bytes
+    return (
+        band.exact("tensors", allocated - workspace, "exact: parameters, gradients, optimizer states, "
+                   "activations, batch and temporaries, checked against real modules"),
+        band.workspace_term(workspace, "cublas_workspace_bytes" in prep.given),
+        band.reserved_pool_term(allocated, reserved, given="fragmentation" in prep.given, replayed=replayed,
+                                calibrated_range=prep.fragmentation_range or None),
+        band.context_term(*prep.context),
+        band.nccl_term(nccl, "nccl_bytes_per_peer" in prep.given),
+    )
+
+
+def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
+                    model_options: dict[str, Any] | None, inputs: str | None, loss: str | None,
+                    stack: SoftwareStack | dict[str, Any] | None = None) -> _Prepared:
+    """`_prepare` for a traced model: the same step memory, with each block's saved / kept bytes, transients
+    and parameters measured by the tracer (blocks = the module's top-level children, then the loss)."""
+    from planner.memory.runtime import (
+        calibrated_values,
+        calibration_entry,
+        load_calibration,
+        runtime_constants,
+    )
+    from planner.program.sources import model_trace
+
+    inst = _resolve_instance(instance)
+    cfg = parallel.resolve_parallelism(config, inst)
+    calibration = load_calibration()
+    rt = runtime if isinstance(runtime, RuntimeConstants) else runtime_constants(inst.gpu, runtime or None,
+                                                                                 calibration=calibration)
+    # A traced module has no model type to look up: "auto" resolves to the SDPA default of current stacks.
+    cfg, rt, view = _with_stack([], cfg, inst, stack, runtime, calibration, rt)
+    check_supported(None, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
+    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
+                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
+
+    def trace(checkpointing: bool):
+        return model_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
+                          inputs=inputs, loss=loss, backend=backend, flash_ok=inst.gpu.flash_attention)
+
+    full = trace(False)
+    kept = trace(True) if cfg.checkpointing else full
+    kept_by = {b.name: b.saved_bytes + b.retained_bytes for b in kept.blocks}
+    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
+    g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
+    blocks = []
+    for b in full.blocks:
+        full_p, full_g = b.parameters * p_bytes, b.parameters * g_bytes
+        resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
+        keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
+        blocks.append(timeline.BlockMemory(
+            name=b.name, param_bytes=resident_p, grad_bytes=resident_g,
+            gathered_param_bytes=2 * (full_p - resident_p) if share.parameters < 1 else 0,
+            transient_grad_bytes=full_g - resident_g if share.gradients < 1 else 0,
+            kept_bytes=keep, saved_bytes=b.saved_bytes, forward_transient_bytes=b.forward_transient_bytes,
+            backward_transient_bytes=b.backward_transient_bytes, checkpointed=keep < b.saved_bytes,
+            retained_bytes=b.retained_bytes))
+    total = full.parameters["total"]
+    shapes = list(full.gradient_shapes)
+    dp_extra = 0
+    if cfg.parallelism == "dp":  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
+        dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
+    step = timeline.StepMemory(
+        blocks=tuple(blocks),
+        module_buffer_bytes=full.buffer_bytes,
+        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(total, cfg)),
+        workspace_bytes=rt.cublas_workspace_bytes,
+        batch_bytes=full.batch_bytes,
+        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+        grads_resident=cfg.grad_accum > 1,
+        extra_forward_bytes=dp_extra,
+    )
+    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
+             "models yet", *full.notes, *_notes(None, cfg)]
+    if cfg.checkpointing and not kept.checkpointed:
+        notes.append("checkpointing: the module offers none; activations are the full forward's")
+    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
+    if not fragmentation_given and (cfg.parallelism == "dp" or min(share.parameters, share.gradients,
+                                                                   share.optimizer_states) < 1):
+        notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}): the traced allocator replay covers "
+                     "replicated single/DDP steps only")
+    return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
+                     scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
+                     full)
 
 
 def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
@@ -281,7 +481,9 @@ def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_s
     throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
-    except PlannerError:  # no price known for this instance type
+    except PlannerError as exc:  # no price known for this instance type; a corrupt prices cache stays an error
+        if exc.field != "--instance":
+            raise
         cost = None
     return throughput, cost
 
@@ -296,7 +498,8 @@ def _calibrated(throughput: Throughput, scale: float | None) -> Throughput:
                                 "breakdown_s": t.breakdown_s | {"calibration_scale": scale}})
 
 
-def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
+def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
+    """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
     if cfg.parallelism in ("ddp", "zero1") and not cfg.gradient_as_bucket_view:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
@@ -304,6 +507,6 @@ def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
     if cfg.parallelism == "dp":
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")
-    if cfg.checkpointing and not spec.transformers:
+    if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
     return notes

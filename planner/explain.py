@@ -1,7 +1,8 @@
-"""`planner explain`: the estimate as a step-by-step answer, in the order users ask (seed note 000).
+"""`planner explain`: the estimate as a step-by-step answer, in the order users ask.
 
-Pure: takes an Estimate (and re-runs `estimate` for alternatives on OOM); returns text, prints nothing.
-Where the seed notes went wrong, the step says what is right and why.
+Pure: takes an Estimate (and re-runs `estimate` for alternatives on OOM, and for nn.DataParallel beside the
+DDP that `auto` picks); returns text, prints nothing. Where a common rule of thumb is wrong, the step says
+what the rule is, what is right, and why.
 """
 
 from __future__ import annotations
@@ -87,25 +88,42 @@ def _storage_lines(est: Estimate) -> list[str]:
     if p == "single":
         return [f"One GPU holds everything: parameters {fmt_bytes(m.parameters)}, gradients "
                 f"{fmt_bytes(m.gradients)}, optimizer states {fmt_bytes(m.optimizer_states)}.", common]
-    if p in ("dp", "ddp"):
-        kind = "nn.DataParallel" if p == "dp" else "DistributedDataParallel"
-        lines = [f"{kind} keeps a FULL replica on each of the {world} GPUs: parameters {fmt_bytes(m.parameters)}, "
-                 f"gradients {fmt_bytes(m.gradients)}, optimizer states {fmt_bytes(m.optimizer_states)} per GPU. "
-                 "Only the batch is split. (Dividing parameter memory by the number of GPUs, as the seed note "
-                 "did, is wrong: only ZeRO/FSDP sharding divides it.)", common]
-        if p == "dp":
-            lines.append("DataParallel also puts the whole batch and the gathered outputs on GPU 0 and runs the "
-                         "optimizer there: GPU 0 is the hottest and is the one reported.")
-        else:
-            lines.append("DDP allocates gradient buckets as large as the gradients when it wraps the model "
-                         "(unless gradient_as_bucket_view=True) and all-reduces them during backward.")
-        return lines
+    if p == "ddp":
+        return [f"DistributedDataParallel runs one process per GPU, each with a FULL replica: parameters "
+                f"{fmt_bytes(m.parameters)}, gradients {fmt_bytes(m.gradients)}, optimizer states "
+                f"{fmt_bytes(m.optimizer_states)} on every one of the {world} GPUs. Only the batch is split. "
+                "(A common shortcut divides parameter memory by the number of GPUs; that holds only for "
+                "ZeRO/FSDP sharding.)", common,
+                "DDP allocates gradient buckets as large as the gradients when it wraps the model "
+                "(unless gradient_as_bucket_view=True) and all-reduces them during backward."]
+    if p == "dp":
+        return _dataparallel_lines(est)
     stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[p]
     sharded = ["optimizer states", "gradients", "parameters"][:stage]
     return [f"{p} shards {', '.join(sharded)} over {world} GPUs (1/{world} each); the rest is replicated. "
             f"Per GPU: parameters {fmt_bytes(m.parameters)}, gradients {fmt_bytes(m.gradients)}, optimizer states "
             f"{fmt_bytes(m.optimizer_states)}." + (" ZeRO-3/FSDP all-gathers a layer's full parameters while it "
                                                    "runs." if stage == 3 else ""), common]
+
+
+def _dataparallel_lines(est: Estimate) -> list[str]:
+    """nn.DataParallel (torch/nn/parallel/data_parallel.py): one process; the module, its gradients and the
+    optimizer live on GPU 0; each forward broadcasts the parameters to the other GPUs (replicate), scatters
+    the batch, gathers the outputs on GPU 0; backward reduces the gradients onto GPU 0's parameters."""
+    cfg, m, world = est.config, est.memory_bytes, est.world_size
+    return [f"nn.DataParallel is one process. The figures are GPU 0's, the fullest: it holds the model "
+            f"(parameters {fmt_bytes(m.parameters)}), ALL the gradients ({fmt_bytes(m.gradients)}, reduced onto "
+            f"it in backward) and ALL the optimizer states ({fmt_bytes(m.optimizer_states)}; the optimizer "
+            f"steps there).",
+            f"The other {world - 1} GPUs hold, during forward and backward only, a broadcast copy of the "
+            "parameters and their own activations; no gradients or optimizer states stay on them.",
+            f"The batch: you pass {cfg.batch_size * world} samples; DataParallel scatters {cfg.batch_size} to "
+            f"each GPU (the 'input batch' row is that share). The rest of the batch, before the scatter, and "
+            "the outputs gathered back from every GPU also sit on GPU 0: they are counted in 'temporaries "
+            "and buffers'.",
+            f"One optimizer step sees {cfg.batch_size} × {cfg.grad_accum} (accumulation) × {world} GPUs = "
+            f"{cfg.batch_size * cfg.grad_accum * world} samples. (A common shortcut divides parameter memory by "
+            "the number of GPUs; no GPU here holds less than a full copy.)"]
 
 
 def _activation_lines(model: ModelSpec, est: Estimate) -> list[str]:
@@ -118,8 +136,9 @@ def _activation_lines(model: ModelSpec, est: Estimate) -> list[str]:
     for t in model.transformers:
         b, s, h, n_layers = cfg.batch_size, cfg.seq_len, t.hidden_size, t.num_layers
         naive = b * s * h * n_layers * 4
-        lines.append(f"The seed's b·s·h·L·4 = {fmt_bytes(naive)} is {m.activations / max(naive, 1):.0f}× too small: "
-                     f"each layer saves many b·s·h and b·s·{t.intermediate_size // h}h tensors"
+        lines.append(f"The common rule of thumb counts one fp32 hidden state per layer, b·s·h·L·4 bytes = "
+                     f"{fmt_bytes(naive)}: {m.activations / max(naive, 1):.0f}× too small, because each layer "
+                     f"saves many b·s·h and b·s·{t.intermediate_size // h}h tensors for backward"
                      + (", plus b·heads·s² scores, probabilities and masks in eager attention." if cfg.attention
                         == "eager" else "; SDPA/flash kernels avoid the s² tensors."))
     if cfg.checkpointing:
@@ -152,19 +171,49 @@ def _data_lines(model: ModelSpec, est: Estimate) -> list[str]:
     return lines
 
 
+PHASE_LABELS = {"buffers": "temporaries and buffers"}  # JSON key `buffers`: DDP buckets, workspaces, casts
+
+
 def _phase_lines(est: Estimate) -> list[str]:
     m = est.memory_bytes
     lines = []
     for ph in est.phases:
-        parts = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in ph.detail.items() if v)
+        parts = ", ".join(f"{PHASE_LABELS.get(k, k.replace('_', ' '))} {fmt_bytes(v)}"
+                          for k, v in ph.detail.items() if v)
         lines.append(f"{ph.phase:<10} {fmt_bytes(ph.allocated):>11}  ({parts})")
+    note = phase_moment_note(est)
+    if note:
+        lines.append(note)
     lines.append(f"Peak allocated {fmt_bytes(m.peak_allocated)} in {est.peak_phase}; the caching allocator reserves "
                  f"{fmt_bytes(m.peak_reserved)} (fragmentation {est.runtime.fragmentation:.0%}); plus CUDA context "
                  f"{fmt_bytes(m.cuda_context)} and NCCL {fmt_bytes(m.nccl)} = {fmt_bytes(m.peak_device)} on the device.")
     return lines
 
 
-def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None) -> list[tuple[str, Estimate]]:
+def phase_moment_note(est: Estimate) -> str | None:
+    """Why a phase row can show less than the term above it: a row is one moment, that phase's highest point.
+
+    Backward creates gradients block by block and frees activations block by block, so at the backward peak
+    only the first blocks' gradients exist; the forward/backward peak falls while a block runs, before the
+    last saved tensors are made or after the first are freed."""
+    m = est.memory_bytes
+    peak = next((ph for ph in est.phases if ph.phase == est.peak_phase), None)
+    if peak is None:
+        return None
+    gaps = []
+    for key, label in (("gradients", "gradients"), ("activations", "activations")):
+        at_peak, total = peak.detail.get(key, 0), getattr(m, key)
+        if fmt_bytes(at_peak) != fmt_bytes(total):
+            gaps.append(f"{label} {fmt_bytes(at_peak)} of {fmt_bytes(total)}")
+    if not gaps:
+        return None
+    return (f"Each phase row is one moment, that phase's highest point, not the phase's total: at the "
+            f"{est.peak_phase} peak there are {' and '.join(gaps)}, because backward creates gradients and frees "
+            "activations block by block (all gradients exist only at the optimizer step).")
+
+
+def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+           extra: dict[str, Any] | None = None) -> list[tuple[str, Estimate]]:
     """Cheap changes that make an OOM configuration fit, fastest first."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -193,7 +242,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     found = []
     for label, change in tries:
         try:
-            alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options)
+            alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options,
+                           stack=est.stack, **(extra or {}))
         except PlannerError:
             continue
         if alt.fits:
@@ -202,14 +252,14 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     return found
 
 
-def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
+def _largest_fitting_batch(model, est: Estimate, model_options, extra: dict[str, Any] | None = None) -> int | None:
     from planner.estimate import estimate
 
     cfg, lo = est.config, est.config.batch_size
     hi = lo
     while True:
         alt = estimate(model, cfg.model_copy(update={"batch_size": hi * 2}), est.instance,
-                       model_options=model_options, with_throughput=False)
+                       model_options=model_options, with_throughput=False, stack=est.stack, **(extra or {}))
         if not alt.fits or hi > 4096:
             break
         hi *= 2
@@ -217,14 +267,15 @@ def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if estimate(model, cfg.model_copy(update={"batch_size": mid}), est.instance, model_options=model_options,
-                    with_throughput=False).fits:
+                    with_throughput=False, stack=est.stack, **(extra or {})).fits:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list[str]:
+def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: dict[str, Any] | None = None
+                   ) -> list[str]:
     m = est.memory_bytes
     if est.fits:
         lines = [f"FITS: {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} at the peak "
@@ -232,13 +283,17 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list
                  f"({est.headroom_bytes / est.gpu_memory_bytes:.0%})."]
         if est.headroom_bytes < 0.05 * est.gpu_memory_bytes:
             lines.append("Headroom is under 5%: fragmentation or a longer batch can still OOM; leave a margin.")
-        best = _largest_fitting_batch(model, est, model_options)
+        best = _largest_fitting_batch(model, est, model_options, extra)
         if best:
             lines.append(f"The largest micro-batch that fits with these settings: {best}.")
         return lines
     lines = [f"OUT OF MEMORY: {fmt_bytes(m.peak_device)} needed at the {est.peak_phase} peak, "
              f"{fmt_bytes(est.gpu_memory_bytes)} on the GPU ({fmt_bytes(-est.headroom_bytes)} short)."]
-    fixes = _fixes(model, est, model_options)
+    if est.verdict == "tight":  # not a sure fit: the band of the runtime terms crosses the GPU's memory
+        lines = [f"TIGHT: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)} at the "
+                 f"{est.peak_phase} peak (point {fmt_bytes(m.peak_device)}), {fmt_bytes(est.gpu_memory_bytes)} on "
+                 "the GPU: it may fit or OOM (see the step before); a probe settles it."]
+    fixes = _fixes(model, est, model_options, extra)
     if not fixes:
         lines.append("No single change tried (smaller micro-batch with accumulation, checkpointing, AMP, ZeRO) fits;"
                      " combine them or use a GPU with more memory (see `planner search --instance all`).")
@@ -249,16 +304,78 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list
     return lines
 
 
+def _assumption_lines(spec: ModelSpec, est: Estimate, model_options: dict[str, Any] | None,
+                      requested: str | None) -> list[str]:
+    cfg, world = est.config, est.world_size
+    opts = ", ".join(f"{k}={v}" for k, v in (model_options or {}).items()) or "defaults"
+    chosen = cfg.parallelism if requested in (None, cfg.parallelism) else f"{requested} → {cfg.parallelism}"
+    return [f"Model: {est.model} ({spec.description or 'from its config'}); model options: {opts}.",
+            f"Batch: {cfg.batch_size} samples per GPU (micro-batch) × {cfg.grad_accum} accumulation step(s) × "
+            f"{world} GPU(s) = {cfg.batch_size * cfg.grad_accum * world} samples per optimizer step (global).",
+            f"Sequence: {cfg.seq_len} tokens per sample. Precision: {cfg.precision}. Optimizer: {cfg.optimizer} "
+            f"({cfg.optimizer_impl}). Attention: {cfg.attention}. Activation checkpointing: "
+            f"{'on' if cfg.checkpointing else 'off'}.",
+            f"Parallelism: {chosen} over {world} GPU(s) on {cfg.instances} × {est.instance}.",
+            f"Stack: PyTorch eager training with the CUDA caching allocator; runtime memory from "
+            f"{est.runtime.source}."]
+
+
+def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+                     extra: dict[str, Any] | None = None) -> list[str]:
+    """`auto` picks DDP; the question users ask is often about nn.DataParallel: answer both, side by side."""
+    from planner.estimate import estimate
+
+    try:
+        dp = estimate(model, est.config.model_copy(update={"parallelism": "dp"}), est.instance,
+                      runtime=est.runtime, model_options=model_options, stack=est.stack, **(extra or {}))
+    except PlannerError:
+        return []
+    rows = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
+            ("activations", "activations"), ("input batch", "batch"), ("temporaries and buffers", "buffers"),
+            ("peak on the device", "peak_device")]
+    lines = ["`auto` chose DistributedDataParallel (one process per GPU), not nn.DataParallel: PyTorch recommends "
+             "DDP even on one machine (torch.nn.DataParallel documentation), because DataParallel runs one "
+             "process, keeps gradients and optimizer on GPU 0, and copies the model every step.",
+             "Both, per GPU (DataParallel: GPU 0, the fullest; --parallelism dp explains it alone):",
+             f"{'':<26}{'DDP':>12}{'DataParallel':>14}"]
+    for label, key in rows:
+        lines.append(f"{label:<26}{fmt_bytes(getattr(est.memory_bytes, key)):>12}"
+                     f"{fmt_bytes(getattr(dp.memory_bytes, key)):>14}")
+    lines.append(f"{'verdict':<26}{'fits' if est.fits else 'OOM':>12}{'fits' if dp.fits else 'OOM':>14}")
+    if est.throughput and dp.throughput:
+        lines.append(f"{'samples/s (job)':<26}{est.throughput.samples_per_s:>12,.1f}"
+                     f"{dp.throughput.samples_per_s:>14,.1f}")
+    return lines
+
+
 def explain(est: Estimate, model: ModelSpec | str | None = None,
-            model_options: dict[str, Any] | None = None) -> list[Step]:
+            model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None,
+            inputs: str | None = None, loss: str | None = None) -> list[Step]:
+    """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel).
+    A traced model (`file.py:build` with `inputs`/`loss`, or a config.json outside the families) explains
+    its components, activations and batch from the trace (`planner.explain_traced`)."""
     from planner.estimate import _resolve_model
     from planner.hardware import get_instance
+    from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
 
-    spec = _resolve_model(model or est.model, model_options)
+    extra: dict[str, Any] = {}
+    if is_reference(model) or is_traced_config(model):
+        from planner import explain_traced
+
+        extra = {"inputs": inputs, "loss": loss}
+        spec: Any = explain_traced.TracedView(str(model), est, model_options, inputs, loss)
+    else:
+        spec = _resolve_model(model or est.model, model_options)
     inst = get_instance(est.instance)
     g = inst.gpu
     rt = est.runtime
+    both = (requested_parallelism == "auto" and est.config.parallelism == "ddp" and est.config.instances == 1
+            and est.world_size > 1)
+    side_by_side = [Step("DDP, which auto chose, and nn.DataParallel side by side",
+                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options, extra)))] if both else []
     return [
+        Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
         Step(f"Memory of each GPU on {inst.name}", (
             f"{inst.gpus} × {g.name}, {fmt_bytes(g.memory_bytes)} nominal, {fmt_bytes(est.gpu_memory_bytes)} as the "
             "driver reports it; GPUs do not pool memory: each must hold its own share.",
@@ -267,17 +384,102 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
             f"{fmt_bytes(est.usable_memory_bytes)} is usable. Interconnect: {inst.interconnect}.",
         )),
         Step(f"How the model is stored under {est.config.parallelism}", tuple(_storage_lines(est))),
-        Step("Parameters of each component", tuple(_component_lines(spec)) +
+        *side_by_side,
+        Step("Parameters of each component", tuple(spec.component_lines() if extra else _component_lines(spec)) +
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
         Step("Gradients and optimizer states", (
             f"Gradients have the parameters' dtype: {fmt_bytes(est.memory_bytes.gradients)} per GPU; with "
             "gradient accumulation they stay allocated across micro-steps.",
             f"Optimizer states ({est.config.optimizer}): {fmt_bytes(est.memory_bytes.optimizer_states)} per GPU "
-            "(AdamW: two fp32 tensors per parameter, allocated at the first step; the seed note forgot them).",
+            "(AdamW: two fp32 tensors per parameter, exp_avg and exp_avg_sq, allocated at the first "
+            "optimizer.step(); rules of thumb that count only parameters and activations leave them out).",
         )),
-        Step('The "computational graph": saved activations', tuple(_activation_lines(spec, est))),
-        Step("How parameters and data are stored", tuple(_data_lines(spec, est))),
+        Step('The "computational graph": saved activations',
+             tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
+        Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
-        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options))),
+        Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
+        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options, extra)) + _speed_bound_lines(est)),
     ]
+
+
+def _beyond_tensors_lines(est: Estimate) -> list[str]:
+    """Context, workspaces, NCCL, the reserved pool and the band: the runtime terms, with the stack named and
+    why each has the size and the uncertainty it has (planner.memory.stack, planner.memory.band)."""
+    from planner.memory.stack import describe, lazy_loading, workspace_rule
+
+    m, terms = est.memory_bytes, {t.name: t for t in est.band}
+    lines = []
+    if est.stack:
+        lines.append(f"Software stack: {describe(est.stack)} ({est.stack.source}).")
+
+    def rng(name: str) -> str:
+        t = terms.get(name)
+        return "" if t is None or t.low == t.high else f" (could be {fmt_bytes(t.low)} to {fmt_bytes(t.high)})"
+
+    ctx = terms.get("cuda_context")
+    how = (" CUDA loads kernels lazily, on first use: the context holds the driver, the runtime and only the "
+           "kernels this step calls." if est.stack and lazy_loading(est.stack) else
+           " Without lazy loading every kernel of libtorch_cuda, cuBLAS and cuDNN for this GPU is loaded into "
+           "the context at start, used or not.")
+    lines.append(f"CUDA context {fmt_bytes(m.cuda_context)}{rng('cuda_context')}: outside PyTorch's allocator, "
+                 "so torch.cuda.memory_reserved() never shows it but nvidia-smi does." + how +
+                 (f" Why this size: {ctx.basis}." if ctx else ""))
+    ws = terms.get("workspaces")
+    if ws and est.stack:
+        rule = workspace_rule(est.stack)
+        where = "from the caching allocator" if rule["in_allocator"] else "inside cuBLAS, outside the allocator"
+        lines.append(f"cuBLAS/cuBLASLt workspaces {fmt_bytes(ws.point)}{rng('workspaces')}: one per cuBLAS handle "
+                     f"(forward thread and autograd's device thread), {where} in torch {est.stack.torch} "
+                     "(CUBLAS_WORKSPACE_CONFIG; counted with the buffers).")
+    lines.append(f"NCCL buffers {fmt_bytes(m.nccl)}{rng('nccl')}" + (
+        ": FIFO buffers per channel and ring peer, outside the allocator; the channel count depends on the "
+        "topology." if m.nccl else ": none, one process does not talk to another GPU."))
+    pool = m.peak_reserved - m.peak_allocated
+    line = (f"Reserved pool: the caching allocator holds {fmt_bytes(m.peak_reserved)} at the peak for "
+            f"{fmt_bytes(m.peak_allocated)} allocated, {fmt_bytes(pool)} more{rng('reserved_pool')}. ")
+    a = est.allocator
+    if a is not None:
+        line += (f"Replaying the step's tensors through its rules ({a.events:,} events, {a.segments} segments): "
+                 f"the reserved peak was set by {a.peak_allocation} ({fmt_bytes(a.peak_allocation_bytes)}), which "
+                 f"found no cached free block large enough (earlier frees left split, smaller blocks) and made "
+                 f"the allocator reserve a new {fmt_bytes(a.peak_segment_bytes)} "
+                 f"{'range of expandable pages' if a.expandable_segments else 'segment'}.")
+        if a.oom_retry:
+            line += (" Near the limit it had to free its cached segments and retry (the empty_cache path real "
+                     "runs survive on)" + ("; even then it would not fit." if a.oom_after_retry else "."))
+    else:
+        line += (f"No allocator replay here: the flat assumption reserved = allocated × "
+                 f"(1 + {est.runtime.fragmentation:.0%}) (freed blocks are cached, large ones rounded to 2 MiB "
+                 "segments and split, so reserved sits above allocated).")
+    lines.append(line)
+    lines.append(f"The whole device: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)}"
+                 f" (point {fmt_bytes(m.peak_device)}) of {fmt_bytes(est.gpu_memory_bytes)}: verdict "
+                 f"{est.verdict.upper()}. Your tensors are exact; the band is the sum of these terms' ranges. "
+                 "A probe run on the GPU and `planner calibrate` narrow it for this GPU family.")
+    return lines
+
+
+def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
+    """What bounds the step's speed: the share of its time in kernels limited by bytes rather than FLOPs
+    (planner.perf.roofline), so the user knows whether HBM bandwidth or FLOP/s buys more speed."""
+    t = est.throughput
+    if t is None or "bytes_bound_s" not in t.breakdown_s:
+        return ()
+    b = t.breakdown_s
+    share = b["bytes_bound_s"] / t.step_time_s
+    cpu = b.get("launch_overhead", 0.0) / t.step_time_s
+    if cpu >= 0.5:
+        head = (f"{cpu:.0%} of this step is launch overhead: the CPU dispatching kernels (and the per-step "
+                "host work) sets the pace, so a larger micro-batch costs little extra time.")
+    elif share >= 0.5:
+        head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
+                "with more FLOPs.")
+    else:
+        head = (f"{1 - share - cpu:.0%} of this step is bound by FLOPs ({share:.0%} memory-bound): a GPU with "
+                "more tensor-core FLOP/s helps most.")
+    kinds = ", ".join(f"{k.replace('_', '-')} {b[k] / t.step_time_s:.0%}" for k in
+                      ("gemm", "attention", "memory_bound", "optimizer", "communication", "launch_overhead")
+                      if k in b)
+    return (f"Speed: {head}", f"Time by kernel kind: {kinds}; MFU {t.mfu:.0%}.")

@@ -55,6 +55,11 @@ def _gpu_from_record(record: dict[str, Any]) -> GPU:
         flash_attention=record["flash_attention"],
         sources=tuple(record["sources"]),
         reported_memory_bytes=int(reported * MIB) if reported else None,
+        sm_count=record.get("sm_count"),
+        boost_clock_mhz=record.get("boost_clock_mhz"),
+        l2_mib=record.get("l2_mib"),
+        nvlink_gbs=record.get("nvlink_gbs", 0.0),
+        pcie_gbs=record.get("pcie_gbs"),
     )
 
 

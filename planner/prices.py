@@ -9,7 +9,6 @@ the cost model (planner.perf.cost) depends on data only, not on boto3 or the AWS
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from functools import lru_cache
@@ -23,6 +22,9 @@ DEFAULT_REGION = "us-east-1"
 CACHE_ENV = "PLANNER_PRICES"
 DEFAULT_CACHE = Path("results") / "prices.json"
 API_SOURCE = "AWS Price List API (AmazonSageMaker, component Training, On-Demand)"
+# ASSUMPTION: no SageMaker training instance costs more than this per hour (the dearest, ml.p6-b200.48xlarge
+# and ml.p5en.48xlarge, list well under $200/h on demand); a bigger figure in a cache is a corrupt file.
+MAX_PRICE_PER_HOUR = 10_000.0
 
 
 def embedded_prices() -> dict[str, dict[str, Any]]:
@@ -51,7 +53,8 @@ def cache_path() -> Path:
 
 
 def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
-    """The refreshed price cache, or None when absent or unreadable (then the embedded table answers)."""
+    """The refreshed price cache, or None when absent; a cache that is not what `--refresh` writes is an error
+    naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
     p = Path(path) if path is not None else cache_path()
     try:
         stat = p.stat()
@@ -61,14 +64,21 @@ def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
 
 
 @lru_cache(maxsize=8)
-def _read_cache(path: str, _mtime_ns: int, _size: int) -> dict[str, Any] | None:
-    """Parsed once per file version (the key holds its mtime and size): a search prices thousands of
-    configurations and must not re-read the JSON for each."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("prices"), dict) else None
+def _read_cache(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
+    """Parsed and checked once per file version (the key holds its mtime and size): a search prices
+    thousands of configurations and must not re-read the JSON for each."""
+    from planner.errors import PlannerError
+    from planner.io import number, read_json
+
+    p = Path(path)
+    what = f"prices cache (${CACHE_ENV}; delete it or run `planner prices --refresh`)"
+    data = read_json(p, what)
+    prices = data.get("prices")
+    if not isinstance(prices, dict):
+        raise PlannerError(f"{p}: prices", prices, 'an object {"ml.p3.2xlarge": 3.825, ...}')
+    for name, usd in prices.items():
+        number(usd, f"{p}: prices.{name}", low=0, high=MAX_PRICE_PER_HOUR, low_open=True)
+    return data
 
 
 def price_per_hour(instance_name: str) -> tuple[float | None, str, str]:

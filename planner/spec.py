@@ -6,6 +6,7 @@ been checked, and a result can be serialised to JSON with `.model_dump(mode="jso
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -18,7 +19,9 @@ OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "for-loop")
 Parallelism = Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
-Attention = Literal["eager", "sdpa", "flash"]
+# "auto": the kernel Hugging Face transformers picks by default for the model type in the stack's versions
+# (planner.memory.stack.default_attention); `estimate` resolves it, so an Estimate's config never says "auto".
+Attention = Literal["auto", "eager", "sdpa", "flash"]
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
 Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral"]
 FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral")
@@ -29,6 +32,17 @@ Backend = Literal["cuda", "cpu"]
 # The OOM verdict with its uncertainty band: "fits" only when even the high end of the whole-device peak is
 # under the GPU's memory, "oom" only when even the low end is over it, "tight" in between.
 Verdict = Literal["fits", "tight", "oom"]
+
+# Instances in one training job. SageMaker's per-account quotas (Service Quotas, "ml.<type> for training job
+# usage") are adjustable and the API itself sets no maximum (botocore sagemaker-2017-07-24 TrainingInstanceCount:
+# min 0 only). ASSUMPTION: 2,048 instances (16,384 GPUs at 8 per instance) bounds any job this tool plans, above
+# the largest published SageMaker runs (hundreds of p4d/p5 instances). Override: $PLANNER_MAX_INSTANCES.
+MAX_INSTANCES = int(os.environ.get("PLANNER_MAX_INSTANCES", "2048"))
+
+# Samples per GPU in one micro-batch. ASSUMPTION: 2^31 - 1 (PyTorch's int32 kernel-indexing limit on one dimension);
+# any micro-batch near it is out of memory on every GPU, so above it the answer is this error, not an OOM verdict
+# computed with 100-digit byte counts.
+MAX_BATCH = 2**31 - 1
 
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                                     "uint8": 1}
@@ -139,18 +153,21 @@ class ModelSpec(Frozen):
 class TrainConfig(Frozen):
     """One training configuration, per GPU. `batch_size` is the micro-batch on one GPU."""
 
-    batch_size: PositiveInt
+    batch_size: int = Field(ge=1, le=MAX_BATCH)  # see MAX_BATCH
     seq_len: PositiveInt
     precision: Precision = "fp32"
     optimizer: OptimizerName = "adamw"
     optimizer_impl: OptimizerImpl = "foreach"
     parallelism: Parallelism = "auto"
     checkpointing: bool = False
-    attention: Attention = "sdpa"
+    attention: Attention = "auto"
     grad_accum: PositiveInt = 1
-    instances: PositiveInt = 1
+    instances: int = Field(1, ge=1, le=MAX_INSTANCES)  # SageMaker InstanceCount; see MAX_INSTANCES
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = Field(25.0, gt=0)
+    # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 = True; NGC containers and
+    # HF's --tf32 turn it on; PyTorch's own default is off). Only Ampere and later have TF32.
+    tf32: bool = False
 
 
 # --------------------------------------------------------------------------------------- hardware
@@ -170,6 +187,12 @@ class GPU(Frozen):
     sources: tuple[str, ...] = ()
     # What the driver reports as total (nvidia-smi "Total", typical figure); memory_bytes is the nominal size.
     reported_memory_bytes: int | None = None
+    # Added for the roofline (planner.perf.roofline); None where unknown (the wave rule is then skipped).
+    sm_count: int | None = None  # streaming multiprocessors
+    boost_clock_mhz: float | None = None
+    l2_mib: float | None = None
+    nvlink_gbs: float = 0.0  # total NVLink bandwidth per GPU, both directions (0: none)
+    pcie_gbs: float | None = None  # host link, both directions
 
 
 class Instance(Frozen):
@@ -185,6 +208,34 @@ class Instance(Frozen):
     price_region: str = "us-east-1"
     price_date: str = ""
     price_source: str = ""
+
+
+class SoftwareStack(Frozen):
+    """The software a training job runs: what decides the CUDA context, workspaces, the default attention
+    kernel and the allocator's behaviour (issue 8). Versions are "X.Y" strings (planner/data/stacks.json)."""
+
+    torch: str  # e.g. "2.8"
+    cuda: str  # e.g. "12.9"
+    transformers: str  # e.g. "4.46"
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF, e.g. "expandable_segments:True"
+    given: bool = False  # the user named at least the torch version (else: the DLC default)
+    source: str = ""  # where each version came from
+
+    @property
+    def expandable_segments(self) -> bool:
+        from planner.memory.stack import parse_alloc_conf
+
+        return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
+
+
+class BandTerm(Frozen):
+    """One term of the whole-device peak with its uncertainty: low <= point <= high (bytes)."""
+
+    name: str  # "cuda_context", "workspaces", "nccl", "reserved_pool", "tensors"
+    point: int
+    low: int
+    high: int
+    basis: str = ""  # why this width (stack given or defaulted, calibrated or not, allocator model or flat)
 
 
 class RuntimeConstants(Frozen):
@@ -246,6 +297,22 @@ class Cost(Frozen):
     usd_per_job: float | None = None
 
 
+class AllocatorReplay(Frozen):
+    """What replaying the step's tensors through the CUDA caching allocator model says
+    (`planner.memory.allocator`): why reserved exceeds allocated."""
+
+    peak_allocated: int  # allocated blocks at the peak (block sizes: rounded, unsplit remainders included)
+    peak_reserved: int  # segments held at the peak (torch.cuda.max_memory_reserved)
+    segments: int  # segments held when the reserved peak was reached
+    peak_allocation: str  # the tensor whose new segment set the reserved peak
+    peak_allocation_bytes: int  # its size
+    peak_segment_bytes: int  # the segment (or expandable pages) it made the allocator reserve
+    oom_retry: bool  # the allocator had to free its cached segments and retry (empty_cache path)
+    oom_after_retry: bool  # even after that retry a cudaMalloc would exceed the GPU's memory
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    events: int = 0  # allocations + frees replayed
+
+
 class Estimate(Frozen):
     model: str
     instance: str
@@ -264,6 +331,9 @@ class Estimate(Frozen):
     peak_device_low_bytes: int = 0  # low end of the whole-device peak band
     peak_device_high_bytes: int = 0  # high end of the whole-device peak band
     runtime: RuntimeConstants
+    allocator: AllocatorReplay | None = None  # the allocator replay behind peak_reserved (None: flat fragmentation given)
+    stack: SoftwareStack | None = None  # the software stack the runtime terms were computed for
+    band: tuple[BandTerm, ...] = ()  # the terms of peak_device_low/high_bytes (planner.memory.band)
     throughput: Throughput | None = None
     cost: Cost | None = None
     notes: tuple[str, ...] = ()

@@ -54,9 +54,14 @@ class FakeAws:
         return {"sagemaker": self.sagemaker, "s3": self.s3}[service]
 
 
-def not_found(stub: Stubber, name: str) -> None:
+def not_found(stub: Stubber, name: str | None = None) -> None:
+    """SageMaker's answer for a missing job: a ValidationException that does not name it, so the planner
+    asks ListTrainingJobs(NameContains=name), which lists no job of that exact name."""
     stub.add_client_error("describe_training_job", service_error_code="ValidationException",
-                          service_message="Requested resource not found.", expected_params={"TrainingJobName": name})
+                          service_message="Requested resource not found.",
+                          expected_params=None if name is None else {"TrainingJobName": name})
+    stub.add_response("list_training_jobs", {"TrainingJobSummaries": []},
+                      expected_params=None if name is None else {"NameContains": name, "MaxResults": 100})
 
 
 def describe_response(name: str, status: str, *, failure: str | None = None, secondary: str = "Completed",

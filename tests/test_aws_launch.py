@@ -260,8 +260,7 @@ def test_cli_launch_records_the_job_without_secrets(aws_env, tiny_config, monkey
         fake = FakeAws()
         fake.s3.create_bucket(Bucket=BUCKET)
         monkeypatch.setattr(session, "Aws", lambda region, profile=None: fake)
-        fake.stub.add_client_error("describe_training_job", service_error_code="ValidationException",
-                                   service_message="Requested resource not found.")
+        not_found(fake.stub)
         fake.stub.add_response("create_training_job", {"TrainingJobArn": "arn:aws:sagemaker:us-east-1:1:training-job/x"})
         res = _cli(["probe", "launch", "--model", str(tiny_config), "--instance", "ml.g5.xlarge", "--batch-size",
                     "2", "--seq-len", "32", "--role", ROLE, "--bucket", f"s3://{BUCKET}/p", "--json"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.aws.session import Aws, aws_errors, error_code, parse_s3_uri
+from planner.aws.session import Aws, aws_errors, error_code, no_such_job, parse_s3_uri
 from planner.probes import store
 
 TERMINAL = ("Completed", "Failed", "Stopped")
@@ -67,8 +67,7 @@ def describe(aws: Aws, name: str) -> JobInfo | None:
         try:
             desc = aws.sagemaker.describe_training_job(TrainingJobName=name)
         except Exception as exc:
-            message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", "")).lower()
-            if error_code(exc) == "ValidationException" and "not found" in message:
+            if no_such_job(aws.sagemaker, exc, name):
                 return None
             raise
     return job_info(desc)
@@ -87,7 +86,7 @@ def read_probe_from_tar(data: bytes) -> dict[str, Any] | None:
                     fh = tar.extractfile(member)
                     if fh is not None:
                         return json.loads(fh.read().decode())
-    except (tarfile.TarError, json.JSONDecodeError, UnicodeDecodeError, EOFError, OSError):
+    except (tarfile.TarError, ValueError, RecursionError, EOFError, OSError):  # ValueError: bad JSON/UTF-8
         return None
     return None
 

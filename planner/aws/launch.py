@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.aws.images import choose_image
-from planner.aws.session import Aws, S3Location, aws_errors, error_code
+from planner.aws.session import Aws, S3Location, aws_errors, error_code, no_such_job
 from planner.errors import PlannerError
 from planner.probes.spec import ProbeRequest
 
@@ -41,6 +41,13 @@ METRIC_NAMES: tuple[str, ...] = (
     "oom",
 )
 DEFAULT_MAX_RUN_MINUTES = 30  # a probe is a few steps; most of the time is container start and pip install
+# CreateTrainingJob limits: VolumeSizeInGB >= 1 (botocore sagemaker-2017-07-24 shape VolumeSizeInGB, min 1);
+# MaxRuntimeInSeconds >= 1, at most 28 days (StoppingCondition docs: "The maximum value is 28 days"), the same
+# bound for MaxWaitTimeInSeconds, which must be >= MaxRuntimeInSeconds. ASSUMPTION: the volume's upper bound is
+# the gp2 EBS maximum, 16,384 GiB (SageMaker uses gp2 training volumes, ResourceConfig docs).
+MIN_VOLUME_GB = 1
+MAX_VOLUME_GB = 16_384
+MAX_RUN_MINUTES = 28 * 24 * 60
 DEFAULT_VOLUME_GB = 30  # EBS for the container's pip cache and outputs (ignored on instances with NVMe)
 SPOT_WAIT_FACTOR = 2  # MaxWaitTimeInSeconds = factor x MaxRuntime: time allowed to wait for spot capacity
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"  # SageMaker syncs it with CheckpointConfig.S3Uri (spot)
@@ -126,6 +133,17 @@ class LaunchOptions:
     extra_tags: dict[str, str] = field(default_factory=dict)
 
 
+def check_limits(opts: LaunchOptions) -> None:
+    """What CreateTrainingJob would refuse, refused here first (naming the flag)."""
+    from planner.io import number
+
+    number(opts.max_run_minutes, "--max-run-minutes", low=1, high=MAX_RUN_MINUTES, integer=True)
+    if opts.max_wait_minutes is not None:
+        number(opts.max_wait_minutes, "--max-wait-minutes", low=opts.max_run_minutes, high=MAX_RUN_MINUTES,
+               integer=True)
+    number(opts.volume_gb, "--volume-gb", low=MIN_VOLUME_GB, high=MAX_VOLUME_GB, integer=True)
+
+
 def create_request(request: ProbeRequest, opts: LaunchOptions, *, name: str | None = None,
                    source_sha: str | None = None) -> dict[str, Any]:
     """The CreateTrainingJob request (pure: no AWS call)."""
@@ -138,8 +156,7 @@ def create_request(request: ProbeRequest, opts: LaunchOptions, *, name: str | No
     image = choose_image(instance_type, opts.region, framework_version=opts.framework_version,
                          image_uri=opts.image_uri)
     submit = opts.s3.child(name, "source", "sourcedir.tar.gz")
-    if opts.max_run_minutes < 1:
-        raise PlannerError("--max-run-minutes", opts.max_run_minutes, "an integer >= 1")
+    check_limits(opts)
     max_run = int(opts.max_run_minutes * 60)
     stopping: dict[str, int] = {"MaxRuntimeInSeconds": max_run}
     req: dict[str, Any] = {
@@ -183,9 +200,7 @@ def existing_job(sm: Any, name: str) -> dict[str, Any] | None:
     try:
         return sm.describe_training_job(TrainingJobName=name)
     except Exception as exc:
-        code = error_code(exc)
-        message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", "")).lower()
-        if code == "ResourceNotFound" or (code == "ValidationException" and "not found" in message):
+        if no_such_job(sm, exc, name):
             return None
         raise
 

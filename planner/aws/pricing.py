@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from planner.prices import (  # noqa: F401
     CACHE_ENV,
     DEFAULT_CACHE,
     DEFAULT_REGION,
+    MAX_PRICE_PER_HOUR,
     cache_path,
     embedded_prices,
     load_cache,
@@ -83,8 +85,11 @@ def parse_price_list(price_list: Iterable[str | Mapping[str, Any]], region: str 
             for dim in term.get("priceDimensions", {}).values():
                 if str(dim.get("unit", "")).lower() not in ("hrs", "hours", "hour"):
                     continue
-                usd = float(dim.get("pricePerUnit", {}).get("USD", "0") or 0)
-                if usd > 0:
+                try:
+                    usd = float(dim.get("pricePerUnit", {}).get("USD", "0") or 0)
+                except (TypeError, ValueError):
+                    continue
+                if math.isfinite(usd) and 0 < usd <= MAX_PRICE_PER_HOUR:
                     prices[name] = usd
     return prices
 
@@ -129,13 +134,11 @@ def write_cache(prices: Mapping[str, float], region: str, path: str | Path | Non
                 fetched: str | None = None) -> Path:
     """Write the cache atomically (temporary file + rename), so a failure never leaves half a file."""
     p = Path(path) if path is not None else cache_path()
-    p.parent.mkdir(parents=True, exist_ok=True)
     data = {"fetched": fetched or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "region": region,
             "source": API_SOURCE, "prices": dict(sorted(prices.items()))}
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(p)
-    return p
+    from planner.io import write_json
+
+    return write_json(p, data, "prices cache", indent=1)
 
 
 def refresh(region: str = DEFAULT_REGION, path: str | Path | None = None, client: Any = None) -> tuple[Path, int]:

@@ -247,3 +247,24 @@ def error_code(exc: BaseException) -> str | None:
     if isinstance(response, dict):
         return response.get("Error", {}).get("Code")
     return None
+
+
+def no_such_job(sagemaker: Any, exc: BaseException, name: str) -> bool:
+    """Whether DescribeTrainingJob's error means "no job called `name`", without trusting its wording.
+
+    SageMaker answers ValidationException ("Requested resource not found"), a compatible endpoint (moto)
+    "Could not find training job ...": the message names the job in both, and the name is the call's only
+    input, so a ValidationException naming the job is taken as not-found. When the message does not name it,
+    ListTrainingJobs(NameContains=name) decides (an exact name match means the job exists after all).
+    """
+    code = error_code(exc)
+    if code in ("ResourceNotFound", "ResourceNotFoundException"):
+        return True
+    if code != "ValidationException":
+        return False
+    message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", ""))
+    if name in message:
+        return True
+    listed = sagemaker.list_training_jobs(NameContains=name, MaxResults=100).get("TrainingJobSummaries", [])
+    return not any(job.get("TrainingJobName") == name for job in listed)
+

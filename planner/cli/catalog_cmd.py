@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from planner.cli.common import JsonOpt, console, handles_errors
+from planner.io import dumps_json
 
 GpuOpt = Annotated[str | None, typer.Option("--gpu", help="Only instances with this GPU family or id, e.g. V100, A100-80GB.")]
 
@@ -44,19 +44,18 @@ def instances(gpu: GpuOpt = None, json_out: JsonOpt = False) -> None:
     cache = load_cache()
     rows = [_row(n, cache) for n in names]
     if json_out:
-        typer.echo(json.dumps(rows, indent=1))
+        typer.echo(dumps_json(rows, indent=1))
         return
-    from rich.table import Table
+    from planner.cli.tables import Col, print_table
 
-    table = Table(title="SageMaker training instances")
-    for col in ("name", "GPU", "GPUs", "memory/GPU", "interconnect", "bf16", "flash", "$/h"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        price = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.3f}"
-        table.add_row(str(r["name"]), str(r["gpu"]), str(r["gpus"]), f"{r['memory_per_gpu_gib']:.0f} GiB",
-                      str(r["interconnect"]).split(" (")[0], "yes" if r["bf16"] else "no", "yes" if r["flash_attention"] else "no",
-                      price)
-    console.print(table)
+    cols = [Col("name", whole=True), Col("GPU", min=14), Col("GPUs", "right", whole=True),
+            Col("memory/GPU", "right", whole=True), Col("GPU link"), Col("bf16"), Col("flash"),
+            Col("$/h", "right", whole=True)]
+    print_table(console, "SageMaker training instances", cols, [
+        [str(r["name"]), str(r["gpu"]), str(r["gpus"]), f"{r['memory_per_gpu_gib']:.0f} GiB",
+         str(r["interconnect"]).split(" (")[0], "yes" if r["bf16"] else "no",
+         "yes" if r["flash_attention"] else "no", "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.3f}"]
+        for r in rows])
 
 
 def register(app: typer.Typer) -> None:

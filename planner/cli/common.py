@@ -45,6 +45,10 @@ def handles_errors(fn: F) -> F:
         except (PlannerError, ValidationError) as exc:
             err_console.print(f"[bold red]error:[/] {one_line(exc)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except OSError as exc:  # an unreadable or unwritable place the command did not check itself
+            where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+            err_console.print(f"[bold red]error:[/] {where}{exc.strerror or exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("interrupted; everything finished so far is saved")
             raise typer.Exit(130) from None
@@ -58,7 +62,7 @@ def fail(message: str, code: int = 2) -> None:
 
 
 # ---- the flags of `planner estimate`, shared by explain, probe run and probe launch -------------
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name or path to a Hugging Face config.json.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name, path to a Hugging Face config.json, or FILE.py:build (your nn.Module).")]
 InstanceOpt = Annotated[str, typer.Option("--instance", "-i", help="SageMaker instance type, e.g. ml.p3.16xlarge.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", "-b", help="Micro-batch per GPU.")]
 GlobalBatchOpt = Annotated[int | None, typer.Option("--global-batch-size",
@@ -70,11 +74,33 @@ OptimizerImplOpt = Annotated[str, typer.Option(help="foreach (PyTorch default), 
 ParallelismOpt = Annotated[str, typer.Option(help="auto, single, dp, ddp, zero1, zero2, zero3, fsdp.")]
 CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing/--no-checkpointing",
                                                 help="Per-layer activation checkpointing.")]
-AttentionOpt = Annotated[str, typer.Option(help="eager, sdpa (memory-efficient), flash.")]
+AttentionOpt = Annotated[str, typer.Option(help="auto (the default kernel of transformers in the stack), eager, "
+                                           "sdpa (memory-efficient), flash.")]
+# The software stack (planner/data/stacks.json); unset = the DLC `probe launch` would use for the GPU.
+TorchVersionOpt = Annotated[str | None, typer.Option("--torch-version", help="PyTorch X.Y (default: the DLC's).")]
+CudaVersionOpt = Annotated[str | None, typer.Option("--cuda-version", help="CUDA X.Y of the torch build.")]
+TransformersVersionOpt = Annotated[str | None, typer.Option("--transformers-version",
+                                                            help="transformers X.Y (default: the newest).")]
+AllocConfOpt = Annotated[str | None, typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF, e.g. "
+                                                  "expandable_segments:True.")]
+
+
+def stack_from_flags(torch_version: str | None, cuda_version: str | None, transformers_version: str | None,
+                     alloc_conf: str | None) -> dict[str, str] | None:
+    """The stack flags as the dict `estimate(stack=...)` takes; None when none was given."""
+    given = {"torch": torch_version, "cuda": cuda_version, "transformers": transformers_version,
+             "alloc_conf": alloc_conf}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
 GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")]
 InstancesOpt = Annotated[int, typer.Option("--instances", help="Number of instances (nodes).")]
 ModelOptionOpt = Annotated[list[str] | None, typer.Option(
     "--model-option", "-o", help="Model option KEY=VALUE, e.g. tab_in=200 (multimodal-bert).")]
+InputsOpt = Annotated[str | None, typer.Option(
+    "--inputs", help="With --model FILE.py:build: FILE.py:batch, a batch(batch_size, seq_len) function.")]
+LossOpt = Annotated[str | None, typer.Option(
+    "--loss", help="With --model FILE.py:build: FILE.py:fn, fn(output, batch) -> loss (default: output.loss, "
+                   "else the sum of the first output tensor).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 

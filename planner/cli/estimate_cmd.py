@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from planner.cli.common import (
+    AllocConfOpt,
     AttentionOpt,
     BatchOpt,
     CheckpointingOpt,
+    CudaVersionOpt,
     GlobalBatchOpt,
     GradAccumOpt,
+    InputsOpt,
     InstanceOpt,
     InstancesOpt,
     JsonOpt,
+    LossOpt,
     ModelOpt,
     ModelOptionOpt,
     OptimizerImplOpt,
@@ -24,11 +26,15 @@ from planner.cli.common import (
     ParallelismOpt,
     PrecisionOpt,
     SeqOpt,
+    TorchVersionOpt,
+    TransformersVersionOpt,
     console,
     handles_errors,
     parse_model_options,
+    stack_from_flags,
 )
 from planner.cli.options import build_config
+from planner.io import dumps_json
 from planner.spec import Estimate
 from planner.units import fmt_bytes
 
@@ -49,10 +55,13 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  attention: str, grad_accum: int, instances: int, model_option: list[str] | None,
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
-                 spot: bool = False) -> Estimate:
+                 spot: bool = False, inputs: str | None = None, loss: str | None = None,
+                 stack: dict[str, str] | None = None) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
+    from planner.io import number
+    from planner.memory.runtime import MAX_FRAGMENTATION, MAX_RUNTIME_BYTES
 
     inst = get_instance(instance)
     config = build_config(instance_gpus=inst.gpus, batch_size=batch_size, global_batch_size=global_batch_size,
@@ -62,11 +71,12 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                           gradient_as_bucket_view=gradient_as_bucket_view)
     overrides: dict[str, Any] = {}
     if cuda_context_mib is not None:
+        number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
         overrides["cuda_context_bytes"] = int(cuda_context_mib * 2**20)
     if fragmentation is not None:
-        overrides["fragmentation"] = fragmentation
+        overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot)
+                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -75,42 +85,39 @@ def print_estimate(est: Estimate) -> None:
                   f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}, "
                   f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
                   f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}")
-    params = Table(title="Parameters", show_edge=False)
-    params.add_column("component")
-    params.add_column("parameters", justify="right")
-    for name, n in est.parameters.items():
-        params.add_row(name, f"{n:,}")
-    console.print(params)
+    if est.stack:
+        from planner.memory.stack import describe
+
+        console.print(f"Stack: {describe(est.stack)} ({est.stack.source})", highlight=False)
+    from planner.cli.tables import Col, print_table
+    from planner.explain import PHASE_LABELS, phase_moment_note
+
+    print_table(console, "Parameters", [Col("component", whole=True), Col("parameters", "right", whole=True)],
+                [[name, f"{n:,}"] for name, n in est.parameters.items()])
 
     m = est.memory_bytes
-    mem = Table(title="Memory of one GPU", show_edge=False)
-    mem.add_column("term")
-    mem.add_column("bytes", justify="right")
-    mem.add_column("", justify="right")
     rows = [("parameters", m.parameters), ("gradients", m.gradients), ("optimizer states", m.optimizer_states),
             ("activations (saved for backward)", m.activations), ("input batch", m.batch),
-            ("buffers at the peak", m.buffers), ("peak allocated", m.peak_allocated),
+            ("temporaries and buffers at the peak", m.buffers), ("peak allocated", m.peak_allocated),
             ("peak reserved (+fragmentation)", m.peak_reserved), ("CUDA context", m.cuda_context),
             ("NCCL buffers", m.nccl), ("peak on the device", m.peak_device),
             ("GPU memory", est.gpu_memory_bytes)]
-    for name, value in rows:
-        mem.add_row(name, f"{value:,}", fmt_bytes(value))
-    console.print(mem)
+    print_table(console, "Memory of one GPU", [Col("term", min=24), Col("bytes", "right", whole=True),
+                                                Col("", "right", whole=True)],
+                [[name, f"{value:,}", fmt_bytes(value)] for name, value in rows],
+                caption="temporaries and buffers: DDP gradient buckets, cuBLAS workspaces, optimizer and AMP "
+                        "temporaries (JSON key memory_bytes.buffers)")
 
-    phases = Table(title="Peak allocated by phase", show_edge=False)
-    phases.add_column("phase")
-    for c in ("params", "grads", "optim", "activ", "batch", "buffers"):
-        phases.add_column(c, justify="right")
-    phases.add_column("total", justify="right")
-    for ph in est.phases:
-        phases.add_row(ph.phase, *(fmt_bytes(ph.detail.get(c, 0)) for c in
-                                   ("parameters", "gradients", "optimizer_states", "activations", "batch",
-                                    "buffers")), fmt_bytes(ph.allocated))
-    console.print(phases)
+    keys = ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers")
+    heads = ("params", "grads", "optim", "activ", "batch", PHASE_LABELS["buffers"])
+    print_table(console, "Peak allocated by phase",
+                [Col("phase", whole=True)] + [Col(h, "right", min=9) for h in heads] + [Col("total", "right", min=9)],
+                [[ph.phase, *(fmt_bytes(ph.detail.get(k, 0)) for k in keys), fmt_bytes(ph.allocated)]
+                 for ph in est.phases],
+                caption=phase_moment_note(est))
 
-    verdict = "[bold green]fits[/]" if est.fits else "[bold red]OOM[/]"
-    console.print(f"Verdict: {verdict}: peak {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} "
-                  f"(peak in {est.peak_phase}), headroom {fmt_bytes(est.headroom_bytes)}")
+    for line in verdict_lines(est):
+        console.print(line, highlight=False)
     if est.throughput:
         t = est.throughput
         console.print(f"Throughput: {t.samples_per_s:,.1f} samples/s, {t.tokens_per_s:,.0f} tokens/s, "
@@ -123,6 +130,38 @@ def print_estimate(est: Estimate) -> None:
         console.print(line)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+def probe_command(est: Estimate) -> str:
+    """The `planner probe launch` line that measures this configuration on the real GPU."""
+    cfg = est.config
+    parts = [f"planner probe launch --model {est.model} --instance {est.instance} --batch-size {cfg.batch_size}",
+             f"--seq-len {cfg.seq_len} --precision {cfg.precision} --attention {cfg.attention}"]
+    if cfg.checkpointing:
+        parts.append("--checkpointing")
+    if cfg.grad_accum > 1:
+        parts.append(f"--grad-accum {cfg.grad_accum}")
+    if cfg.parallelism not in ("single", "auto"):
+        parts.append(f"--parallelism {cfg.parallelism}")
+    return " ".join(parts)
+
+
+def verdict_lines(est: Estimate) -> list[str]:
+    """The verdict with its band; when tight, which terms make it so and what settles it."""
+    from planner.memory.band import tight_terms
+
+    m, cap = est.memory_bytes, est.gpu_memory_bytes
+    word = {"fits": "[bold green]fits[/]", "tight": "[bold yellow]TIGHT[/]", "oom": "[bold red]OOM[/]"}[est.verdict]
+    lines = [f"Verdict: {word}: peak {fmt_bytes(m.peak_device)} (band {fmt_bytes(est.peak_device_low_bytes)} to "
+             f"{fmt_bytes(est.peak_device_high_bytes)}) of {fmt_bytes(cap)} (peak in {est.peak_phase}), headroom "
+             f"{fmt_bytes(est.headroom_bytes)}"]
+    if est.verdict == "tight" and est.band:
+        why = "; ".join(f"{t.name.replace('_', ' ')} {fmt_bytes(t.low)} to {fmt_bytes(t.high)} ({t.basis})"
+                        for t in tight_terms(est.band, m.peak_device, cap)[:3])
+        lines.append(f"  tight because: {why}")
+        lines.append(f"  settle it with a probe on the real GPU: {probe_command(est)}")
+        lines.append("  (then `planner calibrate` narrows the band for this GPU family)")
+    return lines
 
 
 def register(app: typer.Typer) -> None:
@@ -139,7 +178,7 @@ def register(app: typer.Typer) -> None:
         optimizer_impl: OptimizerImplOpt = "foreach",
         parallelism: ParallelismOpt = "auto",
         checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "sdpa",
+        attention: AttentionOpt = "auto",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
@@ -148,8 +187,14 @@ def register(app: typer.Typer) -> None:
         fragmentation: FragOpt = None,
         dataset_size: DatasetOpt = None,
         spot: SpotOpt = False,
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         plot: PlotOpt = None,
         json_out: JsonOpt = False,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         if batch_size is None and global_batch_size is None:
@@ -157,13 +202,14 @@ def register(app: typer.Typer) -> None:
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
-                           spot)
+                           spot, inputs, loss,
+                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
             write_timeline(est, plot, model_options=parse_model_options(model_option))
         if json_out:
-            print(json.dumps(est.to_json(), indent=2))
+            print(dumps_json(est.to_json(), indent=2))
         else:
             print_estimate(est)
             if plot:
@@ -182,12 +228,18 @@ def register(app: typer.Typer) -> None:
         optimizer_impl: OptimizerImplOpt = "foreach",
         parallelism: ParallelismOpt = "auto",
         checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "sdpa",
+        attention: AttentionOpt = "auto",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
         gradient_as_bucket_view: BucketViewOpt = False,
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         json_out: JsonOpt = False,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
     ) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
         from planner.explain import explain
@@ -196,13 +248,18 @@ def register(app: typer.Typer) -> None:
             batch_size = 8
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view)
-        steps = explain(est, model_options=parse_model_options(model_option))
+                           model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
+                           stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
+        steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
+                        inputs=inputs, loss=loss)
         if json_out:
-            print(json.dumps([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
+            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))
             return
+        from rich.padding import Padding
+        from rich.text import Text
+
         for i, s in enumerate(steps, 1):
-            console.print(f"\n[bold cyan]{i}. {s.title}[/]")
-            for line in s.lines:
-                console.print(f"   {line}", highlight=False)
+            console.print(Text(f"\n{i}. {s.title}", style="bold cyan"))
+            for line in s.lines:  # wrapped lines keep the indent; no cell or word is cut
+                console.print(Padding(Text(line, overflow="fold"), (0, 0, 0, 3)))

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from planner.cli.common import JsonOpt, console, handles_errors
+from planner.io import dumps_json
 
 
 def _millions(n: int) -> str:
@@ -18,23 +17,20 @@ def register(app: typer.Typer) -> None:
     @handles_errors
     def models(as_json: JsonOpt = False) -> None:
         """List the catalog models (use a name with --model; any config.json path works too)."""
-        from rich.table import Table
-
+        from planner.cli.tables import Col, print_table
         from planner.models.catalog import describe_models
 
         rows = describe_models()
         if as_json:
-            typer.echo(json.dumps(rows, indent=2))
+            typer.echo(dumps_json(rows, indent=2))
             return
-        table = Table(title="Model catalog (parameters counted exactly; heads as on the hub)")
-        for col, justify in (("name", "left"), ("family", "left"), ("head", "left"), ("parameters", "right"),
-                             ("", "right"), ("layers", "right"), ("hidden", "right"), ("max positions", "right")):
-            # Names are what users copy into --model: never wrap them, whatever the terminal width.
-            table.add_column(col, justify=justify, no_wrap=col == "name")  # type: ignore[arg-type]
-        for r in rows:
-            table.add_row(r["name"], r["family"], r["head"], f"{r['parameters']:,}", _millions(r["parameters"]),
-                          str(r["layers"]), str(r["hidden"]), str(r["max_positions"]))
-        console.print(table)
+        cols = [Col("name", whole=True), Col("family, head"), Col("parameters", "right", whole=True),
+                Col("layers", "right", whole=True),
+                Col("hidden", "right", whole=True), Col("max positions", "right", whole=True)]
+        # Names are what users copy into --model: never wrapped (planner.cli.tables), whatever the width.
+        print_table(console, "Model catalog (parameters counted exactly; heads as on the hub)", cols,
+                    [[r["name"], f"{r['family']}, {r['head']}", f"{r['parameters']:,}",
+                      str(r["layers"]), str(r["hidden"]), str(r["max_positions"])] for r in rows])
         console.print("Options: -o head=base|sequence-classification|masked-lm|causal-lm, -o num_labels=N; "
                       "multimodal-bert: text_model, tab_in, tab_out, text_out, num_classes, binary.",
                       highlight=False)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from planner.cli.common import JsonOpt, console, err_console, fail, handles_errors
+from planner.io import dumps_json
 
 RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Fetch current prices from the AWS Price List API "
                                                             "and cache them in results/prices.json.")]
@@ -47,17 +47,15 @@ def prices(refresh: RefreshOpt = False, region: RegionOpt = "us-east-1", json_ou
         err_console.print(f"cached {count} SageMaker training prices for {region} in {path}", highlight=False)
     rows = _rows()
     if json_out:
-        typer.echo(json.dumps(rows, indent=1))
+        typer.echo(dumps_json(rows, indent=1))
         return
-    from rich.table import Table
+    from planner.cli.tables import Col, print_table
 
-    table = Table(title="SageMaker training, on-demand USD per instance-hour")
-    for col in ("instance", "GPUs", "$/h", "date", "source"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        price = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.3f}"
-        table.add_row(str(r["instance"]), f"{r['gpus']}x {r['gpu']}", price, str(r["date"]), _short(str(r["source"])))
-    console.print(table)
+    cols = [Col("instance", whole=True), Col("GPUs", whole=True), Col("$/h", "right", whole=True),
+            Col("date", whole=True), Col("source")]
+    print_table(console, "SageMaker training, on-demand USD per instance-hour", cols, [
+        [str(r["instance"]), f"{r['gpus']}x {r['gpu']}", "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.3f}",
+         str(r["date"]), _short(str(r["source"]))] for r in rows])
 
 
 def register(app: typer.Typer) -> None:

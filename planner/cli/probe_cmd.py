@@ -6,7 +6,6 @@ planner.probes.store, comparisons from planner.probes.validate / calibrate.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -33,10 +32,12 @@ from planner.cli.common import (
     SeqOpt,
     console,
     err_console,
+    fail,
     handles_errors,
     parse_model_options,
 )
 from planner.errors import PlannerError
+from planner.io import dumps_json
 
 StudyOpt = Annotated[str | None, typer.Option("--study", help="Optuna study under results/ to take candidates from.")]
 TopOpt = Annotated[int, typer.Option("--top", "-k", help="How many of the study's best trials.")]
@@ -82,6 +83,22 @@ def build_requests(study: str | None, top: int, model: str | None, instance: str
 # ------------------------------------------------------------------------------------------ local
 
 
+def check_torch() -> None:
+    """`probe run --local` runs jobs/probe.py with this Python: without torch it can only fail, so say so now."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise PlannerError("probe run --local", f"no torch in {sys.executable}",
+                           "PyTorch installed in this Python (pip install torch --index-url "
+                           "https://download.pytorch.org/whl/cpu for the CPU build), or `planner probe launch`")
+
+
+def last_line(text: Any) -> str:
+    """The last non-empty line of a traceback or message: the one that says what went wrong."""
+    lines = [ln.strip() for ln in str(text or "").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "no message"
+
+
 def probe_command(request_file: Path, out_file: Path, *, python: str | None = None,
                   device: str | None = None) -> list[str]:
     """`python jobs/probe.py --request R --out O` (the probe re-launches itself under torchrun for DDP)."""
@@ -109,7 +126,9 @@ def run_local(request: Any, *, device: str | None = None, timeout_s: int = PROBE
     except subprocess.TimeoutExpired:
         code, tail = None, f"timed out after {timeout_s} s"
     if out_file.is_file():
-        record = json.loads(out_file.read_text())
+        from planner.io import read_json
+
+        record = read_json(out_file, "probe result", nonfinite_as_none=True)
         out_file.unlink()
     else:
         record = {"request_id": request.request_id, "status": "error", "phase": "launch",
@@ -133,11 +152,10 @@ def _num(v: Any, fmt: str = "{:.1f}") -> str:
 
 
 def print_records(records: list[dict[str, Any]]) -> None:
-    from rich.table import Table
-
+    from planner.cli.tables import Rows
     from planner.probes.validate import config_label
 
-    t = Table(title="probe results (GiB)")
+    t = Rows(title="probe results (GiB)")
     for col in ("model", "instance", "config", "status", "device", "peak alloc", "peak resv", "device peak",
                 "activations", "samples/s", "pred device", "pred fits"):
         t.add_column(col)
@@ -152,7 +170,7 @@ def print_records(records: list[dict[str, Any]]) -> None:
                   _gib(s.get("activations") if s.get("activations") is not None else s.get("saved_tensor_bytes")),
                   _num(s.get("samples_per_s")), _gib((est.get("memory_bytes") or {}).get("peak_device")),
                   str(est.get("fits", "-")))
-    console.print(t)
+    t.print(console)
 
 
 # -------------------------------------------------------------------------------------------- AWS
@@ -225,6 +243,10 @@ def register(app: typer.Typer) -> None:
 
         if not local:
             raise PlannerError("--no-local", True, "`planner probe launch` for SageMaker")
+        check_torch()
+        from planner.io import number
+
+        number(timeout, "--timeout", low=1, high=7 * 24 * 3600, integer=True)  # seconds; a week at most
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
@@ -237,9 +259,13 @@ def register(app: typer.Typer) -> None:
             if records:
                 store.rebuild_parquet()
         if json_out:
-            typer.echo(json.dumps(records, default=str))
+            typer.echo(dumps_json(records, default=str))
         else:
             print_records(records)
+        failed = [r for r in records if r.get("status") == "error"]
+        if failed:  # an OOM is a measurement; a probe that could not run is a failure of the command
+            fail(f"{len(failed)} of {len(records)} probe(s) failed; {failed[0].get('record_id')} "
+                 f"@{failed[0].get('phase')}: {last_line(failed[0].get('message'))}")
 
     @probe.command("launch")
     @handles_errors
@@ -294,7 +320,7 @@ def register(app: typer.Typer) -> None:
             results = awslaunch.launch(requests, opts, dry_run=True, jobs_dir=_jobs_dir())
             payload = [{**store.redact(r.request), "RoleArn": store.redact_string(r.request["RoleArn"])}
                        for r in results]  # the role is shown with its account id masked
-            typer.echo(json.dumps(payload if len(payload) > 1 else payload[0], indent=None if json_out else 2))
+            typer.echo(dumps_json(payload if len(payload) > 1 else payload[0], indent=None if json_out else 2))
             return
 
         def saved(res: Any, req: Any) -> None:  # record each job as soon as it exists
@@ -304,7 +330,7 @@ def register(app: typer.Typer) -> None:
         aws = awssession.Aws(region_name, profile)
         results = awslaunch.launch(requests, opts, aws=aws, jobs_dir=_jobs_dir(), on_result=saved)
         if json_out:
-            typer.echo(json.dumps([{"job_name": r.job_name, "action": r.action, "status": r.status,
+            typer.echo(dumps_json([{"job_name": r.job_name, "action": r.action, "status": r.status,
                                     "request_id": r.request_id, "image": store.redact_string(r.image)}
                                    for r in results]))
             return
@@ -317,9 +343,8 @@ def register(app: typer.Typer) -> None:
     def status_cmd(study: StudyOpt = None, job: JobOpt = None, region: RegionOpt = None, profile: ProfileOpt = None,
                    json_out: JsonOpt = False) -> None:
         """DescribeTrainingJob for launched probe jobs."""
-        from rich.table import Table
-
         from planner.aws.collect import describe
+        from planner.cli.tables import Rows
 
         aws_for = _aws_factory(profile, region)
         rows = []
@@ -331,15 +356,15 @@ def register(app: typer.Typer) -> None:
                          "training_seconds": info.training_seconds if info else None,
                          "study": entry.get("study"), "trial": entry.get("trial")})
         if json_out:
-            typer.echo(json.dumps(rows, default=str))
+            typer.echo(dumps_json(rows, default=str))
             return
-        t = Table(title="probe jobs")
+        t = Rows(title="probe jobs")
         for col in ("job", "status", "secondary", "seconds", "failure reason"):
             t.add_column(col)
         for r in rows:
             t.add_row(r["job_name"], r["status"], str(r["secondary_status"] or ""), str(r["training_seconds"] or ""),
                       (r["failure_reason"] or "")[:120])
-        console.print(t)
+        t.print(console)
 
     @probe.command("collect")
     @handles_errors
@@ -357,7 +382,7 @@ def register(app: typer.Typer) -> None:
             if any(store.probes_dir().glob("*.json")):
                 store.rebuild_parquet()  # whatever was collected before an error stays in the table
         if json_out:
-            typer.echo(json.dumps([{"job_name": c.job_name, "action": c.action, "status": c.status,
+            typer.echo(dumps_json([{"job_name": c.job_name, "action": c.action, "status": c.status,
                                     "job_status": c.job_status} for c in results]))
             return
         for c in results:
@@ -378,6 +403,7 @@ def register(app: typer.Typer) -> None:
         """Predicted vs measured memory terms and speed, per probe run: signed % errors, fit/OOM agreement."""
         import pandas as pd
 
+        from planner.io import atomic_path
         from planner.probes import store
         from planner.probes.validate import long_rows, summary, validate
 
@@ -388,10 +414,10 @@ def register(app: typer.Typer) -> None:
         rows = validate(records, stored_only=stored)
         summ = summary(rows)
         csv_path = csv or store.results_dir() / "validation-report.csv"
-        csv_path.parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(long_rows(rows)).to_csv(csv_path, index=False)
+        with atomic_path(csv_path, "--csv") as tmp:
+            pd.DataFrame(long_rows(rows)).to_csv(tmp, index=False)
         if json_out:
-            typer.echo(json.dumps({"rows": [r.to_json() for r in rows], "summary": summ, "csv": str(csv_path)},
+            typer.echo(dumps_json({"rows": [r.to_json() for r in rows], "summary": summ, "csv": str(csv_path)},
                                   default=str))
             return
         print_validation(rows, summ)
@@ -406,9 +432,9 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Fit CUDA context, fragmentation and a throughput scale per GPU family (medians of probe runs)."""
+        from planner.io import write_json
         from planner.probes import calibrate as cal
         from planner.probes import store
-        from planner.probes.store import write_json_atomic
 
         records = store.load_records(probes)
         estimates = {str(r.get("record_id")): default_estimate(r) for r in records
@@ -420,9 +446,10 @@ def register(app: typer.Typer) -> None:
         doc = cal.calibration_document(result, len(estimates))
         path = out or store.results_dir() / "calibration.json"
         if not dry_run:
-            write_json_atomic(path, cal.merge_into(path, doc))
+            # strict JSON: the runtime loader refuses NaN, so it is never written (one line naming --out)
+            write_json(path, cal.merge_into(path, doc), "--out", indent=1, default=str)
         if json_out:
-            typer.echo(json.dumps({"calibration": doc, "report": result["report"], "path": str(path),
+            typer.echo(dumps_json({"calibration": doc, "report": result["report"], "path": str(path),
                                    "written": not dry_run}, default=str))
             return
         print_calibration(result["report"])
@@ -451,22 +478,21 @@ def _pct(v: float | None) -> str:
 
 
 def print_validation(rows: list[Any], summ: dict[str, Any]) -> None:
-    from rich.table import Table
-
+    from planner.cli.tables import Rows
     from planner.probes.validate import TERMS, config_label
 
     short = {"parameters": "params", "gradients": "grads", "optimizer_states": "optim", "model_states": "states",
              "activations": "act", "peak_allocated": "peak alloc", "peak_reserved": "peak resv",
              "device_peak": "device", "samples_per_s": "samples/s"}
-    t = Table(title="predicted vs measured (signed error: + = over-estimate)")
+    t = Rows(title="predicted vs measured (signed error: + = over-estimate)")
     for col in ("model", "gpu", "config", "status", *(short[k] for k in TERMS), "fit", "pred."):
         t.add_column(col)
     for r in rows:
         fit = "-" if r.fit_agrees is None else ("agree" if r.fit_agrees else "DISAGREE")
         t.add_row(str(r.model), str(r.gpu_measured or r.device), config_label(r.config), r.status,
                   *(_pct(r.errors[k]) for k in TERMS), fit, r.prediction_source)
-    console.print(t)
-    s = Table(title="summary per term")
+    t.print(console)
+    s = Rows(title="summary per term")
     for col in ("term", "n", "median signed", "mean |err|", "max |err|"):
         s.add_column(col)
     for k in TERMS:
@@ -475,13 +501,13 @@ def print_validation(rows: list[Any], summ: dict[str, Any]) -> None:
                   _num(v["max_abs_pct"], "{:.1f}%"))
     fa = summ["fit_agreement"]
     s.add_row("fit/OOM agreement", str(fa["n"]), "-", "-" if fa["rate"] is None else f"{fa['rate']:.0%} agree", "")
-    console.print(s)
+    s.print(console)
 
 
 def print_calibration(report: dict[str, Any]) -> None:
-    from rich.table import Table
+    from planner.cli.tables import Rows
 
-    t = Table(title="calibration per GPU family (median |error| before -> after, leave-one-out)")
+    t = Rows(title="calibration per GPU family (median |error| before -> after, leave-one-out)")
     for col in ("family", "runs", "cuda context", "fragmentation", "throughput scale", "reserved err",
                 "device err", "samples/s err"):
         t.add_column(col)
@@ -495,4 +521,4 @@ def print_calibration(report: dict[str, Any]) -> None:
         t.add_row(fam, str(r["n"]), "-" if c["cuda_context_bytes"] is None else f"{c['cuda_context_bytes'] / 2**20:.0f} MiB",
                   _num(c["fragmentation"], "{:.3f}"), _num(c["throughput_scale"], "{:.3f}"), trio("peak_reserved"),
                   trio("device_peak"), trio("samples_per_s"))
-    console.print(t)
+    t.print(console)

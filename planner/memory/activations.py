@@ -100,6 +100,8 @@ class BlockActivations:
     # Added: the storages behind saved_bytes / kept_bytes, for explanations and tests.
     tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
     kept_tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
+    # Added: the AMP cast cache's storages (`autocast_cache`: weightK.cast / biasK.cast), for the event trace.
+    cache_tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def kept_total_bytes(self) -> int:
@@ -847,9 +849,10 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
         fwd, bwd = _transients(saved, ctx)
         retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
+        cache = autocast_cache(block, ctx)
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
                                     _total(casts, backend), fwd, bwd, ckpt, retained,
-                                    _total(autocast_cache(block, ctx), backend), tuple(saved), tuple(kept)))
+                                    _total(cache, backend), tuple(saved), tuple(kept), tuple(cache)))
     loss = _loss(model, ctx)
     fwd, bwd = _transients(loss, ctx)
     out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, bwd, False, 0, 0,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.errors import PlannerError
-from planner.spec import Instance, TrainConfig
+from planner.memory import batch as batch_mem
+from planner.spec import Instance, ModelSpec, TrainConfig
 
 ZERO_STAGE = {"single": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 
@@ -52,3 +53,30 @@ def sharding(config: TrainConfig, world: int) -> Sharding:
         gradients=part if stage >= 2 else 1.0,
         optimizer_states=part if stage >= 1 else 1.0,
     )
+
+
+def ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
+    """DDP's Reducer allocates flat buckets covering every gradient when the model is wrapped
+    (torch/csrc/distributed/c10d/reducer.cpp `initialize_buckets`); with gradient_as_bucket_view=True the
+    .grad tensors are views into them, so no second copy. ZeroRedundancyOptimizer (zero1) runs over DDP."""
+    if config.parallelism in ("ddp", "zero1") and not config.gradient_as_bucket_view:
+        return gradient_bytes
+    return 0
+
+
+def dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -> int:
+    """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
+    gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
+    in fp32 (LM heads: seq_len × vocab logits)."""
+    if config.parallelism != "dp":
+        return 0
+    others = config.batch_size * (gpus - 1)
+    inputs = batch_mem.batch_bytes(model, others, config.seq_len)
+    out_per_sample = 0
+    for t in model.transformers:
+        if t.head == "causal-lm" or t.head == "masked-lm":
+            out_per_sample = config.seq_len * t.vocab_size * 4
+    if not out_per_sample:
+        last = model.components[-1].layers[-1]
+        out_per_sample = getattr(last, "out_features", 0) * 4 or 8
+    return inputs + config.batch_size * gpus * out_per_sample

@@ -11,7 +11,6 @@ Calibration file format (per family, any subset of the RuntimeConstants fields):
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,6 +78,17 @@ FRAGMENTATION: dict[str, float] = {}
 FRAGMENTATION_DEFAULT = 0.10
 
 FIELDS = ("cuda_context_bytes", "cublas_workspace_bytes", "nccl_bytes_per_peer", "fragmentation")
+# What a calibration file or an override may hold; beyond this it is a typo or a unit error, not a GPU.
+# ASSUMPTION: no runtime term exceeds the largest GPU's memory (B300, 288 GB < 2^38 B); reserved memory is at
+# most 10x allocated (fragmentation <= 9; ZeRO sec. 3.2 reports >30% wasted in extreme cases, i.e. ~0.5).
+MAX_RUNTIME_BYTES = 1 << 38
+MAX_FRAGMENTATION = 9.0
+BOUNDS: dict[str, tuple[float, float, bool]] = {  # field: (low, high, integer)
+    "cuda_context_bytes": (0, MAX_RUNTIME_BYTES, True),
+    "cublas_workspace_bytes": (0, MAX_RUNTIME_BYTES, True),
+    "nccl_bytes_per_peer": (0, MAX_RUNTIME_BYTES, True),
+    "fragmentation": (0.0, MAX_FRAGMENTATION, False),
+}
 CALIBRATION_ENV = "PLANNER_CALIBRATION"
 DEFAULT_CALIBRATION_PATH = Path("results") / "calibration.json"
 
@@ -113,6 +123,17 @@ def _check_overrides(overrides: Mapping[str, Any]) -> None:
     bad = [k for k in overrides if k not in FIELDS]
     if bad:
         raise PlannerError("runtime override", bad[0], FIELDS)
+    check_values(overrides, "runtime override")
+
+
+def check_values(values: Mapping[str, Any], where: str) -> None:
+    """Each RuntimeConstants field finite and in BOUNDS; `where` names the file or flag in the error."""
+    from planner.io import number
+
+    for key, value in values.items():
+        if key in BOUNDS:
+            low, high, integer = BOUNDS[key]
+            number(value, f"{where}: {key}", low=low, high=high, integer=integer and not isinstance(value, float))
 
 
 def runtime_constants(gpu: GPU, overrides: Mapping[str, Any] | None = None,
@@ -127,6 +148,7 @@ def runtime_constants(gpu: GPU, overrides: Mapping[str, Any] | None = None,
         calibration = load_calibration()
     cal = calibrated_values(calibration, gpu.family)
     if cal:
+        check_values(cal, f"calibration {calibration_path()} families.{gpu.family}")
         values.update(cal)
         values["source"] += f"; calibrated: {', '.join(sorted(cal))} ({calibration.get('source', 'calibration')})"
     if overrides:
@@ -155,11 +177,13 @@ def calibration_path() -> Path:
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
     """The calibration JSON, or {} when the file does not exist (a missing file is the normal case)."""
+    from planner.io import read_json
+
     p = Path(path) if path is not None else calibration_path()
-    if not p.is_file():
+    if not p.exists():
         return {}
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlannerError("calibration file", str(p), f"readable JSON ({exc})") from None
-    return data if isinstance(data, dict) else {}
+    data = read_json(p, f"calibration file (${CALIBRATION_ENV} or {DEFAULT_CALIBRATION_PATH})")
+    families = data.get("families", {})
+    if not isinstance(families, dict) or not all(isinstance(v, dict) for v in families.values()):
+        raise PlannerError(f"{p}: families", families, 'an object {"V100": {"fragmentation": 0.07, ...}, ...}')
+    return data

@@ -14,7 +14,6 @@ Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral; `architec
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,18 @@ from planner.errors import PlannerError
 from planner.spec import Component, InputSpec, ModelSpec, TransformerSpec
 
 FIELD = "config.json"
+
+# The model's real maximums, so an absurd config answers at once instead of building 10^9 layers.
+# ASSUMPTION: 1,024 layers is 8x the deepest published decoder (Llama 3.1 405B: 126 layers; GPT-3 175B: 96;
+# Megatron-Turing NLG 530B: 105). 2^24 bounds every other size (largest vocab ~256k = 2^18, widest hidden
+# 16,384 and FFN 53,248 in Llama 3.1 405B, longest context 10M tokens in Llama 4 Scout < 2^24).
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 24
+LAYER_KEYS = ("num_hidden_layers", "n_layers", "n_layer")
+# Activations with a saved-tensor formula in planner.memory.activations.mlp_activation (transformers' ACT2FN
+# names); any other `hidden_act` is refused here rather than failing deep inside the estimate.
+ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_pytorch_tanh", "silu", "swish", "gelu_python", "gelu_accurate",
+                                "relu", "gelu_new", "gelu_fast")
 
 CLASS_PREFIX: dict[str, str] = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert", "gpt2": "GPT2",
                                 "llama": "Llama", "mistral": "Mistral"}
@@ -78,6 +89,9 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None, *, minimum: 
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PlannerError(f"{FIELD}:{key}", value, f"an integer >= {minimum}")
+    limit, name = (MAX_LAYERS, "MAX_LAYERS") if key in LAYER_KEYS else (MAX_DIM, "MAX_DIM")
+    if value > limit:
+        raise PlannerError(f"{FIELD}:{key}", value, f"an integer <= {limit:,} (planner.models.hf_config.{name})")
     return value
 
 
@@ -285,6 +299,7 @@ def transformer_from_hf_config(config: dict[str, Any]) -> TransformerSpec:
         fields = _gpt2(config)
     else:
         fields = _llama_like(config, family)
+    _check_limits(fields)
     # BertModel/RobertaModel default to add_pooling_layer=True; the LM and RoBERTa classification classes
     # build theirs with add_pooling_layer=False; BertForSequenceClassification classifies the pooled output.
     pooler = family in ("bert", "roberta") and (
@@ -295,6 +310,12 @@ def transformer_from_hf_config(config: dict[str, Any]) -> TransformerSpec:
         tie_word_embeddings=_bool(config, "tie_word_embeddings", TIE_DEFAULT[family]),
         hf_config=copy.deepcopy(config), **fields,
     )
+
+
+def _check_limits(fields: dict[str, Any]) -> None:
+    """An activation we have a saved-tensor formula for (names the config key)."""
+    if fields["hidden_act"] not in ACTIVATIONS:
+        raise PlannerError(f"{FIELD}:hidden_act", fields["hidden_act"], f"one of {', '.join(ACTIVATIONS)}")
 
 
 def inputs_for(spec: TransformerSpec) -> InputSpec:
@@ -317,19 +338,11 @@ def spec_from_hf_config(config: dict[str, Any], *, name: str, component: str = "
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Parse a config.json file (or a folder holding one); bad JSON names the file, line and column."""
+    from planner.io import read_json
+
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PlannerError("--model", str(path), "an existing config.json file or a catalog name") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlannerError("--model", str(path), f"a readable UTF-8 config.json ({exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlannerError(FIELD, str(p), f"valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
-    if not isinstance(data, dict):
-        raise PlannerError(FIELD, str(p), "a JSON object at the top level")
-    return data
+    if not p.exists():
+        raise PlannerError("--model", str(path), "an existing config.json file or a catalog name")
+    return read_json(p, FIELD)

@@ -32,8 +32,9 @@ def _instance_price(instance: Instance) -> tuple[float | None, str]:
         price, date, source = price_per_hour(instance.name)
         if price is not None:
             return price, f"{source} ({date})" if date else source
-    except PlannerError:
-        pass
+    except PlannerError as exc:
+        if exc.field != "--instance":  # an instance the price table lacks falls back; a corrupt cache is an error
+            raise
     if instance.price_per_hour is not None:
         return instance.price_per_hour, f"{instance.price_source} ({instance.price_date})"
     return None, ""

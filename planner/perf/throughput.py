@@ -2,13 +2,12 @@
 
 One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then the optimizer:
 
-    step = grad_accum * (compute + overhead) + exposed communication + optimizer
+    step = grad_accum * micro-step + exposed communication + optimizer
 
-- compute = executed FLOPs of one micro-step (planner.perf.flops: forward + backward + recompute) /
-  (peak for the precision * efficiency(x)), with x = tokens per micro-step on one GPU and
-  efficiency(x) = eff_max * x / (x + x_half), x_half = tokens_half_per_tflop * peak: small micro-batches
-  leave the GPU under-occupied (launch latency, small GEMM tiles), large ones saturate at eff_max, which
-  also absorbs the memory-bound non-matmul work (norms, softmax, dropout, GELU) that flops do not count.
+- micro-step: the op-level roofline of planner.perf.roofline over the kernel list of planner.perf.kernels
+  (every forward, backward and recompute kernel timed as max(FLOPs / (peak x GEMM efficiency x tile waves),
+  bytes / (HBM bandwidth x streaming efficiency)) + a per-kernel gap), never shorter than the CPU's
+  launches x dispatch cost, plus the per-micro-step host time (data-loader hand-off, loss.item() sync).
 - gradient all-reduce (DDP), once per optimizer step (no_sync on the other micro-steps): a ring moves
   2(n-1)/n x gradient bytes over the bus bandwidth inside the instance, and 2(N-1)/N x bytes over the
   network between N instances; `allreduce_overlap` of it hides behind the last micro-step's backward.
@@ -16,91 +15,45 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
   reduce-scatters gradients, overlapped by `allreduce_overlap`. DataParallel (dp): every micro-step
   broadcasts parameters to the replicas and reduces gradients to GPU 0, not overlapped.
-- optimizer: memory-bound, bytes read+written per parameter / (HBM bandwidth * hbm_efficiency), on
-  1/n of the parameters under ZeRO/FSDP.
+- optimizer: its kernels (foreach / fused / for-loop, GradScaler's unscale_) on this GPU's parameters
+  (1/n under ZeRO/FSDP), memory-bound, same roofline.
 - fp32 matmuls use TF32 tensor cores only when `allow_tf32` (PyTorch's default
   torch.backends.cuda.matmul.allow_tf32 = False, i.e. float32 matmul precision "highest"), so fp32 runs at
   the CUDA-core FP32 peak by default.
+
+`breakdown_s` splits the step by kernel kind (gemm, attention, memory_bound, optimizer, communication) and
+launch_overhead (per-kernel gaps, CPU-bound time beyond the GPU's and host time per micro-step): the six sum
+to `step_time_s`. `bytes_bound_s` is the time in kernels whose bytes, not FLOPs, bound them (what
+`planner explain` names). The older keys (compute_s, recompute_s, overhead_s, communication_s,
+communication_total_s, optimizer_s) stay.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from planner.errors import PlannerError
 from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
-from planner.perf.flops import step_flops, tokens_per_sample
+from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
+from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
+from planner.perf.roofline import PHASES, RooflineConstants, by_kind, kernel_table, time_kernels, time_table
 from planner.spec import DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
 
 GB = 1e9
 TFLOP = 1e12
 
-# ---- the defaults, each with its reason ----------------------------------------------------------
 
-# Tensor-core efficiency ceilings per GPU family (fraction of the dense datasheet peak that a whole
-# transformer training step reaches at large micro-batches, non-matmul work included).
-# V100: FITTED to NVIDIA DeepLearningExamples PyTorch BERT-large SQuAD fine-tuning, 1x V100 16G, mixed
-# precision, batch 4 and 10 at seq 384 (35.88 and 45.2 sequences/s); the pre-training rows, the FP32
-# rows and the 8-GPU rows of the same README are held out and checked in tests/test_throughput.py.
-# Others: ASSUMPTIONS, not fitted: A100/H100 from the typical 40-55% MFU of well-tuned BERT/GPT training
-# in bf16 (e.g. NVIDIA Megatron-LM reports 40-50%+ model FLOPs utilisation on A100/H100 at scale), lowered
-# for plain PyTorch/HF; T4 and L4 are power-capped (70-72 W) far below their peak clocks; A10G/L40S in
-# between. Replace with `planner calibrate` readings.
-EFF_MAX_TENSOR: dict[str, float] = {
-    "V100": 0.32, "T4": 0.30, "A10G": 0.45, "L4": 0.30, "L40S": 0.35, "A100": 0.50, "H100": 0.45, "H200": 0.45,
-}
-# CUDA-core FP32 efficiency ceilings. V100 FITTED to the same README's 1-GPU FP32 fine-tuning row
-# (8.96 sequences/s at batch 4); others ASSUMED equal to V100's (SGEMM reaches a similar share of peak).
-EFF_MAX_FP32: dict[str, float] = {
-    "V100": 0.45, "T4": 0.40, "A10G": 0.45, "L4": 0.40, "L40S": 0.45, "A100": 0.46, "H100": 0.46, "H200": 0.46,
-}
-EFF_MAX_DEFAULT = 0.40
-# Tokens per micro-step at which efficiency is half its ceiling, per TFLOP/s of peak: a GPU with more
-# throughput needs proportionally more rows in its GEMMs to fill its SMs. FITTED on V100 (x_half ~ 340
-# tokens at 125 TFLOP/s, from the two mixed-precision fine-tuning batch sizes); ASSUMED to scale with the
-# peak elsewhere.
-TOKENS_HALF_PER_TFLOP = 2.7
+class ThroughputConstants(RooflineConstants):
+    """Every constant of the throughput model (the roofline's and communication's); override any field with
+    `model_copy(update={...})`."""
 
-
-class ThroughputConstants(BaseModel):
-    """Every constant of the throughput model; override any field with `model_copy(update={...})`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    eff_max_tensor: dict[str, float] = Field(
-        default_factory=lambda: dict(EFF_MAX_TENSOR),
-        description="fraction of tensor-core peak at large micro-batches, per GPU family (see EFF_MAX_TENSOR)")
-    eff_max_fp32: dict[str, float] = Field(
-        default_factory=lambda: dict(EFF_MAX_FP32),
-        description="fraction of CUDA-core FP32 peak at large micro-batches, per GPU family (see EFF_MAX_FP32)")
-    eff_max_default: float = Field(EFF_MAX_DEFAULT, gt=0, le=1, description="for a family missing above")
-    tokens_half_per_tflop: float = Field(
-        TOKENS_HALF_PER_TFLOP, gt=0,
-        description="tokens per micro-step giving half the ceiling, per TFLOP/s of peak (fitted on V100)")
-    allow_tf32: bool = Field(
-        False, description="fp32 matmuls on TF32 tensor cores; PyTorch default torch.backends.cuda.matmul."
-                           "allow_tf32=False (float32_matmul_precision='highest')")
     causal_fraction: float = Field(
         1.0, gt=0, le=1,
         description="share of the s^2 attention FLOPs executed for causal models; 1.0 counts them full "
                     "(FlopCounterMode convention); a causal flash kernel computes ~0.5")
-    hbm_efficiency: float = Field(
-        0.80, gt=0, le=1,
-        description="share of datasheet HBM bandwidth that streaming elementwise kernels reach "
-                    "(STREAM-like copies reach ~80-90% on V100/A100; ASSUMPTION)")
-    optimizer_passes: dict[str, float] = Field(
-        default_factory=lambda: {"fused": 1.0, "foreach": 2.0, "for-loop": 2.0},
-        description="memory traffic relative to one fused read+write pass: torch.optim's foreach "
-                    "implementation runs several _foreach_* kernels over the same tensors (ASSUMPTION 2x)")
-    kernel_launch_s: float = Field(
-        5e-6, gt=0, description="CPU cost of one CUDA kernel launch from PyTorch (~5 us; ASSUMPTION)")
-    for_loop_kernels_per_tensor: int = Field(
-        10, gt=0, description="kernels the for-loop optimizer launches per parameter tensor (AdamW ~10)")
-    grad_scaler_bytes_per_param: float = Field(
-        8.0, ge=0, description="fp16 GradScaler unscale_: read + write each fp32 gradient once")
     allreduce_overlap: float = Field(
         0.5, ge=0, le=1,
         description="share of the gradient all-reduce hidden behind backward by DDP's bucketing "
@@ -111,18 +64,10 @@ class ThroughputConstants(BaseModel):
         0.4, gt=0, le=1,
         description="share of network Gbps NCCL reaches over TCP sockets without EFA; 'up to' figures are "
                     "burst rates (ASSUMPTION)")
-    micro_step_overhead_s: float = Field(
-        0.005, ge=0,
-        description="fixed time per micro-step not hidden behind GPU work: Python, data loading hand-off, "
-                    "loss.item()/logging, launch latency (ASSUMPTION ~5 ms, HF Trainer order)")
     dp_replicate_overhead_s: float = Field(
         0.01, ge=0,
         description="DataParallel's per-micro-step thread start/replicate/gather cost beyond its copies "
                     "(ASSUMPTION)")
-
-    def eff_max(self, family: str, tensor_cores: bool) -> float:
-        table = self.eff_max_tensor if tensor_cores else self.eff_max_fp32
-        return table.get(family, self.eff_max_default)
 
 
 # ---- precision -----------------------------------------------------------------------------------
@@ -130,10 +75,6 @@ class ThroughputConstants(BaseModel):
 PEAK_KEY: dict[str, str] = {"fp32": "fp32", "amp-fp16": "fp16", "fp16": "fp16", "amp-bf16": "bf16", "bf16": "bf16"}
 # Parameter/gradient element size: AMP keeps fp32 parameters and gradients; pure fp16/bf16 do not.
 PARAM_BYTES: dict[str, int] = {"fp32": 4, "amp-fp16": 4, "amp-bf16": 4, "fp16": 2, "bf16": 2}
-# Optimizer state bytes per parameter (fp32 moments; bitsandbytes 8-bit AdamW 1 byte each; Adafactor's
-# factored second moment is ~0 per parameter).
-STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4, "adafactor": 0, "adamw-8bit": 2}
-
 
 def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstants) -> tuple[float, bool]:
     """(peak TFLOP/s used, whether on tensor cores) for a precision on this GPU."""
@@ -145,12 +86,6 @@ def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstan
         allowed = [p for p, k in PEAK_KEY.items() if k in gpu.peak_tflops]
         raise PlannerError("--precision", precision, f"on {gpu.name} one of {', '.join(allowed)} (no {key})")
     return gpu.peak_tflops[key], key != "fp32"
-
-
-def efficiency(tokens: float, peak: float, eff_max: float, constants: ThroughputConstants) -> float:
-    """eff_max * x / (x + x_half), x_half = tokens_half_per_tflop * peak: rises with x, saturates at eff_max."""
-    x_half = constants.tokens_half_per_tflop * peak
-    return eff_max * tokens / (tokens + x_half)
 
 
 # ---- communication -------------------------------------------------------------------------------
@@ -218,25 +153,6 @@ def parameter_tensors(block: Block) -> int:
     return 2 if block.role in ("pooler", "head") else norm
 
 
-def optimizer_seconds(n_params: float, n_tensors: int, instance: Instance, config: TrainConfig,
-                      constants: ThroughputConstants) -> float:
-    """Bytes moved by one optimizer step / achievable HBM bandwidth (+ launches of a for-loop optimizer).
-
-    bytes/param = parameter read + write, gradient read, each state read + write, (+ GradScaler unscale);
-    times the implementation's number of passes.
-    """
-    p = PARAM_BYTES[config.precision]
-    state = STATE_BYTES[config.optimizer]
-    per_param = 2 * p + p + 2 * state
-    per_param *= constants.optimizer_passes.get(config.optimizer_impl, 1.0)
-    if config.precision in ("amp-fp16", "fp16"):
-        per_param += constants.grad_scaler_bytes_per_param
-    t = n_params * per_param / (instance.gpu.memory_bandwidth_gbs * GB * constants.hbm_efficiency)
-    if config.optimizer_impl == "for-loop":
-        t += n_tensors * constants.for_loop_kernels_per_tensor * constants.kernel_launch_s
-    return t
-
-
 # ---- the prediction ------------------------------------------------------------------------------
 
 
@@ -244,59 +160,61 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
                        constants: ThroughputConstants | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
     c = constants or ThroughputConstants()
+    if config.tf32 and not c.allow_tf32:
+        c = c.model_copy(update={"allow_tf32": True})
     parallelism = resolve_parallelism(config, instance)
     if parallelism == "dp" and config.instances > 1:
         raise PlannerError("--parallelism", "dp", "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")
     n_inst = 1 if parallelism == "single" else config.instances
     world = world_size(parallelism, instance, n_inst)
+    gpu = instance.gpu
+    peak, _ = peak_tflops(instance, config.precision, c)
 
-    flops = step_flops(model, config, causal_fraction=c.causal_fraction)
-    peak, tensor = peak_tflops(instance, config.precision, c)
-    tokens = config.batch_size * tokens_per_sample(model, config.seq_len)
-    eff = efficiency(tokens, peak, c.eff_max(instance.gpu.family, tensor), c)
-    rate = peak * TFLOP * eff
-    micro_compute = flops.executed / rate
-    last_backward = (flops.backward + flops.recompute) / rate
+    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=gpu.flash_attention)
+    times = time_table(table, config.batch_size, gpu, c)
+    gpu_micro = float(times.seconds.sum() + times.gap.sum())
+    cpu_micro = times.launches * c.cpu_dispatch_s
+    micro = max(gpu_micro, cpu_micro) + c.micro_step_overhead_s
+    # the all-reduce overlaps backward's wall time: GPU time, or the CPU's launches when those are longer
+    back = table.phase != PHASES.index("forward")
+    backward = max(float(times.seconds[back].sum() + times.gap[back].sum()),
+                   float((table.launches * table.count)[back].sum()) * c.cpu_dispatch_s)
 
-    blocks = model_blocks(model)
-    n_params = count_parameters(model)["total"]
-    n_tensors = sum(parameter_tensors(b) for b in blocks)
+    n_params, n_tensors = parameter_counts(model)
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
+    comm = communication_kernels(parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb)
+    comm_total, exposed = communication_seconds(comm, backward, instance, n_inst, c)
 
-    comm_total = 0.0
-    exposed = 0.0
-    if world > 1:
-        if parallelism == "ddp":
-            comm_total = allreduce_seconds(grad_bytes, instance, n_inst, c)
-            exposed = comm_total - min(c.allreduce_overlap * comm_total, last_backward)
-        elif parallelism in ("zero1", "zero2"):
-            rs = half_collective_seconds(grad_bytes, instance, n_inst, c)
-            ag = half_collective_seconds(grad_bytes, instance, n_inst, c)
-            comm_total = rs + ag
-            exposed = rs - min(c.allreduce_overlap * rs, last_backward) + ag
-        elif parallelism in ("zero3", "fsdp"):
-            per_micro = 3 * half_collective_seconds(grad_bytes, instance, n_inst, c)
-            comm_total = config.grad_accum * per_micro
-            exposed = config.grad_accum * per_micro * (1 - c.allreduce_overlap)
-        elif parallelism == "dp":
-            per_micro = 2 * grad_bytes / (max(instance.allreduce_bandwidth_gbs, 1e-9) * GB)
-            per_micro += c.dp_replicate_overhead_s
-            comm_total = exposed = config.grad_accum * per_micro
+    local_params = n_params // world if sharded else n_params
+    local_tensors = max(1, n_tensors // world) if sharded else n_tensors
+    opt_secs, opt_gap, opt_mem, opt_launches = time_kernels(
+        optimizer_kernels(local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl),
+        gpu, c)
+    optimizer_gpu = opt_secs + opt_gap
+    optimizer = max(optimizer_gpu, opt_launches * c.cpu_dispatch_s)
+    step = config.grad_accum * micro + exposed + optimizer
 
-    local_params = n_params / world if sharded else n_params
-    optimizer = optimizer_seconds(local_params, n_tensors, instance, config, c)
-    compute = config.grad_accum * micro_compute
-    overhead = config.grad_accum * c.micro_step_overhead_s
-    step = compute + overhead + exposed + optimizer
-
+    # model FLOPs (MFU's, no recompute) = forward + backward = (1 + BACKWARD_TO_FORWARD) x forward matmuls,
+    # as planner.perf.flops.step_flops counts them
+    fwd = table.phase == PHASES.index("forward")
+    matmul = (table.kind == KINDS.index("gemm")) | (table.kind == KINDS.index("attention"))
+    forward_flops = float((table.at(config.batch_size)[:, 0] * table.count)[fwd & matmul].sum())
+    model_flops = (1 + BACKWARD_TO_FORWARD) * forward_flops
     samples_per_step = world * config.batch_size * config.grad_accum
     samples_per_s = samples_per_step / step
-    mfu = flops.model * config.grad_accum / (peak * TFLOP * step)
+    mfu = model_flops * config.grad_accum / (peak * TFLOP * step)
+    kinds = {k: config.grad_accum * v for k, v in by_kind(table, times.seconds).items()}
+    kinds["optimizer"] += opt_secs
+    kinds["communication"] = exposed
+    launch_overhead = step - sum(kinds.values())
     breakdown: dict[str, Any] = {
-        "compute_s": compute,
-        "recompute_s": config.grad_accum * flops.recompute / rate,
-        "overhead_s": overhead,
+        **kinds,
+        "launch_overhead": launch_overhead,
+        "bytes_bound_s": config.grad_accum * float(times.seconds[times.memory_bound].sum()) + opt_mem,
+        "compute_s": config.grad_accum * gpu_micro,
+        "recompute_s": config.grad_accum * float(times.seconds[table.phase == PHASES.index("recompute")].sum()),
+        "overhead_s": config.grad_accum * (micro - gpu_micro),
         "communication_s": exposed,
         "communication_total_s": comm_total,
         "optimizer_s": optimizer,
@@ -309,3 +227,51 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
         global_batch_size=samples_per_step,
         breakdown_s=breakdown,
     )
+
+
+_PARAMS: dict[int, tuple[ModelSpec, int, int]] = {}
+
+
+def parameter_counts(model: ModelSpec) -> tuple[int, int]:
+    """(parameters, parameter tensors) of a model, cached per model object."""
+    hit = _PARAMS.get(id(model))
+    if hit is None or hit[0] is not model:
+        n_tensors = sum(parameter_tensors(b) for b in model_blocks(model))
+        hit = (model, count_parameters(model)["total"], n_tensors)
+        if len(_PARAMS) > 256:
+            _PARAMS.clear()
+        _PARAMS[id(model)] = hit
+    return hit[1], hit[2]
+
+
+def collective_seconds(k: Kernel, instance: Instance, n_inst: int, c: ThroughputConstants) -> float:
+    """Seconds of one communication kernel (module docstring: ring all-reduce, half of it for reduce-scatter
+    and all-gather, DataParallel's copies over the intra-instance bandwidth plus its fixed cost)."""
+    if k.collective == "allreduce":
+        return allreduce_seconds(k.bytes_read, instance, n_inst, c)
+    if k.collective in ("reduce_scatter", "all_gather", "fsdp_all_gather", "fsdp_reduce_scatter"):
+        return half_collective_seconds(k.bytes_read, instance, n_inst, c)
+    if k.collective == "dp_copy":
+        return k.bytes_read / (max(instance.allreduce_bandwidth_gbs, 1e-9) * GB)
+    if k.collective == "dp_replicate":
+        return c.dp_replicate_overhead_s
+    raise ValueError(f"collective {k.collective!r}")
+
+
+def communication_seconds(kernels: tuple[Kernel, ...], backward_s: float, instance: Instance, n_inst: int,
+                          c: ThroughputConstants) -> tuple[float, float]:
+    """(total, exposed) seconds of the communication kernels of one optimizer step: "backward" collectives
+    hide up to allreduce_overlap of themselves behind backward's wall time, "share" ones allreduce_overlap
+    of themselves, "exposed" ones nothing (kernels.COLLECTIVE_OVERLAP)."""
+    total = exposed = 0.0
+    for k in kernels:
+        t = collective_seconds(k, instance, n_inst, c) * k.count
+        overlap = COLLECTIVE_OVERLAP[k.collective]
+        total += t
+        if overlap == "backward":
+            exposed += t - min(c.allreduce_overlap * t, backward_s)
+        elif overlap == "share":
+            exposed += t * (1 - c.allreduce_overlap)
+        else:
+            exposed += t
+    return total, exposed

@@ -22,6 +22,9 @@ REQUEST_SCHEMA = "planner.probe-request/1"
 PROBE_VERSION = 1  # bump when jobs/probe.py measures differently, so old results get new ids
 DEFAULT_WARMUP_STEPS = 1  # the first step allocates optimizer states and cuBLAS workspaces
 DEFAULT_MEASURE_STEPS = 3  # steady-state steps timed after warm-up (median)
+# A probe measures a few steps; ASSUMPTION: 1,000 is far more than a steady reading needs and still ends well
+# inside the job's MaxRuntimeInSeconds for any model that fits.
+MAX_PROBE_STEPS = 1000
 
 
 class ProbeRequest(BaseModel):
@@ -33,8 +36,8 @@ class ProbeRequest(BaseModel):
     gpu: str | None = None  # the GPU the prediction is for
     gpus_per_instance: int = Field(1, ge=1)
     world_size: int = Field(1, ge=1)
-    warmup_steps: int = Field(DEFAULT_WARMUP_STEPS, ge=0)
-    measure_steps: int = Field(DEFAULT_MEASURE_STEPS, ge=1)
+    warmup_steps: int = Field(DEFAULT_WARMUP_STEPS, ge=0, le=MAX_PROBE_STEPS)
+    measure_steps: int = Field(DEFAULT_MEASURE_STEPS, ge=1, le=MAX_PROBE_STEPS)
     seed: int = 0
     lr: float = 1e-4
     estimate: dict[str, Any] | None = None  # Estimate.to_json() at request time

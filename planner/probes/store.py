@@ -79,11 +79,10 @@ def redact(obj: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False, default=str))
-    os.replace(tmp, path)
-    return path
+    from planner.io import write_text
+
+    # Python's json (NaN allowed): a diverged loss stays NaN in the record, and reads back as null.
+    return write_text(path, json.dumps(obj, indent=1, sort_keys=False, default=str), "--results-dir")
 
 
 def record_id(record: dict[str, Any]) -> str:
@@ -109,8 +108,43 @@ def save_request(request_json: dict[str, Any], root: Path | None = None) -> Path
 
 
 def load_request(request_id: str, root: Path | None = None) -> dict[str, Any] | None:
+    from planner.io import read_json
+
     path = probes_dir(root) / "requests" / f"{request_id}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, "probe request", nonfinite_as_none=True) if path.exists() else None
+
+
+# Parts of a record and the type each must have when present (what validate/calibrate/flatten read).
+RECORD_PARTS: dict[str, type] = {"summary": dict, "tensors": dict, "estimate": dict, "config": dict,
+                                 "phases": list}
+
+
+# The measured figures validate/calibrate compare with predictions (planner.probes.validate.measured_terms).
+MEASURED_KEYS: dict[str, tuple[str, ...]] = {
+    "summary": ("peak_allocated", "peak_reserved", "device_peak", "activations", "saved_tensor_bytes",
+                "model_states_after_first_step", "samples_per_s"),
+    "tensors": ("parameters_bytes", "local_parameters_bytes", "gradients_bytes", "optimizer_state_bytes"),
+}
+
+
+def check_record(data: Any, path: Path) -> dict[str, Any]:
+    """A probe record's shape: an object whose parts have the right types and whose measured byte counts are
+    finite numbers; anything else names the file and the field."""
+    from planner.errors import PlannerError
+    from planner.io import number
+
+    if not isinstance(data, dict):
+        raise PlannerError("probe record", str(path), "a JSON object")
+    for key, kind in RECORD_PARTS.items():
+        value = data.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise PlannerError(f"{path}: {key}", value, f"a JSON {'object' if kind is dict else 'list'} or null")
+    for part, keys in MEASURED_KEYS.items():
+        for key in keys:
+            value = (data.get(part) or {}).get(key)
+            if value is not None:
+                number(value, f"{path}: {part}.{key}")
+    return data
 
 
 def load_records(paths: Iterable[Path] | None = None, root: Path | None = None) -> list[dict[str, Any]]:
@@ -123,12 +157,12 @@ def load_records(paths: Iterable[Path] | None = None, root: Path | None = None) 
             files += sorted(p for p in t.rglob("*.json") if "requests" not in p.parts and p.name != "jobs.json")
         elif t.is_file():
             files.append(t)
+    from planner.io import read_json
+
     out = []
     for f in files:
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+        # A truncated or corrupt record is an error naming it, not a record silently left out of a comparison.
+        data = check_record(read_json(f, "probe record", expect=None, nonfinite_as_none=True), f)
         if isinstance(data, dict) and ("summary" in data or "job_status" in data or "status" in data):
             data.setdefault("record_id", record_id(data) if data.get("job_name") or data.get("request_id")
                             else f.stem)
@@ -144,8 +178,10 @@ def jobs_path(root: Path | None = None) -> Path:
 
 
 def load_jobs(root: Path | None = None) -> dict[str, dict[str, Any]]:
+    from planner.io import read_json
+
     path = jobs_path(root)
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path, "probe jobs file") if path.exists() else {}
 
 
 def add_jobs(entries: dict[str, dict[str, Any]], root: Path | None = None) -> None:
@@ -203,7 +239,9 @@ def update_parquet(records: Iterable[dict[str, Any]], root: Path | None = None) 
 
     path = parquet_path(root)
     new = pd.DataFrame([flatten(r) for r in records])
-    old = pd.read_parquet(path) if path.is_file() else pd.DataFrame()
+    from planner.io import read_parquet
+
+    old = read_parquet(path, "probes table") if path.is_file() else pd.DataFrame()
     if "record_id" in old and not new.empty:
         old = old[~old["record_id"].isin(new["record_id"])]
     frames = [f for f in (old, new) if not f.empty and "record_id" in f]

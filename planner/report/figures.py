@@ -237,8 +237,11 @@ def save_png(fig: Any, path: str, dpi: int = 100) -> None:
     """Write and close (figures left open leak memory in long runs)."""
     plt = _plt()
     try:
+        from planner.io import atomic_path
+
         fig.tight_layout()
-        fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.15)  # keeps outside legends and labels
+        with atomic_path(path, "--out-dir") as tmp:
+            fig.savefig(tmp, dpi=dpi, bbox_inches="tight", pad_inches=0.15)  # keeps outside legends and labels
     finally:
         plt.close(fig)
 

@@ -143,7 +143,9 @@ def probe_pairs(path: str | Path) -> Any | None:
     path = Path(path)
     if not path.is_file():
         return None
-    table = pd.read_parquet(path)
+    from planner.io import read_parquet
+
+    table = read_parquet(path, "--probes")
     labels = [c for c in PROBE_LABEL_COLUMNS if c in table.columns]
     rows = []
     for quantity, (pred, meas, unit) in PROBE_PAIRS.items():
@@ -254,9 +256,9 @@ def _page(title: str, meta: list[str], sections: list[Section]) -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    from planner.io import write_text
+
+    write_text(path, text, "--out-dir")
 
 
 def _top_table(top: Any) -> str:
@@ -500,7 +502,9 @@ def write_report(name: str, storage: str | None = None, *, top: int = 5, results
         raise PlannerError("--top", top, "a positive integer")
     search = load_search(name, storage, results_dir)
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / name
-    out.mkdir(parents=True, exist_ok=True)
+    from planner.io import writable_dir
+
+    writable_dir(out, "--out-dir" if out_dir is not None else "--results-dir")
     probes = Path(probes) if probes is not None else Path(results_dir) / PROBES_FILE
     frame = search.frame
     if frame.empty:

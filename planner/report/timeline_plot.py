@@ -7,6 +7,8 @@ Top band ("runtime") at each point, so that its top at the peak is exactly `est.
 
     runtime = cuda_context + nccl + (int(allocated * (1 + fragmentation)) - allocated)
 
+with fragmentation = peak_reserved / peak_allocated - 1 of the estimate (the allocator replay's, or a given one)
+
 i.e. the CUDA context and NCCL buffers (outside the caching allocator) plus the allocator's reserve
 (reserved - allocated) scaled from the estimate's fragmentation ratio.
 """
@@ -66,7 +68,7 @@ def timeline_data(est: Estimate, points: list[Point]) -> TimelineData:
     if not points:
         raise PlannerError("timeline", "no points", "a model with at least one block")
     m = est.memory_bytes
-    frag = est.runtime.fragmentation
+    frag = m.peak_reserved / m.peak_allocated - 1 if m.peak_allocated else est.runtime.fragmentation
     series: dict[str, list[int]] = {s: [] for s in SERIES}
     for p in points:
         for c in CATEGORIES:
@@ -106,11 +108,13 @@ def write_timeline(est: Estimate, path: str, model_options: dict | None = None) 
     points = memory_timeline(est.model, est.config, est.instance, runtime=est.runtime,
                              model_options=model_options)
     data = timeline_data(est, points)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if suffix == ".png":
-        timeline_png(data, path)
-    else:
-        timeline_figure(data).write_html(path, include_plotlyjs=True, full_html=True)
+    from planner.io import atomic_path
+
+    with atomic_path(path, "--plot") as tmp:  # a failure leaves no half-written file
+        if suffix == ".png":
+            timeline_png(data, str(tmp))
+        else:
+            timeline_figure(data).write_html(str(tmp), include_plotlyjs=True, full_html=True)
 
 
 def _short(label: str) -> str:

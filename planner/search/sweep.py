@@ -195,17 +195,12 @@ def parse_sweep(data: Any, source: str = "sweep") -> Sweep:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Read and validate a YAML sweep file; every error names the file and the field."""
-    import yaml
+    from planner.io import read_yaml
 
     path = Path(path)
     if not path.is_file():
         raise PlannerError("--sweep", str(path), "an existing YAML sweep file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise PlannerError(f"{path}:{where}", "(yaml)", f"valid YAML ({getattr(exc, 'problem', exc)})") from None
+    data = read_yaml(path, "--sweep", expect=None)  # binary, non-UTF-8, bad or too deep YAML: one line
     sweep = parse_sweep(data, str(path))
     if "name" not in data:  # a file's stem names its study
         sweep = sweep.model_copy(update={"name": path.stem})

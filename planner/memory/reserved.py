@@ -1,0 +1,93 @@
+"""Reserved memory of one step: the per-tensor trace (`events`) replayed through the allocator model
+(`allocator`), cached, as the `AllocatorReplay` record an `Estimate` carries.
+
+Why a cache: a search evaluates many configurations that share one step (they differ in instance count,
+price, spot...), and a replay costs milliseconds in pure Python. The key is everything the trace depends on;
+the replay runs without a capacity first (cacheable across GPUs of one family), and again with the capacity
+only when the unlimited peak does not fit, to model the OOM retry (`release_cached_blocks`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from planner.memory import allocator, events, model_states, timeline
+from planner.spec import AllocatorReplay, ModelSpec, TrainConfig
+
+REPLAY_CACHE_SIZE = 4096  # distinct steps kept (a few hundred bytes each)
+
+
+_TRACES: dict[tuple, tuple[ModelSpec, events.Trace]] = {}
+
+
+def _trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
+           parameter_share: float, gradient_share: float, state_share: float, backend: str,
+           flash_ok: bool) -> events.Trace:
+    """Cached by the model object (kept alive by the cache, so its id stays its own) and everything else."""
+    key = (id(spec), cfg, step, parameter_share, gradient_share, state_share, backend, flash_ok)
+    hit = _TRACES.get(key)
+    if hit is not None:
+        return hit[1]
+    trace = _build_trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend)
+    if len(_TRACES) >= REPLAY_CACHE_SIZE:
+        _TRACES.clear()
+    _TRACES[key] = (spec, trace)
+    return trace
+
+
+def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
+                 parameter_share: float, gradient_share: float, state_share: float, backend: str) -> events.Trace:
+    from planner.models.params import model_gradient_tensor_shapes
+
+    tensors = events.model_block_tensors(spec, activations, cfg, parameter_share, gradient_share, backend)
+    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
+    states, temps = events.optimizer_tensor_sizes(model_gradient_tensor_shapes(spec), cfg, p_bytes, state_share)
+    return events.step_events(step, tensors, state_sizes=states, temp_sizes=temps,
+                              bucket_cap_bytes=int(cfg.bucket_cap_mb * events.MiB))
+
+
+_PREFIXES: dict[tuple, allocator.Snapshot] = {}
+
+
+@lru_cache(maxsize=REPLAY_CACHE_SIZE)
+def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
+    """Without a capacity (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed
+    once per model and optimizer and restored from a snapshot afterwards."""
+    if capacity is not None or expandable:
+        return allocator.replay(trace.events, capacity_bytes=capacity, expandable_segments=expandable)
+    n = events.permanent_prefix(trace)
+    key = trace.events[:n]
+    snap = _PREFIXES.get(key)
+    if snap is not None:
+        return allocator.run(trace.events, start=snap, snapshot_at=n)[0]
+    result, snap = allocator.run(trace.events, snapshot_at=n)
+    if snap is not None:
+        if len(_PREFIXES) >= REPLAY_CACHE_SIZE:
+            _PREFIXES.clear()
+        _PREFIXES[key] = snap
+    return result
+
+
+def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple, *,
+                parameter_share: float = 1.0, gradient_share: float = 1.0, state_share: float = 1.0,
+                capacity_bytes: int | None = None, expandable_segments: bool = False,
+                backend: str = "cuda", flash_ok: bool = True) -> AllocatorReplay:
+    """The step's allocator replay; `capacity_bytes` is what the allocator may reserve (GPU memory less the
+    CUDA context and NCCL buffers)."""
+    trace = _trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend, flash_ok)
+    r = _replay(trace, None, expandable_segments)
+    if capacity_bytes is not None and r.peak_reserved > capacity_bytes:
+        r = _replay(trace, capacity_bytes, expandable_segments)
+    name = events.tensor_name(trace, r.peak_tensor) if r.peak_tensor >= 0 else ""
+    return AllocatorReplay(peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, segments=r.segments,
+                           peak_allocation=name, peak_allocation_bytes=r.peak_event_bytes,
+                           peak_segment_bytes=r.peak_segment_bytes, oom_retry=r.oom_retry,
+                           oom_after_retry=r.oom, expandable_segments=expandable_segments,
+                           events=len(trace.events))
+
+
+def clear_caches() -> None:
+    """Forget cached traces and replays (benchmarks; tests that change module constants)."""
+    _TRACES.clear()
+    _PREFIXES.clear()
+    _replay.cache_clear()

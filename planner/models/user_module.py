@@ -1,0 +1,146 @@
+"""Load the user's own model code: `--model path/to/file.py:build`, `--inputs file.py:batch`, `--loss file.py:fn`.
+
+I/O edge: imports a Python file by path (no package needed) and checks what its functions return, turning
+every failure into a one-line PlannerError naming the flag, the value and what is allowed (exit 2). The
+functions run inside the tracer's FakeTensorMode (`planner.program.trace`), so `build` allocates nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from planner.errors import PlannerError
+
+# FILE.py:FUNCTION, the syntax of `--model`, `--inputs`, `--loss` and sweep `model:` / `inputs:` strings.
+REFERENCE = re.compile(r"^(?P<file>.+\.py):(?P<fn>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def is_reference(value: object) -> bool:
+    """Whether a --model value names user code (`file.py:function`) rather than a catalog model or config."""
+    return isinstance(value, str) and REFERENCE.match(value) is not None
+
+
+def last_line(exc: BaseException) -> str:
+    """The exception's last line, as Python prints it (`ValueError: bad width`)."""
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+def _import(path: Path, flag: str, ref: str) -> ModuleType:
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    name = f"planner_user_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise PlannerError(flag, ref, "a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
+        del sys.modules[name]
+        raise PlannerError(flag, ref, f"importing {path} raised {last_line(exc)}") from None
+    return module
+
+
+def load_function(ref: str, flag: str) -> Callable[..., Any]:
+    """The function named by `file.py:function`."""
+    m = REFERENCE.match(ref)
+    if m is None:
+        raise PlannerError(flag, ref, "FILE.py:FUNCTION")
+    path = Path(m["file"]).expanduser()
+    if not path.is_file():
+        raise PlannerError(flag, ref, f"file {path} does not exist")
+    module = _import(path, flag, ref)
+    fn = getattr(module, m["fn"], None)
+    if not callable(fn):
+        names = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise PlannerError(flag, ref, f"{path} has no function {m['fn']!r}; it defines {', '.join(names) or 'none'}")
+    return fn
+
+
+def model_builder(ref: str, options: dict[str, Any] | None = None) -> Callable[[], Any]:
+    """`build(**options)` checked to return an nn.Module; called by the tracer inside FakeTensorMode."""
+    import torch
+
+    fn = load_function(ref, "--model")
+
+    def build() -> torch.nn.Module:
+        try:
+            module = fn(**(options or {}))
+        except PlannerError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise PlannerError("--model", ref, f"build raised {last_line(exc)}") from None
+        if not isinstance(module, torch.nn.Module):
+            raise PlannerError("--model", ref, f"build must return a torch.nn.Module, got {type(module).__name__}")
+        return module
+
+    return build
+
+
+def _accepted(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The model options `fn` names among its parameters (so `-o tab_in=200` reaches `batch(b, s, tab_in)`)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def batch_maker(ref: str, options: dict[str, Any] | None = None) -> Callable[[int, int], Any]:
+    """`batch(batch_size, seq_len)` checked to return a dict of tensors (model(**batch)) or a tuple (model(*batch)).
+    Model options that `batch` names as parameters are passed to it too."""
+    import torch
+
+    fn = load_function(ref, "--inputs")
+    extra = _accepted(fn, options or {})
+
+    def make(batch_size: int, seq_len: int) -> Any:
+        try:
+            batch = fn(batch_size, seq_len, **extra)
+        except Exception as exc:  # noqa: BLE001
+            raise PlannerError("--inputs", ref, f"batch raised {last_line(exc)}") from None
+        if isinstance(batch, dict):
+            values = list(batch.values())
+        elif isinstance(batch, (tuple, list)):
+            values = list(batch)
+        else:
+            raise PlannerError("--inputs", ref, f"batch must return a dict of tensors or a tuple, got "
+                               f"{type(batch).__name__}")
+        if not values or not any(isinstance(v, torch.Tensor) for v in values):
+            raise PlannerError("--inputs", ref, "batch must return at least one tensor")
+        return batch
+
+    return make
+
+
+def loss_function(ref: str | None) -> Callable[[Any, Any], Any] | None:
+    """`fn(output, batch)` returning the scalar loss, or None for the default (output.loss, else sum of the
+    first tensor)."""
+    if ref is None:
+        return None
+    import torch
+
+    fn = load_function(ref, "--loss")
+
+    def loss(output: Any, batch: Any) -> torch.Tensor:
+        value = fn(output, batch)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise PlannerError("--loss", ref, "a function returning a scalar tensor")
+        return value
+
+    return loss

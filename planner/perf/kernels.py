@@ -1,0 +1,626 @@
+"""One training step as the list of CUDA kernels it launches, from the shared block enumeration.
+
+Why a kernel list: a step's time is not FLOPs / peak. Much of a BERT step is memory-bound (LayerNorm,
+softmax, dropout, GELU, residual adds, casts, eager attention over s² scores, the optimizer), and small
+micro-batches are bound by how fast the CPU can launch kernels. Each `Kernel` carries what the roofline
+(`planner.perf.roofline`) needs: FLOPs, bytes read and written (dtype-aware, from the same shapes that
+`planner.memory.activations` uses), the compute dtype, its kind and, for matmuls, the GEMM shape.
+
+Symbols: b batch, s sequence, n = b·s tokens, h hidden, i intermediate, a heads, d head_dim, kv = kv_heads·d,
+V vocabulary. "low" is the matmul dtype (16-bit under AMP or pure 16-bit), "act" the residual stream's
+(fp32 under fp32 and AMP).
+
+Rules, each a small function below:
+- Linear (`gemm`): Y[m,n] = X[m,k]·W[k,n] (+bias in the epilogue), 2·m·n·k FLOPs. Backward: dX = dY·Wᵀ and
+  dW = Xᵀ·dY (two GEMMs of the forward's size, flops.BACKWARD_TO_FORWARD) and a bias-gradient reduction.
+- Under autocast every Linear casts its input to 16-bit again (autocast_mode.cpp caches only leaf weights),
+  and every weight/bias is cast once per forward; backward casts the weight gradients back to fp32.
+- Elementwise / reduction ops (`elementwise`): read their inputs once, write their outputs once.
+- Attention: eager = two bmm's (kind "attention", timed as GEMMs) plus the scale, mask, softmax and dropout
+  passes over the b·a·s² scores; sdpa / flash = one fused kernel whose IO is q, k, v, o (+ the bias when a
+  4-D mask is materialised) and whose backward runs 2.5× the forward FLOPs (the recomputed Q·Kᵀ; as
+  FlopCounterMode's sdpa backward counts).
+- Activation checkpointing re-runs each layer's forward kernels in backward (Llama/Mistral skip the
+  trailing down projection and residual add: checkpoint early stop, see planner.perf.flops).
+- Optimizer: torch.optim's foreach AdamW launches one multi_tensor_apply kernel per `_foreach_*` call and
+  per chunk of tensors; fused AdamW one pass; for-loop the same ops per tensor. GradScaler's unscale_ is one
+  more foreach pass over the gradients.
+- Gradient reduction (DDP all-reduce per bucket, ZeRO/FSDP reduce-scatter and all-gather, DataParallel's
+  copies): kernels of kind communication carrying the bytes each GPU sends; planner.perf.throughput times
+  them with the ring formulas and the overlap rules.
+
+Identical layers share one record with `count` = number of layers, so a model's list is ~100 records,
+built per configuration in well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
+
+from planner.memory.activations import Ctx, attention_kernel, mask_materialised
+from planner.models.blocks import Block, model_blocks
+from planner.perf.flops import (
+    BACKWARD_TO_FORWARD,
+    EARLY_STOP_SKIPS_MLP_OUT,
+    GATED_MLP_FAMILIES,
+    SCORE_ALL_TOKENS_FAMILIES,
+    attention_score_flops,
+    matmul_flops,
+)
+from planner.spec import BYTES_PER_DTYPE, BatchNormSpec, DenseSpec, ModelSpec, TrainConfig, TransformerSpec
+
+Kind = Literal["gemm", "attention", "memory_bound", "optimizer", "communication"]
+KINDS: tuple[str, ...] = ("gemm", "attention", "memory_bound", "optimizer", "communication")
+Phase = Literal["forward", "backward", "recompute", "step"]
+F32, I64 = "float32", "int64"
+LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
+
+# torch/csrc/.../ATen/native/cuda/MultiTensorApply.cuh: one foreach launch covers at most
+# depth_to_max_tensors[depth-1] tensors and depth_to_max_blocks (320) chunks of kChunkSize (65536) elements.
+FOREACH_MAX_TENSORS = (110, 64, 48, 36, 30)
+FOREACH_MAX_BLOCKS = 320
+FOREACH_CHUNK_ELEMENTS = 65536
+# Optimizer state bytes per parameter (fp32 moments; bitsandbytes 8-bit AdamW 1 byte each; Adafactor's
+# factored second moment ~0 per parameter).
+STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4, "adafactor": 0, "adamw-8bit": 2}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One CUDA kernel of a training step (or `count` identical ones)."""
+
+    name: str
+    kind: Kind
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    dtype: str  # compute dtype: float32 runs on CUDA cores (TF32 tensor cores only when enabled)
+    phase: Phase = "forward"
+    count: int = 1  # occurrences per micro-step (phase forward/backward/recompute) or per optimizer step
+    launches: int = 1  # CUDA launches per occurrence (foreach kernels over tensor lists)
+    gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a matmul, for tile/wave efficiency
+    collective: str = ""  # communication kernels: "allreduce", "reduce_scatter", "all_gather", "dp"
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def _with(k: Kernel, **changes: object) -> Kernel:
+    """dataclasses.replace for a Kernel, ~10x faster (no __init__ re-run: the fields are already valid);
+    the kernel list is rebuilt for every new shape class during a search."""
+    new = object.__new__(Kernel)
+    new.__dict__.update(k.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def nbytes(dtype: str) -> int:
+    return BYTES_PER_DTYPE[dtype]
+
+
+# ------------------------------------------------------------------------------------- primitives
+
+
+def gemm(name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, bias: bool = False,
+         kind: Kind = "gemm") -> Kernel:
+    """(m×k)·(k×n) in `dtype`, `batch` times: 2·batch·m·n·k FLOPs; reads both operands, writes the output."""
+    e = nbytes(dtype)
+    read = batch * (m * k + k * n) * e + (n * e if bias else 0)
+    return Kernel(name, kind, batch * matmul_flops(m, n, k), read, batch * m * n * e, dtype,
+                  gemm=(batch, m, n, k))
+
+
+def elementwise(name: str, numel: int, reads: Iterable[str], writes: Iterable[str], dtype: str) -> Kernel:
+    """A memory-bound pass over `numel` elements: one element of each dtype in `reads` read, of each in
+    `writes` written (e.g. add of two fp32: reads=(f32, f32), writes=(f32,))."""
+    r = sum(nbytes(d) for d in reads)
+    w = sum(nbytes(d) for d in writes)
+    return Kernel(name, "memory_bound", 0, numel * r, numel * w, dtype)
+
+
+def reduction(name: str, numel: int, out: int, dtype: str) -> Kernel:
+    """Sum over rows (bias gradients): read numel, write out."""
+    return Kernel(name, "memory_bound", 0, numel * nbytes(dtype), out * nbytes(dtype), dtype)
+
+
+def backward_of(k: Kernel) -> list[Kernel]:
+    """Backward kernels of one forward kernel: two GEMMs per GEMM (dX = dY·Wᵀ, dW = Xᵀ·dY), 2.5× a fused
+    attention kernel's FLOPs over q, k, v, o, dO in and dq, dk, dv out; one pass reading the gradient and
+    the saved input(s) and writing the input gradient for an elementwise op."""
+    if k.gemm is not None:
+        b, m, n, kk = k.gemm
+        dx = gemm(f"{k.name}.grad_input", m, kk, n, k.dtype, b, kind=k.kind)
+        dw = gemm(f"{k.name}.grad_weight", kk, n, m, k.dtype, b, kind=k.kind)
+        return [_with(x, phase="backward", count=k.count) for x in (dx, dw)]
+    if k.kind == "attention":  # fused SDPA / flash: one backward kernel
+        flops = BACKWARD_TO_FORWARD * k.flops + k.flops // 2
+        return [_with(k, name=f"{k.name}.backward", flops=flops, bytes_read=k.bytes_read + 2 * k.bytes_written,
+                        bytes_written=k.bytes_read, phase="backward")]
+    # elementwise: read dY and the saved input(s), write dX (the forward's output size)
+    return [_with(k, name=f"{k.name}.backward", bytes_read=k.bytes_read + k.bytes_written,
+                    bytes_written=k.bytes_read, phase="backward")]
+
+
+# ----------------------------------------------------------------------------------------- layers
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Dtypes and sizes of one micro-batch."""
+
+    b: int
+    s: int
+    precision: str
+    attention: str
+    padded: bool
+    flash_ok: bool
+
+    @property
+    def n(self) -> int:
+        return self.b * self.s
+
+    @property
+    def amp(self) -> bool:
+        return self.precision.startswith("amp-")
+
+    @property
+    def low(self) -> str:
+        return LOW_DTYPE[self.precision]
+
+    @property
+    def act(self) -> str:
+        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else self.low
+
+    def ctx(self) -> Ctx:
+        return Ctx(self.b, self.s, self.precision, self.attention, "cuda", self.padded, self.flash_ok)
+
+
+def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
+           batch: int = 1) -> list[Kernel]:
+    """nn.Linear on `rows` rows: the autocast input cast (when the input is not 16-bit) + the GEMM."""
+    ks = []
+    if sh.amp and in_dtype != sh.low:
+        ks.append(elementwise(f"{name}.input_cast", batch * rows * inp, (in_dtype,), (sh.low,), sh.low))
+    ks.append(gemm(name, rows, out, inp, sh.low, batch, bias))
+    return ks
+
+
+def layernorm(name: str, rows: int, width: int, dtype: str, sh: Shapes) -> Kernel:
+    """native_layer_norm (fp32 under CUDA autocast): reads x, weight and bias, writes y and fp32 mean/rstd
+    per row (CUDA keeps the statistics in fp32: layer_norm_kernel.cu)."""
+    d = F32 if sh.amp else dtype
+    w = F32 if sh.amp or sh.precision == "fp32" else sh.low  # parameters: fp32 unless pure 16-bit
+    k = elementwise(name, rows * width, (d,), (d,), d)
+    return _with(k, bytes_read=k.bytes_read + 2 * width * nbytes(w), bytes_written=k.bytes_written + 2 * rows * 4)
+
+
+def rmsnorm(name: str, rows: int, width: int, dtype: str) -> list[Kernel]:
+    """HF LlamaRMSNorm in Python: x.to(fp32) → pow(2) → mean → +eps, rsqrt → x·rsqrt → .to(dtype) → weight·."""
+    n = rows * width
+    ks = [] if dtype == F32 else [elementwise(f"{name}.to_fp32", n, (dtype,), (F32,), F32)]
+    ks += [elementwise(f"{name}.pow", n, (F32,), (F32,), F32), reduction(f"{name}.mean", n, rows, F32),
+           elementwise(f"{name}.rsqrt", rows, (F32,), (F32,), F32),
+           elementwise(f"{name}.mul", n, (F32, F32), (F32,), F32)]
+    if dtype != F32:
+        ks.append(elementwise(f"{name}.to_dtype", n, (F32,), (dtype,), dtype))
+    ks.append(elementwise(f"{name}.weight", n, (dtype,), (dtype,), dtype))
+    return ks
+
+
+def dropout(name: str, numel: int, dtype: str, p: float) -> list[Kernel]:
+    """CUDA native_dropout: reads x, writes y and a 1-byte mask (nothing when p == 0)."""
+    return [elementwise(name, numel, (dtype,), (dtype, "bool"), dtype)] if p > 0 else []
+
+
+def activation(name: str, act: str, numel: int, dtype: str, sh: Shapes) -> list[Kernel]:
+    """The MLP nonlinearity: one kernel for the C implementations; GPT-2's Python gelu_new is six
+    (pow, mul, add, mul, tanh, add, mul·0.5, mul), fp32 under CUDA autocast."""
+    if act in ("gelu_new", "gelu_fast"):
+        d = F32 if sh.amp else dtype
+        one = (d,)
+        return [elementwise(f"{name}.pow", numel, (dtype,), one, d), elementwise(f"{name}.mul", numel, one, one, d),
+                elementwise(f"{name}.add", numel, (d, dtype), one, d), elementwise(f"{name}.mul2", numel, one, one, d),
+                elementwise(f"{name}.tanh", numel, one, one, d), elementwise(f"{name}.add1", numel, one, one, d),
+                elementwise(f"{name}.half", numel, (dtype,), (dtype,), dtype),
+                elementwise(f"{name}.mul3", numel, (dtype, d), (d,), d)]
+    return [elementwise(name, numel, (dtype,), (dtype,), dtype)]
+
+
+def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
+    """Eager: QKᵀ bmm, scale, (+mask), softmax, dropout, (16-bit cast), P·V bmm, transpose copy.
+    Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o."""
+    b, s, a, d, low = sh.b, sh.s, spec.num_heads, spec.head_dim, sh.low
+    ctx = sh.ctx()
+    masked = mask_materialised(spec, ctx)
+    s2 = b * a * s * s
+    half = attention_score_flops(spec, b, s, causal_fraction) // 2
+    if attention_kernel(spec, ctx, masked) == "eager":
+        qk = _with(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
+        pv = _with(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
+        soft = F32 if sh.amp or spec.family in ("llama", "mistral") else low
+        # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
+        ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
+        ks += [qk, elementwise("attention.scale", s2, (low,), (low,), low)]
+        if masked:
+            ks.append(elementwise("attention.mask_add", s2, (low, sh.act), (sh.act,), sh.act))
+        ks.append(elementwise("attention.softmax", s2, (sh.act if masked else low,), (soft,), soft))
+        ks += [_with(k, kind="attention") for k in dropout("attention.dropout", s2, soft, spec.attention_dropout)]
+        if soft != low:
+            ks.append(elementwise("attention.probs_cast", s2, (soft,), (low,), low))
+        ks += [pv, elementwise("attention.transpose_copy", sh.n * a * d, (low,), (low,), low)]
+        return [_with(k, kind="attention") for k in ks]
+    e = nbytes(low)
+    io_in = 3 * sh.n * a * d * e + (b * s * s * e if masked else 0)
+    io_out = sh.n * a * d * e + b * a * s * 4  # output + fp32 logsumexp
+    return [Kernel("attention.fused", "attention", 2 * half, io_in, io_out, low, gemm=None)]
+
+
+# Small kernels HF's masking_utils launches to build a 4-D mask (arange, comparisons, and/where, padding
+# index), once per forward; the mask itself is b·s² elements in the model's dtype.
+MASK_BUILD_LAUNCHES = 8
+
+
+def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
+    """Building the 4-D additive mask once per forward, when HF materialises it (mask_materialised)."""
+    if not mask_materialised(spec, sh.ctx()):
+        return []
+    k = elementwise("attention_mask.build", sh.b * sh.s * sh.s, ("bool",), (sh.act,), sh.act)
+    return [_with(k, launches=MASK_BUILD_LAUNCHES)]
+
+
+def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
+    """Forward kernels of one layer, in HF's order (post-norm BERT/RoBERTa/DistilBERT, pre-norm GPT-2/Llama)."""
+    n, h, i, low, act = sh.n, spec.hidden_size, spec.intermediate_size, sh.low, sh.act
+    kv = spec.num_kv_heads * spec.head_dim
+    q = spec.num_heads * spec.head_dim
+    ab, mb = spec.attention_bias, spec.mlp_bias
+    p = spec.hidden_dropout
+    ks: list[Kernel] = []
+    gated = spec.family in GATED_MLP_FAMILIES
+    if spec.family == "gpt2":
+        ks.append(layernorm("ln_1", n, h, act, sh))
+        x = F32 if sh.amp else act
+        ks += linear("attn.c_attn", n, 3 * h, h, x, sh)
+    elif gated:
+        ks += rmsnorm("input_layernorm", n, h, act)
+        ks += linear("self_attn.q_proj", n, q, h, act, sh, ab) + linear("self_attn.k_proj", n, kv, h, act, sh, ab)
+        ks += linear("self_attn.v_proj", n, kv, h, act, sh, ab)
+        for t, width in (("q", q), ("k", kv)):  # RoPE: q·cos + cat(-x2, x1)·sin
+            ks += [elementwise(f"rope.{t}.mul_cos", n * width, (low, low), (low,), low),
+                   elementwise(f"rope.{t}.neg", n * width // 2, (low,), (low,), low),
+                   elementwise(f"rope.{t}.cat", n * width, (low,), (low,), low),
+                   elementwise(f"rope.{t}.mul_sin", n * width, (low, low), (low,), low),
+                   elementwise(f"rope.{t}.add", n * width, (low, low), (low,), low)]
+        if kv != q:  # repeat_kv: expand + reshape copies k and v to all heads
+            ks += [elementwise(f"repeat_kv.{t}", n * q, (low,), (low,), low) for t in ("k", "v")]
+    else:
+        for name in ("attention.query", "attention.key", "attention.value"):
+            ks += linear(name, n, h, h, act, sh, ab)
+    ks += attention(spec, sh, causal_fraction)
+    ks += linear("attention.output", n, h, q, low, sh, ab)
+    ks += dropout("attention.output.dropout", n * h, low, p)
+    resid = F32 if sh.amp else act
+    ks.append(elementwise("attention.residual_add", n * h, (low, act), (resid,), resid))
+    if spec.family in ("gpt2",):
+        ks.append(layernorm("ln_2", n, h, resid, sh))
+        ks += linear("mlp.c_fc", n, i, h, F32 if sh.amp else act, sh)
+    elif gated:
+        ks += rmsnorm("post_attention_layernorm", n, h, resid)
+        ks += linear("mlp.gate_proj", n, i, h, resid, sh, mb) + linear("mlp.up_proj", n, i, h, resid, sh, mb)
+    else:
+        ks.append(layernorm("attention.LayerNorm", n, h, resid, sh))
+        ks += linear("intermediate.dense", n, i, h, F32 if sh.amp else act, sh, mb)
+    ks += activation("mlp.act", spec.hidden_act, n * i, low, sh)
+    if gated:
+        ks.append(elementwise("mlp.gate_mul_up", n * i, (low, low), (low,), low))
+    ks += linear("mlp.down", n, h, i, low, sh, mb)
+    ks += dropout("mlp.dropout", n * h, low, p)
+    ks.append(elementwise("mlp.residual_add", n * h, (low, resid), (resid,), resid))
+    if spec.family not in ("gpt2", "llama", "mistral"):
+        ks.append(layernorm("output.LayerNorm", n, h, resid, sh))
+    return ks
+
+
+def recompute_of(spec: TransformerSpec, forward: list[Kernel]) -> list[Kernel]:
+    """What checkpoint re-runs: the whole forward, less Llama/Mistral's trailing down projection and residual
+    add (early stop once every saved tensor is recovered: nothing saves their outputs)."""
+    ks = forward
+    if spec.family in EARLY_STOP_SKIPS_MLP_OUT:
+        ks = [k for k in ks if ".mlp.down" not in k.name and ".mlp.residual_add" not in k.name]
+    return [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in ks]
+
+
+def embeddings(spec: TransformerSpec, sh: Shapes, token_types: bool) -> list[Kernel]:
+    """Table look-ups (index_select: read n ids and n rows, write n rows), adds, LayerNorm, dropout."""
+    n, h, w = sh.n, spec.hidden_size, sh.act
+    tables = ["word"] + (["position"] if spec.position_table else []) + (["token_type"] if token_types and
+                                                                          spec.type_vocab_size else [])
+    ks = [_with(elementwise(f"embeddings.{t}", n * h, (w,), (w,), w), bytes_read=n * h * nbytes(w) + n * 8)
+          for t in tables]
+    ks += [elementwise(f"embeddings.add{j}", n * h, (w, w), (w,), w) for j in range(len(tables) - 1)]
+    if spec.family in ("bert", "roberta", "distilbert"):
+        ks.append(layernorm("embeddings.LayerNorm", n, h, w, sh))
+    ks += dropout("embeddings.dropout", n * h, F32 if sh.amp else w, spec.embedding_dropout)
+    return ks + attention_mask(spec, sh)
+
+
+def embedding_backward(spec: TransformerSpec, sh: Shapes, forward: list[Kernel]) -> list[Kernel]:
+    """embedding_dense_backward per table: zero the V×h gradient, then scatter-add n rows into it."""
+    w, h = sh.act, spec.hidden_size
+    rows = {"word": spec.vocab_size, "position": spec.position_table, "token_type": spec.type_vocab_size}
+    out = []
+    for k in forward:
+        table = k.name.removeprefix("embeddings.")
+        if table == "attention_mask.build":
+            continue  # built from the inputs: no gradient
+        if table in rows:
+            out.append(Kernel(f"{k.name}.backward", "memory_bound", 0, sh.n * (h * nbytes(w) + 8),
+                              rows[table] * h * nbytes(w) + sh.n * h * nbytes(w), w, "backward"))
+        else:
+            out += backward_of(k)
+    return out
+
+
+def head(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
+    """The head's matmuls (as flops.head_flops) with their casts and nonlinearity."""
+    b, n, h, act = sh.b, sh.n, spec.hidden_size, sh.act
+    x = F32 if sh.amp else act
+    if spec.head == "masked-lm":
+        return (linear("lm.transform.dense", n, h, h, x, sh) + activation("lm.transform.act", spec.hidden_act,
+                n * h, sh.low, sh) + [layernorm("lm.transform.LayerNorm", n, h, sh.low, sh)]
+                + linear("lm.decoder", n, spec.vocab_size, h, x, sh))
+    if spec.head == "causal-lm":
+        return linear("lm_head", n, spec.vocab_size, h, x, sh, bias=False)
+    if spec.head == "sequence-classification":
+        labels = spec.num_labels
+        if spec.family in SCORE_ALL_TOKENS_FAMILIES:
+            return linear("score", n, labels, h, x, sh, bias=False)
+        if spec.family == "bert":
+            return dropout("head.dropout", b * h, sh.low, spec.hidden_dropout) + linear(
+                "classifier", b, labels, h, sh.low, sh)
+        return (linear("classifier.dense", b, h, h, x, sh) + [elementwise("classifier.act", b * h, (sh.low,),
+                (sh.low,), sh.low)] + linear("classifier.out_proj", b, labels, h, sh.low, sh))
+    return []
+
+
+def loss(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
+    """cross_entropy = log_softmax + nll_loss over the logits (fp32 under autocast; the causal-LM loss
+    upcasts with logits.float() first). Backward: nll_loss_backward writes the dense gradient, then
+    log_softmax_backward."""
+    rows = sh.n if spec.head in ("masked-lm", "causal-lm") else sh.b
+    width = spec.vocab_size if spec.head in ("masked-lm", "causal-lm") else spec.num_labels
+    if spec.head == "base":
+        return []
+    d = F32 if sh.amp or sh.low == F32 or spec.head == "causal-lm" else sh.low
+    ks = []
+    if d != sh.low:
+        ks.append(elementwise("loss.logits_float", rows * width, (sh.low,), (d,), d))
+    ks += [elementwise("loss.log_softmax", rows * width, (d,), (d,), d),
+           _with(reduction("loss.nll_loss", rows, 1, d), bytes_read=rows * (nbytes(d) + 8))]
+    return ks
+
+
+def dense_block(block: Block, sh: Shapes) -> list[Kernel]:
+    """nn.Linear / nn.BatchNorm1d on one feature vector per sample (the multimodal model's parts)."""
+    layer = block.layer
+    if isinstance(layer, BatchNormSpec):
+        return [elementwise(f"{block.name}", sh.b * layer.num_features, (sh.act,), (sh.act,), sh.act)]
+    assert isinstance(layer, DenseSpec)
+    return linear(block.name, sh.b, layer.out_features, layer.in_features, sh.act, sh, layer.bias)
+
+
+# ------------------------------------------------------------------------------------ the step
+
+
+def _weights(block: Block) -> list[tuple[int, int]]:
+    from planner.memory.activations import linear_params
+
+    return linear_params(block)
+
+
+def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kernel]]:
+    """Autocast casts each weight and bias to 16-bit once per forward; backward casts their 16-bit
+    gradients back to fp32 (the cast's backward) before AccumulateGrad."""
+    if not sh.amp:
+        return [], []
+    fwd, bwd = [], []
+    for j, (w, bias) in enumerate(_weights(block)):
+        for name, numel in ((f"weight{j}", w), (f"bias{j}", bias)):
+            if numel:
+                fwd.append(elementwise(f"{block.name}.{name}.cast", numel, (F32,), (sh.low,), sh.low))
+                bwd.append(_with(elementwise(f"{block.name}.{name}.grad_cast", numel, (sh.low,), (F32,), F32),
+                                   phase="backward"))
+    return fwd, bwd
+
+
+def bias_grads(forward: list[Kernel]) -> list[Kernel]:
+    """Bias gradients: a column sum of dY for each GEMM that adds a bias (addmm's backward)."""
+    out = []
+    for k in forward:
+        if k.gemm is not None and k.kind == "gemm":
+            b, m, n, kk = k.gemm
+            if k.bytes_read > b * (m * kk + kk * n) * nbytes(k.dtype):
+                out.append(_with(reduction(f"{k.name}.grad_bias", m * n, n, k.dtype), phase="backward",
+                                   count=k.count))
+    return out
+
+
+def first_token_backward(block: Block, sh: Shapes) -> list[Kernel]:
+    """hidden[:, 0] (BERT pooler, RoBERTa/DistilBERT classifier heads) is a view, but its backward
+    (select_backward) writes a zero n×h gradient and copies the b×h rows into it."""
+    layer = block.layer
+    if not isinstance(layer, TransformerSpec):
+        return []
+    first = block.role == "pooler" or (block.role == "head" and layer.head == "sequence-classification"
+                                       and layer.family in ("roberta", "distilbert"))
+    if not first:
+        return []
+    e, h = nbytes(sh.act), layer.hidden_size
+    return [Kernel(f"{block.role}.first_token.backward", "memory_bound", 0, sh.b * h * e, sh.n * h * e, sh.act,
+                   "backward", launches=2)]
+
+
+def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfig,
+                  causal_fraction: float) -> list[Kernel]:
+    """Forward, backward and recompute kernels of one block (count 1; the caller folds identical layers)."""
+    layer = block.layer
+    if isinstance(layer, TransformerSpec):
+        if block.role == "embeddings":
+            fwd = embeddings(layer, sh, model.inputs.token_type_ids)
+        elif block.role == "layer":
+            fwd = transformer_layer(layer, sh, causal_fraction)
+        elif block.role == "final_norm":
+            fwd = [layernorm("final_norm", sh.n, layer.hidden_size, F32 if sh.amp else sh.act, sh)] \
+                if layer.norm == "layernorm" else rmsnorm("final_norm", sh.n, layer.hidden_size, sh.act)
+        elif block.role == "pooler":
+            fwd = linear("pooler.dense", sh.b, layer.hidden_size, layer.hidden_size, F32 if sh.amp else sh.act, sh)
+            fwd.append(elementwise("pooler.tanh", sh.b * layer.hidden_size, (sh.low,), (sh.low,), sh.low))
+        else:
+            fwd = head(layer, sh)
+    else:
+        fwd = dense_block(block, sh)
+    fwd = [_with(k, name=f"{block.role}.{k.name}" if block.role != "embeddings" else k.name) for k in fwd]
+    if isinstance(layer, TransformerSpec) and block.role == "embeddings":
+        bwd = embedding_backward(layer, sh, fwd)
+    else:
+        bwd = [b for k in reversed(fwd) for b in backward_of(k)]
+    bwd += bias_grads(fwd) + first_token_backward(block, sh)
+    casts, cast_grads = amp_weight_casts(block, sh)
+    ks = casts + fwd + bwd + cast_grads
+    if config.checkpointing and block.role == "layer" and isinstance(layer, TransformerSpec):
+        ks += recompute_of(layer, fwd)
+    return ks
+
+
+def foreach_launches(tensors: int, elements: int, depth: int) -> int:
+    """Launches of one `_foreach_*` call over `tensors` tensors of `elements` in all, with `depth` tensor
+    lists (MultiTensorApply.cuh: a launch holds <= max_tensors[depth] tensors and <= 320 chunks of 65536)."""
+    if tensors == 0:
+        return 0
+    by_tensors = math.ceil(tensors / FOREACH_MAX_TENSORS[min(depth, 5) - 1])
+    by_chunks = math.ceil(elements / FOREACH_CHUNK_ELEMENTS / FOREACH_MAX_BLOCKS)
+    return max(by_tensors, by_chunks, 1)
+
+
+# AdamW foreach (torch/optim/adam.py `_multi_tensor_adam`, decoupled weight decay, capturable=False):
+# (name, tensor lists read, written, depth); p param, g grad, m exp_avg, v exp_avg_sq, t temporary.
+ADAMW_FOREACH_OPS: tuple[tuple[str, str, str], ...] = (
+    ("mul_(params, 1 - lr*wd)", "p", "p"),
+    ("lerp_(exp_avg, grads, 1 - beta1)", "mg", "m"),
+    ("mul_(exp_avg_sq, beta2)", "v", "v"),
+    ("addcmul_(exp_avg_sq, grads, grads)", "vg", "v"),
+    ("sqrt(exp_avg_sq)", "v", "t"),
+    ("div_(sqrt, bias_correction2_sqrt)", "t", "t"),
+    ("add_(sqrt, eps)", "t", "t"),
+    ("addcdiv_(params, exp_avg, sqrt, -step_size)", "pmt", "p"),
+)
+# One fused pass (torch._fused_adamw_, apex FusedAdam): read p, g, m, v; write p, m, v.
+FUSED_OPS: dict[str, tuple[str, str]] = {
+    "adamw": ("pgmv", "pmv"), "adam": ("pgmv", "pmv"), "sgd": ("pg", "p"), "sgd-momentum": ("pgm", "pm"),
+    "adafactor": ("pgv", "pv"), "adamw-8bit": ("pgmv", "pmv"),
+}
+
+
+@cache
+def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: str, impl: str
+                      ) -> tuple[Kernel, ...]:
+    """The optimizer step's kernels on `n_params` parameters in `n_tensors` tensors (the local shard under
+    ZeRO/FSDP), plus GradScaler's unscale_ (fp16 only: one foreach pass reading and writing every gradient).
+
+    Element sizes: p and g are the parameter dtype (fp32 under AMP), m and v `STATE_BYTES`/2 each.
+    """
+    p_bytes = 4 if precision in ("fp32", "amp-fp16", "amp-bf16") else 2
+    state = STATE_BYTES[optimizer]
+    size = {"p": p_bytes, "g": p_bytes, "m": state / 2, "v": state / 2, "t": 4}
+    ks: list[Kernel] = []
+    if precision in ("amp-fp16", "fp16"):
+        ks.append(Kernel("grad_scaler.unscale_", "optimizer", 0, n_params * p_bytes, n_params * p_bytes, F32,
+                         "step", launches=foreach_launches(n_tensors, n_params, 1)))
+    adam = optimizer in ("adamw", "adam") and impl != "fused"
+    ops = ADAMW_FOREACH_OPS if adam else (("fused", *FUSED_OPS[optimizer]),)
+    for name, reads, writes in ops:
+        r = round(n_params * sum(size[x] for x in reads))
+        w = round(n_params * sum(size[x] for x in writes))
+        depth = len(set(reads + writes))
+        if impl == "for-loop":
+            launches, count = 1, n_tensors  # one kernel per tensor per op
+        else:
+            launches, count = foreach_launches(n_tensors, n_params, depth), 1
+        ks.append(Kernel(f"optimizer.{name}", "optimizer", 0, r // count, w // count, F32, "step", count=count,
+                         launches=launches))
+    return tuple(ks)
+
+
+# How each collective overlaps compute (planner.perf.throughput.communication_seconds times them):
+# "backward": hidden behind backward up to `allreduce_overlap` of it (DDP buckets, ZeRO-1/2 reduce-scatter);
+# "share": `allreduce_overlap` of it hidden, every micro-step (ZeRO-3/FSDP prefetch); "exposed": not hidden.
+COLLECTIVE_OVERLAP = {"allreduce": "backward", "reduce_scatter": "backward", "all_gather": "exposed",
+                      "fsdp_all_gather": "share", "fsdp_reduce_scatter": "share", "dp_copy": "exposed",
+                      "dp_replicate": "exposed"}
+
+
+def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
+                          bucket_cap_mb: float) -> tuple[Kernel, ...]:
+    """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
+    bytes each GPU sends (`bytes_read`) per occurrence and `count` occurrences per optimizer step.
+
+    DDP: one all-reduce of all gradients per optimizer step (no_sync on the other micro-steps), launched
+    per bucket (`launches` = ceil(bytes / bucket_cap_mb)). ZeRO-1/2: reduce-scatter of gradients + all-gather
+    of the updated parameters. ZeRO-3/FSDP: per micro-step, all-gather of parameters for forward and again for
+    backward, reduce-scatter of gradients. DataParallel: per micro-step, parameters broadcast to the replicas
+    and gradients reduced to GPU 0 (two copies of the gradient bytes), plus its thread/replicate cost."""
+    if world <= 1 or parallelism == "single":
+        return ()
+    buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
+
+    def comm(name: str, collective: str, count: int = 1, launches: int = 1, nbytes: int = grad_bytes) -> Kernel:
+        return Kernel(name, "communication", 0, nbytes, nbytes, F32, "step", count=count, launches=launches,
+                      collective=collective)
+
+    if parallelism == "ddp":
+        return (comm("ddp.allreduce", "allreduce", launches=buckets),)
+    if parallelism in ("zero1", "zero2"):
+        return (comm("zero.reduce_scatter", "reduce_scatter"), comm("zero.all_gather", "all_gather"))
+    if parallelism in ("zero3", "fsdp"):
+        return (comm("fsdp.all_gather", "fsdp_all_gather", count=2 * grad_accum),
+                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum))
+    if parallelism == "dp":
+        return (comm("dp.broadcast_reduce", "dp_copy", count=grad_accum, nbytes=2 * grad_bytes),
+                comm("dp.replicate", "dp_replicate", count=grad_accum, nbytes=0))
+    return ()
+
+
+def _fold(kernels: list[Kernel]) -> list[Kernel]:
+    """Merge identical records (same layer repeated) into one with a summed count."""
+    seen: dict[tuple, Kernel] = {}
+    for k in kernels:
+        key = (k.name, k.kind, k.phase, k.flops, k.bytes_read, k.bytes_written, k.dtype, k.launches, k.gemm)
+        first = seen.get(key)
+        seen[key] = k if first is None else _with(first, count=first.count + k.count)
+    return list(seen.values())
+
+
+def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
+                  flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
+    """Forward, backward and recompute kernels of one micro-step, identical layers folded (`count`)."""
+    if padded is None:
+        padded = model.inputs.attention_mask
+    sh = Shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
+    out: list[Kernel] = []
+    for block in model_blocks(model):
+        layer = block.layer
+        if block.role == "layer" and isinstance(layer, TransformerSpec):
+            if block.index == 0:  # every layer of a stack is the same: one record, counted num_layers times
+                out += [_with(k, count=k.count * layer.num_layers)
+                        for k in block_kernels(block, model, sh, config, causal_fraction)]
+            continue
+        out += block_kernels(block, model, sh, config, causal_fraction)
+    if model.loss != "none" and model.transformers and model.loss != "multimodal":
+        fwd = loss(model.transformers[-1], sh)
+        out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
+    return _fold(out)

@@ -1,0 +1,278 @@
+"""Published GPU training runs (`results/public/`): load, validate, and map each row to planner inputs.
+
+Why: the memory and speed models are judged against runs this project did not tune on. Every row is a
+number a public source printed (README tables, benchmark CSVs, GitHub issues), with the source in
+`results/public/sources.csv` and the exact place (`where`) and text (`quote`) in the row itself. Constants
+may be fitted only to rows committed here; never to the held-out sets (tlkh/transformers-benchmarking,
+the Hugging Face "perf_train_gpu_one" page, DeepSpeed's BingBertSquad tables).
+
+Files: `memory/runs.csv` (outcome `ran`/`oom`, optional measured peak), `throughput/runs.csv`
+(samples/s of all GPUs of the run). Each row maps to a `TrainConfig`, catalog model options and an
+`Instance` with the run's GPU (`public_instance`). I/O stays here, at the edge; the rest is pure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.errors import PlannerError
+from planner.spec import (
+    ATTENTIONS,
+    OPTIMIZERS,
+    PARALLELISMS,
+    PRECISIONS,
+    Attention,
+    Instance,
+    OptimizerImpl,
+    OptimizerName,
+    Parallelism,
+    Precision,
+    TrainConfig,
+)
+
+PUBLIC_DIR_ENV = "PLANNER_PUBLIC_DIR"  # override where results/public/ is read from
+MEMORY_FILE = "memory/runs.csv"
+THROUGHPUT_FILE = "throughput/runs.csv"
+SOURCES_FILE = "sources.csv"
+MIB = 1 << 20
+# A published training speed above this is a typo, not a measurement (samples/s of one run, all GPUs).
+MAX_SAMPLES_PER_S = 1e6
+HEADS = ("base", "sequence-classification", "masked-lm", "causal-lm")
+PeakKind = Literal["nvidia-smi", "max_memory_allocated", "max_memory_reserved", "oom-message-reserved"]
+
+
+def public_dir() -> Path:
+    """`results/public/` of this checkout (or `$PLANNER_PUBLIC_DIR`)."""
+    env = os.environ.get(PUBLIC_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "results" / "public"
+
+
+class PublicSource(BaseModel):
+    """One public source: where the numbers were printed and when it was read."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    source_id: str = Field(min_length=1)
+    kind: str = Field(min_length=1)
+    url: str = Field(min_length=8)
+    repo: str = ""
+    path: str = ""
+    commit: str = ""
+    published: str = ""
+    read_on: str = Field(min_length=4)
+    note: str = ""
+
+
+class PublicRun(BaseModel):
+    """What every public row shares: the run's configuration, stack and citation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    id: str = Field(min_length=1)
+    source_id: str = Field(min_length=1)
+    model: str = Field(min_length=1)  # a catalog name (`planner models`)
+    head: Literal["base", "sequence-classification", "masked-lm", "causal-lm"]
+    num_labels: int | None = Field(None, ge=1)
+    task: str = ""
+    gpu: str = Field(min_length=1)  # a GPU id of planner/data/gpus.json ("V100-16GB")
+    gpu_variant: str = ""  # the board as the source names it (SXM2/PCIe, DGX, cloud)
+    gpus: int = Field(ge=1, le=64)
+    parallelism: Parallelism
+    batch_size: int = Field(ge=1)  # micro-batch per GPU
+    seq_len: int = Field(ge=1)
+    precision: Precision
+    tf32: bool = False  # fp32 storage with TF32 tensor-core matmuls (Ampere+ defaults in NGC containers)
+    checkpointing: bool = False
+    optimizer: OptimizerName
+    optimizer_impl: OptimizerImpl
+    attention: Attention
+    grad_accum: int = Field(1, ge=1)
+    torch: str = ""
+    cuda: str = ""
+    transformers: str = ""
+    stack_note: str = ""
+    where: str = Field(min_length=3)  # table / file / line the number comes from
+    quote: str = Field(min_length=3)  # the source's own text
+
+    def train_config(self) -> TrainConfig:
+        """The run as a planner TrainConfig (batch is per GPU); `tf32` only once TrainConfig has that field."""
+        extra = {"tf32": self.tf32} if "tf32" in TrainConfig.model_fields else {}
+        return TrainConfig(batch_size=self.batch_size, seq_len=self.seq_len, precision=self.precision,
+                           optimizer=self.optimizer, optimizer_impl=self.optimizer_impl,
+                           parallelism=self.parallelism, checkpointing=self.checkpointing,
+                           attention=self.attention, grad_accum=self.grad_accum, **extra)
+
+    def model_options(self) -> dict[str, Any]:
+        """Catalog options giving the run's head (`-o head=... -o num_labels=...`)."""
+        out: dict[str, Any] = {"head": self.head}
+        if self.num_labels is not None:
+            out["num_labels"] = self.num_labels
+        return out
+
+    def instance(self) -> Instance:
+        """An instance with `gpus` of the run's GPU (see `public_instance`)."""
+        return public_instance(self.gpu, self.gpus)
+
+    def stack(self) -> dict[str, str]:
+        """Software versions the source states (empty strings dropped)."""
+        pairs = {"torch": self.torch, "cuda": self.cuda, "transformers": self.transformers}
+        return {k: v for k, v in pairs.items() if v}
+
+
+class MemoryRun(PublicRun):
+    """A run that fit (`ran`) or hit CUDA OOM (`oom`), with its measured peak when the source gives one."""
+
+    outcome: Literal["ran", "oom"]
+    peak_mib: float | None = Field(None, gt=0)
+    peak_kind: PeakKind | None = None
+
+
+class ThroughputRun(PublicRun):
+    """A published training speed: samples (sequences) per second of all `gpus` together."""
+
+    samples_per_s: float = Field(gt=0, lt=MAX_SAMPLES_PER_S)
+    unit: Literal["sequences/s", "samples/s"] = "sequences/s"
+
+    @property
+    def samples_per_s_per_gpu(self) -> float:
+        return self.samples_per_s / self.gpus
+
+
+# ---- the GPU a row ran on --------------------------------------------------------------------------
+
+
+def public_instance(gpu: str, gpus: int) -> Instance:
+    """The SageMaker instance with exactly `gpus` of this GPU (e.g. V100-16GB x8 -> ml.p3.16xlarge).
+
+    Public runs also use counts no SageMaker type has (one V100-32GB, one A100): then the smallest
+    instance type with that GPU is re-counted to `gpus`, its price scaled per GPU. ASSUMPTION: for a
+    re-counted multi-GPU run the instance's interconnect stands in for the run's (NVLink in DGX boxes).
+    """
+    from planner.hardware import get_gpu, get_instance, instance_table
+
+    wanted = get_gpu(gpu)
+    table = instance_table()
+    same = [name for name, rec in table.items() if get_gpu(rec["gpu"]).name == wanted.name]
+    if not same:
+        raise PlannerError("gpu", gpu, "a GPU of a SageMaker instance type (`planner instances`)")
+    exact = [n for n in same if table[n]["gpus"] == gpus]
+    if exact:
+        return get_instance(exact[0])
+    base = get_instance(min(same, key=lambda n: (table[n]["gpus"], n)))
+    price = base.price_per_hour * gpus / base.gpus if base.price_per_hour is not None else None
+    return base.model_copy(update={"gpus": gpus, "name": f"{base.name} as {gpus}x {gpu}", "price_per_hour": price})
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    import pandas as pd
+
+    if not path.is_file():
+        raise PlannerError("public data", str(path), "an existing CSV under results/public/")
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    return frame.to_dict(orient="records")
+
+
+def _clean(record: dict[str, str]) -> dict[str, Any]:
+    """CSV strings to model fields: blanks become None (so defaults apply), booleans parse."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        value = value.strip()
+        if value == "":
+            continue
+        if value.lower() in ("true", "false") and key in ("tf32", "checkpointing"):
+            out[key] = value.lower() == "true"
+        else:
+            out[key] = value
+    return out
+
+
+def _parse(kind: type[PublicRun], path: Path) -> list[Any]:
+    rows = []
+    for number, record in enumerate(_read_csv(path), start=2):  # line 1 is the header
+        try:
+            rows.append(kind.model_validate(_clean(record)))
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "row"
+            raise PlannerError(f"{path.name} line {number} {field}", first.get("input"), first["msg"]) from None
+    return rows
+
+
+@cache
+def _sources(root: str) -> dict[str, PublicSource]:
+    path = Path(root) / SOURCES_FILE
+    out = {}
+    for number, record in enumerate(_read_csv(path), start=2):
+        try:
+            src = PublicSource.model_validate({k: v.strip() for k, v in record.items()})
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise PlannerError(f"{path.name} line {number} {first['loc'][0]}", first.get("input"),
+                               first["msg"]) from None
+        out[src.source_id] = src
+    return out
+
+
+def load_public_sources(root: Path | None = None) -> dict[str, PublicSource]:
+    """`sources.csv` by source id."""
+    return dict(_sources(str(root or public_dir())))
+
+
+def _check(rows: list[PublicRun], root: Path, name: str) -> None:
+    """What pydantic cannot see: known source, model, GPU; unique ids; allowed literals named."""
+    from planner.hardware import get_gpu
+    from planner.models.catalog import list_models
+
+    sources = load_public_sources(root)
+    models = set(list_models())
+    seen: set[str] = set()
+    for row in rows:
+        where = f"{name} row {row.id}"
+        if row.id in seen:
+            raise PlannerError(f"{where} id", row.id, "unique ids")
+        seen.add(row.id)
+        if row.source_id not in sources:
+            raise PlannerError(f"{where} source_id", row.source_id, sorted(sources))
+        if row.model not in models:
+            raise PlannerError(f"{where} model", row.model, "a catalog name (`planner models`)")
+        get_gpu(row.gpu)  # raises with near names
+        if row.gpus == 1 and row.parallelism not in ("single", "auto"):
+            raise PlannerError(f"{where} parallelism", row.parallelism, "single for a one-GPU run")
+        assert row.precision in PRECISIONS and row.attention in ATTENTIONS and row.optimizer in OPTIMIZERS
+        assert row.parallelism in PARALLELISMS or row.parallelism == "auto"
+
+
+def load_public_memory(root: Path | None = None) -> list[MemoryRun]:
+    """Validated rows of `results/public/memory/runs.csv`."""
+    base = root or public_dir()
+    rows = _parse(MemoryRun, base / MEMORY_FILE)
+    _check(rows, base, MEMORY_FILE)
+    for row in rows:
+        if (row.peak_mib is None) != (row.peak_kind is None):
+            raise PlannerError(f"{MEMORY_FILE} row {row.id} peak_kind", row.peak_kind,
+                               "given together with peak_mib, and only then")
+        if row.peak_mib is not None and not math.isfinite(row.peak_mib):
+            raise PlannerError(f"{MEMORY_FILE} row {row.id} peak_mib", row.peak_mib, "a finite number of MiB")
+    return rows
+
+
+def load_public_throughput(root: Path | None = None) -> list[ThroughputRun]:
+    """Validated rows of `results/public/throughput/runs.csv`."""
+    base = root or public_dir()
+    rows = _parse(ThroughputRun, base / THROUGHPUT_FILE)
+    _check(rows, base, THROUGHPUT_FILE)
+    return rows
+
+
+def rows_frame(rows: list[PublicRun]):
+    """The rows as a pandas DataFrame (one column per field), for the benchmark scripts."""
+    import pandas as pd
+
+    return pd.DataFrame([r.model_dump() for r in rows])

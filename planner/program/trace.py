@@ -1,0 +1,632 @@
+"""Trace one training step of any `nn.Module` on CPU fake tensors and record it as plain data.
+
+Why: the analytic core knows six hand-modelled families; users train their own modules. Under
+`FakeTensorMode` a CPU build runs forward, loss, backward and an optimizer step without allocating memory
+(so Llama-8B dimensions trace on a laptop), and a `TorchDispatchMode` underneath sees every ATen op. We
+record, in order:
+
+- each op (`OpRecord`: name, phase, running module, input/output shapes and dtypes) for the roofline;
+- each storage allocated and freed (`StorageEvent`, CUDA-mapped bytes and dtype, a category) for the
+  allocator replay; a storage is new when an op output's storage was not live before, freed when its weak
+  reference expires (polled after every op);
+- each storage autograd saves for backward (`SavedRecord`, via `saved_tensors_hooks`), attributed to the
+  top-level child module running when it was saved (the "block"), or "loss" after the model returned.
+
+CPU → CUDA: ops are mapped through `planner.program.cuda` (dropout masks, norm statistics, host RNG state,
+the SDPA kernel CUDA would pick, 512-byte rounding). Same exclusions as `MemoryBytes.activations`: parameter,
+buffer and input-batch storages are not activations.
+
+Modelled on `torch/utils/flop_counter.py` (a dispatch mode with a per-op registry) and the saved-tensor
+measurement in `tests/saved_tensors.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from planner.errors import PlannerError
+from planner.program import cuda
+from planner.spec import Backend, TrainConfig
+
+AUTOCAST_DTYPE = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+MODEL_DTYPE = {"fp32": torch.float32, "amp-bf16": torch.float32, "amp-fp16": torch.float32,
+               "bf16": torch.bfloat16, "fp16": torch.float16}
+LOSS_BLOCK = "loss"
+ROOT_BLOCK = "(model)"  # ops of the root module's own forward, outside any child
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One ATen op of the step, in execution order (CPU op name; the kernel list for the roofline)."""
+
+    index: int
+    name: str  # e.g. "aten.mm.default"
+    phase: str  # forward, backward or optimizer
+    module: str  # qualified name of the module running ("" = the root / the loss)
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+
+
+@dataclass(frozen=True)
+class StorageEvent:
+    """A storage allocated or freed after op `op` (-1: before the step). `nbytes`: on the device, unrounded."""
+
+    op: int
+    action: str  # "alloc" or "free"
+    storage: int
+    nbytes: int
+    dtype: str
+    category: str  # parameter, buffer, batch, gradient, activation (saved), temporary, optimizer_state
+
+
+@dataclass(frozen=True)
+class SavedRecord:
+    """One storage saved for backward by the forward (each storage once)."""
+
+    storage: int
+    block: str
+    module: str
+    shape: tuple[int, ...]
+    dtype: str  # on the device
+    cpu_bytes: int
+    device_bytes: int  # allocator-rounded on CUDA
+    rule: str  # the cuda.py rule that changed it, if any
+
+
+@dataclass(frozen=True)
+class TracedBlock:
+    """One top-level child module (or the root's own ops, or the loss), in forward order."""
+
+    name: str
+    parameters: int
+    saved_bytes: int  # what its forward saves for backward (allocator-rounded)
+    forward_transient_bytes: int  # measured: peak unsaved temporaries while it runs
+    backward_transient_bytes: int  # measured: peak temporaries (activation gradients) in its backward
+    retained_bytes: int = 0  # model outputs it produced that the training loop keeps (logits)
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    name: str
+    backend: str
+    parameters: dict[str, int]  # per top-level child + "total", shared weights once
+    gradient_shapes: tuple[tuple[int, ...], ...]
+    parameter_dtype_bytes: int
+    buffer_bytes: int
+    batch_bytes: int
+    blocks: tuple[TracedBlock, ...]
+    saved: tuple[SavedRecord, ...] = field(repr=False)
+    ops: tuple[OpRecord, ...] = field(repr=False)
+    events: tuple[StorageEvent, ...] = field(repr=False)
+    checkpointed: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward by one micro-batch's forward (`MemoryBytes.activations`)."""
+        return sum(b.saved_bytes for b in self.blocks)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _metas(tree: Any) -> tuple[TensorMeta, ...]:
+    leaves, _ = tree_flatten(tree)
+    return tuple(TensorMeta(tuple(t.shape), dtype_name(t.dtype)) for t in leaves if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class _StorageInfo:
+    sid: int
+    ref: StorageWeakRef
+    numel: int
+    dtype: str
+    device: cuda.Storage
+    block: str
+    category: str = "temporary"
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every ATen op under FakeTensorMode; keeps the storage table and the op list."""
+
+    def __init__(self, backend: Backend, stack: list[str]):
+        super().__init__()
+        self.backend = backend
+        self.stack = stack
+        self.phase = "forward"
+        self.backward_block = ""
+        self.ops: list[OpRecord] = []
+        self.storages: dict[int, _StorageInfo] = {}  # sid -> info
+        self.live: dict[int, _StorageInfo] = {}  # storage key -> info, not expired
+        self.polled: dict[int, _StorageInfo] = {}  # key -> info: live storages that may be freed
+        self.raw_events: list[tuple[int, str, int]] = []  # (op, action, sid)
+        self.op_block: list[str] = []
+
+    def block(self) -> str:
+        if self.phase != "forward":
+            return self.backward_block
+        return block_of(self.stack[-1]) if self.stack else LOSS_BLOCK
+
+    def register(self, t: torch.Tensor, category: str, op: int = -1) -> _StorageInfo:
+        """A storage that exists before the step (parameter, buffer, batch) or a new one."""
+        key = storage_key(t)
+        info = self.live.get(key)
+        if info is not None and not info.ref.expired():
+            return info
+        st = t.untyped_storage()
+        itemsize = t.element_size()
+        numel = st.nbytes() // itemsize
+        info = _StorageInfo(len(self.storages), StorageWeakRef(st), numel, dtype_name(t.dtype),
+                            cuda.Storage(numel, dtype_name(t.dtype)), self.block(), category)
+        self.storages[info.sid] = info
+        self.live[key] = info
+        if category == "temporary":
+            self.polled[key] = info
+        self.raw_events.append((op, "alloc", info.sid))
+        return info
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        index = len(self.ops)
+        name = str(func.name()) if hasattr(func, "name") else str(func)
+        name = f"aten.{name.removeprefix('aten::')}" if "::" in name else name
+        name = name if "." in name.split("aten.", 1)[-1] else f"{name}.default"
+        self.ops.append(OpRecord(index, name, self.phase, self.stack[-1] if self.stack else "",
+                                 _metas((args, kwargs)), _metas(out)))
+        self.op_block.append(self.block())
+        leaves, _ = tree_flatten(out)
+        for i, t in enumerate(x for x in leaves if isinstance(x, torch.Tensor)):
+            key = storage_key(t)
+            info = self.live.get(key)
+            if info is None or info.ref.expired():
+                info = self.register(t, "temporary", index)
+            mapped = cuda.device_storage(name, i, info.numel, info.dtype, self.backend)
+            if mapped.rule or mapped.host:  # e.g. bernoulli_ turns a fresh buffer into dropout noise
+                info.device = mapped
+        self._poll(index)
+        return out
+
+    def _poll(self, index: int) -> None:
+        """Free events for storages whose weak reference expired (the C check, without the Python wrapper:
+        this runs after every op)."""
+        expired = _EXPIRED
+        gone = [key for key, info in self.polled.items() if expired(info.ref.cdata)]
+        for key in gone:
+            info = self.polled.pop(key)
+            if self.live.get(key) is info:
+                del self.live[key]
+            self.raw_events.append((index, "free", info.sid))
+
+
+_EXPIRED = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls (torch/storage.py)
+
+
+def component_of(qualname: str) -> str:
+    """The top-level child a parameter or module belongs to (`Estimate.parameters` keys)."""
+    return qualname.split(".", 1)[0] if qualname else ROOT_BLOCK
+
+
+def block_of(qualname: str) -> str:
+    """The block a module belongs to: the path through its first numbered child (one entry of a ModuleList
+    or nn.Sequential: a transformer layer), else its top-level child ("" = the root's own forward). Layer-sized
+    blocks let the step memory free activations and grow gradients layer by layer, as the analytic core does."""
+    if not qualname:
+        return ROOT_BLOCK
+    parts = qualname.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+@contextlib.contextmanager
+def _module_stack(module: torch.nn.Module) -> Iterator[list[str]]:
+    """Qualified names of the modules running now (global forward hooks, as tests/saved_tensors.py)."""
+    names = {id(m): n for n, m in module.named_modules()}
+    stack: list[str] = []
+
+    def pre(mod, args):
+        stack.append(names.get(id(mod), stack[-1] if stack else ""))
+
+    def post(mod, args, out):
+        if stack:
+            stack.pop()
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield stack
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+# ------------------------------------------------------------------------------------------- SDPA
+
+
+@contextlib.contextmanager
+def _cuda_sdpa(attention: str, flash_ok: bool) -> Iterator[None]:
+    """Runs `F.scaled_dot_product_attention` as the kernel CUDA would pick (`cuda.sdpa_kernel`): the fused
+    kernels' ATen ops have meta implementations, so fake tensors run them and autograd saves exactly what
+    their CUDA backward needs (q, k, v, output, logsumexp, bias).
+
+    The function is swapped on `torch.nn.functional` for the duration of the trace (a TorchFunctionMode is
+    not active while non-reentrant checkpointing recomputes in backward); code that imported the function
+    by name before the trace keeps the CPU kernel."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return cuda_sdpa(*args, attention=attention, flash_ok=flash_ok, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _cuda_autocast_fp32() -> Iterator[None]:
+    """CPU autocast runs the matmuls in 16-bit like CUDA, but keeps softmax, log_softmax, layer_norm, pow and
+    rsqrt in 16-bit where CUDA autocast runs them in fp32 (`cuda.autocast_fp32_op`). While AMP is on, these
+    functions cast 16-bit floating inputs to fp32 first, as CUDA's autocast does (the cast is recorded by
+    autograd, so the saved tensors are fp32). Swapped on the modules for the trace's duration, so they hold
+    in checkpoint recomputation too."""
+    import importlib
+
+    patched = []
+    for owner_name, attr, op in cuda.AUTOCAST_FP32_FUNCTIONS:
+        if not cuda.autocast_fp32_op(op, "cuda") or cuda.autocast_fp32_op(op, "cpu"):
+            continue
+        owner = torch.Tensor if owner_name == "torch.Tensor" else importlib.import_module(owner_name)
+        original = getattr(owner, attr)
+        patched.append((owner, attr, original))
+        setattr(owner, attr, _fp32_under_autocast(original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(patched):
+            setattr(owner, attr, original)
+
+
+def _fp32_under_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    low = (torch.float16, torch.bfloat16)
+
+    def up(x: Any) -> Any:
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype in low else x
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_autocast_enabled("cpu"):
+            return fn(*args, **kwargs)
+        args = tuple(up(a) for a in args)
+        kwargs = {k: up(v) for k, v in kwargs.items()}
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+              attention: str, flash_ok: bool):
+    """SDPA through the CUDA kernel's own op. Bool masks become an additive bias in the query dtype
+    (attention.cpp `convert_boolean_attn_mask`); the memory-efficient kernel pads its last dim to 8
+    (`preprocess_mask`, EFFICIENT_BIAS_ALIGN)."""
+    from planner.memory.activations import EFFICIENT_BIAS_ALIGN
+
+    if torch.is_autocast_enabled("cpu"):
+        # SDPA is on CUDA autocast's lower-precision list: every floating input, the mask included, is cast
+        # (autocast_mode.cpp); the kernel ops below are on no CPU autocast list, so cast here.
+        low = torch.get_autocast_dtype("cpu")
+        query, key, value = (x.to(low) if x.is_floating_point() else x for x in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+        with torch.autocast("cpu", enabled=False):
+            return cuda_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             attention=attention, flash_ok=flash_ok)
+    if key.shape[-3] != query.shape[-3]:  # GQA: SDPA's math path repeats k/v heads
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    kernel = cuda.sdpa_kernel("cuda", attention, flash_ok, dtype_name(query.dtype), dropout_p,
+                              attn_mask is not None, query.shape[-1])
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  False, scale=scale)[0]
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            bias = torch.where(bias.logical_not(), float("-inf"), 0.0).to(query.dtype)
+        last = bias.shape[-1]
+        if last % EFFICIENT_BIAS_ALIGN:
+            pad = EFFICIENT_BIAS_ALIGN - last % EFFICIENT_BIAS_ALIGN
+            bias = torch.nn.functional.pad(bias, (0, pad))[..., :last]
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
+                                                                  is_causal, scale=scale)[0]
+
+
+# ------------------------------------------------------------------------------------------- trace
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """`output.loss` when present, else the sum of the first tensor in the output."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves, _ = tree_flatten(output if not hasattr(output, "to_tuple") else output.to_tuple())
+    first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if first is None:
+        raise PlannerError("--loss", None, "the model output has no floating-point tensor; give --loss FILE.py:FN")
+    return first.sum()
+
+
+def _call(module: torch.nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
+
+
+def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(batch)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _to_model_dtype(batch: Any, dtype: torch.dtype) -> Any:
+    """Pure 16-bit training feeds floating inputs in the model's dtype (`batch = batch.half()`)."""
+    if dtype == torch.float32:
+        return batch
+    if isinstance(batch, dict):
+        return {k: _to_model_dtype(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_model_dtype(v, dtype) for v in batch)
+    if isinstance(batch, torch.Tensor) and batch.is_floating_point():
+        return batch.to(dtype)
+    return batch
+
+
+def _optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer | None:
+    """The torch optimizer of `config` (foreach / fused / for-loop as chosen); None where torch has none."""
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+    kw = impl[config.optimizer_impl]
+    if config.optimizer in ("adam", "adamw"):
+        cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+        return cls(params, lr=1e-4, **kw)
+    if config.optimizer in ("sgd", "sgd-momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if config.optimizer == "sgd-momentum" else 0.0, **kw)
+    return None
+
+
+def _fake_error(exc: Exception, stack: list[str], source: str, root: str) -> PlannerError:
+    op = getattr(exc, "func", None)
+    where = (stack[-1] or f"(root {root})") if stack else f"(after the forward of {root})"
+    return PlannerError("--model", source,
+                        f"op {op or type(exc).__name__} cannot run on fake tensors in module {where!r} "
+                        "(data-dependent control flow, e.g. .item(), nonzero, a Python branch on a tensor "
+                        "value); make the shape-changing step independent of tensor values")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback when a meta kernel rejects the user's shapes; the planner reports that
+    error as one line itself."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
+               *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
+               flash_ok: bool = True, name: str = "model", source: str = "",
+               enable_checkpointing: Callable[[torch.nn.Module], None] | None = None) -> StepTrace:
+    """One training step of `build()` on `make_batch(config.batch_size, config.seq_len)`, as a StepTrace.
+
+    `build` and `make_batch` run inside FakeTensorMode, so parameters and inputs are fake from the start.
+    `enable_checkpointing(module)` is called when `config.checkpointing` (HF models' per-layer checkpointing).
+    """
+    from torch._subclasses import fake_tensor as ft
+
+    fake_errors = (ft.DataDependentOutputException, ft.DynamicOutputShapeException,
+                   ft.UnsupportedFakeTensorException, ft.UnsupportedOperatorException)
+    notes: list[str] = []
+    mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, _quiet_fake_tensor_log():
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(MODEL_DTYPE[config.precision])
+        try:
+            module = build()
+        finally:
+            torch.set_default_dtype(old)
+        module.train()
+        if config.checkpointing and enable_checkpointing is not None:
+            enable_checkpointing(module)
+        batch = _to_model_dtype(make_batch(config.batch_size, config.seq_len), MODEL_DTYPE[config.precision])
+
+        with _module_stack(module) as stack:
+            rec = _Recorder(backend, stack)
+            named = list(module.named_parameters())  # shared weights once (remove_duplicate=True)
+            parameters: dict[str, int] = {}
+            block_params: dict[str, int] = {}
+            for pname, p in named:
+                rec.register(p, "parameter")
+                owner = pname.rsplit(".", 1)[0] if "." in pname else ""
+                parameters[component_of(pname)] = parameters.get(component_of(pname), 0) + p.numel()
+                block_params[block_of(owner)] = block_params.get(block_of(owner), 0) + p.numel()
+            parameters["total"] = sum(p.numel() for _, p in named)
+            buffers = {storage_key(b): b for b in module.buffers()}
+            for b in buffers.values():
+                rec.register(b, "buffer")
+            inputs = {storage_key(t): t for t in _batch_tensors(batch)}
+            for t in inputs.values():
+                rec.register(t, "batch")
+            excluded = {storage_key(p) for _, p in named} | set(buffers) | set(inputs)
+
+            saved: dict[int, SavedRecord] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = storage_key(t)
+                if key in excluded:
+                    return t
+                info = rec.live.get(key)
+                if info is None or info.ref.expired():
+                    info = rec.register(t, "temporary", len(rec.ops) - 1)
+                if info.sid not in saved and rec.phase == "forward":
+                    info.category = "activation"
+                    dev = info.device
+                    saved[info.sid] = SavedRecord(
+                        info.sid, rec.block(), stack[-1] if stack else "", tuple(t.shape), dev.dtype,
+                        info.numel * t.element_size(), cuda.allocation_bytes(dev.nbytes, backend), dev.rule)
+                return (info.sid, t)
+
+            def unpack(packed: Any) -> torch.Tensor:
+                if isinstance(packed, tuple):
+                    sid, t = packed
+                    rec.backward_block = saved[sid].block if sid in saved else rec.backward_block
+                    return t
+                return packed
+
+            autocast = (torch.autocast("cpu", dtype=AUTOCAST_DTYPE[config.precision])
+                        if config.precision in AUTOCAST_DTYPE else contextlib.nullcontext())
+            cuda_amp = config.precision in AUTOCAST_DTYPE and backend == "cuda"
+            fp32_ops = _cuda_autocast_fp32() if cuda_amp else contextlib.nullcontext()
+            sdpa = _cuda_sdpa(config.attention, flash_ok) if backend == "cuda" else contextlib.nullcontext()
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack), rec, sdpa, fp32_ops:
+                    with autocast:
+                        output = _call(module, batch)
+                        stack.clear()
+                        loss = loss_fn(output, batch) if loss_fn is not None else default_loss(output)
+                    forward_end = len(rec.ops)
+                    retained = _retained(output, loss, rec, excluded)
+                    rec.phase = "backward"
+                    loss.backward()
+                    backward_end = len(rec.ops)
+                    for _, p in named:
+                        if p.grad is not None:
+                            rec.register(p.grad, "gradient", backward_end - 1).category = "gradient"
+                    rec.phase = "optimizer"
+                    opt = _optimizer([p for _, p in named if p.requires_grad], config)
+                    if opt is not None:
+                        opt.step()
+                        for state in opt.state.values():
+                            for v in state.values():
+                                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                                    rec.register(v, "optimizer_state").category = "optimizer_state"
+                    else:
+                        notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
+            except fake_errors as exc:
+                raise _fake_error(exc, stack, source, type(module).__name__) from None
+            except PlannerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an error in the user's forward/loss: one line, exit 2
+                from planner.models.user_module import last_line
+
+                where = (stack[-1] or "(root)") if stack else "the loss or backward"
+                raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
+                                   f"(in {where}); check --inputs matches the model") from None
+
+        grads = tuple(tuple(p.shape) for _, p in named if p.requires_grad)
+        pbytes = named[0][1].element_size() if named else 4
+        buffer_bytes = sum(b.untyped_storage().nbytes() for b in buffers.values())
+        batch_bytes = sum(t.untyped_storage().nbytes() for t in inputs.values())
+        del output, loss
+    blocks = _blocks(rec, saved, block_params, retained, forward_end, backward_end, backend)
+    events = tuple(StorageEvent(op, action, sid, rec.storages[sid].device.nbytes, rec.storages[sid].device.dtype,
+                                rec.storages[sid].category) for op, action, sid in rec.raw_events)
+    return StepTrace(name=name, backend=backend, parameters=parameters, gradient_shapes=grads,
+                     parameter_dtype_bytes=pbytes, buffer_bytes=buffer_bytes, batch_bytes=batch_bytes,
+                     blocks=blocks, saved=tuple(saved.values()), ops=tuple(rec.ops), events=events,
+                     checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes))
+
+
+def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int]) -> dict[str, int]:
+    """Model outputs other than the loss that the loop keeps alive through backward (`outputs = model(...)`)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    for t in _batch_tensors(items):
+        key = storage_key(t)
+        info = rec.live.get(key)
+        if key in excluded or key in seen or info is None or info.category == "activation" or t is loss:
+            continue
+        seen.add(key)
+        out[info.block] = out.get(info.block, 0) + cuda.allocation_bytes(info.device.nbytes, rec.backend)
+    return out
+
+
+def _blocks(rec: _Recorder, saved: dict[int, SavedRecord], parameters: dict[str, int], retained: dict[str, int],
+            forward_end: int, backward_end: int, backend: Backend) -> tuple[TracedBlock, ...]:
+    """Per block: saved bytes, and the measured transient peaks from replaying the storage events."""
+    order: list[str] = []
+    for i in range(forward_end):
+        if rec.op_block[i] not in order:
+            order.append(rec.op_block[i])
+    for b in [*(s.block for s in saved.values()), *retained]:
+        if b not in order:
+            order.append(b)
+    if LOSS_BLOCK in order:
+        order.remove(LOSS_BLOCK)
+    order.append(LOSS_BLOCK)
+    saved_by: dict[str, int] = {b: 0 for b in order}
+    for s in saved.values():
+        saved_by[s.block] += s.device_bytes
+
+    size = {sid: cuda.allocation_bytes(info.device.nbytes, backend) for sid, info in rec.storages.items()}
+    cat = {sid: info.category for sid, info in rec.storages.items()}
+    fwd = dict.fromkeys(order, 0)
+    bwd = dict.fromkeys(order, 0)
+    live = kept = grads = 0  # step storages alive; of them saved activations; of them parameter gradients
+    events = iter(rec.raw_events)
+    pending = next(events, None)
+    for i in range(backward_end):
+        while pending is not None and pending[0] <= i:
+            _, action, sid = pending
+            sign = 1 if action == "alloc" else -1
+            if cat[sid] in ("temporary", "activation", "gradient"):
+                live += sign * size[sid]
+                if cat[sid] == "activation":
+                    kept += sign * size[sid]
+                elif cat[sid] == "gradient":
+                    grads += sign * size[sid]
+            pending = next(events, None)
+        block = rec.op_block[i] or LOSS_BLOCK
+        extra = max(live - kept - grads, 0)
+        if i < forward_end:
+            fwd[block] = max(fwd.get(block, 0), extra - sum(retained.values()))
+        else:
+            bwd[block] = max(bwd.get(block, 0), extra)
+    return tuple(TracedBlock(b, parameters.get(b, 0), saved_by.get(b, 0), max(fwd.get(b, 0), 0), bwd.get(b, 0),
+                             retained.get(b, 0)) for b in order)

@@ -1,0 +1,134 @@
+"""The public training runs under results/public/: every row loads, is cited, is in range and maps to planner inputs."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from planner import estimate
+from planner.errors import PlannerError
+from planner.hardware import get_gpu
+from planner.models.catalog import get_model
+from planner.probes.public import (
+    MEMORY_FILE,
+    MIB,
+    THROUGHPUT_FILE,
+    load_public_memory,
+    load_public_sources,
+    load_public_throughput,
+    public_dir,
+    public_instance,
+)
+
+HELD_OUT = ("tlkh/transformers-benchmarking", "perf_train_gpu_one", "bingbertsquad")
+
+MEMORY = load_public_memory()
+THROUGHPUT = load_public_throughput()
+SOURCES = load_public_sources()
+
+
+def test_enough_rows_from_enough_sources():
+    assert len(MEMORY) >= 30 and len({r.source_id for r in MEMORY}) >= 3
+    assert any(r.outcome == "oom" for r in MEMORY) and any(r.outcome == "ran" for r in MEMORY)
+    assert len(THROUGHPUT) >= 30 and len({r.source_id for r in THROUGHPUT}) >= 3
+
+
+def test_every_row_is_cited():
+    for row in MEMORY + THROUGHPUT:
+        src = SOURCES[row.source_id]
+        assert src.url.startswith("https://"), row.id
+        assert row.where.strip() and row.quote.strip(), row.id
+
+
+def test_no_held_out_source_is_used():
+    for src in SOURCES.values():
+        text = " ".join([src.url, src.repo, src.path, src.note]).lower()
+        assert not any(h in text for h in HELD_OUT), src.source_id
+
+
+def test_every_source_is_used():
+    used = {r.source_id for r in MEMORY + THROUGHPUT}
+    # hf-run-clm documents the defaults that the run_clm issues rely on; it carries no row of its own
+    assert set(SOURCES) - used <= {"hf-run-clm"}
+
+
+@pytest.mark.parametrize("row", MEMORY + THROUGHPUT, ids=lambda r: r.id)
+def test_row_maps_to_planner_inputs(row):
+    spec = get_model(row.model, **row.model_options())
+    assert spec.max_positions is None or row.seq_len <= spec.max_positions
+    inst = row.instance()
+    assert inst.gpus == row.gpus and inst.gpu.name == get_gpu(row.gpu).name
+    cfg = row.train_config()
+    assert (cfg.batch_size, cfg.seq_len, cfg.precision) == (row.batch_size, row.seq_len, row.precision)
+
+
+def test_memory_numbers_in_range():
+    for row in MEMORY:
+        if row.peak_mib is not None:
+            assert math.isfinite(row.peak_mib)
+            assert 0 < row.peak_mib * MIB <= get_gpu(row.gpu).memory_bytes, row.id
+
+
+def test_published_speed_is_quoted():
+    """The number in the row is the number in the quoted source text (no rounding, no arithmetic)."""
+    for row in THROUGHPUT:
+        assert math.isfinite(row.samples_per_s) and row.samples_per_s > 0
+        text = f"{row.samples_per_s:g}"
+        assert text in row.quote.replace(" ", ""), (row.id, text, row.quote)
+
+
+def test_planner_estimates_every_row():
+    """Through the public API only, as the benchmark scripts do (no stack arguments needed)."""
+    for row in MEMORY[:5] + THROUGHPUT[:5]:
+        est = estimate(row.model, row.train_config(), row.instance(), model_options=row.model_options())
+        assert est.memory_bytes.peak_device > 0 and est.throughput.samples_per_s > 0
+
+
+def test_public_instance_prefers_the_exact_sagemaker_type():
+    assert public_instance("V100-16GB", 8).name == "ml.p3.16xlarge"
+    assert public_instance("T4", 4).name == "ml.g4dn.12xlarge"
+    one = public_instance("V100-32GB", 1)  # no SageMaker type has one V100-32GB
+    assert one.gpus == 1 and one.gpu.name == get_gpu("V100-32GB").name
+    base = public_instance("V100-32GB", 8)
+    assert one.price_per_hour == pytest.approx(base.price_per_hour / 8)
+    with pytest.raises(PlannerError):
+        public_instance("K80", 1)
+
+
+def test_bad_row_names_file_line_and_field(tmp_path):
+    shutil.copytree(public_dir(), tmp_path / "public")
+    path = tmp_path / "public" / MEMORY_FILE
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1].replace(",ran,", ",maybe,", 1)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PlannerError, match=r"runs.csv line 2 outcome"):
+        load_public_memory(tmp_path / "public")
+
+
+def test_unknown_model_is_rejected(tmp_path):
+    shutil.copytree(public_dir(), tmp_path / "public")
+    path = tmp_path / "public" / THROUGHPUT_FILE
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1].replace("bert-large-uncased", "bert-huge", 1)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PlannerError, match="model"):
+        load_public_throughput(tmp_path / "public")
+
+
+def test_benchmark_scripts_run_through_the_public_api(capsys):
+    """The two accuracy scripts run end to end on one source each (they use only planner.estimate + its JSON)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    for name, source, expect in (("public_memory", "hf-issue-10754", "sure fits that OOM'd"),
+                                 ("public_speed", "dle-bert-1907", "Single-GPU runs")):
+        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.main(["--source", source, "--rows"]) == 0
+        out = capsys.readouterr().out
+        assert expect in out and source in out
+        assert max(len(line) for line in out.splitlines()) <= 80

@@ -1,0 +1,126 @@
+"""Every command's table output at 80 columns (a small terminal, or piped: rich then assumes 80): no line is
+wider, no cell is cut to "…", and every value the command computes appears in full somewhere in the text.
+
+The expected values come from the command's own `--json` (or the data it lists), not from copied output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_aws_collect import JOBS, queue_describes, s3_world  # noqa: F401
+from test_aws_fixtures import aws_env  # noqa: F401
+from test_validate_probes import MIB, estimate, record
+from typer.testing import CliRunner
+
+from planner.cli import common
+from planner.cli.main import app
+from planner.probes import store
+from planner.units import fmt_bytes
+
+WIDTH = 80
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _width(monkeypatch, tmp_path):
+    monkeypatch.setattr(common.console, "width", WIDTH)
+    monkeypatch.setattr(common.err_console, "width", WIDTH)
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(tmp_path / "none.json"))
+    monkeypatch.setenv("PLANNER_PRICES", str(tmp_path / "none.json"))
+
+
+def text_of(args: list[str]) -> str:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def json_of(args: list[str]):
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def assert_readable(text: str, expected: list[str]) -> None:
+    assert "…" not in text and "..." not in text
+    wide = [line for line in text.splitlines() if len(line) > WIDTH]
+    assert not wide, wide
+    flat = " ".join(text.split())  # a folded cell is whole once the line breaks are undone
+    missing = [v for v in expected if v not in text and v not in flat]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["-m", "gpt2-xl", "-i", "ml.p4d.24xlarge", "-p", "amp-bf16", "-b", "4", "--dataset-size", "1000000"],
+    ["-m", "llama-3-8b", "-i", "ml.g5.48xlarge", "--parallelism", "zero3", "-b", "1", "-s", "2048"],
+])
+def test_estimate(args):
+    data = json_of(["estimate", *args])
+    expected = [f"{n:,}" for n in data["parameters"].values()]
+    expected += [f"{v:,}" for v in data["memory_bytes"].values()] + [fmt_bytes(v) for v in
+                                                                      data["memory_bytes"].values()]
+    expected += [ph["phase"] for ph in data["phases"]] + [fmt_bytes(ph["allocated"]) for ph in data["phases"]]
+    expected += ["temporaries and buffers"]
+    assert_readable(text_of(["estimate", *args]), expected)
+
+
+@pytest.mark.parametrize("args", [[], ["--parallelism", "dp"], ["-m", "gpt2", "-i", "ml.g5.xlarge", "-b", "64"]])
+def test_explain(args):
+    steps = json_of(["explain", *args])
+    text = text_of(["explain", *args])
+    expected = [s["title"] for s in steps] + [w for s in steps for line in s["lines"] for w in line.split()]
+    assert_readable(text, expected)
+    lowered = text.lower()
+    assert "seed" not in lowered and "the seed note" not in lowered
+
+
+def test_models():
+    rows = json_of(["models"])
+    assert_readable(text_of(["models"]), [r["name"] for r in rows] + [f"{r['parameters']:,}" for r in rows])
+
+
+def test_instances():
+    rows = json_of(["instances"])
+    text = text_of(["instances"])
+    assert_readable(text, [r["name"] for r in rows] + [f"{r['usd_per_hour']:.3f}" for r in rows
+                                                       if r["usd_per_hour"] is not None])
+    for r in rows:  # an instance name users copy is never split over two lines
+        assert any(line.split() and line.split()[0] == r["name"] for line in text.splitlines()), r["name"]
+
+
+def test_prices():
+    rows = json_of(["prices"])
+    assert_readable(text_of(["prices"]), [r["instance"] for r in rows] + [f"{r['usd_per_hour']:.3f}" for r in rows
+                                                                          if r["usd_per_hour"] is not None])
+
+
+def test_validate_and_calibrate(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANNER_RESULTS_DIR", str(tmp_path / "results"))
+    folder = tmp_path / "validation" / "V100"
+    for i, ctx in enumerate((500 * MIB, 540 * MIB)):
+        store.write_json_atomic(folder / f"r{i}.json", record(f"r{i}", context=ctx, est=estimate()))
+    text = text_of(["validate", "--probes", str(folder), "--stored"])
+    assert_readable(text, ["r0", "r1"] if "r0" in text else ["V100"])
+    text = text_of(["calibrate", "--probes", str(folder), "--out", str(tmp_path / "cal.json")])
+    assert_readable(text, ["V100", "520 MiB"])
+
+
+def test_probe_status(s3_world, monkeypatch):  # noqa: F811
+    from planner.aws import session
+
+    monkeypatch.setattr(session, "Aws", lambda region, profile=None: s3_world)
+    queue_describes(s3_world.stub, ["probe-oom", "probe-run"])
+    text = text_of(["probe", "status", "--job", "probe-oom", "--job", "probe-run"])
+    assert_readable(text, ["probe-oom", "probe-run", "Failed", "InProgress"])
+
+
+@pytest.mark.xfail(strict=True, reason="planner/cli/search_cmd.py (the search engineer's) still cuts cells to '…' "
+                                       "at 80 columns; planner.cli.tables.print_table is there for it")
+def test_search(tmp_path):
+    args = ["search", "--instance", "ml.p3.2xlarge", "--batch-sizes", "8,32", "--seq-lens", "128",
+            "--trials", "4", "--study", "w80", "--results-dir", str(tmp_path)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert_readable(res.stdout, ["ml.p3.2xlarge"])
