@@ -130,7 +130,7 @@ def postgres_server() -> Iterator[str]:
                              f"-h 127.0.0.1 -p {port} -k {sock} -c fsync=off", "start"], user),
                    check=True, capture_output=True)
     try:
-        url = f"postgresql+psycopg2://planner@127.0.0.1:{port}/postgres"
+        url = f"postgresql://planner@127.0.0.1:{port}/postgres"
         db = f"search_{int(time.time() * 1000)}"
         import sqlalchemy
 
@@ -138,7 +138,7 @@ def postgres_server() -> Iterator[str]:
         with engine.connect() as conn:
             conn.execute(sqlalchemy.text(f"CREATE DATABASE {db}"))
         engine.dispose()
-        yield f"postgresql+psycopg2://planner@127.0.0.1:{port}/{db}"
+        yield f"postgresql://planner@127.0.0.1:{port}/{db}"
     finally:
         subprocess.run(_as_user([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"], user),
                        capture_output=True)

@@ -257,8 +257,13 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     budget = trials or default_trials(len(types))
     if sampler is None:  # not chosen: a space no larger than the budget is searched exhaustively
         sampler = "grid" if space.size <= budget else "tpe"
-    smp = make_sampler(sampler, space, seed + worker, len(objective.directions))
-    grid = isinstance(smp, optuna.samplers.GridSampler)
+    grid = sampler == "grid"
+    # Grid: the same seed in every worker, because it shuffles the grid and a trial's grid_id indexes that
+    # shuffled list (optuna's GridSampler docs: fix the seed in distributed runs); then the worker's own seed
+    # for choosing among the unvisited points, so that workers do not all pick the same next point.
+    smp = make_sampler(sampler, space, seed if grid else seed + worker, len(objective.directions))
+    if grid:
+        smp._rng.rng.seed(seed + worker)
     mirror = _Mirror(persistent, smp, lock, unique_points=grid)
     before = mirror.complete
     if grid:
