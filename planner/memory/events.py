@@ -114,9 +114,15 @@ class _Builder:
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
                 state_sizes: Sequence[int] = (), temp_sizes: Sequence[int] = (),
-                bucket_cap_bytes: int = 25 * MiB) -> Trace:
+                bucket_cap_bytes: int = 25 * MiB, first_step: bool = True) -> Trace:
     """The per-tensor trace of `step` (see the module doc). `tensors` splits block totals into tensors (a
-    block without an entry is one tensor per total); `state_sizes` / `temp_sizes` split the optimizer's."""
+    block without an entry is one tensor per total); `state_sizes` / `temp_sizes` split the optimizer's.
+
+    `first_step`: replay the first step before the steady one. Its optimizer step allocates the states
+    (Adam `_init_group`: `torch.zeros_like(p)` per tensor) AFTER backward freed the activations, so they land
+    in the activations' cached segments, and the next forward needs new segments: the main reason reserved
+    exceeds allocated in steady training. Without it, the states are allocated at load (steady state only).
+    The marks (timeline points) are those of the steady step."""
     tensors = tensors or {}
     t = _Builder()
     blocks = step.blocks
@@ -126,18 +132,33 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     t.alloc("module buffers", (step.module_buffer_bytes,))
     t.alloc("ddp bucket", buckets(step.ddp_bucket_bytes, bucket_cap_bytes))
     t.mark("load", "after load")
-    t.alloc("optimizer state", split(step.optimizer_state_bytes, state_sizes))
+    states = split(step.optimizer_state_bytes, state_sizes)
+    if first_step:
+        _one_step(t, step, bt, states, temp_sizes, first=True)
+    else:
+        t.alloc("optimizer state", states)
+    _one_step(t, step, bt, states, temp_sizes, first=not first_step, marks=True)
+    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks))
 
+
+def _one_step(t: _Builder, step: timeline.StepMemory, bt: list[BlockTensors], states: Sequence[int],
+              temp_sizes: Sequence[int], *, first: bool, marks: bool = False) -> None:
+    """One training step's events; `first`: the workspace (and resident gradients) appear here;
+    `marks`: record the timeline points (only the steady step)."""
+    blocks = step.blocks
+    mark = t.mark if marks else (lambda phase, label: None)
     batch = t.alloc("batch", (step.batch_bytes,))
     extra = t.alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
 
     def grads(b: timeline.BlockMemory, d: BlockTensors) -> list[int]:
         return t.alloc(f"{b.name}.grad", split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()))
 
-    if step.grads_resident:
+    grad_ids: list[int] = []
+    if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
         for b, d in zip(blocks, bt, strict=True):
             grads(b, d)
-    t.alloc("cublas workspace", (step.workspace_bytes,))
+    if first:
+        t.alloc("cublas workspace", (step.workspace_bytes,))
 
     live: list[list[int]] = []
     cache_ids: list[int] = []
@@ -152,34 +173,38 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
         cache_ids += t.alloc(f"{b.name}.autocast cache", split(b.forward_cache_bytes, d.cache))
         retained += t.alloc(f"{b.name}.logits", (b.retained_bytes,))
         tmp = t.alloc(f"{b.name}.forward transient", (b.forward_transient_bytes,))
-        t.mark("forward", b.name)
+        mark("forward", b.name)
         t.free(tmp)
         t.free(gathered)
-    t.mark("forward", "end of forward")
+    mark("forward", "end of forward")
     t.free(cache_ids)
 
+    new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
     for b, d, ids in zip(reversed(blocks), reversed(bt), reversed(live), strict=True):
         recompute = []
         if b.checkpointed:
             recompute = t.alloc(f"{b.name}.recomputed", split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)))
         gathered = t.alloc(f"{b.name}.gathered params", (b.gathered_param_bytes,))
         tmp = t.alloc(f"{b.name}.backward transient", (b.backward_transient_bytes,))
-        if not step.grads_resident:
-            grads(b, d)
+        if new_grads:
+            grad_ids += grads(b, d)
         tmp += t.alloc(f"{b.name}.unsharded grad", (b.transient_grad_bytes,))
-        t.mark("backward", b.name)
+        mark("backward", b.name)
         t.free(tmp)
         t.free(gathered)
         t.free(recompute)
         t.free(ids)
     t.free(extra)
 
+    if not marks:  # the first step: Adam's _init_group allocates the states before the update
+        t.alloc("optimizer state", states)
     temps = t.alloc("optimizer temporary", split(step.optimizer_temporary_bytes, temp_sizes))
-    t.mark("optimizer", "optimizer step")
+    mark("optimizer", "optimizer step")
     t.free(temps)
     t.free(batch)
     t.free(retained)
-    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks))
+    if not marks and not step.grads_resident:
+        t.free(grad_ids)  # optimizer.zero_grad(set_to_none=True) before the next forward
 
 
 def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
