@@ -5,21 +5,25 @@ and frees, not on block totals. The trace is built from the same numbers as the 
 (`timeline.StepMemory`) and splits each block total into its tensors, so the two agree by construction: the
 live bytes at each `Mark` equal `timeline.simulate`'s point of the same label (tests/test_events.py).
 
-Program order (steady state, the last micro-step of an accumulation cycle, as in `planner.memory.timeline`):
+Program order: load, then the FIRST step, then the steady step (`first_step=True`, the default; the
+marks are the steady step's, the timeline's points):
 1. load: each parameter tensor (block order), module buffers, DDP's gradient buckets (first bucket 1 MiB,
-   then `bucket_cap_mb`: torch/nn/parallel/distributed.py `_DEFAULT_FIRST_BUCKET_BYTES`), then the optimizer
-   states, one tensor per state per parameter (ASSUMPTION: the steady state, where step 1 allocated them).
-2. forward: the batch, DataParallel's GPU-0 extra, earlier micro-steps' gradients (grad_accum > 1), the cuBLAS
-   workspace at the first matmul; per block its saved tensors (`activations.Saved` records, each rounded to
-   512 B), its AMP weight casts and bias casts (the autocast cache), the logits the loop keeps, and a transient
+   then `bucket_cap_mb`: torch/nn/parallel/distributed.py `_DEFAULT_FIRST_BUCKET_BYTES`).
+2. forward: the batch, DataParallel's GPU-0 extra, the cuBLAS workspace at the first matmul (first step
+   only); per block its saved tensors (`activations.Saved` records, each rounded to 512 B), its AMP weight
+   casts and bias casts (the autocast cache), the logits the loop keeps, and a transient
    (`forward_transient_bytes`, one tensor: APPROXIMATION of the block's unsaved GEMM outputs / upcasts / softmax
-   intermediates) allocated and freed. A checkpointed block keeps only its checkpoint inputs.
+   intermediates, a lower bound: tests/test_events_dispatch.py) allocated and freed. A checkpointed block
+   keeps only its checkpoint inputs.
 3. the autocast cache is freed when autocast exits (end of forward).
 4. backward, blocks in reverse: a checkpointed block's recomputed saved tensors, the backward transient
    (APPROXIMATION: one tensor), its gradients (one per parameter tensor; under ZeRO-2/3 one flat shard plus the
    unsharded transient), then its activations are freed.
-5. optimizer: the step's temporaries (foreach: one per parameter, `torch._foreach_sqrt(exp_avg_sqs)`;
-   otherwise one tensor of `optimizer_temporary_bytes`), freed after the step; then the batch and logits.
+5. optimizer: in the first step the states, one tensor per state per parameter (Adam `_init_group`), land in
+   the activations' freed segments; then the step's temporaries (foreach: one per parameter,
+   `torch._foreach_sqrt(exp_avg_sqs)`; otherwise one tensor of `optimizer_temporary_bytes`), freed after the
+   step; then the batch and logits; `zero_grad(set_to_none=True)` frees the gradients (grad_accum == 1; with
+   accumulation they stay, as the timeline's resident gradients).
 Sharded states (ZeRO/FSDP) are one flat tensor per block, as FSDP's FlatParameter and DeepSpeed's
 partitions are.
 """
