@@ -18,32 +18,52 @@ from planner.probes.public import PublicRun
 STACK_KWARGS = {"torch": "torch_version", "cuda": "cuda_version", "transformers": "transformers_version"}
 
 
-def stack_kwargs(row: PublicRun) -> dict[str, Any]:
-    """The row's stack as keyword arguments `planner.estimate` accepts today (empty when none)."""
+def major_minor(version: str) -> str:
+    """'1.6.0+cu101' -> '1.6' (the stack table is keyed by X.Y)."""
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2])
+
+
+def stack_kwargs(row: PublicRun, fields: tuple[str, ...] = ("torch", "cuda", "transformers")) -> dict[str, Any]:
+    """The row's stack (only `fields`) as keyword arguments `planner.estimate` accepts today (empty when none)."""
     params = inspect.signature(planner.estimate).parameters
-    out: dict[str, Any] = {}
-    stack = row.stack()
-    for field, name in STACK_KWARGS.items():
-        if field in stack and name in params:
-            out[name] = stack[field]
+    stack = {k: major_minor(v) for k, v in row_stack(row).items() if k in fields}
+    out: dict[str, Any] = {name: stack[field] for field, name in STACK_KWARGS.items()
+                           if field in stack and name in params}
     if stack and "stack" in params and not out:
         out["stack"] = stack
     return out
 
 
-def run_estimate(row: PublicRun, with_throughput: bool) -> tuple[dict[str, Any], bool]:
-    """(Estimate JSON, whether the row's stack was used). A stack the planner rejects falls back to defaults."""
+def row_stack(row: PublicRun) -> dict[str, str]:
+    """The versions the source states; else those of the NGC container its stack note names (NGC release
+    notes, planner/data/stacks.json "ngc")."""
+    from planner.memory.stack import ngc_stack
+
+    return row.stack() or ngc_stack(row.stack_note) or {}
+
+
+# What to try, most complete first: a stack table may not know an old transformers (or CUDA) version.
+STACK_TRIES = (("torch", "cuda", "transformers"), ("torch", "cuda"), ("torch",))
+
+
+def run_estimate(row: PublicRun, with_throughput: bool) -> tuple[dict[str, Any], str]:
+    """(Estimate JSON, which stack was used: "full", "partial" or "none"). A stack the planner rejects is
+    retried with fewer fields, then dropped (the planner's defaults)."""
     from planner.errors import PlannerError
 
     args = (row.model, row.train_config(), row.instance())
     kwargs: dict[str, Any] = {"model_options": row.model_options(), "with_throughput": with_throughput}
-    extra = stack_kwargs(row)
-    if extra:
+    for number, fields in enumerate(STACK_TRIES):
+        extra = stack_kwargs(row, fields)
+        if not extra:
+            continue
         try:
-            return planner.estimate(*args, **kwargs, **extra).model_dump(mode="json"), True
+            est = planner.estimate(*args, **kwargs, **extra).model_dump(mode="json")
         except (PlannerError, TypeError):
-            pass
-    return planner.estimate(*args, **kwargs).model_dump(mode="json"), False
+            continue
+        return est, "full" if number == 0 and len(row_stack(row)) == 3 else "partial"
+    return planner.estimate(*args, **kwargs).model_dump(mode="json"), "none"
 
 
 def median(values: list[float]) -> float | None:

@@ -37,8 +37,16 @@ def evaluate(rows):
             err = mem[MEASURED_KEY[row.peak_kind]] / (row.peak_mib * MIB) - 1
         out.append({"id": row.id, "source": row.source_id, "gpu": row.gpu, "outcome": row.outcome,
                     "verdict": verdict, "peak_gib": mem["peak_device"] / 2**30,
-                    "capacity_gib": est["gpu_memory_bytes"] / 2**30, "err": err, "stack": used_stack})
+                    "capacity_gib": est["gpu_memory_bytes"] / 2**30, "err": err, "stack": used_stack,
+                    "in_band": _in_band(est, row)})
     return out
+
+
+def _in_band(est, row) -> bool | None:
+    """Whether a measured whole-GPU peak (nvidia-smi) lies in the planner's band [low, high]."""
+    if row.peak_mib is None or row.peak_kind != "nvidia-smi" or not est.get("peak_device_high_bytes"):
+        return None
+    return est["peak_device_low_bytes"] <= row.peak_mib * MIB <= est["peak_device_high_bytes"]
 
 
 def summary_line(name: str, res: list[dict]) -> str:
@@ -67,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     for source in dict.fromkeys(r["source"] for r in res):
         print(summary_line(source, [r for r in res if r["source"] == source]))
     print(summary_line("all", res))
-    used = sum(r["stack"] for r in res)
-    print(f"stack: {used} of {len(res)} rows estimated with their own torch/CUDA/transformers")
-    print("versions (others: the planner's defaults); |err|, err: medians over the")
-    print("measured peaks (predicted / measured - 1)")
+    full = sum(r["stack"] == "full" for r in res)
+    part = sum(r["stack"] == "partial" for r in res)
+    print(f"stack: {full} of {len(res)} rows estimated with their torch/CUDA/transformers")
+    print(f"versions, {part} with part of them (the planner did not know the rest), the")
+    print("others with the planner's defaults; |err|, err: medians over the measured")
+    print("peaks (predicted / measured - 1)")
+    banded = [r["in_band"] for r in res if r["in_band"] is not None]
+    print(f"measured whole-GPU peaks inside the band [low, high]: {sum(banded)} of {len(banded)}")
     bad = [r["id"] for r in res if r["verdict"] == "fits" and r["outcome"] == "oom"]
     print("sure fits that OOM'd:" + ("".join(f"\n  {b}" for b in bad) if bad else " none"))
     if args.rows:

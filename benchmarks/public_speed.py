@@ -6,7 +6,8 @@ Prints, per source and overall:
 2. cross-GPU ratios: pairs of single-GPU runs from the same source with the same model, task, sequence
    length and precision on two GPU families (each at its own published micro-batch); error =
    (predicted A/B) / (published A/B) - 1, median |error| per family pair;
-3. multi-GPU runs: median |error| and signed error of the whole run's samples/s.
+3. multi-GPU runs: median |error| and signed error of the whole run's samples/s;
+4. configurations/s of the speed model alone (target >= 1,000 on 2 cores).
 
 Usage: python benchmarks/public_speed.py [--rows] [--source ID]
 """
@@ -64,6 +65,36 @@ def pairs(single: list[dict]) -> list[dict]:
     return out
 
 
+GRID_SIZE = 4 * 8 * 4 * 2 * 2
+
+
+def configurations_per_s() -> tuple[float, float]:
+    """predict_throughput over a grid (models x batch x seq x precision x checkpointing) on one p3.2xlarge:
+    (configurations/s with every kernel table built on first use, configurations/s with them cached)."""
+    import time
+
+    from planner.hardware import get_instance
+    from planner.models.catalog import cached_model
+    from planner.perf import roofline
+    from planner.perf.throughput import predict_throughput
+    from planner.spec import TrainConfig
+
+    names = ["bert-base-uncased", "gpt2", "roberta-base", "distilbert-base-uncased"]
+    models = [cached_model(n, {}) for n in names]
+    grid = [(m, TrainConfig(batch_size=b, seq_len=s, precision=p, checkpointing=c))
+            for m, b, s, p, c in itertools.product(models, [1, 2, 4, 8, 12, 16, 24, 32], [64, 128, 256, 512],
+                                                   ["fp32", "amp-fp16"], [False, True])]
+    inst = get_instance("ml.p3.2xlarge")
+    rates = []
+    roofline._TABLES.clear()
+    for _ in range(2):
+        start = time.perf_counter()
+        for m, cfg in grid:
+            predict_throughput(m, cfg, inst)
+        rates.append(len(grid) / (time.perf_counter() - start))
+    return rates[0], rates[1]
+
+
 def line(name: str, errs: list[float], extra: str = "") -> str:
     return (f"{name[:20]:<20}{len(errs):>5}{abs_pct(median([abs(e) for e in errs])):>9}"
             f"{pct(median(errs)):>9}{extra:>10}")
@@ -108,8 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         if sub:
             print(line(source, [r["err"] for r in sub]))
     print(line("all", [r["err"] for r in multi]))
-    used = sum(r["stack"] for r in res)
-    print(f"\nstack: {used} of {len(res)} rows estimated with their own software versions")
+    try:  # internals (planner.perf): skipped, not fatal, if they move
+        cold, warm = configurations_per_s()
+        print(f"\n4. Speed model alone (planner.perf.throughput, {GRID_SIZE} configurations,"
+              f" 4 models)\nconfigurations/s: {cold:,.0f} building each kernel table (new shape"
+              f" class\nevery 8 batch sizes), {warm:,.0f} with the tables cached")
+    except (ImportError, AttributeError) as err:
+        print(f"\n4. Speed model alone: not measured ({type(err).__name__}: {err})")
+    full = sum(r["stack"] == "full" for r in res)
+    part = sum(r["stack"] == "partial" for r in res)
+    print(f"\nstack: {full} of {len(res)} rows estimated with their own software versions,\n"
+          f"{part} with part of them")
 
     if args.rows:
         print(f"\n{'row':<42}{'b':>4}{'published':>11}{'predicted':>11}{'err':>7}")

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
-from planner.memory import model_states, optimizer, parallel, timeline
 from planner.spec import (
     Estimate,
     Instance,
@@ -18,6 +18,7 @@ from planner.spec import (
     ModelSpec,
     PhasePeak,
     RuntimeConstants,
+    SoftwareStack,
     Throughput,
     TrainConfig,
 )
@@ -111,9 +112,74 @@ class _Prepared:
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
     name: str = ""
     notes: tuple[str, ...] = ()
+    stack: SoftwareStack | None = None
+    context: tuple[int, int, int, str] = (0, 0, 0, "")  # (point, low, high, why) of the CUDA context
+    given: frozenset[str] = frozenset()  # runtime fields the user fixed (no band on them)
+    fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
+    traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
-def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepared:
+@dataclass(frozen=True)
+class _StackView:
+    """What the stack decided for one estimate (see `_with_stack`)."""
+
+    stack: SoftwareStack
+    context: tuple[int, int, int, str]
+    given: frozenset[str]
+    fragmentation_range: tuple[float, ...]
+
+
+def _calibrated_range(entry: dict[str, Any], key: str, family: str) -> list[float] | None:
+    """A [min, max] pair of the calibration file (`planner calibrate`), checked."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise PlannerError(f"calibration file: families.{family}.{key}", value, "[min, max], two numbers >= 0")
+    return [float(min(value)), float(max(value))]
+
+
+def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, runtime, calibration,
+                rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
+    """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
+    cuBLAS workspaces of that torch version, unless the user fixed them; and what the band needs."""
+    from planner.memory import stack as sw
+    from planner.memory.runtime import CUBLAS_HANDLES_PER_TRAINING_PROCESS, calibration_entry
+
+    st = sw.resolve_stack(stack, inst.gpu)
+    if cfg.attention == "auto":
+        cfg = cfg.model_copy(update={"attention": sw.model_default_attention(st, families)})
+    given = frozenset(RuntimeConstants.model_fields) if isinstance(runtime, RuntimeConstants) \
+        else frozenset(runtime or ())
+    cal = calibration_entry(calibration, inst.gpu.family)
+    # Calibration readings narrow the band only for stacks like the ones they were taken on (probe jobs run
+    # DLCs, lazy loading, when the file does not say).
+    if (cal.get("module_loading") or "lazy") != ("lazy" if sw.lazy_loading(st) else "eager"):
+        cal = {}
+    ctx = sw.context_band(st, inst.gpu.family, rt.cuda_context_bytes, overridden="cuda_context_bytes" in given,
+                          calibrated="cuda_context_bytes" in cal,
+                          calibrated_range=_calibrated_range(cal, "context_range", inst.gpu.family))
+    update: dict[str, Any] = {}
+    if "cublas_workspace_bytes" not in given:
+        ws = sw.cublas_workspace_bytes(st, inst.gpu.compute_capability, CUBLAS_HANDLES_PER_TRAINING_PROCESS)
+        if sw.workspace_rule(st)["in_allocator"]:
+            update["cublas_workspace_bytes"] = ws
+        else:  # before torch 1.13 cuBLAS allocates its workspace itself: device memory outside the allocator
+            update["cublas_workspace_bytes"] = 0
+            if "cuda_context_bytes" not in given:  # a measured context (device - reserved) already holds it
+                ctx = (ctx[0] + ws, ctx[1] + ws, ctx[2] + ws, ctx[3] + f"; + cuBLAS's own workspaces "
+                       f"({ws / 2**20:.1f} MiB, outside the allocator before torch 1.13)")
+    if ctx[0] != rt.cuda_context_bytes:
+        update["cuda_context_bytes"] = ctx[0]
+    if update:
+        rt = rt.model_copy(update=update | {"source": rt.source + f"; stack: {sw.describe(st)}"})
+    frag_range = _calibrated_range(cal, "fragmentation_range", inst.gpu.family) or (
+        (cal["fragmentation"], cal["fragmentation"]) if "fragmentation" in cal else ())
+    return cfg, rt, _StackView(st, ctx, given, tuple(frag_range))
+
+
+def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.activations import activation_blocks
     from planner.memory.runtime import (
@@ -127,15 +193,15 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
-    check_supported(spec, cfg, inst)
-    world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
-
     calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     if isinstance(runtime, RuntimeConstants):
         rt = runtime
     else:
         rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
+    cfg, rt, view = _with_stack([t.family for t in spec.transformers], cfg, inst, stack, runtime, calibration, rt)
+    check_supported(spec, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
     # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
@@ -165,14 +231,16 @@ def _prepare(model, config, instance, runtime, backend, model_options) -> _Prepa
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
-                     scale, spec.name, tuple(_notes(spec, cfg)))
+                     scale, spec.name, tuple(_notes(spec, cfg)), view.stack, view.context, view.given,
+                     view.fragmentation_range)
 
 
 def memory_timeline(model: ModelSpec | str, config: TrainConfig, instance: Instance | str, *,
                     runtime: RuntimeConstants | dict[str, Any] | None = None, backend: str = "cuda",
-                    model_options: dict[str, Any] | None = None) -> list[timeline.Point]:
+                    model_options: dict[str, Any] | None = None,
+                    stack: SoftwareStack | dict[str, Any] | None = None) -> list[timeline.Point]:
     """The allocated bytes by category at each block of one step (what `--plot` draws)."""
-    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options).step)
+    return timeline.simulate(_prepare(model, config, instance, runtime, backend, model_options, stack).step)
 
 
 def estimate(
@@ -189,6 +257,7 @@ def estimate(
     expandable_segments: bool = False,
     inputs: str | None = None,
     loss: str | None = None,
+    stack: SoftwareStack | dict[str, Any] | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
@@ -198,16 +267,21 @@ def estimate(
     (explicit RuntimeConstants, a `fragmentation` override, or calibration): then allocated × (1 + it).
     `expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A `model` of the form
     `file.py:build` is the user's own module, traced (`planner.program`) with `inputs` (`file.py:batch`) and
-    `loss` (`file.py:fn`).
+    `loss` (`file.py:fn`); so is a config.json whose model_type is none of the six hand-modelled families.
+    `stack`: the software stack (a SoftwareStack or a dict with any of torch, cuda,
+    transformers, alloc_conf; None = the DLC `probe launch` would use): it decides the CUDA context, the
+    workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
+    whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     """
     from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
 
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
-    if is_reference(model):
-        prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss)
+    if is_reference(model) or is_traced_config(model):
+        prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
     else:
-        prep = _prepare(model, config, instance, runtime, backend, model_options)
+        prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
     return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend)
 
 
@@ -231,13 +305,24 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     alloc = None
-    if prep.fragmentation_given or spec is None:  # traced models: flat fragmentation until the replay reads traces
+    replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
+    if prep.fragmentation_given or (spec is None and (prep.traced is None or not replicated
+                                                      or cfg.parallelism == "dp")):
         peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
+    elif spec is None:  # a traced model: its own storage events through the allocator model
+        from planner.program.replay import replay_trace
+
+        alloc = replay_trace(prep.traced, ddp_bucket_bytes=step.ddp_bucket_bytes,
+                             bucket_cap_bytes=int(cfg.bucket_cap_mb * 2**20), workspace_bytes=step.workspace_bytes,
+                             capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
+                             expandable_segments=expandable_segments or prep.stack.expandable_segments)
+        peak_reserved = max(alloc.peak_reserved, peak_allocated)
     else:
         alloc = replay_step(spec, cfg, step, prep.activations, parameter_share=prep.share.parameters,
                             gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
                             capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
-                            expandable_segments=expandable_segments, backend=backend,
+                            expandable_segments=expandable_segments or prep.stack.expandable_segments,
+                            backend=backend,
                             flash_ok=inst.gpu.flash_attention)
         # The allocator's reserved peak, never under the allocated peak of the timeline.
         peak_reserved = max(alloc.peak_reserved, peak_allocated)
@@ -245,6 +330,9 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     # The verdict uses what the driver reports as total (V100-16GB: 16160 MiB), not the marketed size.
     usable = gpu_memory - rt.cuda_context_bytes - nccl
     headroom = gpu_memory - peak_device
+    terms = _band_terms(prep, peak_allocated, peak_reserved, nccl, replayed=alloc is not None)
+    low, _, high = band.totals(terms)
+    verdict = band.verdict(low, high, gpu_memory)
 
     memory = MemoryBytes(
         parameters=sum(b.param_bytes for b in block_mem),
@@ -277,12 +365,14 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         peak_phase=top.phase,
         gpu_memory_bytes=gpu_memory,
         usable_memory_bytes=usable,
-        fits=headroom >= 0,
+        fits=verdict == "fits",
         headroom_bytes=headroom,
-        verdict="fits" if headroom >= 0 else "oom",
-        peak_device_low_bytes=peak_device,
-        peak_device_high_bytes=peak_device,
+        verdict=verdict,
+        peak_device_low_bytes=low,
+        peak_device_high_bytes=high,
         runtime=rt,
+        stack=prep.stack,
+        band=terms,
         allocator=alloc,
         throughput=throughput,
         cost=cost,
@@ -290,8 +380,23 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     )
 
 
+def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
+    """The whole-device peak term by term, each with its band (planner.memory.band)."""
+    workspace = prep.step.workspace_bytes
+    return (
+        band.exact("tensors", allocated - workspace, "exact: parameters, gradients, optimizer states, "
+                   "activations, batch and temporaries, checked against real modules"),
+        band.workspace_term(workspace, "cublas_workspace_bytes" in prep.given),
+        band.reserved_pool_term(allocated, reserved, given="fragmentation" in prep.given, replayed=replayed,
+                                calibrated_range=prep.fragmentation_range or None),
+        band.context_term(*prep.context),
+        band.nccl_term(nccl, "nccl_bytes_per_peer" in prep.given),
+    )
+
+
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
-                    model_options: dict[str, Any] | None, inputs: str | None, loss: str | None) -> _Prepared:
+                    model_options: dict[str, Any] | None, inputs: str | None, loss: str | None,
+                    stack: SoftwareStack | dict[str, Any] | None = None) -> _Prepared:
     """`_prepare` for a traced model: the same step memory, with each block's saved / kept bytes, transients
     and parameters measured by the tracer (blocks = the module's top-level children, then the loss)."""
     from planner.memory.runtime import (
@@ -300,21 +405,23 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         load_calibration,
         runtime_constants,
     )
-    from planner.program.sources import user_trace
+    from planner.program.sources import model_trace
 
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
-    check_supported(None, cfg, inst)
-    world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
     calibration = load_calibration()
     rt = runtime if isinstance(runtime, RuntimeConstants) else runtime_constants(inst.gpu, runtime or None,
                                                                                  calibration=calibration)
+    # A traced module has no model type to look up: "auto" resolves to the SDPA default of current stacks.
+    cfg, rt, view = _with_stack([], cfg, inst, stack, runtime, calibration, rt)
+    check_supported(None, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
 
     def trace(checkpointing: bool):
-        return user_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
+        return model_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
                           inputs=inputs, loss=loss, backend=backend, flash_ok=inst.gpu.flash_attention)
 
     full = trace(False)
@@ -351,15 +458,17 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
-             "models yet", *full.notes]
+             "models yet", *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    if not fragmentation_given:
-        notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}) (the allocator replay reads the "
-                     "analytic step only)")
+    if not fragmentation_given and (cfg.parallelism == "dp" or min(share.parameters, share.gradients,
+                                                                   share.optimizer_states) < 1):
+        notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}): the traced allocator replay covers "
+                     "replicated single/DDP steps only")
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
-                     scale, full.name, tuple(notes))
+                     scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
+                     full)
 
 
 def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
@@ -389,7 +498,8 @@ def _calibrated(throughput: Throughput, scale: float | None) -> Throughput:
                                 "breakdown_s": t.breakdown_s | {"calibration_scale": scale}})
 
 
-def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
+def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
+    """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
     if cfg.parallelism in ("ddp", "zero1") and not cfg.gradient_as_bucket_view:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
@@ -397,6 +507,6 @@ def _notes(spec: ModelSpec, cfg: TrainConfig) -> list[str]:
     if cfg.parallelism == "dp":
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")
-    if cfg.checkpointing and not spec.transformers:
+    if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
     return notes

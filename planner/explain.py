@@ -212,7 +212,8 @@ def phase_moment_note(est: Estimate) -> str | None:
             "activations block by block (all gradients exist only at the optimizer step).")
 
 
-def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None) -> list[tuple[str, Estimate]]:
+def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+           extra: dict[str, Any] | None = None) -> list[tuple[str, Estimate]]:
     """Cheap changes that make an OOM configuration fit, fastest first."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -241,7 +242,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     found = []
     for label, change in tries:
         try:
-            alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options)
+            alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options,
+                           stack=est.stack, **(extra or {}))
         except PlannerError:
             continue
         if alt.fits:
@@ -250,14 +252,14 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     return found
 
 
-def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
+def _largest_fitting_batch(model, est: Estimate, model_options, extra: dict[str, Any] | None = None) -> int | None:
     from planner.estimate import estimate
 
     cfg, lo = est.config, est.config.batch_size
     hi = lo
     while True:
         alt = estimate(model, cfg.model_copy(update={"batch_size": hi * 2}), est.instance,
-                       model_options=model_options, with_throughput=False)
+                       model_options=model_options, with_throughput=False, stack=est.stack, **(extra or {}))
         if not alt.fits or hi > 4096:
             break
         hi *= 2
@@ -265,14 +267,15 @@ def _largest_fitting_batch(model, est: Estimate, model_options) -> int | None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if estimate(model, cfg.model_copy(update={"batch_size": mid}), est.instance, model_options=model_options,
-                    with_throughput=False).fits:
+                    with_throughput=False, stack=est.stack, **(extra or {})).fits:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list[str]:
+def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: dict[str, Any] | None = None
+                   ) -> list[str]:
     m = est.memory_bytes
     if est.fits:
         lines = [f"FITS: {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} at the peak "
@@ -280,13 +283,17 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options) -> list
                  f"({est.headroom_bytes / est.gpu_memory_bytes:.0%})."]
         if est.headroom_bytes < 0.05 * est.gpu_memory_bytes:
             lines.append("Headroom is under 5%: fragmentation or a longer batch can still OOM; leave a margin.")
-        best = _largest_fitting_batch(model, est, model_options)
+        best = _largest_fitting_batch(model, est, model_options, extra)
         if best:
             lines.append(f"The largest micro-batch that fits with these settings: {best}.")
         return lines
     lines = [f"OUT OF MEMORY: {fmt_bytes(m.peak_device)} needed at the {est.peak_phase} peak, "
              f"{fmt_bytes(est.gpu_memory_bytes)} on the GPU ({fmt_bytes(-est.headroom_bytes)} short)."]
-    fixes = _fixes(model, est, model_options)
+    if est.verdict == "tight":  # not a sure fit: the band of the runtime terms crosses the GPU's memory
+        lines = [f"TIGHT: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)} at the "
+                 f"{est.peak_phase} peak (point {fmt_bytes(m.peak_device)}), {fmt_bytes(est.gpu_memory_bytes)} on "
+                 "the GPU: it may fit or OOM (see the step before); a probe settles it."]
+    fixes = _fixes(model, est, model_options, extra)
     if not fixes:
         lines.append("No single change tried (smaller micro-batch with accumulation, checkpointing, AMP, ZeRO) fits;"
                      " combine them or use a GPU with more memory (see `planner search --instance all`).")
@@ -313,13 +320,14 @@ def _assumption_lines(spec: ModelSpec, est: Estimate, model_options: dict[str, A
             f"{est.runtime.source}."]
 
 
-def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None) -> list[str]:
+def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+                     extra: dict[str, Any] | None = None) -> list[str]:
     """`auto` picks DDP; the question users ask is often about nn.DataParallel: answer both, side by side."""
     from planner.estimate import estimate
 
     try:
         dp = estimate(model, est.config.model_copy(update={"parallelism": "dp"}), est.instance,
-                      runtime=est.runtime, model_options=model_options)
+                      runtime=est.runtime, model_options=model_options, stack=est.stack, **(extra or {}))
     except PlannerError:
         return []
     rows = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
@@ -341,19 +349,31 @@ def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[
 
 
 def explain(est: Estimate, model: ModelSpec | str | None = None,
-            model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None) -> list[Step]:
-    """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel)."""
+            model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None,
+            inputs: str | None = None, loss: str | None = None) -> list[Step]:
+    """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel).
+    A traced model (`file.py:build` with `inputs`/`loss`, or a config.json outside the families) explains
+    its components, activations and batch from the trace (`planner.explain_traced`)."""
     from planner.estimate import _resolve_model
     from planner.hardware import get_instance
+    from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
 
-    spec = _resolve_model(model or est.model, model_options)
+    extra: dict[str, Any] = {}
+    if is_reference(model) or is_traced_config(model):
+        from planner import explain_traced
+
+        extra = {"inputs": inputs, "loss": loss}
+        spec: Any = explain_traced.TracedView(str(model), est, model_options, inputs, loss)
+    else:
+        spec = _resolve_model(model or est.model, model_options)
     inst = get_instance(est.instance)
     g = inst.gpu
     rt = est.runtime
     both = (requested_parallelism == "auto" and est.config.parallelism == "ddp" and est.config.instances == 1
             and est.world_size > 1)
     side_by_side = [Step("DDP, which auto chose, and nn.DataParallel side by side",
-                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options)))] if both else []
+                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options, extra)))] if both else []
     return [
         Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
         Step(f"Memory of each GPU on {inst.name}", (
@@ -365,7 +385,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         )),
         Step(f"How the model is stored under {est.config.parallelism}", tuple(_storage_lines(est))),
         *side_by_side,
-        Step("Parameters of each component", tuple(_component_lines(spec)) +
+        Step("Parameters of each component", tuple(spec.component_lines() if extra else _component_lines(spec)) +
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
         Step("Gradients and optimizer states", (
@@ -375,11 +395,70 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
             "(AdamW: two fp32 tensors per parameter, exp_avg and exp_avg_sq, allocated at the first "
             "optimizer.step(); rules of thumb that count only parameters and activations leave them out).",
         )),
-        Step('The "computational graph": saved activations', tuple(_activation_lines(spec, est))),
-        Step("How parameters and data are stored", tuple(_data_lines(spec, est))),
+        Step('The "computational graph": saved activations',
+             tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
+        Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
-        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options)) + _speed_bound_lines(est)),
+        Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
+        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options, extra)) + _speed_bound_lines(est)),
     ]
+
+
+def _beyond_tensors_lines(est: Estimate) -> list[str]:
+    """Context, workspaces, NCCL, the reserved pool and the band: the runtime terms, with the stack named and
+    why each has the size and the uncertainty it has (planner.memory.stack, planner.memory.band)."""
+    from planner.memory.stack import describe, lazy_loading, workspace_rule
+
+    m, terms = est.memory_bytes, {t.name: t for t in est.band}
+    lines = []
+    if est.stack:
+        lines.append(f"Software stack: {describe(est.stack)} ({est.stack.source}).")
+
+    def rng(name: str) -> str:
+        t = terms.get(name)
+        return "" if t is None or t.low == t.high else f" (could be {fmt_bytes(t.low)} to {fmt_bytes(t.high)})"
+
+    ctx = terms.get("cuda_context")
+    how = (" CUDA loads kernels lazily, on first use: the context holds the driver, the runtime and only the "
+           "kernels this step calls." if est.stack and lazy_loading(est.stack) else
+           " Without lazy loading every kernel of libtorch_cuda, cuBLAS and cuDNN for this GPU is loaded into "
+           "the context at start, used or not.")
+    lines.append(f"CUDA context {fmt_bytes(m.cuda_context)}{rng('cuda_context')}: outside PyTorch's allocator, "
+                 "so torch.cuda.memory_reserved() never shows it but nvidia-smi does." + how +
+                 (f" Why this size: {ctx.basis}." if ctx else ""))
+    ws = terms.get("workspaces")
+    if ws and est.stack:
+        rule = workspace_rule(est.stack)
+        where = "from the caching allocator" if rule["in_allocator"] else "inside cuBLAS, outside the allocator"
+        lines.append(f"cuBLAS/cuBLASLt workspaces {fmt_bytes(ws.point)}{rng('workspaces')}: one per cuBLAS handle "
+                     f"(forward thread and autograd's device thread), {where} in torch {est.stack.torch} "
+                     "(CUBLAS_WORKSPACE_CONFIG; counted with the buffers).")
+    lines.append(f"NCCL buffers {fmt_bytes(m.nccl)}{rng('nccl')}" + (
+        ": FIFO buffers per channel and ring peer, outside the allocator; the channel count depends on the "
+        "topology." if m.nccl else ": none, one process does not talk to another GPU."))
+    pool = m.peak_reserved - m.peak_allocated
+    line = (f"Reserved pool: the caching allocator holds {fmt_bytes(m.peak_reserved)} at the peak for "
+            f"{fmt_bytes(m.peak_allocated)} allocated, {fmt_bytes(pool)} more{rng('reserved_pool')}. ")
+    a = est.allocator
+    if a is not None:
+        line += (f"Replaying the step's tensors through its rules ({a.events:,} events, {a.segments} segments): "
+                 f"the reserved peak was set by {a.peak_allocation} ({fmt_bytes(a.peak_allocation_bytes)}), which "
+                 f"found no cached free block large enough (earlier frees left split, smaller blocks) and made "
+                 f"the allocator reserve a new {fmt_bytes(a.peak_segment_bytes)} "
+                 f"{'range of expandable pages' if a.expandable_segments else 'segment'}.")
+        if a.oom_retry:
+            line += (" Near the limit it had to free its cached segments and retry (the empty_cache path real "
+                     "runs survive on)" + ("; even then it would not fit." if a.oom_after_retry else "."))
+    else:
+        line += (f"No allocator replay here: the flat assumption reserved = allocated × "
+                 f"(1 + {est.runtime.fragmentation:.0%}) (freed blocks are cached, large ones rounded to 2 MiB "
+                 "segments and split, so reserved sits above allocated).")
+    lines.append(line)
+    lines.append(f"The whole device: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)}"
+                 f" (point {fmt_bytes(m.peak_device)}) of {fmt_bytes(est.gpu_memory_bytes)}: verdict "
+                 f"{est.verdict.upper()}. Your tensors are exact; the band is the sum of these terms' ranges. "
+                 "A probe run on the GPU and `planner calibrate` narrow it for this GPU family.")
+    return lines
 
 
 def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
@@ -391,7 +470,10 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
     b = t.breakdown_s
     share = b["bytes_bound_s"] / t.step_time_s
     cpu = b.get("launch_overhead", 0.0) / t.step_time_s
-    if share >= 0.5:
+    if cpu >= 0.5:
+        head = (f"{cpu:.0%} of this step is launch overhead: the CPU dispatching kernels (and the per-step "
+                "host work) sets the pace, so a larger micro-batch costs little extra time.")
+    elif share >= 0.5:
         head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
                 "with more FLOPs.")
     else:

@@ -16,9 +16,12 @@ PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16")
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
+OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "for-loop")
 Parallelism = Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
-Attention = Literal["eager", "sdpa", "flash"]
+# "auto": the kernel Hugging Face transformers picks by default for the model type in the stack's versions
+# (planner.memory.stack.default_attention); `estimate` resolves it, so an Estimate's config never says "auto".
+Attention = Literal["auto", "eager", "sdpa", "flash"]
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
 Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral"]
 FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral")
@@ -35,6 +38,11 @@ Verdict = Literal["fits", "tight", "oom"]
 # min 0 only). ASSUMPTION: 2,048 instances (16,384 GPUs at 8 per instance) bounds any job this tool plans, above
 # the largest published SageMaker runs (hundreds of p4d/p5 instances). Override: $PLANNER_MAX_INSTANCES.
 MAX_INSTANCES = int(os.environ.get("PLANNER_MAX_INSTANCES", "2048"))
+
+# Samples per GPU in one micro-batch. ASSUMPTION: 2^31 - 1 (PyTorch's int32 kernel-indexing limit on one dimension);
+# any micro-batch near it is out of memory on every GPU, so above it the answer is this error, not an OOM verdict
+# computed with 100-digit byte counts.
+MAX_BATCH = 2**31 - 1
 
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                                     "uint8": 1}
@@ -145,18 +153,21 @@ class ModelSpec(Frozen):
 class TrainConfig(Frozen):
     """One training configuration, per GPU. `batch_size` is the micro-batch on one GPU."""
 
-    batch_size: PositiveInt
+    batch_size: int = Field(ge=1, le=MAX_BATCH)  # see MAX_BATCH
     seq_len: PositiveInt
     precision: Precision = "fp32"
     optimizer: OptimizerName = "adamw"
     optimizer_impl: OptimizerImpl = "foreach"
     parallelism: Parallelism = "auto"
     checkpointing: bool = False
-    attention: Attention = "sdpa"
+    attention: Attention = "auto"
     grad_accum: PositiveInt = 1
     instances: int = Field(1, ge=1, le=MAX_INSTANCES)  # SageMaker InstanceCount; see MAX_INSTANCES
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = Field(25.0, gt=0)
+    # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 = True; NGC containers and
+    # HF's --tf32 turn it on; PyTorch's own default is off). Only Ampere and later have TF32.
+    tf32: bool = False
 
 
 # --------------------------------------------------------------------------------------- hardware
@@ -197,6 +208,34 @@ class Instance(Frozen):
     price_region: str = "us-east-1"
     price_date: str = ""
     price_source: str = ""
+
+
+class SoftwareStack(Frozen):
+    """The software a training job runs: what decides the CUDA context, workspaces, the default attention
+    kernel and the allocator's behaviour (issue 8). Versions are "X.Y" strings (planner/data/stacks.json)."""
+
+    torch: str  # e.g. "2.8"
+    cuda: str  # e.g. "12.9"
+    transformers: str  # e.g. "4.46"
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF, e.g. "expandable_segments:True"
+    given: bool = False  # the user named at least the torch version (else: the DLC default)
+    source: str = ""  # where each version came from
+
+    @property
+    def expandable_segments(self) -> bool:
+        from planner.memory.stack import parse_alloc_conf
+
+        return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
+
+
+class BandTerm(Frozen):
+    """One term of the whole-device peak with its uncertainty: low <= point <= high (bytes)."""
+
+    name: str  # "cuda_context", "workspaces", "nccl", "reserved_pool", "tensors"
+    point: int
+    low: int
+    high: int
+    basis: str = ""  # why this width (stack given or defaulted, calibrated or not, allocator model or flat)
 
 
 class RuntimeConstants(Frozen):
@@ -251,6 +290,11 @@ class Cost(Frozen):
     hours_per_epoch: float | None = None
     usd_per_epoch: float | None = None
     price_source: str = ""
+    # The whole job (a training recipe's `epochs` passes over `dataset_size` samples); with epochs=1 these
+    # equal the per-epoch figures. Epochs may be fractional (a budget of steps rather than whole passes).
+    epochs: float | None = None
+    hours_per_job: float | None = None
+    usd_per_job: float | None = None
 
 
 class AllocatorReplay(Frozen):
@@ -288,6 +332,8 @@ class Estimate(Frozen):
     peak_device_high_bytes: int = 0  # high end of the whole-device peak band
     runtime: RuntimeConstants
     allocator: AllocatorReplay | None = None  # the allocator replay behind peak_reserved (None: flat fragmentation given)
+    stack: SoftwareStack | None = None  # the software stack the runtime terms were computed for
+    band: tuple[BandTerm, ...] = ()  # the terms of peak_device_low/high_bytes (planner.memory.band)
     throughput: Throughput | None = None
     cost: Cost | None = None
     notes: tuple[str, ...] = ()

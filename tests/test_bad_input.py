@@ -363,3 +363,59 @@ def test_probe_run_that_cannot_start_exits_2(tmp_path, monkeypatch):
     assert code == 2
     last = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(last) == 1 and "No module named 'torch'" in last[0] and "@launch" in last[0]
+
+
+def test_unwritable_working_directory_results(tmp_path, monkeypatch):
+    """`results/` cannot be made (a file holds its name, as a read-only working directory would refuse it):
+    validate's CSV and calibrate's file fail on one line naming the flag; nothing is half-written."""
+    from test_validate_probes import MIB, estimate, record
+
+    from planner.probes.store import write_json_atomic
+
+    folder = tmp_path / "probes-in"
+    for i, ctx in enumerate((500 * MIB, 540 * MIB)):
+        write_json_atomic(folder / f"r{i}.json", record(f"r{i}", context=ctx, est=estimate()))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "results").write_text("not a folder")
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("PLANNER_RESULTS_DIR", raising=False)
+    code, _, err = invoke(["validate", "--probes", str(folder), "--stored"])
+    assert_one_line_error(code, err, "--csv", "results")
+    code, _, err = invoke(["calibrate", "--probes", str(folder)])
+    assert_one_line_error(code, err, "--out", "results")
+    assert sorted(p.name for p in work.iterdir()) == ["results"]
+
+
+@pytest.mark.parametrize("option", ["tab_in=100000000000000000000", "text_out=-1", "binary=nan"])
+def test_absurd_model_options_answer_at_once(option):
+    code, _, err = invoke(["estimate", "-o", option])
+    assert_one_line_error(code, err, option.split("=")[0])
+
+
+def test_largest_allowed_config_answers_with_an_oom_verdict(tmp_path):
+    """Every size at its limit (2^24 wide, 1,024 layers): a bounded answer, OOM, in strict JSON."""
+    from planner.models.hf_config import MAX_DIM, MAX_LAYERS
+
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps({**BERT, "vocab_size": MAX_DIM, "hidden_size": MAX_DIM, "num_attention_heads": 1,
+                                "intermediate_size": MAX_DIM, "num_hidden_layers": MAX_LAYERS,
+                                "max_position_embeddings": MAX_DIM}))
+    code, out, err = invoke(["estimate", "-m", str(path), "-i", "ml.g5.xlarge", "-b", "1", "-s", "128", "--json"])
+    assert code == 0, err
+    assert strict_json(out)["verdict"] == "oom"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flag=st.sampled_from(["--volume-gb", "--max-run-minutes", "--max-wait-minutes", "--steps", "--warmup-steps",
+                             "--instances", "--batch-size"]), value=HUGE_INTS)
+def test_launch_numeric_flags(flag, value):
+    extra = ["--spot"] if flag == "--max-wait-minutes" else []
+    code, out, err = invoke(["probe", "launch", "--dry-run", "--json", "-m", "bert-base-uncased", "-i", "ml.g5.xlarge",
+                             "-b", "2", "-s", "32", "--role", "arn:aws:iam::123456789012:role/x",
+                             "--bucket", "s3://planner-test/p", *extra, flag, str(value)])
+    if code == 0:
+        req = strict_json(out)
+        assert req["ResourceConfig"]["VolumeSizeInGB"] >= 1 and req["StoppingCondition"]["MaxRuntimeInSeconds"] >= 1
+    else:
+        assert_one_line_error(code, err, flag if flag != "--steps" else "steps")

@@ -70,8 +70,9 @@ class OpBytes(TorchDispatchMode):
 
 
 def test_bytes_match_the_tensors_of_a_bert_layer():
-    """fp32 BERT layer forward on CPU: the Q projection (addmm), the first LayerNorm and GELU read and write
-    exactly what their tensors hold (LayerNorm's CPU statistics are fp32 here, like CUDA's)."""
+    """fp32 BERT layer forward and backward on CPU: the Q projection (addmm), the first LayerNorm, GELU, the
+    scores bmm and their backward ops read and write exactly what their tensors hold (LayerNorm's CPU
+    statistics are fp32 here, like CUDA's)."""
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
@@ -81,8 +82,9 @@ def test_bytes_match_the_tensors_of_a_bert_layer():
     layer = BertLayer(BertConfig(hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
                                  intermediate_size=t.intermediate_size, attn_implementation="eager")).train()
     rec = OpBytes()
+    x = torch.randn(b, s, t.hidden_size, requires_grad=True)
     with rec:
-        layer(torch.randn(b, s, t.hidden_size))
+        layer(x)[0].sum().backward()
     seen = collections.defaultdict(list)
     for op, r, w in rec.ops:
         seen[op].append((r, w))
@@ -95,6 +97,15 @@ def test_bytes_match_the_tensors_of_a_bert_layer():
     assert (gelu.bytes_read, gelu.bytes_written) == seen["gelu"][0]
     scores = ks["layer.attention.scores"]
     assert (scores.bytes_read, scores.bytes_written) == seen["bmm"][0]
+    # backward: GELU's and LayerNorm's input gradients read what their tensors hold (the output LayerNorm
+    # runs backward first), and the down projection's dX = dY·Wᵀ is the first mm of backward
+    bwd = {k.name: k for k in micro_kernels(spec, TrainConfig(batch_size=b, seq_len=s, attention="eager"))}
+    gelu_b = bwd["layer.mlp.act.backward"]
+    assert (gelu_b.bytes_read, gelu_b.bytes_written) == seen["gelu_backward"][0]
+    ln_b = bwd["layer.output.LayerNorm.backward"]
+    assert (ln_b.bytes_read, ln_b.bytes_written) == seen["native_layer_norm_backward"][0]
+    dx = bwd["layer.mlp.down.grad_input"]
+    assert (dx.bytes_read, dx.bytes_written) == seen["mm"][0]
 
 
 # ---- the whole step vs the ATen ops ---------------------------------------------------------------------

@@ -182,26 +182,31 @@ def _user_file(tmp_path, spec) -> str:
 
 
 PEAK_TOLERANCE = 0.05  # see the test; the full-size multimodal-bert agrees within 0.5 % (benchmarks/trace_benchmark.py)
-AGREEMENT = [
-    ("bert", "sequence-classification", "sdpa", False),
-    ("bert", "sequence-classification", "eager", True),
-    ("gpt2", "causal-lm", "sdpa", False),
-    ("llama", "causal-lm", "eager", False),
-    ("multimodal", None, "sdpa", False),
+AGREEMENT = [  # family, head, attention, checkpointing, precision, instance (V100: no flash; A100: flash)
+    ("bert", "sequence-classification", "sdpa", False, "fp32", "ml.p3.2xlarge"),
+    ("bert", "sequence-classification", "eager", True, "amp-fp16", "ml.p3.2xlarge"),
+    ("bert", "sequence-classification", "sdpa", False, "amp-bf16", "ml.p4d.24xlarge"),
+    ("gpt2", "causal-lm", "sdpa", False, "bf16", "ml.p4d.24xlarge"),
+    ("gpt2", "causal-lm", "eager", False, "amp-bf16", "ml.p4d.24xlarge"),
+    ("llama", "causal-lm", "sdpa", True, "amp-bf16", "ml.p4d.24xlarge"),
+    ("llama", "causal-lm", "eager", False, "fp32", "ml.p3.2xlarge"),
+    ("multimodal", None, "sdpa", False, "amp-fp16", "ml.p3.2xlarge"),
+    ("multimodal", None, "eager", False, "bf16", "ml.p4d.24xlarge"),
 ]
 
 
-@pytest.mark.parametrize(("family", "head", "attention", "ckpt"), AGREEMENT)
-def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, attention, ckpt):
+@pytest.mark.parametrize(("family", "head", "attention", "ckpt", "precision", "instance"), AGREEMENT)
+def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, attention, ckpt, precision, instance):
     from planner.estimate import estimate
     from tests import saved_tensors as st
 
     spec = st.multimodal("bert") if family == "multimodal" else st.model(family, head)
     path = _user_file(tmp_path, spec)
-    cfg = TrainConfig(batch_size=4, seq_len=64, attention=attention, checkpointing=ckpt, parallelism="single")
-    traced = estimate(f"{path}:build", cfg, "ml.g5.2xlarge", inputs=f"{path}:batch",
+    cfg = TrainConfig(batch_size=4, seq_len=64, attention=attention, checkpointing=ckpt, parallelism="single",
+                      precision=precision)
+    traced = estimate(f"{path}:build", cfg, instance, inputs=f"{path}:batch",
                       model_options={"attention": attention}, with_throughput=False)
-    analytic = estimate(spec, cfg, "ml.g5.2xlarge", with_throughput=False)
+    analytic = estimate(spec, cfg, instance, with_throughput=False)
     assert traced.parameters["total"] == analytic.parameters["total"]
     t, a = traced.memory_bytes.activations, analytic.memory_bytes.activations
     assert abs(t - a) <= 0.01 * a, (t, a)
@@ -209,3 +214,66 @@ def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, atten
     # largest saved tensor forward, two backward); on these tiny models they are a large share of the peak.
     t, a = traced.memory_bytes.peak_allocated, analytic.memory_bytes.peak_allocated
     assert abs(t - a) <= PEAK_TOLERANCE * a, (t, a)
+
+
+# ------------------------------------------------------------------- any transformers config.json
+
+
+def _tiny_configs() -> dict[str, dict]:
+    from transformers import T5Config, ViTConfig, WhisperConfig
+
+    t5 = T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64, decoder_start_token_id=0)
+    vit = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                    patch_size=8, num_labels=3)
+    whisper = WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+                            max_source_positions=16, num_mel_bins=8, pad_token_id=1, bos_token_id=2,
+                            eos_token_id=2, decoder_start_token_id=2, max_target_positions=16)
+    out = {}
+    for cfg, arch in ((t5, "T5ForConditionalGeneration"), (vit, "ViTForImageClassification"),
+                      (whisper, "WhisperForConditionalGeneration")):
+        d = cfg.to_dict()
+        d["architectures"] = [arch]
+        out[arch] = d
+    return out
+
+
+@pytest.mark.parametrize("arch", ["T5ForConditionalGeneration", "ViTForImageClassification",
+                                  "WhisperForConditionalGeneration"])
+def test_hf_config_outside_the_families_traces_like_the_real_module(arch):
+    """Saved bytes (CPU kernels) equal saved_tensors_hooks on the real module; parameters exact, tied once."""
+    from planner.program import hf
+
+    config = hf.hf_config_object(_tiny_configs()[arch], "config.json", "eager")
+    make = hf.batch_maker(config, "config.json")
+    torch.manual_seed(0)
+    real = hf.model_class(config)(config).train()
+    expected = real_saved_bytes(real, make(2, 6), lambda m, b: m(**b).loss)
+    trace = trace_step(hf.builder(config, "config.json"), make, TrainConfig(batch_size=2, seq_len=6), backend="cpu")
+    assert trace.parameters["total"] == sum(p.numel() for p in real.parameters())
+    assert trace.saved_bytes == expected
+
+
+def test_traced_events_replay_through_the_allocator_in_steady_state_order():
+    from planner.memory import allocator
+    from planner.program.replay import replay_trace, steady_state_events
+
+    trace = trace_step(TinyLM, lm_batch, TrainConfig(batch_size=2, seq_len=5), backend="cuda")
+    evs, names = steady_state_events(trace, bucket_sizes=(1000,), workspace_bytes=4096)
+    allocated: set[int] = set()
+    seen_step = False
+    for tid, nbytes in evs:
+        if nbytes:
+            assert tid not in allocated
+            allocated.add(tid)
+            if names[tid] not in ("parameter", "buffer", "ddp_bucket", "cublas_workspace", "optimizer_state"):
+                seen_step = True
+            else:
+                assert not seen_step, "permanent storages come first"
+        else:
+            assert tid in allocated
+            allocated.discard(tid)
+    permanent = sum(allocator.round_size(n) for t, n in evs if n
+                    and names[t] in ("parameter", "buffer", "optimizer_state"))
+    r = replay_trace(trace, ddp_bucket_bytes=1000, workspace_bytes=4096)
+    assert r.peak_allocated >= permanent and r.peak_reserved >= r.peak_allocated

@@ -74,7 +74,24 @@ OptimizerImplOpt = Annotated[str, typer.Option(help="foreach (PyTorch default), 
 ParallelismOpt = Annotated[str, typer.Option(help="auto, single, dp, ddp, zero1, zero2, zero3, fsdp.")]
 CheckpointingOpt = Annotated[bool, typer.Option("--checkpointing/--no-checkpointing",
                                                 help="Per-layer activation checkpointing.")]
-AttentionOpt = Annotated[str, typer.Option(help="eager, sdpa (memory-efficient), flash.")]
+AttentionOpt = Annotated[str, typer.Option(help="auto (the default kernel of transformers in the stack), eager, "
+                                           "sdpa (memory-efficient), flash.")]
+# The software stack (planner/data/stacks.json); unset = the DLC `probe launch` would use for the GPU.
+TorchVersionOpt = Annotated[str | None, typer.Option("--torch-version", help="PyTorch X.Y (default: the DLC's).")]
+CudaVersionOpt = Annotated[str | None, typer.Option("--cuda-version", help="CUDA X.Y of the torch build.")]
+TransformersVersionOpt = Annotated[str | None, typer.Option("--transformers-version",
+                                                            help="transformers X.Y (default: the newest).")]
+AllocConfOpt = Annotated[str | None, typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF, e.g. "
+                                                  "expandable_segments:True.")]
+
+
+def stack_from_flags(torch_version: str | None, cuda_version: str | None, transformers_version: str | None,
+                     alloc_conf: str | None) -> dict[str, str] | None:
+    """The stack flags as the dict `estimate(stack=...)` takes; None when none was given."""
+    given = {"torch": torch_version, "cuda": cuda_version, "transformers": transformers_version,
+             "alloc_conf": alloc_conf}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
 GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")]
 InstancesOpt = Annotated[int, typer.Option("--instances", help="Number of instances (nodes).")]
 ModelOptionOpt = Annotated[list[str] | None, typer.Option(

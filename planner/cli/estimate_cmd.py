@@ -7,9 +7,11 @@ from typing import Annotated, Any
 import typer
 
 from planner.cli.common import (
+    AllocConfOpt,
     AttentionOpt,
     BatchOpt,
     CheckpointingOpt,
+    CudaVersionOpt,
     GlobalBatchOpt,
     GradAccumOpt,
     InputsOpt,
@@ -24,9 +26,12 @@ from planner.cli.common import (
     ParallelismOpt,
     PrecisionOpt,
     SeqOpt,
+    TorchVersionOpt,
+    TransformersVersionOpt,
     console,
     handles_errors,
     parse_model_options,
+    stack_from_flags,
 )
 from planner.cli.options import build_config
 from planner.io import dumps_json
@@ -50,7 +55,8 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  attention: str, grad_accum: int, instances: int, model_option: list[str] | None,
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
-                 spot: bool = False, inputs: str | None = None, loss: str | None = None) -> Estimate:
+                 spot: bool = False, inputs: str | None = None, loss: str | None = None,
+                 stack: dict[str, str] | None = None) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -70,7 +76,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     if fragmentation is not None:
         overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss)
+                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -79,6 +85,10 @@ def print_estimate(est: Estimate) -> None:
                   f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}, "
                   f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
                   f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}")
+    if est.stack:
+        from planner.memory.stack import describe
+
+        console.print(f"Stack: {describe(est.stack)} ({est.stack.source})", highlight=False)
     from planner.cli.tables import Col, print_table
     from planner.explain import PHASE_LABELS, phase_moment_note
 
@@ -106,9 +116,8 @@ def print_estimate(est: Estimate) -> None:
                  for ph in est.phases],
                 caption=phase_moment_note(est))
 
-    verdict = "[bold green]fits[/]" if est.fits else "[bold red]OOM[/]"
-    console.print(f"Verdict: {verdict}: peak {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} "
-                  f"(peak in {est.peak_phase}), headroom {fmt_bytes(est.headroom_bytes)}")
+    for line in verdict_lines(est):
+        console.print(line, highlight=False)
     if est.throughput:
         t = est.throughput
         console.print(f"Throughput: {t.samples_per_s:,.1f} samples/s, {t.tokens_per_s:,.0f} tokens/s, "
@@ -121,6 +130,38 @@ def print_estimate(est: Estimate) -> None:
         console.print(line)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+def probe_command(est: Estimate) -> str:
+    """The `planner probe launch` line that measures this configuration on the real GPU."""
+    cfg = est.config
+    parts = [f"planner probe launch --model {est.model} --instance {est.instance} --batch-size {cfg.batch_size}",
+             f"--seq-len {cfg.seq_len} --precision {cfg.precision} --attention {cfg.attention}"]
+    if cfg.checkpointing:
+        parts.append("--checkpointing")
+    if cfg.grad_accum > 1:
+        parts.append(f"--grad-accum {cfg.grad_accum}")
+    if cfg.parallelism not in ("single", "auto"):
+        parts.append(f"--parallelism {cfg.parallelism}")
+    return " ".join(parts)
+
+
+def verdict_lines(est: Estimate) -> list[str]:
+    """The verdict with its band; when tight, which terms make it so and what settles it."""
+    from planner.memory.band import tight_terms
+
+    m, cap = est.memory_bytes, est.gpu_memory_bytes
+    word = {"fits": "[bold green]fits[/]", "tight": "[bold yellow]TIGHT[/]", "oom": "[bold red]OOM[/]"}[est.verdict]
+    lines = [f"Verdict: {word}: peak {fmt_bytes(m.peak_device)} (band {fmt_bytes(est.peak_device_low_bytes)} to "
+             f"{fmt_bytes(est.peak_device_high_bytes)}) of {fmt_bytes(cap)} (peak in {est.peak_phase}), headroom "
+             f"{fmt_bytes(est.headroom_bytes)}"]
+    if est.verdict == "tight" and est.band:
+        why = "; ".join(f"{t.name.replace('_', ' ')} {fmt_bytes(t.low)} to {fmt_bytes(t.high)} ({t.basis})"
+                        for t in tight_terms(est.band, m.peak_device, cap)[:3])
+        lines.append(f"  tight because: {why}")
+        lines.append(f"  settle it with a probe on the real GPU: {probe_command(est)}")
+        lines.append("  (then `planner calibrate` narrows the band for this GPU family)")
+    return lines
 
 
 def register(app: typer.Typer) -> None:
@@ -137,7 +178,7 @@ def register(app: typer.Typer) -> None:
         optimizer_impl: OptimizerImplOpt = "foreach",
         parallelism: ParallelismOpt = "auto",
         checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "sdpa",
+        attention: AttentionOpt = "auto",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
@@ -146,6 +187,10 @@ def register(app: typer.Typer) -> None:
         fragmentation: FragOpt = None,
         dataset_size: DatasetOpt = None,
         spot: SpotOpt = False,
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         plot: PlotOpt = None,
         json_out: JsonOpt = False,
         inputs: InputsOpt = None,
@@ -157,7 +202,8 @@ def register(app: typer.Typer) -> None:
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
-                           spot, inputs, loss)
+                           spot, inputs, loss,
+                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -182,11 +228,15 @@ def register(app: typer.Typer) -> None:
         optimizer_impl: OptimizerImplOpt = "foreach",
         parallelism: ParallelismOpt = "auto",
         checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "sdpa",
+        attention: AttentionOpt = "auto",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
         gradient_as_bucket_view: BucketViewOpt = False,
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         json_out: JsonOpt = False,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
@@ -198,8 +248,10 @@ def register(app: typer.Typer) -> None:
             batch_size = 8
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view, inputs=inputs, loss=loss)
-        steps = explain(est, model_options=parse_model_options(model_option), requested_parallelism=parallelism)
+                           model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
+                           stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
+        steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
+                        inputs=inputs, loss=loss)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.errors import PlannerError
-from planner.spec import TrainConfig
+from planner.spec import MAX_BATCH, TrainConfig
 
 
 def build_config(*, instance_gpus: int, batch_size: int | None, global_batch_size: int | None, seq_len: int,
@@ -23,6 +23,9 @@ def build_config(*, instance_gpus: int, batch_size: int | None, global_batch_siz
             raise PlannerError("--global-batch-size", global_batch_size,
                                f"a multiple of grad-accum × GPUs = {per_step}")
         derived = global_batch_size // per_step
+        if derived > MAX_BATCH:
+            raise PlannerError("--global-batch-size", global_batch_size,
+                               f"at most {MAX_BATCH:,} samples per GPU × grad-accum × GPUs = {MAX_BATCH * per_step:,}")
         if batch_size is not None and batch_size != derived:
             raise PlannerError("--batch-size", batch_size,
                                f"{derived} (from --global-batch-size {global_batch_size}), or leave it out")

@@ -244,6 +244,9 @@ def register(app: typer.Typer) -> None:
         if not local:
             raise PlannerError("--no-local", True, "`planner probe launch` for SageMaker")
         check_torch()
+        from planner.io import number
+
+        number(timeout, "--timeout", low=1, high=7 * 24 * 3600, integer=True)  # seconds; a week at most
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
@@ -400,6 +403,7 @@ def register(app: typer.Typer) -> None:
         """Predicted vs measured memory terms and speed, per probe run: signed % errors, fit/OOM agreement."""
         import pandas as pd
 
+        from planner.io import atomic_path
         from planner.probes import store
         from planner.probes.validate import long_rows, summary, validate
 
@@ -410,8 +414,8 @@ def register(app: typer.Typer) -> None:
         rows = validate(records, stored_only=stored)
         summ = summary(rows)
         csv_path = csv or store.results_dir() / "validation-report.csv"
-        csv_path.parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(long_rows(rows)).to_csv(csv_path, index=False)
+        with atomic_path(csv_path, "--csv") as tmp:
+            pd.DataFrame(long_rows(rows)).to_csv(tmp, index=False)
         if json_out:
             typer.echo(dumps_json({"rows": [r.to_json() for r in rows], "summary": summ, "csv": str(csv_path)},
                                   default=str))
@@ -428,9 +432,9 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Fit CUDA context, fragmentation and a throughput scale per GPU family (medians of probe runs)."""
+        from planner.io import write_json
         from planner.probes import calibrate as cal
         from planner.probes import store
-        from planner.probes.store import write_json_atomic
 
         records = store.load_records(probes)
         estimates = {str(r.get("record_id")): default_estimate(r) for r in records
@@ -442,7 +446,8 @@ def register(app: typer.Typer) -> None:
         doc = cal.calibration_document(result, len(estimates))
         path = out or store.results_dir() / "calibration.json"
         if not dry_run:
-            write_json_atomic(path, cal.merge_into(path, doc))
+            # strict JSON: the runtime loader refuses NaN, so it is never written (one line naming --out)
+            write_json(path, cal.merge_into(path, doc), "--out", indent=1, default=str)
         if json_out:
             typer.echo(dumps_json({"calibration": doc, "report": result["report"], "path": str(path),
                                    "written": not dry_run}, default=str))

@@ -83,9 +83,10 @@ def allocation_size(nbytes: int) -> int:
     return -(-nbytes // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
-# A free block's sort key is size << addr_bits | address: (size, address) order as one int; `run` widens
-# addr_bits to fit every address the events can reach.
-ADDR_BITS = 64
+# A free block's sort key is size << addr_bits | address: (size, address) order as one int. 128 bits at least,
+# so absurd requests (10^20 samples: > 2^64 bytes) still fit below the size bits; `run` widens it further to
+# every address its events can reach.
+ADDR_BITS = 128
 
 
 class _Block:

@@ -88,15 +88,30 @@ def model_builder(ref: str, options: dict[str, Any] | None = None) -> Callable[[
     return build
 
 
-def batch_maker(ref: str) -> Callable[[int, int], Any]:
-    """`batch(batch_size, seq_len)` checked to return a dict of tensors (model(**batch)) or a tuple (model(*batch))."""
+def _accepted(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The model options `fn` names among its parameters (so `-o tab_in=200` reaches `batch(b, s, tab_in)`)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def batch_maker(ref: str, options: dict[str, Any] | None = None) -> Callable[[int, int], Any]:
+    """`batch(batch_size, seq_len)` checked to return a dict of tensors (model(**batch)) or a tuple (model(*batch)).
+    Model options that `batch` names as parameters are passed to it too."""
     import torch
 
     fn = load_function(ref, "--inputs")
+    extra = _accepted(fn, options or {})
 
     def make(batch_size: int, seq_len: int) -> Any:
         try:
-            batch = fn(batch_size, seq_len)
+            batch = fn(batch_size, seq_len, **extra)
         except Exception as exc:  # noqa: BLE001
             raise PlannerError("--inputs", ref, f"batch raised {last_line(exc)}") from None
         if isinstance(batch, dict):

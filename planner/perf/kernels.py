@@ -25,6 +25,9 @@ Rules, each a small function below:
 - Optimizer: torch.optim's foreach AdamW launches one multi_tensor_apply kernel per `_foreach_*` call and
   per chunk of tensors; fused AdamW one pass; for-loop the same ops per tensor. GradScaler's unscale_ is one
   more foreach pass over the gradients.
+- Gradient reduction (DDP all-reduce per bucket, ZeRO/FSDP reduce-scatter and all-gather, DataParallel's
+  copies): kernels of kind communication carrying the bytes each GPU sends; planner.perf.throughput times
+  them with the ring formulas and the overlap rules.
 
 Identical layers share one record with `count` = number of layers, so a model's list is ~100 records,
 built per configuration in well under a millisecond.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
@@ -87,6 +90,15 @@ class Kernel:
         return self.bytes_read + self.bytes_written
 
 
+def _with(k: Kernel, **changes: object) -> Kernel:
+    """dataclasses.replace for a Kernel, ~10x faster (no __init__ re-run: the fields are already valid);
+    the kernel list is rebuilt for every new shape class during a search."""
+    new = object.__new__(Kernel)
+    new.__dict__.update(k.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 def nbytes(dtype: str) -> int:
     return BYTES_PER_DTYPE[dtype]
 
@@ -124,13 +136,13 @@ def backward_of(k: Kernel) -> list[Kernel]:
         b, m, n, kk = k.gemm
         dx = gemm(f"{k.name}.grad_input", m, kk, n, k.dtype, b, kind=k.kind)
         dw = gemm(f"{k.name}.grad_weight", kk, n, m, k.dtype, b, kind=k.kind)
-        return [replace(x, phase="backward", count=k.count) for x in (dx, dw)]
+        return [_with(x, phase="backward", count=k.count) for x in (dx, dw)]
     if k.kind == "attention":  # fused SDPA / flash: one backward kernel
         flops = BACKWARD_TO_FORWARD * k.flops + k.flops // 2
-        return [replace(k, name=f"{k.name}.backward", flops=flops, bytes_read=k.bytes_read + 2 * k.bytes_written,
+        return [_with(k, name=f"{k.name}.backward", flops=flops, bytes_read=k.bytes_read + 2 * k.bytes_written,
                         bytes_written=k.bytes_read, phase="backward")]
     # elementwise: read dY and the saved input(s), write dX (the forward's output size)
-    return [replace(k, name=f"{k.name}.backward", bytes_read=k.bytes_read + k.bytes_written,
+    return [_with(k, name=f"{k.name}.backward", bytes_read=k.bytes_read + k.bytes_written,
                     bytes_written=k.bytes_read, phase="backward")]
 
 
@@ -184,7 +196,7 @@ def layernorm(name: str, rows: int, width: int, dtype: str, sh: Shapes) -> Kerne
     d = F32 if sh.amp else dtype
     w = F32 if sh.amp or sh.precision == "fp32" else sh.low  # parameters: fp32 unless pure 16-bit
     k = elementwise(name, rows * width, (d,), (d,), d)
-    return replace(k, bytes_read=k.bytes_read + 2 * width * nbytes(w), bytes_written=k.bytes_written + 2 * rows * 4)
+    return _with(k, bytes_read=k.bytes_read + 2 * width * nbytes(w), bytes_written=k.bytes_written + 2 * rows * 4)
 
 
 def rmsnorm(name: str, rows: int, width: int, dtype: str) -> list[Kernel]:
@@ -228,8 +240,8 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
     s2 = b * a * s * s
     half = attention_score_flops(spec, b, s, causal_fraction) // 2
     if attention_kernel(spec, ctx, masked) == "eager":
-        qk = replace(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
-        pv = replace(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
+        qk = _with(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
+        pv = _with(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
         soft = F32 if sh.amp or spec.family in ("llama", "mistral") else low
         # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
         ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
@@ -237,11 +249,11 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
         if masked:
             ks.append(elementwise("attention.mask_add", s2, (low, sh.act), (sh.act,), sh.act))
         ks.append(elementwise("attention.softmax", s2, (sh.act if masked else low,), (soft,), soft))
-        ks += [replace(k, kind="attention") for k in dropout("attention.dropout", s2, soft, spec.attention_dropout)]
+        ks += [_with(k, kind="attention") for k in dropout("attention.dropout", s2, soft, spec.attention_dropout)]
         if soft != low:
             ks.append(elementwise("attention.probs_cast", s2, (soft,), (low,), low))
         ks += [pv, elementwise("attention.transpose_copy", sh.n * a * d, (low,), (low,), low)]
-        return [replace(k, kind="attention") for k in ks]
+        return [_with(k, kind="attention") for k in ks]
     e = nbytes(low)
     io_in = 3 * sh.n * a * d * e + (b * s * s * e if masked else 0)
     io_out = sh.n * a * d * e + b * a * s * 4  # output + fp32 logsumexp
@@ -258,7 +270,7 @@ def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     if not mask_materialised(spec, sh.ctx()):
         return []
     k = elementwise("attention_mask.build", sh.b * sh.s * sh.s, ("bool",), (sh.act,), sh.act)
-    return [replace(k, launches=MASK_BUILD_LAUNCHES)]
+    return [_with(k, launches=MASK_BUILD_LAUNCHES)]
 
 
 def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
@@ -320,7 +332,7 @@ def recompute_of(spec: TransformerSpec, forward: list[Kernel]) -> list[Kernel]:
     ks = forward
     if spec.family in EARLY_STOP_SKIPS_MLP_OUT:
         ks = [k for k in ks if ".mlp.down" not in k.name and ".mlp.residual_add" not in k.name]
-    return [replace(k, name=f"{k.name}.recompute", phase="recompute") for k in ks]
+    return [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in ks]
 
 
 def embeddings(spec: TransformerSpec, sh: Shapes, token_types: bool) -> list[Kernel]:
@@ -328,7 +340,7 @@ def embeddings(spec: TransformerSpec, sh: Shapes, token_types: bool) -> list[Ker
     n, h, w = sh.n, spec.hidden_size, sh.act
     tables = ["word"] + (["position"] if spec.position_table else []) + (["token_type"] if token_types and
                                                                           spec.type_vocab_size else [])
-    ks = [replace(elementwise(f"embeddings.{t}", n * h, (w,), (w,), w), bytes_read=n * h * nbytes(w) + n * 8)
+    ks = [_with(elementwise(f"embeddings.{t}", n * h, (w,), (w,), w), bytes_read=n * h * nbytes(w) + n * 8)
           for t in tables]
     ks += [elementwise(f"embeddings.add{j}", n * h, (w, w), (w,), w) for j in range(len(tables) - 1)]
     if spec.family in ("bert", "roberta", "distilbert"):
@@ -389,7 +401,7 @@ def loss(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     if d != sh.low:
         ks.append(elementwise("loss.logits_float", rows * width, (sh.low,), (d,), d))
     ks += [elementwise("loss.log_softmax", rows * width, (d,), (d,), d),
-           replace(reduction("loss.nll_loss", rows, 1, d), bytes_read=rows * (nbytes(d) + 8))]
+           _with(reduction("loss.nll_loss", rows, 1, d), bytes_read=rows * (nbytes(d) + 8))]
     return ks
 
 
@@ -421,7 +433,7 @@ def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kerne
         for name, numel in ((f"weight{j}", w), (f"bias{j}", bias)):
             if numel:
                 fwd.append(elementwise(f"{block.name}.{name}.cast", numel, (F32,), (sh.low,), sh.low))
-                bwd.append(replace(elementwise(f"{block.name}.{name}.grad_cast", numel, (sh.low,), (F32,), F32),
+                bwd.append(_with(elementwise(f"{block.name}.{name}.grad_cast", numel, (sh.low,), (F32,), F32),
                                    phase="backward"))
     return fwd, bwd
 
@@ -433,7 +445,7 @@ def bias_grads(forward: list[Kernel]) -> list[Kernel]:
         if k.gemm is not None and k.kind == "gemm":
             b, m, n, kk = k.gemm
             if k.bytes_read > b * (m * kk + kk * n) * nbytes(k.dtype):
-                out.append(replace(reduction(f"{k.name}.grad_bias", m * n, n, k.dtype), phase="backward",
+                out.append(_with(reduction(f"{k.name}.grad_bias", m * n, n, k.dtype), phase="backward",
                                    count=k.count))
     return out
 
@@ -472,7 +484,7 @@ def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfi
             fwd = head(layer, sh)
     else:
         fwd = dense_block(block, sh)
-    fwd = [replace(k, name=f"{block.role}.{k.name}" if block.role != "embeddings" else k.name) for k in fwd]
+    fwd = [_with(k, name=f"{block.role}.{k.name}" if block.role != "embeddings" else k.name) for k in fwd]
     if isinstance(layer, TransformerSpec) and block.role == "embeddings":
         bwd = embedding_backward(layer, sh, fwd)
     else:
@@ -544,25 +556,53 @@ def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: 
     return tuple(ks)
 
 
-@dataclass(frozen=True)
-class StepKernels:
-    """The kernels of one micro-step (forward, backward, recompute: run grad_accum times per optimizer
-    step) and of the optimizer step (once)."""
+# How each collective overlaps compute (planner.perf.throughput.communication_seconds times them):
+# "backward": hidden behind backward up to `allreduce_overlap` of it (DDP buckets, ZeRO-1/2 reduce-scatter);
+# "share": `allreduce_overlap` of it hidden, every micro-step (ZeRO-3/FSDP prefetch); "exposed": not hidden.
+COLLECTIVE_OVERLAP = {"allreduce": "backward", "reduce_scatter": "backward", "all_gather": "exposed",
+                      "fsdp_all_gather": "share", "fsdp_reduce_scatter": "share", "dp_copy": "exposed",
+                      "dp_replicate": "exposed"}
 
-    micro: tuple[Kernel, ...]
-    step: tuple[Kernel, ...]
 
-    def all(self) -> tuple[Kernel, ...]:
-        return self.micro + self.step
+def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
+                          bucket_cap_mb: float) -> tuple[Kernel, ...]:
+    """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
+    bytes each GPU sends (`bytes_read`) per occurrence and `count` occurrences per optimizer step.
+
+    DDP: one all-reduce of all gradients per optimizer step (no_sync on the other micro-steps), launched
+    per bucket (`launches` = ceil(bytes / bucket_cap_mb)). ZeRO-1/2: reduce-scatter of gradients + all-gather
+    of the updated parameters. ZeRO-3/FSDP: per micro-step, all-gather of parameters for forward and again for
+    backward, reduce-scatter of gradients. DataParallel: per micro-step, parameters broadcast to the replicas
+    and gradients reduced to GPU 0 (two copies of the gradient bytes), plus its thread/replicate cost."""
+    if world <= 1 or parallelism == "single":
+        return ()
+    buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
+
+    def comm(name: str, collective: str, count: int = 1, launches: int = 1, nbytes: int = grad_bytes) -> Kernel:
+        return Kernel(name, "communication", 0, nbytes, nbytes, F32, "step", count=count, launches=launches,
+                      collective=collective)
+
+    if parallelism == "ddp":
+        return (comm("ddp.allreduce", "allreduce", launches=buckets),)
+    if parallelism in ("zero1", "zero2"):
+        return (comm("zero.reduce_scatter", "reduce_scatter"), comm("zero.all_gather", "all_gather"))
+    if parallelism in ("zero3", "fsdp"):
+        return (comm("fsdp.all_gather", "fsdp_all_gather", count=2 * grad_accum),
+                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum))
+    if parallelism == "dp":
+        return (comm("dp.broadcast_reduce", "dp_copy", count=grad_accum, nbytes=2 * grad_bytes),
+                comm("dp.replicate", "dp_replicate", count=grad_accum, nbytes=0))
+    return ()
 
 
 def _fold(kernels: list[Kernel]) -> list[Kernel]:
     """Merge identical records (same layer repeated) into one with a summed count."""
-    seen: dict[Kernel, int] = {}
+    seen: dict[tuple, Kernel] = {}
     for k in kernels:
-        key = replace(k, count=1)
-        seen[key] = seen.get(key, 0) + k.count
-    return [replace(k, count=c) for k, c in seen.items()]
+        key = (k.name, k.kind, k.phase, k.flops, k.bytes_read, k.bytes_written, k.dtype, k.launches, k.gemm)
+        first = seen.get(key)
+        seen[key] = k if first is None else _with(first, count=first.count + k.count)
+    return list(seen.values())
 
 
 def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
@@ -576,7 +616,7 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
         layer = block.layer
         if block.role == "layer" and isinstance(layer, TransformerSpec):
             if block.index == 0:  # every layer of a stack is the same: one record, counted num_layers times
-                out += [replace(k, count=k.count * layer.num_layers)
+                out += [_with(k, count=k.count * layer.num_layers)
                         for k in block_kernels(block, model, sh, config, causal_fraction)]
             continue
         out += block_kernels(block, model, sh, config, causal_fraction)
@@ -584,11 +624,3 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
         fwd = loss(model.transformers[-1], sh)
         out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
     return _fold(out)
-
-
-def step_kernels(model: ModelSpec, config: TrainConfig, n_params: int, n_tensors: int, *,
-                 causal_fraction: float = 1.0, flash_ok: bool = True) -> StepKernels:
-    """The whole step; `n_params`/`n_tensors` are what this GPU's optimizer updates (its shard)."""
-    return StepKernels(tuple(micro_kernels(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok)),
-                       optimizer_kernels(n_params, n_tensors, config.precision, config.optimizer,
-                                         config.optimizer_impl))

@@ -38,7 +38,7 @@ from planner.errors import PlannerError
 from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
-from planner.perf.kernels import KINDS, optimizer_kernels
+from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
 from planner.perf.roofline import PHASES, RooflineConstants, by_kind, kernel_table, time_kernels, time_table
 from planner.spec import DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
 
@@ -160,6 +160,8 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
                        constants: ThroughputConstants | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
     c = constants or ThroughputConstants()
+    if config.tf32 and not c.allow_tf32:
+        c = c.model_copy(update={"allow_tf32": True})
     parallelism = resolve_parallelism(config, instance)
     if parallelism == "dp" and config.instances > 1:
         raise PlannerError("--parallelism", "dp", "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")
@@ -181,8 +183,8 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     n_params, n_tensors = parameter_counts(model)
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
-    comm_total, exposed = communication_seconds(parallelism, grad_bytes, float(backward), instance, n_inst,
-                                                world, config, c)
+    comm = communication_kernels(parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb)
+    comm_total, exposed = communication_seconds(comm, backward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
@@ -242,24 +244,34 @@ def parameter_counts(model: ModelSpec) -> tuple[int, int]:
     return hit[1], hit[2]
 
 
-def communication_seconds(parallelism: str, grad_bytes: float, backward_s: float, instance: Instance,
-                          n_inst: int, world: int, config: TrainConfig, c: ThroughputConstants
-                          ) -> tuple[float, float]:
-    """(total, exposed) seconds of gradient/parameter exchange per optimizer step (module docstring)."""
-    if world <= 1:
-        return 0.0, 0.0
-    if parallelism == "ddp":
-        total = allreduce_seconds(grad_bytes, instance, n_inst, c)
-        return total, total - min(c.allreduce_overlap * total, backward_s)
-    if parallelism in ("zero1", "zero2"):
-        rs = half_collective_seconds(grad_bytes, instance, n_inst, c)
-        ag = half_collective_seconds(grad_bytes, instance, n_inst, c)
-        return rs + ag, rs - min(c.allreduce_overlap * rs, backward_s) + ag
-    if parallelism in ("zero3", "fsdp"):
-        per_micro = 3 * half_collective_seconds(grad_bytes, instance, n_inst, c)
-        return config.grad_accum * per_micro, config.grad_accum * per_micro * (1 - c.allreduce_overlap)
-    if parallelism == "dp":
-        per_micro = 2 * grad_bytes / (max(instance.allreduce_bandwidth_gbs, 1e-9) * GB)
-        per_micro += c.dp_replicate_overhead_s
-        return config.grad_accum * per_micro, config.grad_accum * per_micro
-    return 0.0, 0.0
+def collective_seconds(k: Kernel, instance: Instance, n_inst: int, c: ThroughputConstants) -> float:
+    """Seconds of one communication kernel (module docstring: ring all-reduce, half of it for reduce-scatter
+    and all-gather, DataParallel's copies over the intra-instance bandwidth plus its fixed cost)."""
+    if k.collective == "allreduce":
+        return allreduce_seconds(k.bytes_read, instance, n_inst, c)
+    if k.collective in ("reduce_scatter", "all_gather", "fsdp_all_gather", "fsdp_reduce_scatter"):
+        return half_collective_seconds(k.bytes_read, instance, n_inst, c)
+    if k.collective == "dp_copy":
+        return k.bytes_read / (max(instance.allreduce_bandwidth_gbs, 1e-9) * GB)
+    if k.collective == "dp_replicate":
+        return c.dp_replicate_overhead_s
+    raise ValueError(f"collective {k.collective!r}")
+
+
+def communication_seconds(kernels: tuple[Kernel, ...], backward_s: float, instance: Instance, n_inst: int,
+                          c: ThroughputConstants) -> tuple[float, float]:
+    """(total, exposed) seconds of the communication kernels of one optimizer step: "backward" collectives
+    hide up to allreduce_overlap of themselves behind backward's wall time, "share" ones allreduce_overlap
+    of themselves, "exposed" ones nothing (kernels.COLLECTIVE_OVERLAP)."""
+    total = exposed = 0.0
+    for k in kernels:
+        t = collective_seconds(k, instance, n_inst, c) * k.count
+        overlap = COLLECTIVE_OVERLAP[k.collective]
+        total += t
+        if overlap == "backward":
+            exposed += t - min(c.allreduce_overlap * t, backward_s)
+        elif overlap == "share":
+            exposed += t * (1 - c.allreduce_overlap)
+        else:
+            exposed += t
+    return total, exposed

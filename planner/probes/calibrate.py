@@ -6,7 +6,11 @@ From each successful CUDA probe run:
                    what lives outside the caching allocator (driver, runtime, kernels, NCCL for world>1,
                    so only single-process runs are used for it);
 * fragmentation  = peak reserved / peak allocated - 1;
-* throughput scale = measured samples/s / predicted samples/s (multiplies the throughput model).
+* throughput scale = measured samples/s / predicted samples/s (multiplies the throughput model);
+* band widths      = the [min, max] of the context and of the fragmentation over the family's runs
+                     (`context_range`, `fragmentation_range`): they replace the wide default bands of
+                     `planner.memory.band` for that family, and `module_loading` ("lazy" / "eager", from the
+                     runs' torch and CUDA versions) says which stacks they apply to.
 
 The median per family resists the odd run (another process on the GPU, a cold first step). Written to
 `results/calibration.json` in the format `planner.memory.runtime.load_calibration` reads
@@ -44,6 +48,20 @@ class Sample:
     scale: float | None  # measured / predicted samples/s
     measured: dict[str, float | None]
     predicted: dict[str, float | None]  # peak_allocated, peak_reserved, device_peak, samples_per_s, nccl
+    lazy: bool | None = None  # CUDA lazy module loading in the run's stack (None: versions not recorded)
+
+
+def _lazy(versions: dict[str, Any]) -> bool | None:
+    """Lazy module loading from the run's torch and CUDA versions (planner.memory.stack.lazy_loading)."""
+    from planner.errors import PlannerError
+    from planner.memory.stack import lazy_loading
+    from planner.spec import SoftwareStack
+
+    try:
+        return lazy_loading(SoftwareStack(torch=str(versions["torch"]), cuda=str(versions["cuda"]),
+                                          transformers="0.0"))
+    except (KeyError, PlannerError, ValueError):
+        return None
 
 
 def sample_of(record: dict[str, Any], estimate: dict[str, Any] | None) -> Sample | None:
@@ -69,6 +87,7 @@ def sample_of(record: dict[str, Any], estimate: dict[str, Any] | None) -> Sample
         predicted={"peak_allocated": mem.get("peak_allocated"), "peak_reserved": mem.get("peak_reserved"),
                    "device_peak": mem.get("peak_device"), "cuda_context": mem.get("cuda_context"),
                    "nccl": mem.get("nccl") or 0, "samples_per_s": pred_sps},
+        lazy=_lazy(record.get("versions") or {}),
     )
 
 
@@ -77,10 +96,19 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _range(values: Iterable[float | None]) -> list[float] | None:
+    vals = [v for v in values if v is not None]
+    return [min(vals), max(vals)] if vals else None
+
+
 def fit(samples: list[Sample]) -> dict[str, Any]:
-    """Medians of one family's samples."""
+    """Medians of one family's samples, and the [min, max] ranges the verdict band uses."""
     ctx = _median(s.context for s in samples)
+    modes = {s.lazy for s in samples if s.lazy is not None}
     return {"cuda_context_bytes": int(ctx) if ctx is not None else None,
+            "context_range": _range(s.context for s in samples),
+            "fragmentation_range": _range(s.fragmentation for s in samples),
+            "module_loading": ({True: "lazy", False: "eager"}[modes.pop()] if len(modes) == 1 else None),
             "fragmentation": _median(s.fragmentation for s in samples),
             "throughput_scale": _median(s.scale for s in samples),
             "n": len(samples), "n_context": sum(s.context is not None for s in samples),

@@ -22,6 +22,9 @@ REQUEST_SCHEMA = "planner.probe-request/1"
 PROBE_VERSION = 1  # bump when jobs/probe.py measures differently, so old results get new ids
 DEFAULT_WARMUP_STEPS = 1  # the first step allocates optimizer states and cuBLAS workspaces
 DEFAULT_MEASURE_STEPS = 3  # steady-state steps timed after warm-up (median)
+# A probe measures a few steps; ASSUMPTION: 1,000 is far more than a steady reading needs and still ends well
+# inside the job's MaxRuntimeInSeconds for any model that fits.
+MAX_PROBE_STEPS = 1000
 
 
 class ProbeRequest(BaseModel):
@@ -33,8 +36,8 @@ class ProbeRequest(BaseModel):
     gpu: str | None = None  # the GPU the prediction is for
     gpus_per_instance: int = Field(1, ge=1)
     world_size: int = Field(1, ge=1)
-    warmup_steps: int = Field(DEFAULT_WARMUP_STEPS, ge=0)
-    measure_steps: int = Field(DEFAULT_MEASURE_STEPS, ge=1)
+    warmup_steps: int = Field(DEFAULT_WARMUP_STEPS, ge=0, le=MAX_PROBE_STEPS)
+    measure_steps: int = Field(DEFAULT_MEASURE_STEPS, ge=1, le=MAX_PROBE_STEPS)
     seed: int = 0
     lr: float = 1e-4
     estimate: dict[str, Any] | None = None  # Estimate.to_json() at request time
@@ -157,8 +160,8 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
 
 
 # ------------------------------------------------------------------------ candidates from a study
-# planner.search keeps a study `S` in results/S/study.db as one Optuna study per instance type, named
-# `S@<instance>`, with the sweep definition (model, model_options, ...) in the study's user attr
+# planner.search keeps a study `S` in results/S/journal.log (older searches: results/S/study.db, one Optuna
+# study per instance type named `S@<instance>`), with the sweep definition (model, model_options, ...) in the study's user attr
 # `planner:definition` and each trial's resolved config in the trial's user attr `config`.
 
 CONFIG_KEYS = tuple(TrainConfig.model_fields)
@@ -204,6 +207,9 @@ def find_study_storage(study: str, results: Any) -> str:
     import optuna
 
     results = Path(results)
+    journal = results / study / "journal.log"
+    if journal.is_file():
+        return f"journal:{journal}"
     own = results / study / "study.db"
     candidates = [own] if own.is_file() else sorted(results.rglob("*.db"))
     for db in candidates:
@@ -224,7 +230,12 @@ def study_candidates(study: str, top: int, results: Any = "results", storage: st
     if top < 1:
         raise PlannerError("--top", top, "an integer >= 1")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from pathlib import Path
+
+    from planner.search.storage import open_storage, parse_storage
+
     url = storage or find_study_storage(study, results)
+    url = open_storage(parse_storage(url, Path(results) / study / "journal.log"))
     names = [s.study_name for s in optuna.study.get_all_study_summaries(url, include_best_trial=False)
              if s.study_name == study or s.study_name.startswith(study + "@")]
     ranked: list[tuple[tuple[float, int], dict[str, Any]]] = []
@@ -232,13 +243,13 @@ def study_candidates(study: str, top: int, results: Any = "results", storage: st
         st = optuna.load_study(study_name=name, storage=url)
         definition = dict(st.user_attrs.get(DEFINITION_ATTR) or {})
         instance = definition.get("instance") or (name.split("@", 1)[1] if "@" in name else None)
-        if not instance:
+        if not instance and not definition.get("instances"):
             raise PlannerError("--study", name, "a planner search study (its definition or name gives the instance)")
         direction = st.directions[0]
         for t in st.trials:
             if t.state != optuna.trial.TrialState.COMPLETE:
                 continue
-            cand = trial_candidate(t, definition, instance)
+            cand = trial_candidate(t, definition, (t.user_attrs.get("config") or {}).get("instance") or instance)
             if cand["feasible"]:
                 ranked.append(((_trial_key(t, direction), t.number), cand))
     if not ranked:

@@ -98,6 +98,19 @@ def sdpa_kernel(backend: Backend, attention: str, flash_ok: bool, dtype: str, dr
     return rules.sdpa_kernel(ctx, dtype, dropout_p, masked, head_dim)
 
 
+# Python entry points of the ops CUDA autocast runs in fp32 and CPU autocast does not (`rules.autocast_fp32_op`):
+# (owner, attribute, op name in the rule). Source: ATen/autocast_mode.h AT_FORALL_FP32; measured on CPU.
+AUTOCAST_FP32_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
+    ("torch.nn.functional", "softmax", "softmax"), ("torch", "softmax", "softmax"),
+    ("torch.Tensor", "softmax", "softmax"),
+    ("torch.nn.functional", "log_softmax", "log_softmax"), ("torch", "log_softmax", "log_softmax"),
+    ("torch.Tensor", "log_softmax", "log_softmax"),
+    ("torch.nn.functional", "layer_norm", "layer_norm"),
+    ("torch", "pow", "pow"), ("torch.Tensor", "pow", "pow"), ("torch.Tensor", "__pow__", "pow"),
+    ("torch", "rsqrt", "rsqrt"), ("torch.Tensor", "rsqrt", "rsqrt"),
+)
+
+
 def autocast_fp32_op(op: str, backend: Backend) -> bool:
     """Whether autocast runs `op` in fp32 on `backend` (`rules.autocast_fp32_op`)."""
     return rules.autocast_fp32_op(op, backend)

@@ -38,10 +38,52 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
         raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
                            f"function) for --model {ref}")
     config = TrainConfig.model_validate_json(config_json)
-    return trace_step(user_module.model_builder(ref, json.loads(options_json)), user_module.batch_maker(inputs),
+    return trace_step(user_module.model_builder(ref, json.loads(options_json)), user_module.batch_maker(inputs, json.loads(options_json)),
                       config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
                       flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
                       enable_checkpointing=_checkpointing_for)
+
+
+@lru_cache(maxsize=TRACE_CACHE_SIZE)
+def _config_trace(path: str, options_json: str, config_json: str, backend: str, flash_ok: bool) -> StepTrace:
+    from pathlib import Path
+
+    from planner.models.hf_config import load_config_file
+    from planner.program import hf
+
+    config = TrainConfig.model_validate_json(config_json)
+    hf_config = hf.hf_config_object(load_config_file(path), path, config.attention, json.loads(options_json))
+    label = Path(path).stem if Path(path).stem != "config" else Path(path).parent.name
+    return trace_step(hf.builder(hf_config, path), hf.batch_maker(hf_config, path), config, backend=backend,  # type: ignore[arg-type]
+                      flash_ok=flash_ok, name=label or path, source=path, enable_checkpointing=_checkpointing_for)
+
+
+def is_traced_config(model: object) -> bool:
+    """A config.json path (or folder) whose model_type is none of the hand-modelled families."""
+    from pathlib import Path
+
+    from planner.models import hf_config
+    from planner.models.catalog import _resolve_name
+
+    if not isinstance(model, str) or _resolve_name(model) is not None:
+        return False
+    if not (model.endswith(".json") or Path(model).is_dir()) or not Path(model).exists():
+        return False
+    config = hf_config.load_config_file(model)
+    return isinstance(config, dict) and config.get("model_type") not in hf_config.CLASS_PREFIX
+
+
+def model_trace(model: str, config: TrainConfig, *, options: dict[str, Any] | None = None,
+                inputs: str | None = None, loss: str | None = None, backend: str = "cuda",
+                flash_ok: bool = True) -> StepTrace:
+    """The trace of user code (`file.py:build`) or of a config.json outside the families (cached)."""
+    from planner.models.user_module import is_reference
+
+    if is_reference(model):
+        return user_trace(model, config, options=options, inputs=inputs, loss=loss, backend=backend,
+                          flash_ok=flash_ok)
+    key = config.model_copy(update={"grad_accum": 1, "instances": 1, "parallelism": "single"})
+    return _config_trace(model, json.dumps(options or {}, sort_keys=True), key.model_dump_json(), backend, flash_ok)
 
 
 def user_trace(ref: str, config: TrainConfig, *, options: dict[str, Any] | None = None, inputs: str | None = None,

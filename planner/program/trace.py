@@ -212,12 +212,18 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _poll(self, index: int) -> None:
-        for key, info in list(self.polled.items()):
-            if info.ref.expired():
-                del self.polled[key]
-                if self.live.get(key) is info:
-                    del self.live[key]
-                self.raw_events.append((index, "free", info.sid))
+        """Free events for storages whose weak reference expired (the C check, without the Python wrapper:
+        this runs after every op)."""
+        expired = _EXPIRED
+        gone = [key for key, info in self.polled.items() if expired(info.ref.cdata)]
+        for key in gone:
+            info = self.polled.pop(key)
+            if self.live.get(key) is info:
+                del self.live[key]
+            self.raw_events.append((index, "free", info.sid))
+
+
+_EXPIRED = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls (torch/storage.py)
 
 
 def component_of(qualname: str) -> str:
@@ -286,6 +292,47 @@ def _cuda_sdpa(attention: str, flash_ok: bool) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+@contextlib.contextmanager
+def _cuda_autocast_fp32() -> Iterator[None]:
+    """CPU autocast runs the matmuls in 16-bit like CUDA, but keeps softmax, log_softmax, layer_norm, pow and
+    rsqrt in 16-bit where CUDA autocast runs them in fp32 (`cuda.autocast_fp32_op`). While AMP is on, these
+    functions cast 16-bit floating inputs to fp32 first, as CUDA's autocast does (the cast is recorded by
+    autograd, so the saved tensors are fp32). Swapped on the modules for the trace's duration, so they hold
+    in checkpoint recomputation too."""
+    import importlib
+
+    patched = []
+    for owner_name, attr, op in cuda.AUTOCAST_FP32_FUNCTIONS:
+        if not cuda.autocast_fp32_op(op, "cuda") or cuda.autocast_fp32_op(op, "cpu"):
+            continue
+        owner = torch.Tensor if owner_name == "torch.Tensor" else importlib.import_module(owner_name)
+        original = getattr(owner, attr)
+        patched.append((owner, attr, original))
+        setattr(owner, attr, _fp32_under_autocast(original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(patched):
+            setattr(owner, attr, original)
+
+
+def _fp32_under_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    low = (torch.float16, torch.bfloat16)
+
+    def up(x: Any) -> Any:
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype in low else x
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_autocast_enabled("cpu"):
+            return fn(*args, **kwargs)
+        args = tuple(up(a) for a in args)
+        kwargs = {k: up(v) for k, v in kwargs.items()}
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
               attention: str, flash_ok: bool):
     """SDPA through the CUDA kernel's own op. Bool masks become an additive bias in the query dtype
@@ -293,6 +340,16 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     (`preprocess_mask`, EFFICIENT_BIAS_ALIGN)."""
     from planner.memory.activations import EFFICIENT_BIAS_ALIGN
 
+    if torch.is_autocast_enabled("cpu"):
+        # SDPA is on CUDA autocast's lower-precision list: every floating input, the mask included, is cast
+        # (autocast_mode.cpp); the kernel ops below are on no CPU autocast list, so cast here.
+        low = torch.get_autocast_dtype("cpu")
+        query, key, value = (x.to(low) if x.is_floating_point() else x for x in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+        with torch.autocast("cpu", enabled=False):
+            return cuda_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             attention=attention, flash_ok=flash_ok)
     if key.shape[-3] != query.shape[-3]:  # GQA: SDPA's math path repeats k/v heads
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
@@ -376,6 +433,21 @@ def _fake_error(exc: Exception, stack: list[str], source: str, root: str) -> Pla
                         "value); make the shape-changing step independent of tensor values")
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback when a meta kernel rejects the user's shapes; the planner reports that
+    error as one line itself."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
@@ -391,7 +463,7 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                    ft.UnsupportedFakeTensorException, ft.UnsupportedOperatorException)
     notes: list[str] = []
     mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with mode, _quiet_fake_tensor_log():
         old = torch.get_default_dtype()
         torch.set_default_dtype(MODEL_DTYPE[config.precision])
         try:
@@ -448,11 +520,11 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
 
             autocast = (torch.autocast("cpu", dtype=AUTOCAST_DTYPE[config.precision])
                         if config.precision in AUTOCAST_DTYPE else contextlib.nullcontext())
-            if config.precision in AUTOCAST_DTYPE and backend == "cuda":
-                notes.append("AMP traced with CPU autocast op lists")
+            cuda_amp = config.precision in AUTOCAST_DTYPE and backend == "cuda"
+            fp32_ops = _cuda_autocast_fp32() if cuda_amp else contextlib.nullcontext()
             sdpa = _cuda_sdpa(config.attention, flash_ok) if backend == "cuda" else contextlib.nullcontext()
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack), rec, sdpa:
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack), rec, sdpa, fp32_ops:
                     with autocast:
                         output = _call(module, batch)
                         stack.clear()
@@ -477,6 +549,14 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                         notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
             except fake_errors as exc:
                 raise _fake_error(exc, stack, source, type(module).__name__) from None
+            except PlannerError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an error in the user's forward/loss: one line, exit 2
+                from planner.models.user_module import last_line
+
+                where = (stack[-1] or "(root)") if stack else "the loss or backward"
+                raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
+                                   f"(in {where}); check --inputs matches the model") from None
 
         grads = tuple(tuple(p.shape) for _, p in named if p.requires_grad)
         pbytes = named[0][1].element_size() if named else 4

@@ -1,0 +1,85 @@
+"""Speed and memory of the tracer (`planner.program.trace`), and its agreement with the analytic core (prints).
+
+Targets (issue 12), each traced in a fresh process so its peak RSS is its own:
+- BERT-base (bert-base-uncased config, BertForSequenceClassification) at batch 32 × 512: <= 10 s, <= 2 GB;
+- Llama-3-8B dimensions (the catalog's llama-3-8b config, LlamaForCausalLM) at batch 1 × 2048, bf16:
+  <= 60 s, <= 4 GB (nothing is materialised: FakeTensorMode).
+Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert (analytic) at 8 × 512.
+Usage: python benchmarks/trace_benchmark.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {
+    "bert-base 32x512 fp32": ("bert-base-uncased", "BertForSequenceClassification", 32, 512, "fp32"),
+    "llama-3-8b 1x2048 bf16": ("llama-3-8b", "LlamaForCausalLM", 1, 2048, "bf16"),
+}
+
+
+def one(name: str) -> dict:
+    """Trace one case in this process; returns seconds (build + step), peak RSS, ops, events, saved bytes."""
+    import resource
+    import time
+
+    from planner.models.catalog import catalog_config
+    from planner.program import hf
+    from planner.program.trace import trace_step
+    from planner.spec import TrainConfig
+
+    model, arch, b, s, precision = CASES[name]
+    raw = catalog_config(model)
+    raw["architectures"] = [arch]
+    config = hf.hf_config_object(raw, model, "sdpa")
+    start = time.perf_counter()
+    trace = trace_step(hf.builder(config, model), hf.batch_maker(config, model),
+                       TrainConfig(batch_size=b, seq_len=s, precision=precision), backend="cuda")
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"seconds": seconds, "rss_bytes": rss, "ops": len(trace.ops), "events": len(trace.events),
+            "parameters": trace.parameters["total"], "saved_bytes": trace.saved_bytes}
+
+
+def agreement() -> list[tuple[str, int, int]]:
+    from planner.estimate import estimate
+    from planner.spec import TrainConfig
+
+    example = str(ROOT / "examples" / "multimodal_bert.py")
+    cfg = TrainConfig(batch_size=8, seq_len=512, parallelism="single")
+    traced = estimate(f"{example}:build", cfg, "ml.p3.16xlarge", inputs=f"{example}:batch", with_throughput=False)
+    analytic = estimate("multimodal-bert", cfg, "ml.p3.16xlarge", with_throughput=False)
+    return [("parameters", traced.parameters["total"], analytic.parameters["total"])] + [
+        (k, getattr(traced.memory_bytes, k), getattr(analytic.memory_bytes, k))
+        for k in ("activations", "optimizer_states", "batch", "peak_allocated")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="BERT-base only")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        print(json.dumps(one(args.case)))
+        return 0
+    print(f"{'case':26s} {'seconds':>8s} {'peak RSS MB':>12s} {'ops':>7s} {'events':>7s} {'saved MiB':>10s}")
+    for name in list(CASES)[:1] if args.quick else CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True, check=True,
+                             cwd=ROOT, env={"PYTHONPATH": str(ROOT), **__import__("os").environ})
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{name:26s} {r['seconds']:8.1f} {r['rss_bytes'] / 1e6:12.0f} {r['ops']:7d} {r['events']:7d} "
+              f"{r['saved_bytes'] / 2**20:10.1f}")
+    if not args.quick:
+        print("\nexamples/multimodal_bert.py (traced) vs multimodal-bert (analytic), 8 x 512 fp32, V100")
+        for key, t, a in agreement():
+            print(f"  {key:18s} {t:>15,d} {a:>15,d} {100 * (t - a) / a:+7.3f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""The software stack as an input: torch / CUDA / transformers versions and PYTORCH_CUDA_ALLOC_CONF.
+
+What a stack decides, each from a sourced row of `planner/data/stacks.json`:
+
+* the CUDA context: lazy module loading (CUDA >= 11.7 and torch >= 1.13, pytorch/pytorch PR #86509) loads
+  only the kernels a run uses; eager loading before it loads every kernel of every library (>1 GB on V100);
+* the attention kernel transformers picks by default for a model type (`sdpa` from the version whose model
+  class sets `_supports_sdpa`, with torch >= 2.1.1; `eager` before);
+* the cuBLAS / cuBLASLt workspaces of the torch version;
+* the caching allocator's settings (`expandable_segments` and the other keys, validated).
+
+The default stack is the AWS PyTorch DLC that `probe launch` would use for the GPU (planner/aws/images.py)
+with the newest transformers (the probe job installs it, jobs/requirements.txt). Pure functions over the
+table; the table is read once (I/O at the edge: `table()`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlannerError
+from planner.spec import GPU, SoftwareStack
+
+MiB = 1 << 20
+KiB = 1 << 10
+STACKS_PATH = Path(__file__).resolve().parent.parent / "data" / "stacks.json"
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.\d+)*(?:[+-].*)?\s*$")
+
+Version = tuple[int, int]
+
+
+@lru_cache(maxsize=1)
+def table() -> dict[str, Any]:
+    """planner/data/stacks.json, read once."""
+    return json.loads(STACKS_PATH.read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=1024)
+def parse_version(field: str, value: str | float | None) -> Version:
+    """"2.8", "2.8.0", "2.8.0+cu129" -> (2, 8); anything else is bad input naming `field`."""
+    m = _VERSION.match(str(value)) if value is not None else None
+    if not m:
+        raise PlannerError(field, value, "a version like 2.8 (MAJOR.MINOR)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def fmt(v: Version) -> str:
+    return f"{v[0]}.{v[1]}"
+
+
+def _closest(v: Version, known: list[Version]) -> Version:
+    """The known version nearest to `v` in release order: the oldest / newest when outside the range, else the
+    nearer neighbour of the same major (the older one on a tie)."""
+    ks = sorted(known)
+    if v <= ks[0]:
+        return ks[0]
+    if v >= ks[-1]:
+        return ks[-1]
+    older = max(k for k in ks if k <= v)
+    newer = min(k for k in ks if k >= v)
+    if older[0] != v[0]:
+        return newer
+    if newer[0] != v[0]:
+        return older
+    return older if v[1] - older[1] <= newer[1] - v[1] else newer
+
+
+@lru_cache(maxsize=1)
+def _torch_rows() -> dict[Version, dict[str, Any]]:
+    return {parse_version("stacks.json torch", r["version"]): r for r in table()["torch"]}
+
+
+def check_torch(value: str) -> str:
+    """A torch version the table knows, as "X.Y"."""
+    v = parse_version("--torch-version", value)
+    rows = _torch_rows()
+    if v not in rows:
+        near = _closest(v, list(rows))
+        raise PlannerError("--torch-version", value, f"a torch version in planner/data/stacks.json "
+                           f"({fmt(min(rows))} to {fmt(max(rows))}); closest known: {fmt(near)}")
+    return fmt(v)
+
+
+def check_cuda(torch: str, value: str) -> str:
+    """A CUDA version torch `torch` was built for."""
+    v = parse_version("--cuda-version", value)
+    builds = [parse_version("stacks.json cuda", c) for c in _torch_rows()[parse_version("torch", torch)]["cuda"]]
+    if v not in builds:
+        raise PlannerError("--cuda-version", value, f"a CUDA build of torch {torch}: "
+                           f"{', '.join(fmt(b) for b in builds)}; closest known: {fmt(_closest(v, builds))}")
+    return fmt(v)
+
+
+def known_transformers() -> list[Version]:
+    known = table()["transformers"]["known"]
+    return [(int(major), minor) for major, (lo, hi) in known.items() for minor in range(lo, hi + 1)]
+
+
+def check_transformers(value: str) -> str:
+    v = parse_version("--transformers-version", value)
+    known = known_transformers()
+    if v not in known:
+        raise PlannerError("--transformers-version", value, f"a transformers version in planner/data/stacks.json "
+                           f"({fmt(min(known))} to {fmt(max(known))}); closest known: {fmt(_closest(v, known))}")
+    return fmt(v)
+
+
+# ---- PYTORCH_CUDA_ALLOC_CONF ---------------------------------------------------------------------
+
+
+def _check_alloc_value(key: str, kind: str, raw: str) -> None:
+    allowed = {"bool": "True or False", "mb": "a number of MiB > 0", "fraction": "a number in (0, 1)",
+               "int": "an integer >= 0", "backend": "native or cudaMallocAsync",
+               "divisions": "a power of two or [size:divisions,...]"}[kind]
+    ok = True
+    try:
+        if kind == "bool":
+            ok = raw in ("True", "False", "true", "false")
+        elif kind == "mb":
+            ok = float(raw) > 0
+        elif kind == "fraction":
+            ok = 0 < float(raw) < 1
+        elif kind == "int":
+            ok = int(raw) >= 0
+        elif kind == "backend":
+            ok = raw in ("native", "cudaMallocAsync")
+        elif kind == "divisions":
+            ok = raw.startswith("[") and raw.endswith("]") or (int(raw) > 0 and int(raw) & (int(raw) - 1) == 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise PlannerError("--alloc-conf", f"{key}:{raw}", f"{key} takes {allowed}")
+
+
+def _split_conf(conf: str) -> list[str]:
+    """Split on commas outside [...] (roundup_power2_divisions takes a bracketed list)."""
+    parts, depth, cur = [], 0, ""
+    for ch in conf:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_alloc_conf(conf: str | None, torch: str | None = None) -> dict[str, str]:
+    """PYTORCH_CUDA_ALLOC_CONF ("key:value,key:value") -> {key: value}, checked against the keys that torch
+    version parses (c10/cuda/CUDAAllocatorConfig.cpp)."""
+    keys: dict[str, Any] = table()["alloc_conf"]["keys"]
+    out: dict[str, str] = {}
+    for item in _split_conf(conf or ""):
+        key, sep, raw = item.partition(":")
+        key, raw = key.strip(), raw.strip()
+        if key not in keys:
+            from planner.errors import closest
+
+            near = closest(key, keys)
+            hint = f"did you mean {', '.join(near)}?" if near else f"one of {', '.join(keys)}"
+            raise PlannerError("--alloc-conf", item, f"unknown PYTORCH_CUDA_ALLOC_CONF key; {hint}")
+        if not sep or not raw:
+            raise PlannerError("--alloc-conf", item, f"KEY:VALUE pairs separated by commas, e.g. {key}:True")
+        _check_alloc_value(key, keys[key]["value"], raw)
+        since = keys[key]["since"]
+        if torch is not None and parse_version("torch", torch) < parse_version("since", since):
+            raise PlannerError("--alloc-conf", item, f"{key} exists from torch {since} ({keys[key]['source']}); "
+                               f"the stack has torch {torch}")
+        out[key] = raw
+    return out
+
+
+# ---- the default stack and resolving the user's --------------------------------------------------
+
+
+def default_stack(gpu: GPU) -> SoftwareStack:
+    """The DLC `probe launch` picks for this GPU (the newest whose PyTorch has its kernels) + the newest
+    transformers (jobs/requirements.txt installs it)."""
+    from planner.aws.images import PYTORCH_TRAINING_IMAGES
+
+    tf = table()["transformers"]["default"]
+    cc = tuple(gpu.compute_capability)
+    for img in PYTORCH_TRAINING_IMAGES:
+        if img.supports(cc):  # type: ignore[arg-type]
+            torch = fmt(parse_version("DLC", img.framework_version))
+            digits = img.cuda.removeprefix("cu")
+            cuda = f"{digits[:-1]}.{digits[-1]}"
+            return SoftwareStack(torch=torch, cuda=cuda, transformers=tf, given=False,
+                                 source=f"default: the AWS PyTorch DLC that `probe launch` uses for {gpu.family} "
+                                        f"({img.tag}, see planner/aws/images.py); transformers {tf}, the newest "
+                                        "the probe job installs (jobs/requirements.txt)")
+    last = table()["torch"][-1]
+    return SoftwareStack(torch=last["version"], cuda=last["cuda"][-1], transformers=tf, given=False,
+                         source="default: newest torch in planner/data/stacks.json (no DLC supports this GPU)")
+
+
+def resolve_stack(stack: SoftwareStack | dict[str, Any] | None, gpu: GPU) -> SoftwareStack:
+    """The user's stack (any subset of torch, cuda, transformers, alloc_conf), checked and completed from
+    the default: a missing CUDA is the DLC's when torch matches it, else torch's newest build."""
+    base = default_stack(gpu)
+    if stack is None:
+        return base
+    if isinstance(stack, SoftwareStack):  # already resolved (e.g. Estimate.stack): check it, keep its flags
+        check_cuda(check_torch(stack.torch), stack.cuda)
+        check_transformers(stack.transformers)
+        parse_alloc_conf(stack.alloc_conf, stack.torch)
+        return stack
+    given = stack.model_dump() if isinstance(stack, SoftwareStack) else dict(stack)
+    unknown_keys = set(given) - set(SoftwareStack.model_fields)
+    if unknown_keys:
+        raise PlannerError("stack", sorted(unknown_keys)[0], ", ".join(("torch", "cuda", "transformers",
+                                                                        "alloc_conf")))
+    asked = {k: v for k, v in given.items() if k in ("torch", "cuda", "transformers", "alloc_conf") and v}
+    if not asked:
+        return base
+    why = []
+    torch = check_torch(asked["torch"]) if "torch" in asked else base.torch
+    why.append(f"torch {torch} ({'given' if 'torch' in asked else 'DLC default'})")
+    if "cuda" in asked:
+        cuda = check_cuda(torch, asked["cuda"])
+        why.append(f"CUDA {cuda} (given)")
+    elif torch == base.torch:
+        cuda = base.cuda
+        why.append(f"CUDA {cuda} (DLC default)")
+    else:
+        cuda = _torch_rows()[parse_version("torch", torch)]["cuda"][-1]
+        why.append(f"CUDA {cuda} (newest build of torch {torch})")
+    tf = check_transformers(asked["transformers"]) if "transformers" in asked else base.transformers
+    why.append(f"transformers {tf} ({'given' if 'transformers' in asked else 'default'})")
+    conf = asked.get("alloc_conf", "")
+    parse_alloc_conf(conf, torch)
+    if conf:
+        why.append(f"PYTORCH_CUDA_ALLOC_CONF={conf}")
+    return SoftwareStack(torch=torch, cuda=cuda, transformers=tf, alloc_conf=conf,
+                         given=bool({"torch", "cuda"} & set(asked)), source="; ".join(why))
+
+
+def describe(stack: SoftwareStack) -> str:
+    conf = f", PYTORCH_CUDA_ALLOC_CONF={stack.alloc_conf}" if stack.alloc_conf else ""
+    return f"torch {stack.torch}, CUDA {stack.cuda}, transformers {stack.transformers}{conf}"
+
+
+# ---- what the stack decides -----------------------------------------------------------------------
+
+
+def lazy_loading(stack: SoftwareStack) -> bool:
+    """CUDA_MODULE_LOADING=LAZY by default: CUDA >= 11.7 and torch >= 1.13 (PR #86509)."""
+    ml = table()["module_loading"]
+    return (parse_version("cuda", stack.cuda) >= parse_version("cuda", ml["lazy_min_cuda"])
+            and parse_version("torch", stack.torch) >= parse_version("torch", ml["lazy_min_torch"]))
+
+
+def eager_context_mib(family: str) -> tuple[float, float, float]:
+    """[low, point, high] MiB of an eager-loading context for this family (stacks.json eager_context_mib)."""
+    ec = table()["eager_context_mib"]
+    lo, point, hi = ec["families"].get(family, ec["default"])
+    return float(lo), float(point), float(hi)
+
+
+def default_attention(stack: SoftwareStack, family: str) -> str:
+    """"sdpa" when transformers' model class for `family` supports SDPA in this version and torch has the SDPA
+    transformers requires; else "eager" (stacks.json sdpa_default)."""
+    sd = table()["sdpa_default"]
+    row = sd["families"].get(family)
+    if row is None:
+        return "sdpa"
+    tf_ok = parse_version("tf", stack.transformers) >= parse_version("tf", row["since"])
+    torch_ok = parse_version("torch", stack.torch) >= parse_version("torch", sd["min_torch"])
+    return "sdpa" if tf_ok and torch_ok else "eager"
+
+
+def model_default_attention(stack: SoftwareStack, families: list[str]) -> str:
+    """One kernel for the model: eager if any of its transformers would run eager (the larger memory)."""
+    kinds = {default_attention(stack, f) for f in families}
+    return "eager" if "eager" in kinds else "sdpa"
+
+
+def workspace_rule(stack: SoftwareStack) -> dict[str, Any]:
+    """The cuBLAS workspace row that applies to the stack's torch version."""
+    v = parse_version("torch", stack.torch)
+    rows = [r for r in table()["cublas_workspace"]["rules"] if parse_version("since", r["since"]) <= v]
+    return rows[-1] if rows else table()["cublas_workspace"]["rules"][0]
+
+
+def cublas_workspace_bytes(stack: SoftwareStack, compute_capability: tuple[int, int], handles: int) -> int:
+    """handles x (cuBLAS workspace + cuBLASLt workspace) for this torch version and GPU."""
+    r = workspace_rule(stack)
+    cublas = r["cublas_sm90_kib"] if tuple(compute_capability) == (9, 0) else r["cublas_kib"]
+    return handles * (cublas + r["cublaslt_kib"]) * KiB
+
+
+def context_band(stack: SoftwareStack, family: str, lazy_bytes: int, *, overridden: bool = False,
+                 calibrated: bool = False, calibrated_range: list[float] | None = None) -> tuple[int, int, int, str]:
+    """(point, low, high, why) of the CUDA context for this stack on this GPU family, in bytes.
+
+    Lazy loading: `lazy_bytes` (runtime.py's family figure, or the calibrated median) x the lazy band of
+    stacks.json (narrower when calibrated; the measured [min, max] when the calibration file has it).
+    Eager loading: the eager figures of stacks.json. A defaulted stack widens the high end."""
+    t = table()
+    if overridden:
+        return lazy_bytes, lazy_bytes, lazy_bytes, "given with --cuda-context-mib (no band)"
+    if lazy_loading(stack):
+        why = (f"lazy module loading (CUDA {stack.cuda} >= {t['module_loading']['lazy_min_cuda']} and torch "
+               f"{stack.torch} >= {t['module_loading']['lazy_min_torch']}: only the kernels used are loaded)")
+        point = lazy_bytes
+        if calibrated and calibrated_range:
+            margin = t["lazy_context_band"]["calibrated_margin"]
+            low, high = int(min(calibrated_range) * (1 - margin)), int(max(calibrated_range) * (1 + margin))
+            why += f"; {family} calibrated (measured range ± {margin:.0%})"
+        else:
+            lo, hi = t["lazy_context_band"]["calibrated_relative" if calibrated else "relative"]
+            low, high = int(point * lo), int(point * hi)
+            why += f"; {family} {'calibrated' if calibrated else 'not calibrated'}"
+    else:
+        lo_mib, point_mib, hi_mib = eager_context_mib(family)
+        point, low, high = int(point_mib * MiB), int(lo_mib * MiB), int(hi_mib * MiB)
+        why = (f"eager module loading (CUDA {stack.cuda}, torch {stack.torch}: lazy loading needs CUDA >= "
+               f"{t['module_loading']['lazy_min_cuda']} and torch >= {t['module_loading']['lazy_min_torch']}), "
+               f"every kernel loaded at start: published {lo_mib / 1024:.1f}-{hi_mib / 1024:.1f} GiB")
+    if not stack.given:
+        high = int(high * t["defaulted_stack_widening"]["factor"])
+        why += "; stack not given (DLC default assumed)"
+    return point, min(low, point), max(high, point), why
+
+
+NGC_TAG = re.compile(r"pytorch:(\d\d\.\d\d)-py3")
+
+
+def ngc_stack(text: str) -> dict[str, str] | None:
+    """{"torch", "cuda"} of the NGC PyTorch container named in `text` ("NGC pytorch:20.06-py3"), if known."""
+    m = NGC_TAG.search(text or "")
+    row = table()["ngc"]["containers"].get(m.group(1)) if m else None
+    return {"torch": row["torch"], "cuda": row["cuda"]} if row else None
