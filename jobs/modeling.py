@@ -37,8 +37,8 @@ def hf_config_object(layer: dict[str, Any], attention: str = "sdpa", use_cache: 
     """
     from transformers import AutoConfig
 
-    if attention not in ATTN_IMPLEMENTATION:
-        raise ValueError(f"attention={attention!r}: one of {', '.join(ATTN_IMPLEMENTATION)}")
+    if attention not in ATTN_IMPLEMENTATION and attention != "auto":
+        raise ValueError(f"attention={attention!r}: one of auto, {', '.join(ATTN_IMPLEMENTATION)}")
     cfg = {k: v for k, v in layer["hf_config"].items() if k not in _PLANNER_KEYS}
     # The hub's torch_dtype/dtype is the checkpoint's storage dtype; some classes (Llama/Mistral sequence
     # classifiers) honour it at construction. Training precision is the probe's choice, so build in fp32.
@@ -55,6 +55,8 @@ def hf_config_object(layer: dict[str, Any], attention: str = "sdpa", use_cache: 
         if layer["family"] in ("gpt2", "llama", "mistral") and cfg.get("pad_token_id") is None:
             eos = cfg.get("eos_token_id")
             cfg["pad_token_id"] = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    if attention == "auto":  # transformers picks its own default kernel for this model type and torch
+        return AutoConfig.for_model(model_type, **cfg)
     return AutoConfig.for_model(model_type, attn_implementation=ATTN_IMPLEMENTATION[attention], **cfg)
 
 

@@ -363,7 +363,9 @@ def apply_attention(model: Any, attention: str) -> str:
     impl = ATTN_IMPL.get(attention, attention)
     applied = []
     for m in _hf_models(model):
-        if hasattr(m, "set_attn_implementation"):
+        if attention == "auto":  # keep the kernel transformers chose by default; report it
+            pass
+        elif hasattr(m, "set_attn_implementation"):
             m.set_attn_implementation(impl)
         else:  # older transformers
             m.config._attn_implementation = impl

@@ -129,6 +129,17 @@ class _StackView:
     fragmentation_range: tuple[float, ...]
 
 
+def _calibrated_range(entry: dict[str, Any], key: str, family: str) -> list[float] | None:
+    """A [min, max] pair of the calibration file (`planner calibrate`), checked."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise PlannerError(f"calibration file: families.{family}.{key}", value, "[min, max], two numbers >= 0")
+    return [float(min(value)), float(max(value))]
+
+
 def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, runtime, calibration,
                 rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
     """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
@@ -147,16 +158,23 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
     if (cal.get("module_loading") or "lazy") != ("lazy" if sw.lazy_loading(st) else "eager"):
         cal = {}
     ctx = sw.context_band(st, inst.gpu.family, rt.cuda_context_bytes, overridden="cuda_context_bytes" in given,
-                          calibrated="cuda_context_bytes" in cal, calibrated_range=cal.get("context_range"))
+                          calibrated="cuda_context_bytes" in cal,
+                          calibrated_range=_calibrated_range(cal, "context_range", inst.gpu.family))
     update: dict[str, Any] = {}
+    if "cublas_workspace_bytes" not in given:
+        ws = sw.cublas_workspace_bytes(st, inst.gpu.compute_capability, CUBLAS_HANDLES_PER_TRAINING_PROCESS)
+        if sw.workspace_rule(st)["in_allocator"]:
+            update["cublas_workspace_bytes"] = ws
+        else:  # before torch 1.13 cuBLAS allocates its workspace itself: device memory outside the allocator
+            update["cublas_workspace_bytes"] = 0
+            if "cuda_context_bytes" not in given:  # a measured context (device - reserved) already holds it
+                ctx = (ctx[0] + ws, ctx[1] + ws, ctx[2] + ws, ctx[3] + f"; + cuBLAS's own workspaces "
+                       f"({ws / 2**20:.1f} MiB, outside the allocator before torch 1.13)")
     if ctx[0] != rt.cuda_context_bytes:
         update["cuda_context_bytes"] = ctx[0]
-    if "cublas_workspace_bytes" not in given:
-        update["cublas_workspace_bytes"] = sw.cublas_workspace_bytes(st, inst.gpu.compute_capability,
-                                                                     CUBLAS_HANDLES_PER_TRAINING_PROCESS)
     if update:
         rt = rt.model_copy(update=update | {"source": rt.source + f"; stack: {sw.describe(st)}"})
-    frag_range = cal.get("fragmentation_range") or (
+    frag_range = _calibrated_range(cal, "fragmentation_range", inst.gpu.family) or (
         (cal["fragmentation"], cal["fragmentation"]) if "fragmentation" in cal else ())
     return cfg, rt, _StackView(st, ctx, given, tuple(frag_range))
 

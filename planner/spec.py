@@ -16,6 +16,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16")
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
+OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "for-loop")
 Parallelism = Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
 # "auto": the kernel Hugging Face transformers picks by default for the model type in the stack's versions
@@ -289,6 +290,11 @@ class Cost(Frozen):
     hours_per_epoch: float | None = None
     usd_per_epoch: float | None = None
     price_source: str = ""
+    # The whole job (a training recipe's `epochs` passes over `dataset_size` samples); with epochs=1 these
+    # equal the per-epoch figures. Epochs may be fractional (a budget of steps rather than whole passes).
+    epochs: float | None = None
+    hours_per_job: float | None = None
+    usd_per_job: float | None = None
 
 
 class AllocatorReplay(Frozen):

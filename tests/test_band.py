@@ -142,3 +142,17 @@ def test_explain_has_the_beyond_tensors_step_naming_the_stack():
     lines = " ".join(steps["What the GPU holds beyond your tensors"])
     assert "torch 1.12" in lines and "eager module loading" in lines
     assert "Reserved pool" in lines and "verdict" in lines
+
+
+def test_a_malformed_calibration_range_is_bad_input(tmp_path, monkeypatch):
+    import json
+
+    import pytest
+
+    from planner.errors import PlannerError
+
+    (tmp_path / "cal.json").write_text(json.dumps({"families": {"V100": {"cuda_context_bytes": 4e8,
+                                                                          "context_range": "wide"}}}))
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(tmp_path / "cal.json"))
+    with pytest.raises(PlannerError, match="context_range"):
+        estimate("bert-base-uncased", TrainConfig(batch_size=8, seq_len=128), "ml.p3.2xlarge", with_throughput=False)

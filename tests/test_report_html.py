@@ -197,13 +197,17 @@ def _tiny_study(root: Path, values: list[float]) -> Path:
     model = cached_model("gpt2")
     spec = SpaceSpec(batch_sizes=(2, 4), seq_lens=(128,), precisions=("fp32",), checkpointing=(False,),
                      grad_accums=(1,))
+    spec = spec.model_copy(update={"parallelisms": ("ddp",), "attentions": ("sdpa",), "optimizer_impls": ("foreach",)})
     sweep = Sweep(model="gpt2", instance=inst.name, space=spec)
     space = resolve_space(spec, model, inst)
     objective = Objective(model, inst, space)
-    db = root / "c" / "study.db"
-    db.parent.mkdir(parents=True)
-    study = optuna.create_study(storage=f"sqlite:///{db}", study_name="c@ml.g5.xlarge", direction="maximize")
-    study.set_user_attr(DEFINITION_ATTR, {**sweep.definition(), "instance": inst.name})
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    journal = root / "c" / "journal.log"
+    journal.parent.mkdir(parents=True)
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    study = optuna.create_study(storage=storage, study_name="c", direction="maximize")
+    study.set_user_attr(DEFINITION_ATTR, sweep.definition())
     choices = space.parameters()  # the searched dimensions as Optuna sees them (numeric ones as an index)
     dists = {n: optuna.distributions.IntDistribution(0, len(c) - 1) if n.endswith(INDEX_SUFFIX)
              else optuna.distributions.CategoricalDistribution(c) for n, c in choices.items()}
@@ -251,7 +255,7 @@ def test_probe_results_are_compared_when_present(tmp_path):
 
 def test_unknown_study_is_one_line_naming_the_flag(tmp_path):
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "study.db").write_bytes(b"")
+    (tmp_path / "other" / "journal.log").write_bytes(b"")
     r = runner.invoke(app, ["report", "--study", "nope", "--results-dir", str(tmp_path)])
     assert r.exit_code == 2
     assert "--study" in r.output and "nope" in r.output and "other" in r.output

@@ -16,24 +16,28 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from planner.errors import unknown
-from planner.hardware import instance_table, normalize_instance_name
+# The table itself is data (planner.prices, beside the GPU facts); this module only refreshes it. The names
+# below are re-exported so that existing callers keep working.
+from planner.prices import (  # noqa: F401
+    API_SOURCE,
+    CACHE_ENV,
+    DEFAULT_CACHE,
+    DEFAULT_REGION,
+    MAX_PRICE_PER_HOUR,
+    cache_path,
+    embedded_prices,
+    load_cache,
+    lookup,
+    price_per_hour,
+)
 
 PRICING_API_REGION = "us-east-1"  # the Price List API endpoints: us-east-1, eu-central-1, ap-south-1
 SERVICE_CODE = "AmazonSageMaker"
 COMPONENT = "Training"
-DEFAULT_REGION = "us-east-1"
-CACHE_ENV = "PLANNER_PRICES"
-DEFAULT_CACHE = Path("results") / "prices.json"
-# ASSUMPTION: no SageMaker training instance costs more than this per hour (the dearest, ml.p6-b200.48xlarge
-# and ml.p5en.48xlarge, list well under $200/h on demand); a bigger figure in a cache is a corrupt file.
-MAX_PRICE_PER_HOUR = 10_000.0
-API_SOURCE = "AWS Price List API (AmazonSageMaker, component Training, On-Demand)"
 
 
 class PricingError(Exception):
@@ -88,58 +92,6 @@ def parse_price_list(price_list: Iterable[str | Mapping[str, Any]], region: str 
                 if math.isfinite(usd) and 0 < usd <= MAX_PRICE_PER_HOUR:
                     prices[name] = usd
     return prices
-
-
-def embedded_prices() -> dict[str, dict[str, Any]]:
-    """{instance: {price, date, source, region}} from planner/data/instances.json."""
-    return {name: {"price": rec.get("price_per_hour"), "date": rec.get("price_date", ""),
-                   "source": rec.get("price_source", ""), "region": rec.get("price_region", DEFAULT_REGION)}
-            for name, rec in instance_table().items()}
-
-
-def lookup(name: str, cache: Mapping[str, Any] | None) -> tuple[float | None, str, str]:
-    """(price, date, source) for an instance (pure): the cache's entry when it has one, else the embedded one."""
-    key = normalize_instance_name(name)
-    if cache and key in cache.get("prices", {}):
-        region = cache.get("region", "")
-        return float(cache["prices"][key]), str(cache.get("fetched", "")), f"{cache.get('source', API_SOURCE)}, {region}"
-    table = embedded_prices()
-    if key not in table:
-        known = list(table) + list((cache or {}).get("prices", {}))
-        raise unknown("--instance", name, known)
-    rec = table[key]
-    return rec["price"], rec["date"], rec["source"]
-
-
-# ---- I/O edge ------------------------------------------------------------------------------------
-
-
-def cache_path() -> Path:
-    return Path(os.environ.get(CACHE_ENV, DEFAULT_CACHE))
-
-
-def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
-    """The refreshed price cache, or None when absent; a cache that is not what `--refresh` writes is an error
-    naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
-    from planner.errors import PlannerError
-    from planner.io import number, read_json
-
-    p = Path(path) if path is not None else cache_path()
-    if not p.exists():
-        return None
-    what = f"prices cache (${CACHE_ENV}; delete it or run `planner prices --refresh`)"
-    data = read_json(p, what)
-    prices = data.get("prices")
-    if not isinstance(prices, dict):
-        raise PlannerError(f"{p}: prices", prices, 'an object {"ml.p3.2xlarge": 3.825, ...}')
-    for name, usd in prices.items():
-        number(usd, f"{p}: prices.{name}", low=0, high=MAX_PRICE_PER_HOUR, low_open=True)
-    return data
-
-
-def price_per_hour(instance_name: str) -> tuple[float | None, str, str]:
-    """(USD per instance-hour, date, source): the refreshed cache when it lists the instance, else embedded."""
-    return lookup(instance_name, load_cache())
 
 
 def fetch_prices(region: str = DEFAULT_REGION, client: Any = None) -> dict[str, float]:

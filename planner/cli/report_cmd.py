@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     def report(
         study: Annotated[str, typer.Option("--study", help="Search (study) name, as given to `planner search`.")],
         storage: Annotated[str | None, typer.Option(
-            help="Optuna RDB URL (default sqlite:///results/<study>/study.db).")] = None,
+            help="Journal file or Optuna RDB URL (default results/<study>/journal.log).")] = None,
         top: Annotated[int, typer.Option(min=1, help="Candidates in the memory breakdown.")] = 5,
         results_dir: Annotated[Path, typer.Option(help="Where results/<study>/ lives.")] = Path("results"),
         probes: Annotated[Path | None, typer.Option(

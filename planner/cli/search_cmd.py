@@ -31,8 +31,13 @@ def _slug(text: str) -> str:
 
 def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: list[str] | None,
                 instance: str | None, nodes: int | None, space: dict[str, str | None],
-                constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any]) -> Sweep:
-    """The sweep file (or the built-in default) with the flags that were given laid over it."""
+                constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
+                recipe: dict[str, Any] | None = None, max_instances: int | None = None) -> Sweep:
+    """The sweep file (or the built-in default) with the flags that were given laid over it.
+
+    The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
+    --seq-lens is the older spelling of --seq-len; a --global-batch-tolerance keeps the older, tolerant
+    global-batch constraint with searched accumulation."""
     from planner.search.space import space_from_flags
     from planner.search.sweep import DEFAULT_SWEEP, check_sweep, load_sweep
 
@@ -50,13 +55,41 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
         updates["instance"] = instance
     if nodes is not None:
         updates["fixed"] = {**base.fixed, "instances": nodes}
+    recipe = {k: v for k, v in (recipe or {}).items() if v is not None}
+    space = dict(space)
+    if space.get("seq_lens") is not None and "seq_len" not in recipe:
+        recipe["seq_len"] = space.pop("seq_lens")
+    space.pop("seq_lens", None)
+    if "seq_len" in recipe:
+        recipe["seq_len"] = _seq_lens(recipe["seq_len"])
+    constraints = dict(constraints)
+    if constraints.get("global_batch_tolerance"):  # the older tolerant form: accumulation is searched
+        gbs = constraints.get("global_batch_size") or base.recipe.global_batch_size
+        constraints["global_batch_size"] = gbs
+        recipe["global_batch_size"] = None
+    elif constraints.get("global_batch_size") is not None:
+        recipe["global_batch_size"] = constraints.pop("global_batch_size")
+    if max_instances is not None:
+        space["instance_counts"] = ",".join(str(n) for n in range(1, max_instances + 1))
     flags_space = space_from_flags(**space)
     if flags_space.explicit():
-        updates["space"] = base.space.merged(flags_space).model_dump()
+        merged_space = base.space.merged(flags_space)
+        if "seq_len" in recipe or base.recipe.seq_len is not None:
+            merged_space = merged_space.model_copy(update={"seq_lens": None})
+        updates["space"] = merged_space.model_dump()
+    elif "seq_len" in recipe and base.space.seq_lens is not None:
+        updates["space"] = base.space.model_copy(update={"seq_lens": None}).model_dump()
+    if recipe:
+        updates["recipe"] = recipe
+        if recipe.get("global_batch_size") is not None and base.constraints.global_batch_size is not None:
+            constraints["global_batch_size"] = None
+            constraints.setdefault("global_batch_tolerance", 0.0)
+    if "global_batch_size" in constraints and constraints["global_batch_size"] is None:
+        updates["constraints"] = {"global_batch_size": None}
     for key, values in (("constraints", constraints), ("objective", objective), ("search", search)):
         given = {k: v for k, v in values.items() if v is not None}
         if given:
-            updates[key] = given
+            updates[key] = {**updates.get(key, {}), **given}
     if not updates:
         return base
     merged = base.with_overrides(**updates)
@@ -64,108 +97,179 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     return merged
 
 
+def _seq_lens(text: Any) -> int | tuple[int, ...]:
+    """--seq-len 512 or 256,512 (a list is explored; the best is reported at the longest)."""
+    from planner.search.space import parse_flag_list
+
+    if isinstance(text, int):
+        return text
+    values = parse_flag_list("seq_lens", str(text))
+    assert values is not None
+    return values[0] if len(values) == 1 else values
+
+
 # ------------------------------------------------------------------------------------------ output
+# Every table fits 80 columns (also when piped, where rich assumes 80): few columns, short heads, and the
+# configuration as one wrapped cell.
 
 
-def _gib(value: float) -> str:
-    return "-" if value != value else f"{value:.2f}"
+def _num(value: Any, fmt: str = ",.2f", prefix: str = "") -> str:
+    if value is None or value != value:
+        return "-"
+    return f"{prefix}{value:{fmt}}"
 
 
-def _money(value: Any) -> str:
-    return "-" if value is None or value != value else f"${value:,.2f}"
-
-
-ALWAYS_SHOWN = ("batch_size", "seq_len", "parallelism")
+def _int(value: Any) -> str:
+    return "-" if value is None or value != value else str(int(value))
 
 
 def _config_text(row: Any, shown: set[str]) -> str:
-    """The searched dimensions of one configuration (fixed ones are printed once, above the table)."""
-    parts = [f"b={row['batch_size']}", f"s={row['seq_len']}"]
-    if "precision" in shown:
-        parts.append(str(row["precision"]))
+    """The searched dimensions of one configuration (fixed ones are printed once, above the table):
+    micro-batch × accumulation × GPUs, then the rest."""
+    gpus = row.get("world_size")
+    parts = [f"{_int(row['batch_size'])}x{_int(row['grad_accum'])}x{_int(gpus)}"]
+    if "seq_len" in shown:
+        parts.append(f"s{_int(row['seq_len'])}")
+    for dim in ("precision", "parallelism", "attention", "optimizer", "optimizer_impl"):
+        if dim in shown:
+            parts.append(str(row[dim]))
     if "checkpointing" in shown:
         parts.append("ckpt" if row["checkpointing"] else "no-ckpt")
-    if "grad_accum" in shown:
-        parts.append(f"accum={row['grad_accum']}")
-    parts.append(str(row["parallelism"]))
-    parts += [str(row[d]) for d in ("optimizer", "attention") if d in shown]
     return " ".join(parts)
 
 
-def print_result(result: SearchResult, top: int) -> None:
+def _instance_text(row: Any) -> str:
+    n = _int(row.get("instances"))
+    name = str(row["instance"]).removeprefix("ml.")
+    return name if n in ("1", "-") else f"{n}x {name}"
+
+
+def _table(title: str, heads: list[str]) -> Any:
+    from rich import box
     from rich.table import Table
 
-    from planner.search.pareto import throughput_vs_seq_len
-    from planner.search.results import best_per_instance, cost_column, top_k
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for head in heads:
+        left = head in ("instance", "configuration")
+        table.add_column(head, justify="left" if left else "right", overflow="fold",
+                         ratio=3 if head == "configuration" else None)
+    return table
 
+
+def _recipe_text(result: SearchResult) -> str:
+    from planner.search.sweep import DEFAULT_SWEEP
+
+    r = result.sweep.recipe
+    seq = r.seq_lens()
+    parts = []
+    if r.global_batch_size is not None:
+        parts.append(f"global batch {r.global_batch_size}")
+    if seq:
+        parts.append(f"seq {','.join(map(str, seq))}")
+    size = result.sweep.dataset_size()
+    if size is not None:
+        parts.append(f"{size:,} samples x {r.epochs:g} epoch{'s' if r.epochs != 1 else ''}")
+    text = ", ".join(parts) or "none (accumulation and sequence length searched; $ per million samples)"
+    if result.sweep.recipe == DEFAULT_SWEEP.recipe:
+        text += " (the reference job; dataset size and epochs are documented defaults: --dataset-size, --epochs)"
+    return text
+
+
+def print_result(result: SearchResult, top: int) -> None:
+    from planner.search.columns import cost_column, time_column
+    from planner.search.results import best_per_instance, best_row, seq_len_front, top_k
+    from planner.search.sweep import TARGETS
+
+    assert result.target in TARGETS
     frame = result.frame
+    run = result.run
     n_feasible = int(frame["feasible"].sum()) if len(frame) else 0
-    target = result.sweep.objective.target
-    console.print(f"[bold]{result.sweep.model}[/] search [cyan]{result.name}[/]: {len(frame)} trials "
-                  f"({n_feasible} feasible) on {', '.join(r.instance for r in result.runs)}; "
-                  f"objective: {'max samples/s' if target == 'throughput' else 'min cost'}", highlight=False)
-    shown = {dim for run in result.runs for dim in run.space.searched()}
-    fixed = {k: v for k, v in result.runs[0].space.constants().items() if k not in shown} if result.runs else {}
+    goal = {"throughput": "max samples/s", "cost": "min $ per job", "time": "min hours per job",
+            "pareto": "hours vs $ per job (Pareto front)"}[result.target]
+    types = run.instances
+    where = types[0] if len(types) == 1 else f"{len(types)} instance types"
+    console.print(f"[bold]{result.sweep.model}[/] on {where}: study [cyan]{result.name}[/]", highlight=False)
+    console.print(f"recipe: {_recipe_text(result)}", highlight=False)
+    console.print(f"objective: {goal}; {len(frame)} trials ({n_feasible} feasible), sampler {run.sampler}",
+                  highlight=False)
+    shown = set(run.space.searched())
+    fixed = {k: v for k, v in run.space.constants().items() if k not in shown and k != "instance"}
     if fixed:
         console.print("fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), highlight=False)
-    for run in result.runs:
-        if run.space.dropped:
-            dropped = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in run.space.dropped.items())
-            console.print(f"  {run.instance}: left out of the default space (unsupported here): {dropped}",
-                          highlight=False)
+    if run.space.dropped:
+        dropped = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in run.space.dropped.items())
+        console.print(f"left out of the default space (no GPU here runs them): {dropped}", highlight=False)
     if n_feasible == 0:
         return
-    cost_col = cost_column(frame)
-    cost_head = "$/epoch" if cost_col == "usd_per_epoch" else "$/M samples"
-    multi = len(result.runs) > 1
-    table = Table(title=f"Top {top} configurations", title_justify="left")
-    for head in (["#"] + (["instance"] if multi else []) +
-                 ["configuration", "GBS", "peak GiB", "headroom GiB", "samples/s", "tokens/s", "MFU", "$/hour",
-                  cost_head]):
-        table.add_column(head, justify="left" if head in ("instance", "configuration") else "right")
+    cost_col, time_col = cost_column(frame), time_column(frame)
+    per_job = cost_col == "usd_per_job"
+    cost_head, time_head = ("$/job", "h/job") if per_job else ("$/M", "h/M")
+    multi = len(types) > 1 or "instances" in shown
+    best = best_row(frame, result.target, result.direction)
+    if len(best):
+        b = best.iloc[0]
+        console.print(
+            f"[bold]best:[/] {_instance_text(b)}, micro-batch {_int(b['batch_size'])} x accumulation "
+            f"{_int(b['grad_accum'])} x {_int(b['world_size'])} GPUs = global batch {_int(b['global_batch_size'])}, "
+            f"seq {_int(b['seq_len'])}, {b['precision']}, {'checkpointing' if b['checkpointing'] else 'no checkpointing'}, "
+            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}", highlight=False)
+        console.print(
+            f"      {_num(b['samples_per_s'], ',.1f')} samples/s; {_num(b[time_col])} h and "
+            f"{_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per million samples'} at "
+            f"{_num(b['price_per_hour'], prefix='$')}/h; peak {_num(b['peak_device_high_gib'])} of "
+            f"{_num(b['gpu_memory_gib'])} GiB ({b['verdict']})", highlight=False)
+    heads = ["#"] + (["instance"] if multi else []) + ["configuration", "peak GiB", "samples/s", time_head,
+                                                       cost_head]
+    table = _table(f"Top {top} configurations (micro x accum x GPUs)", heads)
     for i, (_, row) in enumerate(top_k(frame, top, result.direction).iterrows(), 1):
-        cells = [str(i)] + ([row["instance"]] if multi else []) + [
-            _config_text(row, shown), f"{int(row['global_batch_size']) if row['global_batch_size'] == row['global_batch_size'] else '-'}",
-            f"{_gib(row['peak_device_gib'])} / {_gib(row['gpu_memory_gib'])}", _gib(row["headroom_gib"]),
-            f"{row['samples_per_s']:,.1f}", f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}",
-            _money(row["price_per_hour"]), _money(row[cost_col])]
-        table.add_row(*cells)
+        table.add_row(str(i), *([_instance_text(row)] if multi else []), _config_text(row, shown),
+                      _num(row["peak_device_high_gib"]), _num(row["samples_per_s"], ",.1f"), _num(row[time_col]),
+                      _num(row[cost_col], prefix="$"))
     console.print(table)
-    if multi:
-        per = Table(title="Best configuration per instance type, cheapest first", title_justify="left")
-        for head in ("instance", "configuration", "samples/s", "$/hour", cost_head, "hours/epoch"):
-            per.add_column(head, justify="left" if head in ("instance", "configuration") else "right")
-        for _, row in best_per_instance(frame, result.direction).iterrows():
-            hours = row.get("hours_per_epoch")
-            per.add_row(row["instance"], _config_text(row, shown), f"{row['samples_per_s']:,.1f}",
-                        _money(row["price_per_hour"]), _money(row[cost_col]),
-                        "-" if hours is None or hours != hours else f"{hours:,.2f}")
-        console.print(per)
-        missing = [r.instance for r in result.runs if r.instance not in set(frame[frame["feasible"]]["instance"])]
+    if len(types) > 1:
+        per = best_per_instance(frame, result.direction)
+        if result.target == "pareto":
+            per = per.sort_values(cost_col, kind="stable")
+        table = _table("Best per instance type, cheapest per job first", ["instance", "configuration",
+                                                                          "samples/s", "$/h", time_head, cost_head])
+        for _, row in per.iterrows():
+            table.add_row(_instance_text(row), _config_text(row, shown), _num(row["samples_per_s"], ",.1f"),
+                          _num(row["price_per_hour"], prefix="$"), _num(row[time_col]), _num(row[cost_col], prefix="$"))
+        console.print(table)
+        missing = [t for t in types if t not in set(frame[frame["feasible"]]["instance"])]
         if missing:
-            console.print(f"no feasible configuration on: {', '.join(missing)}", highlight=False)
-    front = throughput_vs_seq_len(frame)
-    if front["seq_len"].nunique() > 1:
-        ft = Table(title="Fastest configuration per sequence length among the trials (Pareto front)", title_justify="left")
-        for head in (["instance"] if multi else []) + ["seq len", "configuration", "samples/s", "tokens/s"]:
-            ft.add_column(head, justify="left" if head in ("instance", "configuration") else "right")
+            console.print(f"no feasible configuration found on: {', '.join(m.removeprefix('ml.') for m in missing)}",
+                          highlight=False)
+    if result.target == "pareto":
+        from planner.search.pareto import time_vs_cost
+
+        table = _table("Pareto front: hours vs $ per job", ["instance", "configuration", "samples/s", time_head,
+                                                            cost_head])
+        for _, row in time_vs_cost(frame).iterrows():
+            table.add_row(_instance_text(row), _config_text(row, shown), _num(row["samples_per_s"], ",.1f"),
+                          _num(row[time_col]), _num(row[cost_col], prefix="$"))
+        console.print(table)
+    front = seq_len_front(result)
+    if len(front) and front["seq_len"].nunique() > 1:
+        table = _table("Best per sequence length (Pareto front)", ["seq", *(["instance"] if multi else []),
+                                                                    "configuration", "samples/s", cost_head])
         for _, row in front.iterrows():
-            ft.add_row(*([row["instance"]] if multi else []), str(row["seq_len"]), _config_text(row, shown),
-                       f"{row['samples_per_s']:,.1f}", f"{row['tokens_per_s']:,.0f}")
-        console.print(ft)
+            table.add_row(_int(row["seq_len"]), *([_instance_text(row)] if multi else []), _config_text(row, shown),
+                          _num(row["samples_per_s"], ",.1f"), _num(row[cost_col], prefix="$"))
+        console.print(table)
 
 
 def infeasible_message(result: SearchResult) -> str:
     from planner.search.results import infeasible_reasons
 
     reasons = infeasible_reasons(result.frame)
-    common = "; ".join(f"{n}× {text}" for n, text in reasons[:3])
+    common = "; ".join(f"{n}x {text}" for n, text in reasons[:3])
     hints = []
-    if any("memory" in text for _, text in reasons):
-        hints.append("smaller --batch-sizes or --seq-lens, --checkpointing on, a larger --max-memory-fraction, "
+    if any("memory" in text or "tight" in text for _, text in reasons):
+        hints.append("smaller --batch-sizes, --checkpointing on, a larger --max-memory-fraction, --accept-tight, "
                      "a sharded --parallelisms (zero2, zero3, fsdp) or an instance with more GPU memory")
     if any("global batch" in text for _, text in reasons):
-        hints.append("a --global-batch-tolerance, or --batch-sizes/--grad-accums that multiply to the target")
+        hints.append("a --global-batch-size that micro-batch x GPUs divides, or other --batch-sizes")
     if any(text.startswith("--") for _, text in reasons):
         hints.append("values this GPU and model support (see the reasons)")
     advice = f" Try {'; or '.join(hints)}." if hints else ""
@@ -173,27 +277,47 @@ def infeasible_message(result: SearchResult) -> str:
             f"saved in {result.storage}); reasons: {common or 'none'}.{advice}")
 
 
+# Seconds between status lines when stderr is not a terminal (a log, CI): a bar would print nothing useful.
+STATUS_INTERVAL_S = 5.0
+
+
 class _Progress:
-    """A rich progress bar per instance type on stderr."""
+    """A rich progress bar on a terminal; a status line every STATUS_INTERVAL_S seconds when piped."""
 
-    def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    def __init__(self, bar: bool) -> None:
+        import time
 
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=err_console, transient=True)
-        self.tasks: dict[str, Any] = {}
+        self.bar = bar
+        self.start = self.last = time.monotonic()
+        self.task: Any = None
+        self.progress: Any = None
+        if bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def __call__(self, instance: str, done: int, total: int) -> None:
-        if instance not in self.tasks:
-            self.tasks[instance] = self.progress.add_task(instance, total=total)
-        self.progress.update(self.tasks[instance], completed=done, total=total)
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=err_console, transient=True)
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        import time
+
+        if self.progress is not None:
+            if self.task is None:
+                self.task = self.progress.add_task("search", total=total)
+            self.progress.update(self.task, completed=done, total=total)
+            return
+        now = time.monotonic()
+        if now - self.last >= STATUS_INTERVAL_S or (done >= total and now - self.start >= STATUS_INTERVAL_S):
+            self.last = now
+            print(f"search {label}: {done}/{total} trials, {now - self.start:.0f} s", file=sys.stderr, flush=True)
 
     def __enter__(self) -> _Progress:
-        self.progress.start()
+        if self.progress is not None:
+            self.progress.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.progress.stop()
+        if self.progress is not None:
+            self.progress.stop()
 
 
 def register(app: typer.Typer) -> None:
@@ -207,47 +331,69 @@ def register(app: typer.Typer) -> None:
             "--model-option", "-o", help="Model option KEY=VALUE (repeatable).")] = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
-            min=1, help="Finished trials wanted per instance type (default 100; grid: the whole grid).")] = None,
+            min=1, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
+                        "further instance type; grid: the whole grid).")] = None,
         sampler: Annotated[str | None, typer.Option(help="tpe (default; grid when the space has no more points than --trials), grid (exhaustive) or random.")] = None,
-        seed: Annotated[int | None, typer.Option(help="Sampler seed (default 0).")] = None,
+        seed: Annotated[int | None, typer.Option(
+            help="Sampler seed (default 0); each further worker on the same study adds its number.")] = None,
         study: Annotated[str | None, typer.Option(
-            help="Study name; re-running with the same name resumes it (default: sweep name + hash).")] = None,
+            help="Study name; re-running with the same name resumes it (default: sweep name, instance set, "
+                 "hash).")] = None,
         storage: Annotated[str | None, typer.Option(
-            help="Optuna RDB URL (default sqlite:///results/<study>/study.db), e.g. postgresql://...")] = None,
+            help="Journal file (default results/<study>/journal.log) or Optuna RDB URL: sqlite:///x.db, "
+                 "postgresql://user@host/db (pip install .[postgres]).")] = None,
         top: Annotated[int, typer.Option(min=1, help="Configurations to show.")] = 5,
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         max_memory_fraction: Annotated[float | None, typer.Option(
             min=0.01, max=1.0, help="Fits only if peak GPU memory <= this × GPU memory (default 0.95).")] = None,
         global_batch_size: Annotated[int | None, typer.Option(
-            min=1, help="Required micro-batch × accumulation × GPUs × instances.")] = None,
+            min=1, help="Recipe: samples per optimizer step over all GPUs (default 64); accumulation = this / "
+                        "(micro-batch x GPUs), and must be whole.")] = None,
+        seq_len: Annotated[str | None, typer.Option(
+            "--seq-len", help="Recipe: tokens per sample, or a list to explore, e.g. 256,512 (default 512).")] = None,
+        epochs: Annotated[float | None, typer.Option(
+            min=0.001, help="Recipe: passes over the dataset (default 3), for hours and $ per job.")] = None,
         global_batch_tolerance: Annotated[float | None, typer.Option(
-            min=0.0, max=0.99, help="Relative tolerance on --global-batch-size (default 0).")] = None,
+            min=0.0, max=0.99, help="Accept a global batch within this relative tolerance, with searched "
+                                    "--grad-accums (default 0: exact, accumulation derived).")] = None,
         min_seq_len: Annotated[int | None, typer.Option(min=1, help="Search only sequence lengths >= this.")] = None,
-        dataset_size: Annotated[int | None, typer.Option(min=1, help="Samples per epoch, for $/epoch.")] = None,
+        dataset_size: Annotated[int | None, typer.Option(
+            min=1, help="Recipe: samples per epoch (default 100,000).")] = None,
         spot: Annotated[bool | None, typer.Option("--spot/--on-demand", help="Price with spot instances.")] = None,
         objective: Annotated[str | None, typer.Option(
-            help="throughput (max samples/s, default) or cost (min $/epoch).")] = None,
-        nodes: Annotated[int | None, typer.Option("--instances", min=1, help="Instances (nodes) per job.")] = None,
+            help="cost ($/job; default with several instance types), time (hours/job), throughput "
+                 "(samples/s; default on one) or pareto (hours vs $).")] = None,
+        accept_tight: Annotated[bool | None, typer.Option(
+            "--accept-tight/--sure-fit", help="Count a 'tight' memory verdict as feasible (default: sure "
+                                             "fits only).")] = None,
+        nodes: Annotated[int | None, typer.Option("--instances", min=1, help="Instances (nodes) per job, fixed.")] = None,
+        max_instances: Annotated[int | None, typer.Option(
+            min=1, help="Search 1..N instances per job (default 1).")] = None,
         batch_sizes: Annotated[str | None, typer.Option(help="Micro-batches per GPU, e.g. 1,2,4,8.")] = None,
-        seq_lens: Annotated[str | None, typer.Option(help="Sequence lengths, e.g. 128,256,512.")] = None,
+        seq_lens: Annotated[str | None, typer.Option(help="Older spelling of --seq-len.")] = None,
         precisions: Annotated[str | None, typer.Option(help="fp32, amp-fp16, amp-bf16, fp16, bf16.")] = None,
         checkpointing: Annotated[str | None, typer.Option(help="on, off or both (default both).")] = None,
         grad_accums: Annotated[str | None, typer.Option(help="Gradient accumulation steps, e.g. 1,2,4.")] = None,
         optimizers: Annotated[str | None, typer.Option(help="adamw (default), adam, sgd, ...")] = None,
-        attentions: Annotated[str | None, typer.Option(help="sdpa (default), eager, flash.")] = None,
-        parallelisms: Annotated[str | None, typer.Option(help="auto (default), ddp, zero1, zero2, zero3, ...")] = None,
+        optimizer_impls: Annotated[str | None, typer.Option(help="foreach, fused (default both), for-loop.")] = None,
+        attentions: Annotated[str | None, typer.Option(help="sdpa, flash (default both where a GPU has it), "
+                                                            "eager.")] = None,
+        parallelisms: Annotated[str | None, typer.Option(
+            help="ddp, zero1, zero2, zero3, fsdp, dp (default all), single, auto.")] = None,
         results_dir: Annotated[Path, typer.Option(help="Where results/<study>/ goes.")] = Path("results"),
         progress: Annotated[bool | None, typer.Option(
             "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
     ) -> None:
-        """Search micro-batch, sequence length, precision, checkpointing and accumulation for the best
-        configuration that fits; prints the top configurations and writes results/<study>/."""
+        """Search instance type and count, parallelism, precision, checkpointing, micro-batch, attention and
+        optimizer kernels for the best way to run a training recipe; prints the best, the top configurations
+        and writes results/<study>/."""
         from planner.search.study import run_search
+        from planner.search.sweep import TARGETS
 
-        if objective is not None and objective not in ("throughput", "cost"):
+        if objective is not None and objective not in TARGETS:
             from planner.errors import unknown
 
-            raise unknown("--objective", objective, ["throughput", "cost"])
+            raise unknown("--objective", objective, list(TARGETS))
         if sampler is not None and sampler not in ("tpe", "grid", "random"):
             from planner.errors import unknown
 
@@ -256,20 +402,20 @@ def register(app: typer.Typer) -> None:
             sweep_file=sweep, model=model, model_options=model_option, instance=instance, nodes=nodes,
             space={"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
                    "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
-                   "attentions": attentions, "parallelisms": parallelisms},
+                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms},
             constraints={"max_memory_fraction": max_memory_fraction, "global_batch_size": global_batch_size,
-                         "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len},
-            objective={"target": objective, "dataset_size": dataset_size, "spot": spot},
+                         "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len,
+                         "accept_tight": accept_tight},
+            objective={"target": objective, "spot": spot},
             search={},
+            recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
+            max_instances=max_instances,
         )
-        show = (sys.stderr.isatty() and not json_out) if progress is None else progress
+        bar = sys.stderr.isatty() and not json_out if progress is None else progress
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,
                       results_dir=results_dir)
-        if show:
-            with _Progress() as bar:
-                result = run_search(sw, progress=bar, **kwargs)
-        else:
-            result = run_search(sw, **kwargs)
+        with _Progress(bar) as report:
+            result = run_search(sw, progress=report, **kwargs)
         if json_out:
             from planner.search.results import summary
 
@@ -278,8 +424,9 @@ def register(app: typer.Typer) -> None:
         else:
             print_result(result, top)
             if result.files:
-                console.print(f"results: {', '.join(str(p) for p in result.files.values())}; "
-                              f"storage: {result.storage}", highlight=False, soft_wrap=True)
+                names = ", ".join(p.name for p in result.files.values())
+                console.print(f"results: {result.results_dir}/ ({names})", highlight=False, soft_wrap=True)
+                console.print(f"storage: {result.storage}", highlight=False, soft_wrap=True)
         if result.all_infeasible:
             err_console.print(f"[bold red]error:[/] {infeasible_message(result)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)

@@ -39,6 +39,7 @@ def table() -> dict[str, Any]:
     return json.loads(STACKS_PATH.read_text(encoding="utf-8"))
 
 
+@lru_cache(maxsize=1024)
 def parse_version(field: str, value: str | float | None) -> Version:
     """"2.8", "2.8.0", "2.8.0+cu129" -> (2, 8); anything else is bad input naming `field`."""
     m = _VERSION.match(str(value)) if value is not None else None
@@ -68,6 +69,7 @@ def _closest(v: Version, known: list[Version]) -> Version:
     return older if v[1] - older[1] <= newer[1] - v[1] else newer
 
 
+@lru_cache(maxsize=1)
 def _torch_rows() -> dict[Version, dict[str, Any]]:
     return {parse_version("stacks.json torch", r["version"]): r for r in table()["torch"]}
 

@@ -3,10 +3,12 @@
     job $/h        = instance $/h * instances * (1 - spot discount if spot)
     $ / 1M samples = job $/h / 3600 / samples_per_s * 1e6
     hours / epoch  = dataset_size / samples_per_s / 3600
+    hours / job    = hours / epoch * epochs;   $ / job = hours / job * job $/h
 
 `throughput.samples_per_s` is already the whole job's rate (all GPUs of all instances).
-The instance price comes from `price_per_hour=` when given, else from planner.aws.pricing (the refreshed
-cache `results/prices.json` when present, else the embedded table in planner/data/instances.json).
+The instance price comes from `price_per_hour=` when given, else from planner.prices (data: the refreshed
+cache `results/prices.json` when present, else the embedded table in planner/data/instances.json); this
+module never imports the AWS client code (planner.aws.pricing only refreshes that table).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ DEFAULT_SPOT_DISCOUNT = 0.70
 def _instance_price(instance: Instance) -> tuple[float | None, str]:
     """(USD per instance-hour, source) from the pricing module, falling back to the Instance itself."""
     try:
-        from planner.aws.pricing import price_per_hour
+        from planner.prices import price_per_hour
 
         price, date, source = price_per_hour(instance.name)
         if price is not None:
@@ -40,8 +42,9 @@ def _instance_price(instance: Instance) -> tuple[float | None, str]:
 
 def predict_cost(throughput: Throughput, instance: Instance, *, instances: int = 1, dataset_size: int | None = None,
                  spot: bool = False, spot_discount: float | None = None,
-                 price_per_hour: float | None = None) -> Cost:
-    """Cost of the job; `price_per_hour` (per instance, on-demand) overrides the known price."""
+                 price_per_hour: float | None = None, epochs: float | None = None) -> Cost:
+    """Cost of the job; `price_per_hour` (per instance, on-demand) overrides the known price; `epochs`
+    passes over `dataset_size` make the job (None: one epoch)."""
     if instances < 1:
         raise PlannerError("--instances", instances, "an integer >= 1")
     if dataset_size is not None and dataset_size < 1:
@@ -67,5 +70,17 @@ def predict_cost(throughput: Throughput, instance: Instance, *, instances: int =
     if dataset_size is not None and rate > 0:
         hours = dataset_size / rate / SECONDS_PER_HOUR
         usd = hours * job_price
-    return Cost(price_per_hour=job_price, spot=spot, usd_per_million_samples=per_million, dataset_size=dataset_size,
+    cost = Cost(price_per_hour=job_price, spot=spot, usd_per_million_samples=per_million, dataset_size=dataset_size,
                 hours_per_epoch=hours, usd_per_epoch=usd, price_source=source)
+    return per_job(cost, 1.0 if epochs is None else epochs)
+
+
+def per_job(cost: Cost, epochs: float) -> Cost:
+    """`cost` with the job's figures for `epochs` passes: hours/job = hours/epoch × epochs, $/job likewise.
+
+    Pure and cheap, so a search can price one estimate for any recipe without estimating it again."""
+    if epochs <= 0:
+        raise PlannerError("--epochs", epochs, "a positive number of passes over the dataset")
+    hours = None if cost.hours_per_epoch is None else cost.hours_per_epoch * epochs
+    usd = None if cost.usd_per_epoch is None else cost.usd_per_epoch * epochs
+    return cost.model_copy(update={"epochs": epochs, "hours_per_job": hours, "usd_per_job": usd})

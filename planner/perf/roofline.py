@@ -49,8 +49,8 @@ ATTENTION_QUERY_TILE = 128  # FlashAttention-2 / mem-efficient forward: one CTA 
 # containers: BERT-large SQuAD and pre-training on V100 16/32 GB and A100 40 GB), grid-searched within the
 # physically plausible ranges (GEMM <= 0.90 of dense peak, HBM <= 0.925 of datasheet bandwidth). Both land on
 # the upper bound: NVIDIA's BERT runs apex fused LayerNorm / bias-GELU kernels that move fewer bytes than the
-# Hugging Face ops this roofline models, and the fit absorbs part of that. Held out: dle-bert-2111 and
-# lambda-dlb (median |error| 24% with the unfitted 0.80/0.80, 15% fitted).
+# Hugging Face ops this roofline models, and the fit absorbs part of that. Held out: dle-bert-2111, lambda-dlb
+# and lambda-dlb-v2 (24 single-GPU rows; median |error| 24% with the 0.80/0.80 prior, 18% fitted).
 GEMM_EFFICIENCY = 0.90
 HBM_EFFICIENCY = 0.925
 

@@ -160,8 +160,8 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
 
 
 # ------------------------------------------------------------------------ candidates from a study
-# planner.search keeps a study `S` in results/S/study.db as one Optuna study per instance type, named
-# `S@<instance>`, with the sweep definition (model, model_options, ...) in the study's user attr
+# planner.search keeps a study `S` in results/S/journal.log (older searches: results/S/study.db, one Optuna
+# study per instance type named `S@<instance>`), with the sweep definition (model, model_options, ...) in the study's user attr
 # `planner:definition` and each trial's resolved config in the trial's user attr `config`.
 
 CONFIG_KEYS = tuple(TrainConfig.model_fields)
@@ -207,6 +207,9 @@ def find_study_storage(study: str, results: Any) -> str:
     import optuna
 
     results = Path(results)
+    journal = results / study / "journal.log"
+    if journal.is_file():
+        return f"journal:{journal}"
     own = results / study / "study.db"
     candidates = [own] if own.is_file() else sorted(results.rglob("*.db"))
     for db in candidates:
@@ -227,7 +230,12 @@ def study_candidates(study: str, top: int, results: Any = "results", storage: st
     if top < 1:
         raise PlannerError("--top", top, "an integer >= 1")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from pathlib import Path
+
+    from planner.search.storage import open_storage, parse_storage
+
     url = storage or find_study_storage(study, results)
+    url = open_storage(parse_storage(url, Path(results) / study / "journal.log"))
     names = [s.study_name for s in optuna.study.get_all_study_summaries(url, include_best_trial=False)
              if s.study_name == study or s.study_name.startswith(study + "@")]
     ranked: list[tuple[tuple[float, int], dict[str, Any]]] = []
@@ -235,13 +243,13 @@ def study_candidates(study: str, top: int, results: Any = "results", storage: st
         st = optuna.load_study(study_name=name, storage=url)
         definition = dict(st.user_attrs.get(DEFINITION_ATTR) or {})
         instance = definition.get("instance") or (name.split("@", 1)[1] if "@" in name else None)
-        if not instance:
+        if not instance and not definition.get("instances"):
             raise PlannerError("--study", name, "a planner search study (its definition or name gives the instance)")
         direction = st.directions[0]
         for t in st.trials:
             if t.state != optuna.trial.TrialState.COMPLETE:
                 continue
-            cand = trial_candidate(t, definition, instance)
+            cand = trial_candidate(t, definition, (t.user_attrs.get("config") or {}).get("instance") or instance)
             if cand["feasible"]:
                 ranked.append(((_trial_key(t, direction), t.number), cand))
     if not ranked:

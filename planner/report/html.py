@@ -1,8 +1,8 @@
 """`planner report`: a search's results as one self-contained HTML page (plotly.js inlined, no CDN) plus a
 PNG of each chart next to it, under `results/<study>/`.
 
-Reading: the search's Optuna storage (default `sqlite:///results/<study>/study.db`; the instance type I of
-search S is the Optuna study `S@I`, see planner.search.study) and, when present, `results/probes.parquet`.
+Reading: the search's Optuna storage (default `results/<study>/journal.log`, one study over every
+instance type, see planner.search.study) and, when present, `results/probes.parquet`.
 The trial table and the Pareto fronts come from planner.search (one definition of "best" and "front");
 the peak breakdowns of the top candidates are recomputed with `planner.estimate` from each trial's stored
 config, because a trial stores the step's totals, not how the peak splits into categories.
@@ -29,14 +29,14 @@ PROBES_FILE = "probes.parquet"
 
 @dataclass
 class StoredRun:
-    """One instance type's study read back from the storage."""
+    """The search's study read back from the storage (one study over every instance type)."""
 
-    run: Any  # planner.search.study.InstanceRun
+    run: Any  # planner.search.study.StudyRun
     study: Any  # optuna.Study
 
     @property
     def instance(self) -> str:
-        return self.run.instance
+        return ", ".join(i.removeprefix("ml.") for i in self.run.instances)
 
     @property
     def trials(self) -> list[Any]:
@@ -52,7 +52,7 @@ class StoredRun:
 @dataclass
 class Search:
     name: str
-    storage: str  # URL with any password masked
+    storage: str  # URL with any password masked, or the journal file
     runs: list[StoredRun]
     frame: Any  # planner.search.results.trials_frame
     direction: str
@@ -62,71 +62,64 @@ class Search:
         return self.runs[0].definition
 
     def trial(self, instance: str, number: int) -> Any:
-        run = next(r for r in self.runs if r.instance == instance)
-        return next(t for t in run.trials if t.number == number)
+        return next(t for r in self.runs for t in r.trials if t.number == number)
 
 
-def default_storage_url(name: str, results_dir: str | Path) -> str:
-    return f"sqlite:///{(Path(results_dir) / name / 'study.db').resolve()}"
-
-
-def _stored_run(study: Any, study_name: str, search_name: str) -> Any:
-    """An InstanceRun rebuilt from the study's stored definition, as planner.search.study.run_instance built it
+def _stored_run(study: Any, search_name: str) -> Any:
+    """The StudyRun rebuilt from the study's stored definition, as planner.search.study.run_study built it
     (its space decodes each trial's sampled parameters into config values)."""
     from pydantic import ValidationError
 
     from planner.hardware import get_instance
     from planner.models.catalog import cached_model
     from planner.search.space import resolve_space
-    from planner.search.study import DEFINITION_ATTR, InstanceRun
+    from planner.search.study import DEFINITION_ATTR, StudyRun
     from planner.search.sweep import Sweep
 
     definition = study.user_attrs.get(DEFINITION_ATTR)
     if not definition:
-        raise PlannerError("--study", search_name, f"a study written by `planner search` ({study_name} has no "
-                           f"'{DEFINITION_ATTR}' attribute)")
+        raise PlannerError("--study", search_name, f"a study written by `planner search` ({study.study_name} has "
+                           f"no '{DEFINITION_ATTR}' attribute)")
+    data = {k: v for k, v in definition.items() if k not in ("instances", "target")}
     try:
-        sweep = Sweep.model_validate(definition)
+        sweep = Sweep.model_validate({**data, "instance": tuple(definition.get("instances") or ["ml.p3.16xlarge"])})
     except ValidationError as exc:
-        raise PlannerError("--study", search_name, f"a study this version can read ({study_name}: "
+        raise PlannerError("--study", search_name, f"a study this version can read ({study.study_name}: "
                            f"{exc.errors()[0]['msg']})") from None
-    inst = get_instance(sweep.instance if isinstance(sweep.instance, str) else sweep.instance[0])
-    space = resolve_space(sweep.space, cached_model(sweep.model, sweep.model_options), inst,
-                          min_seq_len=sweep.constraints.min_seq_len, fixed=sweep.fixed)
+    types = [get_instance(n) for n in sweep.instance_names()]
+    space = resolve_space(sweep.seq_space(), cached_model(sweep.model, sweep.model_options), types,
+                          min_seq_len=sweep.constraints.min_seq_len, fixed=sweep.fixed,
+                          global_batch_size=sweep.recipe.global_batch_size)
     trials = study.get_trials(deepcopy=False)
-    return InstanceRun(instance=inst.name, study_name=study_name, space=space,
-                       sampler=sweep.search.sampler or "tpe", target=len(trials),
-                       new_trials=0, evaluations=0, trials=trials)
+    return StudyRun(study_name=study.study_name, space=space, sampler=sweep.search.sampler or "tpe",
+                    target=len(trials), new_trials=0, evaluations=0, worker=0, seed=0, trials=trials)
 
 
 def load_search(name: str, storage: str | None = None, results_dir: str | Path = "results") -> Search:
-    """Every instance type's study of search `name` (Optuna studies `name@<instance>`) from its storage."""
+    """The study `name` of `planner search` from its storage (default results/<name>/journal.log)."""
     import optuna
 
     from planner.search.results import trials_frame
-    from planner.search.study import open_storage, safe_url
+    from planner.search.storage import open_storage, parse_storage
+    from planner.search.study import JOURNAL_FILE
 
     results_dir = Path(results_dir)
     if storage is None:
-        db = results_dir / name / "study.db"
-        if not db.is_file():
-            found = sorted(p.parent.name for p in results_dir.glob("*/study.db"))
-            raise PlannerError("--study", name, f"a search with {results_dir}/<study>/study.db (found: "
+        journal = results_dir / name / JOURNAL_FILE
+        if not journal.is_file():
+            found = sorted(p.parent.name for p in results_dir.glob(f"*/{JOURNAL_FILE}"))
+            raise PlannerError("--study", name, f"a search with {results_dir}/<study>/{JOURNAL_FILE} (found: "
                                f"{', '.join(found) or 'none'}), or pass --storage URL")
-        storage = default_storage_url(name, results_dir)
-    store = open_storage(storage)
+    spec = parse_storage(storage, results_dir / name / JOURNAL_FILE)
+    store = open_storage(spec)
     names = optuna.study.get_all_study_names(store)
-    mine = sorted(n for n in names if n.startswith(name + "@"))
-    if not mine:
-        searches = sorted({n.split("@", 1)[0] for n in names})
-        raise PlannerError("--study", name, f"one of the searches in {safe_url(storage)}: "
-                           f"{', '.join(searches) or 'none'}")
+    if name not in names:
+        raise PlannerError("--study", name, f"one of the searches in {spec.display()}: {', '.join(names) or 'none'}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    studies = [(n, optuna.load_study(study_name=n, storage=store)) for n in mine]
-    runs = [StoredRun(_stored_run(study, n, name), study) for n, study in studies]
-    minimize = studies[0][1].direction == optuna.study.StudyDirection.MINIMIZE
-    return Search(name, safe_url(storage), runs, trials_frame([r.run for r in runs]),
-                  "minimize" if minimize else "maximize")
+    study = optuna.load_study(study_name=name, storage=store)
+    run = StoredRun(_stored_run(study, name), study)
+    minimize = study.directions[0] == optuna.study.StudyDirection.MINIMIZE
+    return Search(name, spec.display(), [run], trials_frame(run.run), "minimize" if minimize else "maximize")
 
 
 # Quantity -> (predicted column, measured column, unit) in results/probes.parquet (planner.probes.store.flatten:
@@ -177,13 +170,15 @@ def _estimate_of(search: Search, row: Any, estimate_fn: Callable[..., Any] | Non
 
     if estimate_fn is None:
         from planner.estimate import estimate as estimate_fn
-    definition = next(r.definition for r in search.runs if r.instance == row["instance"])
+    definition = search.definition
     trial = search.trial(row["instance"], int(row["trial"]))
     config = {k: v for k, v in trial.user_attrs.get("config", {}).items() if k in TrainConfig.model_fields}
     objective = definition.get("objective", {})
+    recipe = definition.get("recipe") or {}
     model = cached_model(definition.get("model", "multimodal-bert"), definition.get("model_options") or {})
     return estimate_fn(model, TrainConfig(**config), get_instance(row["instance"]),
-                       dataset_size=objective.get("dataset_size"), spot=bool(objective.get("spot", False)))
+                       dataset_size=recipe.get("dataset_size") or objective.get("dataset_size"),
+                       spot=bool(objective.get("spot", False)))
 
 
 def peak_bars(est: Any) -> dict[str, int]:

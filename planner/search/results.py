@@ -1,51 +1,66 @@
-"""A search's trials as one table: top-k, best per instance type, and the files under results/<study>/.
+"""A search's trials as one table: the best, the best per instance type, top-k, and the files under
+results/<study>/.
 
-Files: `trials.csv` and `trials.parquet` (every trial of every instance type, feasible or not, with its
-reason), `best.json` (the best feasible configuration per instance type, cheapest first, the top-k and
-the Pareto fronts). Columns: the config, every memory term in bytes, peak/headroom in GiB, throughput,
-cost and the constraint values.
+Files: `trials.csv` and `trials.parquet` (every trial, feasible or not, with its reason), `best.json`
+(`best`: the winner; `best_per_instance`: the best of each instance type, cheapest per job first; the
+top-k; the Pareto fronts; counts and reasons). Columns: the config (with instance type and count), every
+memory term in bytes, peak/headroom in GiB, the verdict, throughput, cost (per job, per epoch, per
+million samples) and the constraint values. Files are written under a per-process temporary name, then
+renamed: a reader never sees half a file and two workers never share a temporary file.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from planner.search.columns import CONFIG_COLUMNS, cost_column, feasible, time_column, unique_configs
+from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len, time_vs_cost
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-    from planner.search.study import InstanceRun, SearchResult
+    from planner.search.study import SearchResult, StudyRun
 
 GIB = 1024**3
-CONFIG_COLUMNS = ("batch_size", "seq_len", "precision", "checkpointing", "grad_accum", "optimizer", "attention",
-                  "parallelism", "instances")
 THROUGHPUT_COLUMNS = ("samples_per_s", "tokens_per_s", "step_time_s", "mfu", "global_batch_size")
-COST_COLUMNS = ("price_per_hour", "usd_per_epoch", "hours_per_epoch", "usd_per_million_samples")
+COST_COLUMNS = ("price_per_hour", "usd_per_job", "hours_per_job", "epochs", "usd_per_epoch", "hours_per_epoch",
+                "usd_per_million_samples")
+# The keys every `best` / `best_per_instance` record carries (issue 10), then the evidence.
+BEST_KEYS = ["instance", "instances", "batch_size", "grad_accum", "global_batch_size", "seq_len", "precision",
+             "checkpointing", "parallelism", "samples_per_s", "hours_per_job", "usd_per_job"]
+SUMMARY_COLUMNS = [*BEST_KEYS, "trial", "value", "attention", "optimizer", "optimizer_impl", "world_size",
+                   "verdict", "peak_device_gib", "peak_device_high_gib", "headroom_gib", "gpu_memory_gib",
+                   "tokens_per_s", "step_time_s", "mfu", "price_per_hour", "epochs", "usd_per_epoch",
+                   "hours_per_epoch", "usd_per_million_samples"]
 
 
-def _row(run: InstanceRun, trial: Any) -> dict[str, Any]:
+def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
     attrs = trial.user_attrs
     config = {**run.space.constants(), **run.space.decode(trial.params), **attrs.get("config", {})}
     mem = attrs.get("memory_bytes", {})
+    values = trial.values or []
     row: dict[str, Any] = {
-        "instance": run.instance,
         "study": run.study_name,
         "trial": trial.number,
         "state": trial.state.name,
-        "value": trial.value if trial.value is not None else math.nan,
+        "value": values[0] if values else math.nan,
         "feasible": trial.state.name == "COMPLETE" and all(v <= 0 for v in trial.constraints.values()),
         "reason": attrs.get("reason", "" if trial.state.name == "COMPLETE" else f"trial {trial.state.name}"),
     }
     for col in CONFIG_COLUMNS:
         row[col] = config.get(col)
     row["world_size"] = config.get("world_size")
+    row["verdict"] = mem.get("verdict")
     row["peak_device_gib"] = mem["peak_device"] / GIB if "peak_device" in mem else math.nan
+    row["peak_device_high_gib"] = mem.get("peak_device_high", mem.get("peak_device", math.nan)) / GIB
     row["headroom_gib"] = mem["headroom"] / GIB if "headroom" in mem else math.nan
     row["gpu_memory_gib"] = mem["gpu_memory"] / GIB if "gpu_memory" in mem else math.nan
     for key, value in mem.items():
-        if key != "peak_phase":
+        if key not in ("peak_phase", "verdict"):
             row[f"mem_{key}"] = value
     row["peak_phase"] = mem.get("peak_phase")
     throughput, cost = attrs.get("throughput", {}), attrs.get("cost", {})
@@ -54,51 +69,71 @@ def _row(run: InstanceRun, trial: Any) -> dict[str, Any]:
     for col in COST_COLUMNS:
         value = cost.get(col)
         row[col] = math.nan if value is None else value
+    rate = row["samples_per_s"]
+    row["hours_per_million_samples"] = 1e6 / rate / 3600 if rate == rate and rate > 0 else math.nan
     for key, value in trial.constraints.items():
         row[f"constraint_{key}"] = value
     row["datetime_complete"] = trial.datetime_complete
     return row
 
 
-def trials_frame(runs: list[InstanceRun]) -> pd.DataFrame:
-    """One row per trial of every instance type's study."""
+def trials_frame(run: StudyRun) -> pd.DataFrame:
+    """One row per trial of the study."""
     import pandas as pd
 
-    rows = [_row(run, t) for run in runs for t in run.trials]
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame([_row(run, t) for t in run.trials])
     if frame.empty:
-        frame = pd.DataFrame(columns=["instance", "study", "trial", "state", "value", "feasible", "reason",
-                                      *CONFIG_COLUMNS])
+        frame = pd.DataFrame(columns=["study", "trial", "state", "value", "feasible", "reason", *CONFIG_COLUMNS])
     return frame
 
 
-def unique_configs(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (instance, configuration): TPE evaluates a good point of a discrete space many times."""
-    keys = [c for c in ("instance", *CONFIG_COLUMNS) if c in frame.columns]
-    return frame.drop_duplicates(subset=keys, keep="first")
+def _order(frame: pd.DataFrame, direction: str) -> pd.DataFrame:
+    """Best value first; ties broken by the cheaper, then the faster configuration."""
+    cols, asc = ["value"], [direction == "minimize"]
+    for col, up in ((cost_column(frame), True), ("samples_per_s", False)):
+        if col in frame.columns and col != "value":
+            cols.append(col)
+            asc.append(up)
+    return frame.sort_values(cols, ascending=asc, kind="stable", na_position="last")
 
 
 def top_k(frame: pd.DataFrame, k: int, direction: str) -> pd.DataFrame:
-    """The k best feasible distinct configurations (over all instance types)."""
-    feasible = unique_configs(frame[frame["feasible"]])
-    return feasible.sort_values("value", ascending=direction == "minimize", kind="stable").head(k)
+    """The k best feasible distinct configurations (over every instance type)."""
+    return _order(feasible(frame), direction).head(k)
 
 
-def cost_column(frame: pd.DataFrame) -> str:
-    """$/epoch when a dataset size was given, else $ per million samples."""
-    if "usd_per_epoch" in frame.columns and frame["usd_per_epoch"].notna().any():
-        return "usd_per_epoch"
-    return "usd_per_million_samples"
+def top_k_per_instance(frame: pd.DataFrame, k: int, direction: str) -> pd.DataFrame:
+    """The k best feasible distinct configurations of each instance type (the report's scatter)."""
+    ordered = _order(feasible(frame), direction)
+    return ordered.groupby("instance", sort=False).head(k)
+
+
+def _longest(data: pd.DataFrame) -> pd.DataFrame:
+    """The rows at the longest sequence searched: the recipe's job (shorter lengths are the seq-len front)."""
+    return data[data["seq_len"] == data["seq_len"].max()] if len(data) else data
 
 
 def best_per_instance(frame: pd.DataFrame, direction: str) -> pd.DataFrame:
-    """The best feasible configuration of each instance type, cheapest (then fastest) first."""
-    feasible = frame[frame["feasible"]]
-    if feasible.empty:
-        return feasible
-    ordered = feasible.sort_values("value", ascending=direction == "minimize", kind="stable")
-    best = ordered.groupby("instance", sort=False).head(1)
-    return best.sort_values([cost_column(best), "samples_per_s"], ascending=[True, False], na_position="last")
+    """The best feasible configuration of each instance type (at the longest sequence searched), cheapest
+    per job (then fastest) first."""
+    data = _longest(feasible(frame))
+    if data.empty:
+        return data
+    best = _order(data, direction).groupby("instance", sort=False).head(1)
+    return best.sort_values([cost_column(best), "samples_per_s"], ascending=[True, False], na_position="last",
+                            kind="stable")
+
+
+def best_row(frame: pd.DataFrame, target: str, direction: str) -> pd.DataFrame:
+    """The winner (one row, or none): the best value at the recipe's longest sequence (the per-length bests
+    are the seq-len front); for `pareto`, the cheapest configuration of the time-vs-cost front."""
+    data = _longest(feasible(frame))
+    if data.empty:
+        return data
+    if target == "pareto":
+        front = time_vs_cost(data)
+        return front.sort_values([cost_column(front), time_column(front)], kind="stable").head(1)
+    return _order(data, direction).head(1)
 
 
 def _records(frame: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
@@ -122,54 +157,67 @@ def infeasible_reasons(frame: pd.DataFrame) -> list[tuple[int, str]]:
     from collections import Counter
 
     counts: Counter[str] = Counter()
-    bad = frame[~frame["feasible"]] if len(frame) else frame
+    bad = frame[~frame["feasible"].astype(bool)] if len(frame) else frame
     for _, row in bad.iterrows():
         if row.get("constraint_supported", 0) > 0:
             counts[str(row["reason"]).split("; ")[0]] += 1
-        elif row.get("constraint_memory", 0) > 0:
-            counts["does not fit in GPU memory (peak > max-memory-fraction × GPU memory)"] += 1
         elif row.get("constraint_global_batch", 0) > 0:
-            counts["global batch size outside the tolerance of --global-batch-size"] += 1
+            counts["cannot hit the global batch exactly (micro-batch × GPUs does not divide it)"
+                   if str(row["reason"]).startswith("global batch") and "whole number" in str(row["reason"])
+                   else "global batch size outside the tolerance of --global-batch-size"] += 1
+        elif row.get("constraint_memory", 0) > 0:
+            counts["verdict tight: not a sure fit (--accept-tight allows it)" if "tight" in str(row["reason"])
+                   else "does not fit in GPU memory (peak > max-memory-fraction × GPU memory)"] += 1
         else:
             counts[str(row["reason"]) or f"trial {row['state']}"] += 1
     return [(n, text) for text, n in counts.most_common()]
 
 
-SUMMARY_COLUMNS = ["instance", "trial", "value", *CONFIG_COLUMNS, "world_size", "peak_device_gib", "headroom_gib",
-                   "gpu_memory_gib", *THROUGHPUT_COLUMNS, *COST_COLUMNS]
-
-
 def summary(result: SearchResult, k: int = 5) -> dict[str, Any]:
-    """The JSON summary: best per instance type (cheapest first), top-k, Pareto fronts, counts."""
-    from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len
-
+    """The JSON summary: best, best per instance type (cheapest first), top-k, Pareto fronts, counts."""
     frame = result.frame
-    feasible = frame[frame["feasible"]] if len(frame) else frame
-    sweep = result.sweep
+    ok = frame[frame["feasible"].astype(bool)] if len(frame) else frame
+    sweep, run = result.sweep, result.run
+    best = _records(best_row(frame, result.target, result.direction), SUMMARY_COLUMNS)
     return {
         "study": result.name,
         "storage": result.storage,
         "model": sweep.model,
         "model_options": sweep.model_options,
-        "objective": sweep.objective.model_dump(mode="json") | {"direction": result.direction},
+        "recipe": sweep.recipe.model_dump(mode="json"),
+        "objective": sweep.objective.model_dump(mode="json") | {"target": result.target,
+                                                                "direction": result.direction,
+                                                                "directions": result.directions},
         "constraints": sweep.constraints.model_dump(mode="json"),
         "trials": int(len(frame)),
-        "feasible_trials": int(len(feasible)),
-        "instances": [{"instance": r.instance, "study": r.study_name, "trials": len(r.trials),
-                       "sampler": r.sampler, "new_trials": r.new_trials, "estimate_calls": r.evaluations, "space_size": r.space.size,
-                       "searched": {k: list(v) for k, v in r.space.searched().items()},
-                       "fixed": r.space.constants(), "dropped_defaults": {k: list(v) for k, v in
-                                                                           r.space.dropped.items()}}
-                      for r in result.runs],
+        "feasible_trials": int(len(ok)),
+        "instances": [{"instance": name, "study": run.study_name,
+                       "trials": int((frame["instance"] == name).sum()) if len(frame) else 0}
+                      for name in run.instances],
+        "search": {"sampler": run.sampler, "seed": run.seed, "worker": run.worker, "new_trials": run.new_trials,
+                   "estimate_calls": run.evaluations, "space_size": run.space.size,
+                   "searched": {k: list(v) for k, v in run.space.searched().items()},
+                   "fixed": run.space.constants(),
+                   "dropped_defaults": {k: list(v) for k, v in run.space.dropped.items()}},
+        "best": best[0] if best else None,
         "best_per_instance": _records(best_per_instance(frame, result.direction), SUMMARY_COLUMNS),
         "top": _records(top_k(frame, k, result.direction), SUMMARY_COLUMNS),
         "pareto": {
-            "throughput_vs_seq_len": _records(throughput_vs_seq_len(frame), SUMMARY_COLUMNS),
+            "time_vs_cost": _records(time_vs_cost(frame), SUMMARY_COLUMNS),
+            "throughput_vs_seq_len": _records(seq_len_front(result), SUMMARY_COLUMNS),
             "throughput_vs_cost": _records(throughput_vs_cost(frame), SUMMARY_COLUMNS),
         },
         "all_infeasible": result.all_infeasible,
         "infeasible_reasons": [{"trials": n, "reason": text} for n, text in infeasible_reasons(frame)],
     }
+
+
+def seq_len_front(result: SearchResult) -> pd.DataFrame:
+    """The best configuration per sequence length that a longer one does not beat (by the objective)."""
+    if result.target == "pareto":
+        return throughput_vs_seq_len(result.frame)
+    value = "samples_per_s" if result.target == "throughput" else "value"
+    return throughput_vs_seq_len(result.frame, result.direction, value)
 
 
 def write_results(result: SearchResult, k: int = 5) -> dict[str, Path]:
@@ -188,6 +236,13 @@ def write_results(result: SearchResult, k: int = 5) -> dict[str, Path]:
 
 
 def _atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    tmp.replace(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+__all__ = ["best_per_instance", "best_row", "cost_column", "summary", "top_k", "trials_frame", "unique_configs",
+           "write_results"]

@@ -14,6 +14,7 @@ with one value is fixed, not searched.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
@@ -21,51 +22,63 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 from planner.errors import PlannerError
 from planner.spec import (
     ATTENTIONS,
+    OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PARALLELISMS,
     PRECISIONS,
     Attention,
     Instance,
     ModelSpec,
+    OptimizerImpl,
     OptimizerName,
     Parallelism,
     Precision,
     TrainConfig,
 )
 
-# Dimension name (a TrainConfig field) -> SpaceSpec field that lists its values.
+# Dimension name (a TrainConfig field, or `instance` for the instance type) -> SpaceSpec field that lists
+# its values. One study searches all of them jointly (planner/search/study.py says why).
 DIMENSIONS: dict[str, str] = {
+    "instance": "instance_types",
+    "instances": "instance_counts",
     "batch_size": "batch_sizes",
     "seq_len": "seq_lens",
     "precision": "precisions",
     "checkpointing": "checkpointing",
     "grad_accum": "grad_accums",
     "optimizer": "optimizers",
+    "optimizer_impl": "optimizer_impls",
     "attention": "attentions",
     "parallelism": "parallelisms",
 }
 # Flag of each SpaceSpec field, so an error names what the user typed.
 FLAGS: dict[str, str] = {field: "--" + field.replace("_", "-") for field in DIMENSIONS.values()}
+FLAGS["instance_types"] = "--instance"
 
-# Defaults: micro-batch, sequence length, precision, checkpointing and accumulation are searched;
-# optimizer, attention and parallelism are fixed unless asked. Powers of two up to 128 cover the
-# micro-batches of a BERT-size model on 16-80 GB GPUs up to past the memory edge (so the edge lies
-# inside the space); 128-512 are BERT's usual lengths.
+# Defaults. Powers of two up to 512 cover the micro-batches of a BERT-size model on 16-80 GB GPUs up to
+# past the memory edge (so the edge lies inside the space); with a recipe's global batch only those that
+# can reach it (<= the global batch) are kept. 128-512 are BERT's usual lengths. Every data-parallel
+# strategy is tried (on one GPU they all collapse to `single`); instance counts default to one instance,
+# so the price is one instance's unless a sweep asks (`space.instance_counts`, `--max-instances`).
 DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "instance_counts": (1,),
     "batch_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
     "seq_lens": (128, 256, 512),
     "precisions": ("fp32", "amp-fp16", "amp-bf16"),  # pure fp16/bf16 (no fp32 master) only when asked
     "checkpointing": (False, True),
-    "grad_accums": (1, 2, 4, 8),
+    "grad_accums": (1, 2, 4, 8),  # searched only when the recipe gives no global batch
     "optimizers": ("adamw",),
-    "attentions": ("sdpa",),
-    "parallelisms": ("auto",),
+    "optimizer_impls": ("foreach", "fused"),
+    "attentions": ("sdpa", "flash"),
+    "parallelisms": ("ddp", "zero1", "zero2", "zero3", "fsdp", "dp"),
 }
 # Numeric dimensions, sampled as an index into their sorted values (see SearchSpace.parameters).
-ORDINAL: tuple[str, ...] = ("batch_size", "seq_len", "grad_accum")
+ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum")
 INDEX_SUFFIX = "_index"
-# TrainConfig fields a sweep may fix besides the dimensions (e.g. instances: 2 nodes).
+# TrainConfig fields a sweep may fix besides the dimensions (e.g. gradient_as_bucket_view: true).
 FIXABLE: tuple[str, ...] = tuple(f for f in TrainConfig.model_fields if f not in DIMENSIONS)
+# `fixed.instances` (and `--instances N`) stays accepted: it fixes the instance-count dimension.
+FIXED_DIMENSIONS: tuple[str, ...] = ("instances",)
 
 
 def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -75,16 +88,18 @@ def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class SpaceSpec(BaseModel):
-    """The values asked for; None = the default for the model and instance."""
+    """The values asked for; None = the default for the model and instance types."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    instance_counts: tuple[PositiveInt, ...] | None = None
     batch_sizes: tuple[PositiveInt, ...] | None = None
     seq_lens: tuple[PositiveInt, ...] | None = None
     precisions: tuple[Precision, ...] | None = None
     checkpointing: tuple[bool, ...] | None = None
     grad_accums: tuple[PositiveInt, ...] | None = None
     optimizers: tuple[OptimizerName, ...] | None = None
+    optimizer_impls: tuple[OptimizerImpl, ...] | None = None
     attentions: tuple[Attention, ...] | None = None
     parallelisms: tuple[Parallelism, ...] | None = None
 
@@ -94,32 +109,54 @@ class SpaceSpec(BaseModel):
         return None if v is None else _unique(v)
 
     def explicit(self) -> set[str]:
-        return {name for name in DIMENSIONS.values() if getattr(self, name) is not None}
+        return {name for name in type(self).model_fields if getattr(self, name) is not None}
 
     def merged(self, override: SpaceSpec) -> SpaceSpec:
         """This spec with the fields `override` sets replaced (flags over a sweep file)."""
         return self.model_copy(update={k: getattr(override, k) for k in override.explicit()})
 
 
+@dataclass(frozen=True)
+class Point:
+    """One point of the joint space: the instance type and its TrainConfig, or why it has none."""
+
+    instance: str
+    config: TrainConfig | None
+    reason: str = ""
+    values: tuple[tuple[str, Any], ...] = ()  # the point's dimension values (what a config-less point records)
+
+
 class SearchSpace(BaseModel):
-    """A concrete space for one model on one instance: every dimension has at least one value."""
+    """A concrete joint space: instance types × every TrainConfig dimension, each with >= 1 value.
+
+    With `global_batch_size` set (the recipe's), gradient accumulation is not a dimension: it is derived,
+    grad_accum = global batch / (micro-batch × GPUs per instance × instances), and a point where that is
+    not a whole number has no config (`Point.reason` says why)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    instance_types: tuple[str, ...]
+    gpus: dict[str, int]  # GPUs per instance of each type
+    instance_counts: tuple[PositiveInt, ...]
     batch_sizes: tuple[PositiveInt, ...]
     seq_lens: tuple[PositiveInt, ...]
     precisions: tuple[Precision, ...]
     checkpointing: tuple[bool, ...]
     grad_accums: tuple[PositiveInt, ...]
     optimizers: tuple[OptimizerName, ...]
+    optimizer_impls: tuple[OptimizerImpl, ...]
     attentions: tuple[Attention, ...]
     parallelisms: tuple[Parallelism, ...]
-    fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields, e.g. {"instances": 2}
+    global_batch_size: PositiveInt | None = None
+    fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields
     dropped: dict[str, tuple[Any, ...]] = Field(default_factory=dict)  # defaults left out, per field
 
     def values(self) -> dict[str, tuple[Any, ...]]:
-        """Dimension name -> its values, searched or not."""
-        return {dim: getattr(self, field) for dim, field in DIMENSIONS.items()}
+        """Dimension name -> its values, searched or not (grad_accum is absent when derived)."""
+        out = {dim: getattr(self, field) for dim, field in DIMENSIONS.items()}
+        if self.global_batch_size is not None:
+            del out["grad_accum"]
+        return out
 
     def searched(self) -> dict[str, tuple[Any, ...]]:
         """The dimensions with more than one value: what the sampler chooses."""
@@ -141,10 +178,11 @@ class SearchSpace(BaseModel):
     def decode(self, params: dict[str, Any]) -> dict[str, Any]:
         """Sampled parameters -> dimension values (an index becomes the value it points at)."""
         out: dict[str, Any] = {}
+        values = self.values()
         for name, value in params.items():
             if name.endswith(INDEX_SUFFIX):
                 dim = name[: -len(INDEX_SUFFIX)]
-                out[dim] = self.values()[dim][value]
+                out[dim] = values[dim][value]
             else:
                 out[name] = value
         return out
@@ -158,14 +196,37 @@ class SearchSpace(BaseModel):
     def size(self) -> int:
         return math.prod(len(v) for v in self.values().values())
 
+    def point(self, values: dict[str, Any]) -> Point:
+        """The instance type and TrainConfig of one point: dimension values over the constants.
+
+        On one GPU every data-parallel strategy is plain training, so it becomes `single` (one cached
+        estimate instead of six)."""
+        merged = {**self.constants(), **values}
+        instance = merged.pop("instance")
+        gpus = self.gpus[instance] * merged.get("instances", 1)
+        if gpus == 1 and merged.get("parallelism") in PARALLELISMS:
+            merged["parallelism"] = "single"
+        if self.global_batch_size is not None:
+            per_step = merged["batch_size"] * gpus
+            accum, rest = divmod(self.global_batch_size, per_step)
+            if rest or not accum:
+                reason = (f"global batch {self.global_batch_size} is not a whole number of steps of micro-batch "
+                          f"{merged['batch_size']} × {gpus} GPU{'s' if gpus > 1 else ''} = {per_step} samples")
+                return Point(instance, None, reason, tuple(sorted(merged.items(), key=lambda kv: kv[0])))
+            merged["grad_accum"] = accum
+        return Point(instance, TrainConfig(**merged))
+
     def config(self, values: dict[str, Any]) -> TrainConfig:
-        """The TrainConfig of one point: dimension values over the constants."""
-        return TrainConfig(**{**self.constants(), **values})
+        """The TrainConfig of one point (PlannerError when the global batch cannot be hit exactly)."""
+        point = self.point(values)
+        if point.config is None:
+            raise PlannerError("recipe.global_batch_size", self.global_batch_size, point.reason)
+        return point.config
 
 
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
-             "parallelisms": ("auto", *PARALLELISMS)}
+             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS}
     return table[name]
 
 
@@ -177,7 +238,7 @@ def parse_flag_list(field: str, text: str | None) -> tuple[Any, ...] | None:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise PlannerError(flag, text, "a comma-separated list with at least one value")
-    if field in ("batch_sizes", "seq_lens", "grad_accums"):
+    if field in ("batch_sizes", "seq_lens", "grad_accums", "instance_counts"):
         out = []
         for item in items:
             try:
@@ -220,26 +281,37 @@ def _gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     return True
 
 
-def resolve_space(spec: SpaceSpec, model: ModelSpec, instance: Instance, *, min_seq_len: int | None = None,
-                  fixed: dict[str, Any] | None = None) -> SearchSpace:
-    """The concrete space for `model` on `instance`.
+def resolve_space(spec: SpaceSpec, model: ModelSpec, instances: Instance | list[Instance], *,
+                  min_seq_len: int | None = None, fixed: dict[str, Any] | None = None,
+                  global_batch_size: int | None = None) -> SearchSpace:
+    """The concrete joint space for `model` over `instances` (one type or several).
 
-    Defaults the GPU or model cannot run are dropped (and listed in `dropped`); values given explicitly
-    are kept, so the objective records them as infeasible with the reason. `min_seq_len` filters the
-    sequence lengths either way (it is a requirement, not a preference).
+    A default value that none of the instance types or the model can run is dropped (and listed in
+    `dropped`): bf16 when every GPU is a V100, FlashAttention without an sm80+ GPU, sequences beyond the
+    model's positions. Values given explicitly are kept, so the objective
+    records them as infeasible with the reason; so is a value that only some of the types can run.
+    `min_seq_len` filters the sequence lengths either way (it is a requirement, not a preference).
+    `global_batch_size` (the recipe's) makes accumulation derived and drops default micro-batches above it.
     """
-    explicit = spec.explicit()
-    values: dict[str, tuple[Any, ...]] = {}
+    types = [instances] if isinstance(instances, Instance) else list(instances)
+    fixed = dict(fixed or {})
+    values: dict[str, tuple[Any, ...]] = {"instance_types": tuple(i.name for i in types)}
     dropped: dict[str, tuple[Any, ...]] = {}
     for dim, field in DIMENSIONS.items():
+        if dim == "instance":
+            continue
         asked = getattr(spec, field)
         chosen = asked if asked is not None else DEFAULTS[field]
-        if field not in explicit:
-            keep = tuple(v for v in chosen if _gpu_can_run(instance, dim, v))
+        if dim in fixed and dim in FIXED_DIMENSIONS:
+            chosen, asked = (fixed.pop(dim),), True
+        if asked is None:
+            keep = tuple(v for v in chosen if any(_gpu_can_run(i, dim, v) for i in types))
             if dim == "seq_len" and model.max_positions is not None:
                 keep = tuple(v for v in keep if v <= model.max_positions)
                 if not keep:  # every default is too long: search the model's own limit
                     keep = (model.max_positions,)
+            if dim == "batch_size" and global_batch_size is not None:
+                keep = tuple(v for v in keep if v <= global_batch_size) or (1,)
             if len(keep) < len(chosen):
                 dropped[field] = tuple(v for v in chosen if v not in keep)
             chosen = keep
@@ -253,10 +325,9 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec, instance: Instance, *, min_
                                f"at most the longest searched sequence length, {max(values['seq_lens'])} "
                                f"(--seq-lens {','.join(map(str, values['seq_lens']))})")
         values["seq_lens"] = keep
-    fixed = dict(fixed or {})
     bad = sorted(set(fixed) - set(FIXABLE))
     if bad:
         hint = "a dimension: set it in space" if bad[0] in DIMENSIONS else f"one of {', '.join(FIXABLE)}"
         raise PlannerError(f"fixed.{bad[0]}", fixed[bad[0]], hint)
-    return SearchSpace(**values, fixed=fixed, dropped=dropped)
-
+    return SearchSpace(**values, gpus={i.name: i.gpus for i in types}, global_batch_size=global_batch_size,
+                       fixed=fixed, dropped=dropped)

@@ -1,28 +1,28 @@
-"""Running a search: Optuna studies in a persistent storage, one study per instance type.
+"""Running a search: ONE Optuna study over the joint space (instance type × count × configuration).
 
-Storage layout. By default one SQLite file per search, `results/<study>/study.db`, which opens in
-`optuna-dashboard sqlite:///results/<study>/study.db`; `--storage URL` takes any Optuna RDB URL
-(postgresql://..., mysql://...). Inside it, the instance type `I` of search `S` is the Optuna study
-`S@I`, so one file holds a multi-instance search and each instance type has its own sampler history.
-
-Why one study per instance type, not the instance as a categorical dimension: the answer wanted is
-the best configuration *per* instance type (then the cheapest of those), and a shared TPE model would
-spend its trials on the best-looking type and leave the others' optima unexplored; the spaces also
-differ per GPU (bf16 exists only from A100/A10G on).
+Why one study: "one p4d or four p3.16xlarge?" is a question across instance types and counts, so the
+instance type is a parameter like the micro-batch, and the sampler spends its trials where the answer
+is (the cheapest types, for a cost objective) instead of giving every type the same budget; each type
+still gets one seeded trial first (a sensible configuration: AMP, DDP, accumulation 1), so the
+per-type table has a row for every type that can run the job. The study's name shows the instance set
+(`multimodal-bert-p3-p3.16xlarge-<hash>`, `...-all-<hash>`), so results of different searches never
+overwrite each other.
 
 Why trials are sampled in memory and written to the storage as each one finishes: Optuna's RDB
-storage issues one transaction per parameter and attribute of a running trial (tens per trial), which
-would make the storage, not the estimate, the cost of a search; a finished trial is written in one
-transaction, so the storage never holds half-written or forever-RUNNING trials, a killed search
-loses at most the trial in flight, and re-running with the same study name resumes (its finished
-trials seed the sampler). Trials written by other workers sharing the storage are read back after
-every trial, so concurrent workers see each other's results and count toward one budget.
+storage issues one transaction per parameter and attribute of a running trial, which would make the
+storage, not the estimate, the cost of a search; a finished trial is written as one record, so the
+storage never holds half-written or forever-RUNNING trials, a killed search loses at most the trial in
+flight, and re-running with the same study name resumes (its finished trials seed the sampler).
+
+Many workers: each worker takes a number when it joins (under the storage's StudyLock), samples with
+seed + that number, and writes a trial only while the study holds fewer than the shared budget and no
+trial at the same grid point (checked under the lock after reading the others' trials), so the study
+ends with exactly the budget and a grid is covered once.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import PlannerError
 from planner.models.catalog import cached_model
 from planner.search.objective import EstimateFn, Objective
-from planner.search.space import SearchSpace, resolve_space
-from planner.search.sweep import DEFAULT_SWEEP, DEFAULT_TRIALS, Sweep, load_sweep
+from planner.search.space import INDEX_SUFFIX, SearchSpace, resolve_space
+from planner.search.storage import StorageSpec, StudyLock, open_storage, parse_storage, remove_if_empty
+from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -40,91 +41,67 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DEFINITION_ATTR = "planner:definition"
-STORAGE_ATTEMPTS = 5  # tries to open a storage whose tables another worker is creating
-ProgressFn = Callable[[str, int, int], None]  # (instance, finished trials, target)
+WORKERS_ATTR = "planner:workers"
+JOURNAL_FILE = "journal.log"
+# TPE trials when no count is given: benchmarks/search_benchmark.py shows TPE reaching >= 99% of the
+# exhaustive optimum within this budget on the default joint space; each further instance type adds
+# TRIALS_PER_EXTRA_TYPE (its seeded trial and a few to refine it).
+DEFAULT_TRIALS = 100
+TRIALS_PER_EXTRA_TYPE = 8
+ProgressFn = Callable[[str, int, int], None]  # (label, finished trials, target)
+
+
+def default_trials(types: int) -> int:
+    return DEFAULT_TRIALS + TRIALS_PER_EXTRA_TYPE * (types - 1)
 
 
 @dataclass
-class InstanceRun:
-    """The study of one instance type after the search."""
+class StudyRun:
+    """The study after the search."""
 
-    instance: str
     study_name: str
     space: SearchSpace
     sampler: str  # the one used: tpe/random become grid when the space is no larger than the budget
     target: int  # trials wanted in the study
-    new_trials: int  # trials this process ran
+    new_trials: int  # trials this process wrote
     evaluations: int  # estimate calls (cache misses) this process made
+    worker: int  # this process's worker number (0 for the first to join)
+    seed: int  # the sampler seed it used: the sweep's seed + worker
     trials: list[optuna.trial.FrozenTrial] = field(default_factory=list)
+
+    @property
+    def instances(self) -> tuple[str, ...]:
+        return self.space.instance_types
 
 
 @dataclass
 class SearchResult:
     name: str
-    storage: str  # URL without password
+    storage: str  # URL without password, or the journal file
     results_dir: Path
     sweep: Sweep
-    direction: str
-    runs: list[InstanceRun]
+    target: str  # throughput, cost, time or pareto
+    directions: list[str]
+    run: StudyRun
     frame: pd.DataFrame
     files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def direction(self) -> str:
+        return self.directions[0]
+
+    @property
+    def runs(self) -> list[StudyRun]:
+        return [self.run]
 
     @property
     def all_infeasible(self) -> bool:
         return not bool(self.frame["feasible"].any()) if len(self.frame) else True
 
 
-def safe_url(url: str) -> str:
-    """The URL with any password masked, for printing and JSON."""
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
-
-
-def default_storage(results_dir: Path, name: str) -> str:
-    folder = (results_dir / name).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'study.db'}"
-
-
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An Optuna RDB storage; errors (bad URL, server down, missing driver) name --storage."""
-    import optuna
-
-    for attempt in range(STORAGE_ATTEMPTS):
-        try:
-            storage = optuna.storages.RDBStorage(url)
-            break
-        except Exception as exc:  # sqlalchemy raises many types; all mean "cannot use this URL (now)"
-            # Workers starting together on a new database race to create Optuna's tables ("table ...
-            # already exists"); the loser succeeds on a retry, once the tables are there.
-            if attempt + 1 < STORAGE_ATTEMPTS and "already exists" in str(exc):
-                time.sleep(0.2 * (attempt + 1))
-                continue
-            raise PlannerError("--storage", safe_url(url), f"a reachable Optuna RDB URL ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0][:200]})") from None
-    if storage.engine.name == "sqlite":
-        _sqlite_wal(storage.engine)
-    return storage
-
-
-def _sqlite_wal(engine: Any) -> None:
-    """Write-ahead log + synchronous=NORMAL: one fsync per checkpoint instead of per trial, still
-    crash-safe (a killed process loses nothing committed; https://sqlite.org/wal.html). The file
-    stays one database for optuna-dashboard; SQLite folds the -wal file back in when the last
-    connection closes."""
-    from sqlalchemy import event
-
-    @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_connection: Any, _record: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-
-    engine.dispose()  # connections opened by RDBStorage's setup reconnect with the pragmas
-
-
-def make_sampler(kind: str, space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
-    """tpe: multivariate TPE (constraints come from trial.set_constraint); grid: every point; random."""
+def make_sampler(kind: str, space: SearchSpace, seed: int, objectives: int = 1) -> optuna.samplers.BaseSampler:
+    """tpe: multivariate TPE (several objectives: its multi-objective form, MOTPE; constraints come from
+    trial.set_constraint); grid: every point; random."""
     import optuna
 
     if kind == "tpe":
@@ -136,34 +113,42 @@ def make_sampler(kind: str, space: SearchSpace, seed: int) -> optuna.samplers.Ba
     raise PlannerError("--sampler", kind, "tpe, grid, random")
 
 
-def _check_definition(study: optuna.Study, definition: dict[str, Any], name: str, instance: str) -> None:
+def _check_definition(study: optuna.Study, definition: dict[str, Any], name: str) -> None:
     stored = study.user_attrs.get(DEFINITION_ATTR)
     if stored is None:
         study.set_user_attr(DEFINITION_ATTR, definition)
         return
     if stored != definition:
         keys = sorted(k for k in set(stored) | set(definition) if stored.get(k) != definition.get(k))
-        raise PlannerError("--study", name, f"a new name: this study already holds a search on {instance} with "
-                           f"different {', '.join(keys)}")
+        raise PlannerError("--study", name, f"a new name: this study already holds a search with different "
+                           f"{', '.join(keys)}")
+
+
+def _point_key(trial: optuna.trial.FrozenTrial) -> tuple:
+    return tuple(sorted(trial.params.items()))
 
 
 class _Mirror:
-    """Samples in an in-memory study and writes each finished trial to the persistent one.
+    """Samples in an in-memory study and writes each finished trial to the persistent one (one record).
 
-    Other workers' trials are found cheaply: RDB trial numbers are consecutive per study, so while the
-    numbers we know are 0..n-1, the study has a new trial exactly when number n exists (one indexed
-    lookup); only then are the new trials read.
+    Other workers' trials are found cheaply: trial numbers are consecutive per study, so while the
+    numbers we know are 0..n-1, the study has a new trial exactly when number n exists (one lookup);
+    only then are the new trials read.
     """
 
-    def __init__(self, persistent: optuna.Study, sampler: optuna.samplers.BaseSampler):
+    def __init__(self, persistent: optuna.Study, sampler: optuna.samplers.BaseSampler, lock: StudyLock,
+                 unique_points: bool):
         import optuna
 
         self.storage = persistent._storage
         self.study_id = persistent._study_id
-        self.memory = optuna.create_study(direction=persistent.direction, sampler=sampler)
+        self.lock = lock
+        self.unique_points = unique_points
+        self.memory = optuna.create_study(directions=persistent.directions, sampler=sampler)
         self.known: set[int] = set()  # persistent trial numbers seen (ours and others')
-        self.saved: set[int] = set()  # in-memory trial numbers already written
-        self.complete = 0  # COMPLETE trials in the in-memory study
+        self.points: set[tuple] = set()  # params of the persistent trials
+        self.written = 0  # trials this process wrote
+        self.complete = 0  # COMPLETE trials in the persistent study that we know of
         self._read_new()
 
     def _contiguous(self) -> bool:
@@ -176,6 +161,7 @@ class _Mirror:
             if trial.number in self.known or not trial.state.is_finished():
                 continue
             self.known.add(trial.number)
+            self.points.add(_point_key(trial))
             if trial.state == optuna.trial.TrialState.COMPLETE:
                 self.memory.add_trial(trial)
                 self.complete += 1
@@ -189,79 +175,147 @@ class _Mirror:
                 return
         self._read_new()
 
-    def save(self, trial: optuna.trial.FrozenTrial) -> None:
-        """Write one finished in-memory trial (params, values, attrs, constraints) in one transaction."""
+    def save(self, trial: optuna.trial.FrozenTrial, target: int) -> bool:
+        """Write one finished in-memory trial, unless the shared budget is full or (grid) another worker
+        already wrote its point; False when it was not written."""
         import optuna
 
-        if trial.number in self.saved:
-            return
-        self.saved.add(trial.number)
-        trial_id = self.storage.create_new_trial(self.study_id, template_trial=trial)
-        self.known.add(self.storage.get_trial_number_from_id(trial_id))
-        if trial.state == optuna.trial.TrialState.COMPLETE:
-            self.complete += 1
+        with self.lock.hold():
+            self.sync()
+            if self.complete >= target or (self.unique_points and _point_key(trial) in self.points):
+                return False
+            trial_id = self.storage.create_new_trial(self.study_id, template_trial=trial)
+            self.known.add(self.storage.get_trial_number_from_id(trial_id))
+            self.points.add(_point_key(trial))
+            self.written += 1
+            if trial.state == optuna.trial.TrialState.COMPLETE:
+                self.complete += 1
+            return True
 
 
-def run_instance(storage: optuna.storages.BaseStorage, name: str, sweep: Sweep, instance: str, *,
-                 trials: int | None, sampler: str | None, seed: int, estimate_fn: EstimateFn | None = None,
-                 progress: ProgressFn | None = None) -> InstanceRun:
-    """Search one instance type until its study holds `trials` finished trials (grid: every point)."""
+def _join(study: optuna.Study, lock: StudyLock) -> int:
+    """This process's worker number: how many workers joined the study before it."""
+    with lock.hold():
+        number = int(study.user_attrs.get(WORKERS_ATTR, 0))
+        study.set_user_attr(WORKERS_ATTR, number + 1)
+    return number
+
+
+def _seed_points(space: SearchSpace, objective: Objective) -> list[dict[str, Any]]:
+    """One trial per instance type to start from (only when several types are searched): automatic mixed
+    precision (bf16 where the GPU has it), DDP, no checkpointing, the largest micro-batch that needs no
+    accumulation, the first value of every other dimension. A start, not a guess at the optimum."""
+    if "instance" not in space.parameters():
+        return []
+    values = space.values()
+    points = []
+    for name in space.instance_types:
+        gpu = objective.instances[name].gpu
+        want: dict[str, Any] = {"instance": name}
+        for prec in (("amp-bf16",) if gpu.bf16 else ()) + ("amp-fp16",):
+            if prec in values["precision"]:
+                want["precision"] = prec
+                break
+        if "ddp" in values["parallelism"]:
+            want["parallelism"] = "ddp"
+        if False in values["checkpointing"]:
+            want["checkpointing"] = False
+        gbs = space.global_batch_size
+        if gbs is not None:
+            per_gpu = gbs // (space.gpus[name] * values["instances"][0])
+            fitting = [i for i, b in enumerate(values["batch_size"]) if b <= per_gpu] or [0]
+            want["batch_size_index"] = fitting[-1]
+        params = {}
+        for pname, choices in space.parameters().items():
+            dim = pname[: -len(INDEX_SUFFIX)] if pname.endswith(INDEX_SUFFIX) else pname
+            params[pname] = want.get(pname, want.get(dim, choices[0]))
+        points.append(params)
+    return points
+
+
+def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str, sweep: Sweep, *,
+              trials: int | None, sampler: str | None, seed: int, estimate_fn: EstimateFn | None = None,
+              progress: ProgressFn | None = None) -> tuple[StudyRun, Objective]:
+    """Search the joint space until the study holds `trials` finished trials (grid: every point)."""
     import optuna
 
     from planner.hardware import get_instance
 
     model = cached_model(sweep.model, sweep.model_options)
-    inst = get_instance(instance)
-    space = resolve_space(sweep.space, model, inst, min_seq_len=sweep.constraints.min_seq_len, fixed=sweep.fixed)
-    objective = Objective(model, inst, space, constraints=sweep.constraints, objective=sweep.objective,
-                          estimate_fn=estimate_fn)
-    study_name = f"{name}@{inst.name}"
-    persistent = optuna.create_study(storage=storage, study_name=study_name, direction=objective.direction,
-                                     load_if_exists=True)
-    _check_definition(persistent, {**sweep.definition(), "instance": inst.name}, name, inst.name)
+    types = [get_instance(n) for n in sweep.instance_names()]
+    space = resolve_space(sweep.seq_space(), model, types, min_seq_len=sweep.constraints.min_seq_len,
+                          fixed=sweep.fixed, global_batch_size=sweep.recipe.global_batch_size)
+    objective = Objective(model, types, space, constraints=sweep.constraints, objective=sweep.objective,
+                          recipe=sweep.recipe, target=sweep.target(), estimate_fn=estimate_fn,
+                          estimate_kwargs=sweep.estimate_kwargs())
+    lock = StudyLock.for_storage(spec, storage, name)
+    with lock.hold():
+        persistent = optuna.create_study(storage=storage, study_name=name, directions=objective.directions,
+                                         load_if_exists=True)
+        _check_definition(persistent, sweep.definition(), name)
+    worker = _join(persistent, lock)
+    budget = trials or default_trials(len(types))
     if sampler is None:  # not chosen: a space no larger than the budget is searched exhaustively
-        sampler = "grid" if space.size <= (trials or DEFAULT_TRIALS) else "tpe"
-    smp = make_sampler(sampler, space, seed)
-    mirror = _Mirror(persistent, smp)
+        sampler = "grid" if space.size <= budget else "tpe"
+    smp = make_sampler(sampler, space, seed + worker, len(objective.directions))
+    grid = isinstance(smp, optuna.samplers.GridSampler)
+    mirror = _Mirror(persistent, smp, lock, unique_points=grid)
     before = mirror.complete
-    if isinstance(smp, optuna.samplers.GridSampler):
+    if grid:
         # The grid sampler stops the study itself once every point is done (trials of an earlier TPE
         # run in the same study do not count as grid points); --trials caps the study's size.
-        budget = 0 if smp.is_exhausted(mirror.memory) else space.size
-        target = min(trials, before + budget) if trials else before + budget
+        todo = 0 if smp.is_exhausted(mirror.memory) else space.size
+        target = min(trials, before + todo) if trials else before + todo
     else:
-        target = trials or DEFAULT_TRIALS
-    remaining = target - before
+        target = budget
+        if before == 0:
+            for params in _seed_points(space, objective):
+                mirror.memory.enqueue_trial(params, skip_if_exists=True)
 
     def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        mirror.save(trial)
-        mirror.sync()
-        done = mirror.complete
+        mirror.save(trial, target)
         if progress is not None:
-            progress(inst.name, min(done, target), target)
-        if done >= target:
+            progress(name, min(mirror.complete, target), target)
+        if mirror.complete >= target or (grid and smp.is_exhausted(study)):
             study.stop()
 
     if progress is not None:
-        progress(inst.name, min(before, target), target)
-    if remaining > 0:
+        progress(name, min(before, target), target)
+    # The grid stops itself once every point is in the in-memory study (ours and the others' trials); a
+    # point another worker wrote meanwhile is skipped by `save`, not written twice.
+    remaining = space.size if grid else target - before
+    if target > before:
         try:
             mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
         except Exception:
             # A bug in an estimate: keep its FAIL trial next to the finished ones, then let it surface.
             for trial in mirror.memory.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)):
-                mirror.save(trial)
+                mirror.save(trial, target + 1)
             raise
     mirror.sync()
     if progress is not None:
-        progress(inst.name, mirror.complete, max(mirror.complete, target))
-    return InstanceRun(instance=inst.name, study_name=study_name, space=space, sampler=sampler, target=target,
-                       new_trials=len(mirror.saved), evaluations=objective.evaluations,
-                       trials=persistent.get_trials(deepcopy=False))
+        progress(name, mirror.complete, max(mirror.complete, target))
+    run = StudyRun(study_name=name, space=space, sampler=sampler, target=target, new_trials=mirror.written,
+                   evaluations=objective.evaluations, worker=worker, seed=seed + worker,
+                   trials=persistent.get_trials(deepcopy=False))
+    return run, objective
+
+
+def instance_tag(names: list[str]) -> str:
+    """The instance set in a study name: one type 'p3.16xlarge', up to three joined by '_', the whole
+    catalog 'all', else '<n>-types'."""
+    from planner.hardware import list_instances
+
+    short = [n.removeprefix("ml.") for n in names]
+    if len(names) > 3 and sorted(names) == sorted(list_instances()):
+        return "all"
+    if len(short) <= 3:
+        return "_".join(short)
+    return f"{len(short)}-types"
 
 
 def resolve_name(sweep: Sweep, study: str | None) -> str:
-    name = study or f"{sweep.name}-{sweep.fingerprint()}"
+    name = study or f"{sweep.name}-{instance_tag(sweep.instance_names())}-{sweep.fingerprint()}"
     if not STUDY_NAME.match(name):
         raise PlannerError("--study", name, "letters, digits, '.', '_' and '-', starting with a letter or digit")
     return name
@@ -273,10 +327,10 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
                progress: ProgressFn | None = None, write_files: bool = True) -> SearchResult:
     """Run (or resume) a search and write its results under `results_dir/<study>/`.
 
-    `sweep`: a Sweep, a YAML path, or None for the built-in default (multimodal BERT on ml.p3.16xlarge).
-    `trials`, `sampler`, `seed` override the sweep's `search:` section; with no sampler named anywhere,
-    TPE searches each instance type, or the grid when its space has no more points than the budget. Returns every trial of every
-    instance type's study (including trials of earlier runs and of other workers).
+    `sweep`: a Sweep, a YAML path, or None for the built-in default (the reference multimodal job on
+    ml.p3.16xlarge). `trials`, `sampler`, `seed` override the sweep's `search:` section; with no sampler
+    named anywhere, TPE, or the grid when the space has no more points than the budget. Returns every trial
+    of the study (including trials of earlier runs and of other workers).
     """
     import optuna
 
@@ -293,17 +347,25 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
         raise PlannerError("--trials", trials, "a positive integer")
     name = resolve_name(sweep, study)
     results_dir = Path(results_dir)
-    instances = sweep.instance_names()
     cached_model(sweep.model, sweep.model_options)  # a bad model fails before any storage is created
-    url = storage or default_storage(results_dir, name)
-    store = open_storage(url)
+    folder = results_dir / name
+    spec = parse_storage(storage, folder / JOURNAL_FILE)
+    file = spec.file
+    created = file is not None and not file.exists()
+    if storage is None:
+        folder.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    runs = [run_instance(store, name, sweep, inst, trials=trials, sampler=sampler, seed=seed,
-                         estimate_fn=estimate_fn, progress=progress) for inst in instances]
-    frame = trials_frame(runs)
-    direction = "maximize" if sweep.objective.target == "throughput" else "minimize"
-    result = SearchResult(name=name, storage=safe_url(url), results_dir=results_dir / name, sweep=sweep,
-                          direction=direction, runs=runs, frame=frame)
+    try:
+        store = open_storage(spec)
+        run, objective = run_study(store, spec, name, sweep, trials=trials, sampler=sampler, seed=seed,
+                                   estimate_fn=estimate_fn, progress=progress)
+    except BaseException:
+        remove_if_empty(spec, created)
+        raise
+    frame = trials_frame(run)
+    result = SearchResult(name=name, storage=spec.display(), results_dir=folder, sweep=sweep,
+                          target=objective.target, directions=objective.directions, run=run, frame=frame)
     if write_files:
         result.files = write_results(result)
     return result
+

@@ -5,13 +5,20 @@ name: bert-large-instances          # default study name
 model: bert-large-uncased
 model_options: {head: sequence-classification, num_labels: 2}
 instance: [ml.p3.2xlarge, ml.g5.2xlarge]   # one name, a list, "A,B" or "all"
-fixed: {instances: 1}               # other TrainConfig fields, held constant
-space: {batch_sizes: [8, 16, 32], seq_lens: [128, 512], precisions: [amp-fp16]}  # left out = default
-constraints: {max_memory_fraction: 0.95, global_batch_size: 256, global_batch_tolerance: 0.0,
-              min_seq_len: 128}
-objective: {target: cost, dataset_size: 1000000, spot: false}
+recipe:                             # the training job: what the user cannot trade away
+  global_batch_size: 256            # samples per optimizer step; accumulation is derived from it
+  seq_len: 512                      # or a list to explore, e.g. [256, 512]
+  dataset_size: 1000000             # samples per epoch
+  epochs: 3
+fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant
+space: {batch_sizes: [8, 16, 32], precisions: [amp-fp16], instance_counts: [1, 2, 4]}  # left out = default
+constraints: {max_memory_fraction: 0.95, accept_tight: false}
+objective: {target: cost, spot: false}     # cost ($/job), time (hours/job), throughput, pareto
 search: {trials: 200, sampler: tpe, seed: 0}
 ```
+
+Without a `recipe.global_batch_size`, accumulation is searched (`space.grad_accums`) and the older
+`constraints.global_batch_size` / `global_batch_tolerance` still apply.
 
 Every error names the file and the field (`sweeps/x.yaml: space.batch_sizes.0='a' ...`).
 """
@@ -29,7 +36,17 @@ from planner.errors import PlannerError
 from planner.search.space import SpaceSpec
 
 Sampler = Literal["tpe", "grid", "random"]
-Target = Literal["throughput", "cost"]
+Target = Literal["throughput", "cost", "time", "pareto"]
+TARGETS: tuple[str, ...] = ("throughput", "cost", "time", "pareto")
+
+# The reference job of the seed's notes (the multimodal classifier fine-tuned with batch 64 at sequence 512,
+# 100 tabular features). Its dataset size is not in the notes. ASSUMPTION: 100,000 samples, a mid-size
+# fine-tuning set; override with --dataset-size. Epochs: 3, the middle of the 2-4 that BERT's authors
+# recommend for fine-tuning (Devlin et al. 2019, arXiv:1810.04805, appendix A.3); override with --epochs.
+REFERENCE_GLOBAL_BATCH_SIZE = 64
+REFERENCE_SEQ_LEN = 512
+REFERENCE_DATASET_SIZE = 100_000
+REFERENCE_EPOCHS = 3
 
 # The fraction of GPU memory a configuration may use: 5% stays free for what no model sees (other
 # processes, allocator growth between steps). Override with --max-memory-fraction.
@@ -43,20 +60,40 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Recipe(_Strict):
+    """The training job as the user runs it: a global batch and sequence length the model was tuned with
+    (not free choices for the sampler), and how many samples it sees (dataset_size × epochs)."""
+
+    global_batch_size: PositiveInt | None = None  # samples per optimizer step over every GPU
+    seq_len: PositiveInt | tuple[PositiveInt, ...] | None = None  # a list: explored, best at the longest
+    dataset_size: PositiveInt | None = None  # samples per epoch
+    epochs: float = Field(1.0, gt=0)
+
+    def seq_lens(self) -> tuple[int, ...] | None:
+        if self.seq_len is None:
+            return None
+        return (self.seq_len,) if isinstance(self.seq_len, int) else tuple(self.seq_len)
+
+
 class Constraints(_Strict):
     """What a configuration must satisfy to count as feasible."""
 
     max_memory_fraction: float = Field(DEFAULT_MAX_MEMORY_FRACTION, gt=0, le=1)
+    # The memory verdict has a band (planner.spec.Verdict): "tight" means the band straddles the GPU's
+    # memory. It is infeasible (not a sure fit) unless accepted.
+    accept_tight: bool = False
     global_batch_size: PositiveInt | None = None  # = micro-batch × grad_accum × GPUs × instances
     global_batch_tolerance: float = Field(0.0, ge=0, lt=1)  # relative: 0.1 accepts 90..110% of the target
     min_seq_len: PositiveInt | None = None
 
 
 class ObjectiveSpec(_Strict):
-    """throughput: maximise samples/s of the job. cost: minimise $/epoch (or $ per million samples
-    when no dataset size is given)."""
+    """throughput: maximise samples/s. cost: minimise $ per job (the recipe's dataset_size × epochs; $ per
+    million samples without a dataset size). time: minimise hours per job. pareto: both time and cost,
+    with a multi-objective sampler; the front is the answer. None: cost over several instance types,
+    throughput on one."""
 
-    target: Target = "throughput"
+    target: Target | None = None
     dataset_size: PositiveInt | None = None  # samples per epoch
     spot: bool = False
 
@@ -73,6 +110,7 @@ class Sweep(_Strict):
     model: str = "multimodal-bert"
     model_options: dict[str, Any] = Field(default_factory=dict)
     instance: str | tuple[str, ...] = "ml.p3.16xlarge"
+    recipe: Recipe = Recipe()
     fixed: dict[str, Any] = Field(default_factory=dict)
     space: SpaceSpec = SpaceSpec()
     constraints: Constraints = Constraints()
@@ -95,10 +133,30 @@ class Sweep(_Strict):
             raise PlannerError("--instance", self.instance, "one or more instance names, or all")
         return names
 
+    def target(self) -> str:
+        """The objective: the sweep's, else cost over several instance types and throughput on one."""
+        if self.objective.target is not None:
+            return self.objective.target
+        return "cost" if len(self.instance_names()) > 1 else "throughput"
+
+    def dataset_size(self) -> int | None:
+        """Samples per epoch: the recipe's, else the older objective.dataset_size."""
+        return self.recipe.dataset_size or self.objective.dataset_size
+
+    def seq_space(self) -> SpaceSpec:
+        """The space with the recipe's sequence length(s) in place of `space.seq_lens`."""
+        lens = self.recipe.seq_lens()
+        return self.space if lens is None else self.space.model_copy(update={"seq_lens": lens})
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments every estimate of this sweep gets (beyond the configuration)."""
+        return {}
+
     def definition(self) -> dict[str, Any]:
         """What decides a trial's value on one instance type: runs with the same definition may share a
         study. The sampler, seed and trial count are left out (they change the path, not the values)."""
-        return self.model_dump(mode="json", exclude={"name", "description", "search", "instance"})
+        return self.model_dump(mode="json", exclude={"name", "description", "search", "instance"}) | {
+            "instances": self.instance_names(), "target": self.target()}
 
     def fingerprint(self) -> str:
         """8 hex digits of the definition, for default study names."""
@@ -154,6 +212,13 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
 
     With a `source` (a file), the error names the file's field; without, the flag's own error stands.
     """
+    where = f"{source}: " if source else ""
+    if sweep.recipe.global_batch_size is not None and sweep.constraints.global_batch_size is not None:
+        raise PlannerError(f"{where}constraints.global_batch_size", sweep.constraints.global_batch_size,
+                           "left out when recipe.global_batch_size is given (the recipe's is exact)")
+    if sweep.recipe.seq_len is not None and sweep.space.seq_lens is not None:
+        raise PlannerError(f"{where}space.seq_lens", list(sweep.space.seq_lens),
+                           "left out when recipe.seq_len is given (give the recipe a list to explore)")
     from planner.models.catalog import cached_model
 
     for field, call in (("model", lambda: cached_model(sweep.model, sweep.model_options)),
@@ -177,4 +242,6 @@ DEFAULT_SWEEP = Sweep(
     model_options={"text_model": "bert-base-uncased", "tab_in": 100, "tab_out": 128, "text_out": 128,
                    "num_classes": 2, "binary": True},
     instance="ml.p3.16xlarge",
+    recipe=Recipe(global_batch_size=REFERENCE_GLOBAL_BATCH_SIZE, seq_len=REFERENCE_SEQ_LEN,
+                  dataset_size=REFERENCE_DATASET_SIZE, epochs=REFERENCE_EPOCHS),
 )
