@@ -4,7 +4,8 @@ The target (issue 8): >= 1,000 configurations/s on 2 cores with the allocator on
 - flat: `runtime={"fragmentation": 0.10}` (no replay; what estimate cost before the allocator model);
 - allocator, distinct steps: every configuration a new step (cold replay cache: the worst case);
 - allocator, search-like: each step evaluated on several instance types and instance counts, as a search
-  over instances does (the trace and the unlimited replay are cached per step).
+  over instances does (the trace and the unlimited replay are cached per step);
+- allocator, steady step only: `reserved.REPLAY_FIRST_STEP = False` (half the events, less faithful).
 Usage: python benchmarks/estimate_benchmark.py [--quick]
 """
 
@@ -57,6 +58,10 @@ def main() -> None:
               for k in (1, 2)]
     warm, n = rate(search)
     print(f"allocator, search-like (3 types x 2)     {warm:8.0f} configs/s  ({n} configs)")
+    reserved.clear_caches()
+    reserved.REPLAY_FIRST_STEP = False
+    steady, n = rate(single)
+    print(f"allocator, steady step only (cold)       {steady:8.0f} configs/s  ({n} configs)")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Peak reserved is NOT strictly monotone in batch size or sequence length, and tha
 best fit reuses cached free blocks, and whether a later request (the foreach optimizer's per-parameter
 temporaries after backward freed the activations; the loss's backward temporaries) fits into a cached hole
 depends on the hole sizes, which change with the batch. A larger batch can leave a hole that fits, so the
-step needs one segment fewer (measured over bert-base-uncased and gpt2, b 1-32, s 64-512: drops of 2-800 MiB;
-with expandable segments 8-90 MiB). What does hold: reserved >= allocated, and reserved at the larger
+step needs one segment fewer (measured over bert-base-uncased and gpt2, b 1-32, s 64-512, steady step only:
+drops of 2-800 MiB in 64 of 992 steps up in b; replaying the first step too, 91 of 992; with expandable
+segments 8-90 MiB). What does hold: reserved >= allocated, and reserved at the larger
 shape is never under the allocated peak of the smaller one (allocated is monotone).
 """
 

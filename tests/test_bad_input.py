@@ -419,3 +419,17 @@ def test_launch_numeric_flags(flag, value):
         assert req["ResourceConfig"]["VolumeSizeInGB"] >= 1 and req["StoppingCondition"]["MaxRuntimeInSeconds"] >= 1
     else:
         assert_one_line_error(code, err, flag if flag != "--steps" else "steps")
+
+
+@pytest.mark.parametrize("args, names", [
+    (["estimate", "--batch-size", "inf"], ["--batch-size"]),
+    (["estimate", "--seq-len", "nan"], ["--seq-len"]),
+    (["estimate", "--bogus"], ["--bogus"]),
+    (["probe", "launch", "--volume-gb", "-inf"], ["--volume-gb"]),
+    (["report"], ["--study"]),
+])
+def test_unparsable_flags_are_one_line(args, names):
+    """What click itself refuses (not a number, unknown flag, missing option) is one line too, not a usage box."""
+    code, out, err = invoke(args)
+    assert_one_line_error(code, err, *names)
+    assert out == ""

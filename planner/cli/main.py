@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.17 parses with its own copy of click
+    from typer._click import exceptions as click
+except ImportError:  # pragma: no cover
+    from click import exceptions as click  # type: ignore[no-redef]
 
 from planner.cli import catalog_cmd, estimate_cmd, models_cmd, prices_cmd, probe_cmd, report_cmd, search_cmd
 
+
+class OneLineErrors(TyperGroup):
+    """A flag click cannot parse (`--batch-size inf`) is one line on stderr and exit 2, like every other bad
+    input, instead of a usage box; help (`planner`, `planner probe`) is unchanged."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.NoArgsIsHelpError as exc:
+            from typer import rich_utils
+
+            rich_utils.rich_format_error(exc)
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+            print(f"error: {' '.join(exc.format_message().split())}{where}", file=sys.stderr)
+            sys.exit(2)
+        except click.Abort:
+            print("Aborted!", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
     name="planner",
+    cls=OneLineErrors,
     help="Will it fit, how fast, how much: capacity planning for training on Amazon SageMaker.",
     no_args_is_help=True,
     add_completion=False,

@@ -83,8 +83,10 @@ def allocation_size(nbytes: int) -> int:
     return -(-nbytes // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
-ADDR_BITS = 128  # a free block's sort key is size << ADDR_BITS | address: (size, address) order as one int;
-# 128 so that the addresses of absurd requests (10^20 samples: > 2^64 bytes) still fit below the size bits
+# A free block's sort key is size << addr_bits | address: (size, address) order as one int. 128 bits at least,
+# so absurd requests (10^20 samples: > 2^64 bytes) still fit below the size bits; `run` widens it further to
+# every address its events can reach.
+ADDR_BITS = 128
 
 
 class _Block:
@@ -114,11 +116,12 @@ class CachingAllocator:
     """The allocator's state; `malloc`/`free` follow the C++ functions of the same names (see module doc)."""
 
     def __init__(self, capacity_bytes: int | None = None, expandable_segments: bool = False,
-                 max_split_size: int | None = None) -> None:
+                 max_split_size: int | None = None, addr_bits: int = ADDR_BITS) -> None:
+        self.bits = addr_bits
         self.capacity = capacity_bytes
         self.expandable = expandable_segments
         self.max_split = max_split_size
-        self.free_keys: dict[bool, list[int]] = {True: [], False: []}  # pool -> sorted size << 64 | addr
+        self.free_keys: dict[bool, list[int]] = {True: [], False: []}  # pool -> sorted size << ADDR_BITS | addr
         self.free_at: dict[int, _Block] = {}  # addr -> free block
         self.segments: dict[int, int] = {}  # segment id (its base address) -> bytes
         self.tail: dict[bool, _Block | None] = {True: None, False: None}  # expandable: last block per pool
@@ -129,30 +132,30 @@ class CachingAllocator:
     # ---- free-block index (BlockPool.blocks)
     def _insert(self, b: _Block) -> None:
         b.free = True
-        insort(self.free_keys[b.small], b.size << ADDR_BITS | b.addr)
+        insort(self.free_keys[b.small], b.size << self.bits | b.addr)
         self.free_at[b.addr] = b
 
     def _remove(self, b: _Block) -> None:
         keys = self.free_keys[b.small]
-        del keys[bisect_left(keys, b.size << ADDR_BITS | b.addr)]
+        del keys[bisect_left(keys, b.size << self.bits | b.addr)]
         del self.free_at[b.addr]
         b.free = False
 
     def _best_fit(self, size: int, small: bool) -> _Block | None:
         """`get_free_block`: the smallest cached block >= size, with the max_split_size limits."""
         keys = self.free_keys[small]
-        i = bisect_left(keys, size << ADDR_BITS)
+        i = bisect_left(keys, size << self.bits)
         if i == len(keys):
             return None
         key = keys[i]
         ms = self.max_split
         if ms is not None and not small:
-            bsize = key >> ADDR_BITS
+            bsize = key >> self.bits
             if size < ms <= bsize:
                 return None
             if size >= ms and bsize >= size + K_LARGE_BUFFER:
                 return None
-        return self.free_at[key & ((1 << ADDR_BITS) - 1)]
+        return self.free_at[key & ((1 << self.bits) - 1)]
 
     def _should_split(self, b: _Block, size: int) -> bool:
         remaining = b.size - size
@@ -298,8 +301,8 @@ class CachingAllocator:
 
     @classmethod
     def restore(cls, snap: Snapshot, capacity_bytes: int | None = None,
-                max_split_size: int | None = None) -> CachingAllocator:
-        a = cls(capacity_bytes, False, max_split_size)
+                max_split_size: int | None = None, addr_bits: int = ADDR_BITS) -> CachingAllocator:
+        a = cls(capacity_bytes, False, max_split_size, addr_bits)
         a.segments = dict(snap.segments)
         a.reserved = sum(a.segments.values())
         a.next_addr, a.allocated = snap.next_addr, snap.allocated
@@ -332,12 +335,15 @@ def run(events: Sequence[Event], *, capacity_bytes: int | None = None, expandabl
     (None if those events are not all permanent allocations, under expandable segments, or after an OOM
     retry). Returns (result, snapshot or None)."""
     snap = None
+    # addresses never exceed all requests rounded up to new segments, plus expandable address space
+    bound = sum(n for _, n in events) + len(events) * K_LARGE_BUFFER + (1 << 50)
+    bits = max(ADDR_BITS, bound.bit_length() + 1)
     if start is not None:
-        a = CachingAllocator.restore(start, capacity_bytes, max_split_size)
+        a = CachingAllocator.restore(start, capacity_bytes, max_split_size, bits)
         peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg = start.peaks
         first = snapshot_at
     else:
-        a = CachingAllocator(capacity_bytes, expandable_segments, max_split_size)
+        a = CachingAllocator(capacity_bytes, expandable_segments, max_split_size, bits)
         peak_alloc = peak_res = segments = peak_req = peak_seg = 0
         peak_event = peak_tensor = -1
         first = 0

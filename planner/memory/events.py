@@ -5,21 +5,25 @@ and frees, not on block totals. The trace is built from the same numbers as the 
 (`timeline.StepMemory`) and splits each block total into its tensors, so the two agree by construction: the
 live bytes at each `Mark` equal `timeline.simulate`'s point of the same label (tests/test_events.py).
 
-Program order (steady state, the last micro-step of an accumulation cycle, as in `planner.memory.timeline`):
+Program order: load, then the FIRST step, then the steady step (`first_step=True`, the default; the
+marks are the steady step's, the timeline's points):
 1. load: each parameter tensor (block order), module buffers, DDP's gradient buckets (first bucket 1 MiB,
-   then `bucket_cap_mb`: torch/nn/parallel/distributed.py `_DEFAULT_FIRST_BUCKET_BYTES`), then the optimizer
-   states, one tensor per state per parameter (ASSUMPTION: the steady state, where step 1 allocated them).
-2. forward: the batch, DataParallel's GPU-0 extra, earlier micro-steps' gradients (grad_accum > 1), the cuBLAS
-   workspace at the first matmul; per block its saved tensors (`activations.Saved` records, each rounded to
-   512 B), its AMP weight casts and bias casts (the autocast cache), the logits the loop keeps, and a transient
+   then `bucket_cap_mb`: torch/nn/parallel/distributed.py `_DEFAULT_FIRST_BUCKET_BYTES`).
+2. forward: the batch, DataParallel's GPU-0 extra, the cuBLAS workspace at the first matmul (first step
+   only); per block its saved tensors (`activations.Saved` records, each rounded to 512 B), its AMP weight
+   casts and bias casts (the autocast cache), the logits the loop keeps, and a transient
    (`forward_transient_bytes`, one tensor: APPROXIMATION of the block's unsaved GEMM outputs / upcasts / softmax
-   intermediates) allocated and freed. A checkpointed block keeps only its checkpoint inputs.
+   intermediates, a lower bound: tests/test_events_dispatch.py) allocated and freed. A checkpointed block
+   keeps only its checkpoint inputs.
 3. the autocast cache is freed when autocast exits (end of forward).
 4. backward, blocks in reverse: a checkpointed block's recomputed saved tensors, the backward transient
    (APPROXIMATION: one tensor), its gradients (one per parameter tensor; under ZeRO-2/3 one flat shard plus the
    unsharded transient), then its activations are freed.
-5. optimizer: the step's temporaries (foreach: one per parameter, `torch._foreach_sqrt(exp_avg_sqs)`;
-   otherwise one tensor of `optimizer_temporary_bytes`), freed after the step; then the batch and logits.
+5. optimizer: in the first step the states, one tensor per state per parameter (Adam `_init_group`), land in
+   the activations' freed segments; then the step's temporaries (foreach: one per parameter,
+   `torch._foreach_sqrt(exp_avg_sqs)`; otherwise one tensor of `optimizer_temporary_bytes`), freed after the
+   step; then the batch and logits; `zero_grad(set_to_none=True)` frees the gradients (grad_accum == 1; with
+   accumulation they stay, as the timeline's resident gradients).
 Sharded states (ZeRO/FSDP) are one flat tensor per block, as FSDP's FlatParameter and DeepSpeed's
 partitions are.
 """
@@ -114,9 +118,15 @@ class _Builder:
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
                 state_sizes: Sequence[int] = (), temp_sizes: Sequence[int] = (),
-                bucket_cap_bytes: int = 25 * MiB) -> Trace:
+                bucket_cap_bytes: int = 25 * MiB, first_step: bool = True) -> Trace:
     """The per-tensor trace of `step` (see the module doc). `tensors` splits block totals into tensors (a
-    block without an entry is one tensor per total); `state_sizes` / `temp_sizes` split the optimizer's."""
+    block without an entry is one tensor per total); `state_sizes` / `temp_sizes` split the optimizer's.
+
+    `first_step`: replay the first step before the steady one. Its optimizer step allocates the states
+    (Adam `_init_group`: `torch.zeros_like(p)` per tensor) AFTER backward freed the activations, so they land
+    in the activations' cached segments, and the next forward needs new segments: the main reason reserved
+    exceeds allocated in steady training. Without it, the states are allocated at load (steady state only).
+    The marks (timeline points) are those of the steady step."""
     tensors = tensors or {}
     t = _Builder()
     blocks = step.blocks
@@ -126,18 +136,33 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     t.alloc("module buffers", (step.module_buffer_bytes,))
     t.alloc("ddp bucket", buckets(step.ddp_bucket_bytes, bucket_cap_bytes))
     t.mark("load", "after load")
-    t.alloc("optimizer state", split(step.optimizer_state_bytes, state_sizes))
+    states = split(step.optimizer_state_bytes, state_sizes)
+    if first_step:
+        _one_step(t, step, bt, states, temp_sizes, first=True)
+    else:
+        t.alloc("optimizer state", states)
+    _one_step(t, step, bt, states, temp_sizes, first=not first_step, marks=True)
+    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks))
 
+
+def _one_step(t: _Builder, step: timeline.StepMemory, bt: list[BlockTensors], states: Sequence[int],
+              temp_sizes: Sequence[int], *, first: bool, marks: bool = False) -> None:
+    """One training step's events; `first`: the workspace (and resident gradients) appear here;
+    `marks`: record the timeline points (only the steady step)."""
+    blocks = step.blocks
+    mark = t.mark if marks else (lambda phase, label: None)
     batch = t.alloc("batch", (step.batch_bytes,))
     extra = t.alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
 
     def grads(b: timeline.BlockMemory, d: BlockTensors) -> list[int]:
         return t.alloc(f"{b.name}.grad", split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()))
 
-    if step.grads_resident:
+    grad_ids: list[int] = []
+    if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
         for b, d in zip(blocks, bt, strict=True):
             grads(b, d)
-    t.alloc("cublas workspace", (step.workspace_bytes,))
+    if first:
+        t.alloc("cublas workspace", (step.workspace_bytes,))
 
     live: list[list[int]] = []
     cache_ids: list[int] = []
@@ -152,34 +177,38 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
         cache_ids += t.alloc(f"{b.name}.autocast cache", split(b.forward_cache_bytes, d.cache))
         retained += t.alloc(f"{b.name}.logits", (b.retained_bytes,))
         tmp = t.alloc(f"{b.name}.forward transient", (b.forward_transient_bytes,))
-        t.mark("forward", b.name)
+        mark("forward", b.name)
         t.free(tmp)
         t.free(gathered)
-    t.mark("forward", "end of forward")
+    mark("forward", "end of forward")
     t.free(cache_ids)
 
+    new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
     for b, d, ids in zip(reversed(blocks), reversed(bt), reversed(live), strict=True):
         recompute = []
         if b.checkpointed:
             recompute = t.alloc(f"{b.name}.recomputed", split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)))
         gathered = t.alloc(f"{b.name}.gathered params", (b.gathered_param_bytes,))
         tmp = t.alloc(f"{b.name}.backward transient", (b.backward_transient_bytes,))
-        if not step.grads_resident:
-            grads(b, d)
+        if new_grads:
+            grad_ids += grads(b, d)
         tmp += t.alloc(f"{b.name}.unsharded grad", (b.transient_grad_bytes,))
-        t.mark("backward", b.name)
+        mark("backward", b.name)
         t.free(tmp)
         t.free(gathered)
         t.free(recompute)
         t.free(ids)
     t.free(extra)
 
+    if not marks:  # the first step: Adam's _init_group allocates the states before the update
+        t.alloc("optimizer state", states)
     temps = t.alloc("optimizer temporary", split(step.optimizer_temporary_bytes, temp_sizes))
-    t.mark("optimizer", "optimizer step")
+    mark("optimizer", "optimizer step")
     t.free(temps)
     t.free(batch)
     t.free(retained)
-    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks))
+    if not marks and not step.grads_resident:
+        t.free(grad_ids)  # optimizer.zero_grad(set_to_none=True) before the next forward
 
 
 def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
