@@ -396,3 +396,17 @@ def test_search_modules_import_without_a_loop_and_cost_without_the_aws_client():
             "estimate('bert-base-uncased', TrainConfig(batch_size=8, seq_len=128), 'ml.g5.xlarge', dataset_size=10); "
             "assert 'planner.search.study' not in sys.modules; assert 'planner.aws.pricing' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_sweeps_stack_reaches_every_estimate(tmp_path):
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("stack"))
+        return fake_estimate(*args, **kwargs)
+
+    sweep = small_sweep(stack={"torch": "2.8", "alloc_conf": "expandable_segments:True"})
+    run_search(sweep, trials=3, results_dir=tmp_path, estimate_fn=recording)
+    assert seen and all(s == {"torch": "2.8", "alloc_conf": "expandable_segments:True"} for s in seen)
+    with pytest.raises(PlannerError, match="torch"):
+        parse_sweep({"stack": {"torch": "0.1"}}, "x.yaml")

@@ -140,3 +140,14 @@ def test_a_killed_search_resumes_without_losing_trials(tmp_path, sig):
     after = {t.number: (t.params, t.value) for t in trials_of(db, name)}
     assert len(after) == target
     assert {n: after[n] for n in before} == before
+
+
+def test_stack_flags_and_an_unknown_version_leave_no_files(tmp_path):
+    ok = invoke("--instance", "ml.g5.xlarge", *SMALL, "--trials", "4", "--study", "st", "--torch-version", "2.8",
+                "--json", "--results-dir", str(tmp_path))
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)["best"]["samples_per_s"] > 0
+    bad = invoke("--instance", "ml.g5.xlarge", "--torch-version", "0.1", "--study", "bad", "--results-dir",
+                 str(tmp_path))
+    assert bad.exit_code == 2 and "--torch-version" in bad.stderr and "Traceback" not in bad.output
+    assert not (tmp_path / "bad").exists()

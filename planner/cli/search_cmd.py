@@ -13,7 +13,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from planner.cli.common import console, err_console, handles_errors, parse_model_options
+from planner.cli.common import (
+    AllocConfOpt,
+    CudaVersionOpt,
+    TorchVersionOpt,
+    TransformersVersionOpt,
+    console,
+    err_console,
+    handles_errors,
+    parse_model_options,
+    stack_from_flags,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from planner.search.study import SearchResult
@@ -32,7 +42,8 @@ def _slug(text: str) -> str:
 def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: list[str] | None,
                 instance: str | None, nodes: int | None, space: dict[str, str | None],
                 constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
-                recipe: dict[str, Any] | None = None, max_instances: int | None = None) -> Sweep:
+                recipe: dict[str, Any] | None = None, max_instances: int | None = None,
+                stack: dict[str, str] | None = None) -> Sweep:
     """The sweep file (or the built-in default) with the flags that were given laid over it.
 
     The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
@@ -56,6 +67,8 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     if nodes is not None:
         updates["fixed"] = {**base.fixed, "instances": nodes}
     recipe = {k: v for k, v in (recipe or {}).items() if v is not None}
+    if stack:
+        updates["stack"] = stack
     space = dict(space)
     if space.get("seq_lens") is not None and "seq_len" not in recipe:
         recipe["seq_len"] = space.pop("seq_lens")
@@ -381,6 +394,10 @@ def register(app: typer.Typer) -> None:
         parallelisms: Annotated[str | None, typer.Option(
             help="ddp, zero1, zero2, zero3, fsdp, dp (default all), single, auto.")] = None,
         results_dir: Annotated[Path, typer.Option(help="Where results/<study>/ goes.")] = Path("results"),
+        torch_version: TorchVersionOpt = None,
+        cuda_version: CudaVersionOpt = None,
+        transformers_version: TransformersVersionOpt = None,
+        alloc_conf: AllocConfOpt = None,
         progress: Annotated[bool | None, typer.Option(
             "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
     ) -> None:
@@ -410,6 +427,7 @@ def register(app: typer.Typer) -> None:
             search={},
             recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
             max_instances=max_instances,
+            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
         )
         bar = sys.stderr.isatty() and not json_out if progress is None else progress
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,

@@ -10,6 +10,7 @@ recipe:                             # the training job: what the user cannot tra
   seq_len: 512                      # or a list to explore, e.g. [256, 512]
   dataset_size: 1000000             # samples per epoch
   epochs: 3
+stack: {torch: "2.8", alloc_conf: "expandable_segments:True"}   # passed to every estimate (optional)
 fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant
 space: {batch_sizes: [8, 16, 32], precisions: [amp-fp16], instance_counts: [1, 2, 4]}  # left out = default
 constraints: {max_memory_fraction: 0.95, accept_tight: false}
@@ -75,6 +76,20 @@ class Recipe(_Strict):
         return (self.seq_len,) if isinstance(self.seq_len, int) else tuple(self.seq_len)
 
 
+class StackSpec(_Strict):
+    """The software stack every estimate of the sweep assumes (planner.spec.SoftwareStack; unset fields:
+    the defaults `planner estimate` uses, i.e. the DLC for the GPU)."""
+
+    torch: str | None = None  # "X.Y"
+    cuda: str | None = None
+    transformers: str | None = None
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
+
+    def given(self) -> dict[str, str] | None:
+        out = {k: v for k, v in self.model_dump().items() if v is not None}
+        return out or None
+
+
 class Constraints(_Strict):
     """What a configuration must satisfy to count as feasible."""
 
@@ -111,6 +126,7 @@ class Sweep(_Strict):
     model_options: dict[str, Any] = Field(default_factory=dict)
     instance: str | tuple[str, ...] = "ml.p3.16xlarge"
     recipe: Recipe = Recipe()
+    stack: StackSpec = StackSpec()
     fixed: dict[str, Any] = Field(default_factory=dict)
     space: SpaceSpec = SpaceSpec()
     constraints: Constraints = Constraints()
@@ -149,8 +165,9 @@ class Sweep(_Strict):
         return self.space if lens is None else self.space.model_copy(update={"seq_lens": lens})
 
     def estimate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments every estimate of this sweep gets (beyond the configuration)."""
-        return {}
+        """Keyword arguments every estimate of this sweep gets (beyond the configuration): the stack."""
+        stack = self.stack.given()
+        return {"stack": stack} if stack else {}
 
     def definition(self) -> dict[str, Any]:
         """What decides a trial's value on one instance type: runs with the same definition may share a
@@ -221,8 +238,16 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
                            "left out when recipe.seq_len is given (give the recipe a list to explore)")
     from planner.models.catalog import cached_model
 
+    def stack() -> None:
+        from planner.hardware import get_instance
+        from planner.memory.stack import resolve_stack
+
+        if sweep.stack.given():
+            for name in sweep.instance_names():
+                resolve_stack(sweep.stack.given(), get_instance(name).gpu)
+
     for field, call in (("model", lambda: cached_model(sweep.model, sweep.model_options)),
-                        ("instance", sweep.instance_names)):
+                        ("instance", sweep.instance_names), ("stack", stack)):
         try:
             call()
         except PlannerError as exc:
