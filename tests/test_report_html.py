@@ -260,3 +260,58 @@ def test_unknown_study_is_one_line_naming_the_flag(tmp_path):
     assert r.exit_code == 2
     assert "--study" in r.output and "nope" in r.output and "other" in r.output
     assert "Traceback" not in r.output
+
+
+# ----------------------------------------------------------------------------------- at scale (issue 10)
+
+
+@pytest.fixture(scope="module")
+def report_all(tmp_path_factory):
+    """A search over every instance type (toy estimate for speed), reported with the real breakdowns."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from search_fixtures import fake_estimate
+
+    from planner.report.html import write_report
+    from planner.search.study import run_search
+    from planner.search.sweep import DEFAULT_SWEEP
+
+    root = tmp_path_factory.mktemp("all")
+    sweep = DEFAULT_SWEEP.with_overrides(instance="all", space={"parallelisms": ["ddp"]})
+    run_search(sweep, study="everything", trials=150, results_dir=root, estimate_fn=fake_estimate)
+    return write_report("everything", results_dir=root, top=3)
+
+
+def test_report_at_scale_groups_by_gpu_family_and_stays_small(report_all):
+    from plotly.offline import get_plotlyjs
+
+    from planner.hardware import get_instance, list_instances
+
+    families = {get_instance(n).gpu.family for n in list_instances()}
+    text = report_all.path.read_text()
+    own = len(text.encode()) - len(get_plotlyjs().encode())  # the page without the inlined plotly.js
+    assert own < 2_000_000, own
+    assert len(report_all.pngs) <= 10
+    for key in ("throughput-memory", "pareto-cost"):
+        section = next(s for s in report_all.sections if s.key == key)
+        fig = section.figures[0]
+        names = {t.name for t in fig.data if t.showlegend is not False}
+        assert len(names) <= len(families) + 1, names  # one legend entry per GPU family (+ the front)
+    cost = next(s for s in report_all.sections if s.key == "pareto-cost").figures[0]
+    assert cost.layout.xaxis.type == "log"
+
+
+def test_report_at_scale_renders_in_headless_chromium(report_all, tmp_path):
+    import matplotlib.image as mpimg
+
+    r = browse(report_all.path, tmp_path, "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    figures = rendered_figures(r.stdout)
+    assert figures and all('class="main-svg"' in f for f in figures.values())
+    shot = tmp_path / "all.png"
+    r = browse(report_all.path, tmp_path, f"--screenshot={shot}", "--window-size=1400,3000")
+    assert r.returncode == 0 and shot.is_file(), r.stderr[-2000:]
+    img = mpimg.imread(shot)
+    colours = {tuple(px) for px in (img[::4, ::4, :3] * 255).astype(int).reshape(-1, 3)}
+    assert len(colours) > 100, "the page looks like text only"

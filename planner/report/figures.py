@@ -65,16 +65,42 @@ def several_instances(frame: Any) -> bool:
     return frame["instance"].nunique() > 1
 
 
+def _family_and_size(instance: str) -> tuple[str, int]:
+    """(GPU family, GPUs per instance) of an instance type; unknown names keep their own name."""
+    from planner.errors import PlannerError
+    from planner.hardware import get_instance
+
+    try:
+        inst = get_instance(instance)
+    except PlannerError:
+        return instance, 1
+    return inst.gpu.family, inst.gpus
+
+
 def instance_markers(instances: Sequence[str], markers: Sequence[str]) -> dict[str, str]:
-    return {inst: markers[i % len(markers)] for i, inst in enumerate(sorted(set(instances)))}
+    """One marker per size (GPUs per instance), so 37 types need as many markers as there are GPU counts."""
+    sizes = {inst: _family_and_size(inst)[1] for inst in set(instances)}
+    order = sorted(set(sizes.values()))
+    return {inst: markers[order.index(n) % len(markers)] for inst, n in sizes.items()}
 
 
 def instance_colors(instances: Sequence[str]) -> dict[str, str]:
-    return {inst: INSTANCE_PALETTE[i % len(INSTANCE_PALETTE)] for i, inst in enumerate(sorted(set(instances)))}
+    """One colour per GPU family (V100, A10G, A100, ...): instance types of one family share it."""
+    fams = {inst: _family_and_size(inst)[0] for inst in set(instances)}
+    order = sorted(set(fams.values()))
+    return {inst: INSTANCE_PALETTE[order.index(f) % len(INSTANCE_PALETTE)] for inst, f in fams.items()}
+
+
+def family_of(instance: str) -> str:
+    return _family_and_size(instance)[0]
+
+
+def gpus_of(instance: str) -> int:
+    return _family_and_size(instance)[1]
 
 
 def cost_label(column: str) -> str:
-    return "$ per epoch" if column == "usd_per_epoch" else "$ per million samples"
+    return {"usd_per_job": "$ per job", "usd_per_epoch": "$ per epoch"}.get(column, "$ per million samples")
 
 
 def oom_lines(frame: Any) -> list[tuple[str, float]]:
@@ -122,6 +148,8 @@ def throughput_memory_figure(frame: Any) -> Any:
     with_instance = several_instances(frame)
     symbols = instance_markers(data["instance"].tolist(), PLOTLY_SYMBOLS)
     fig = go.Figure()
+    if with_instance:
+        return _by_family(fig, data, "mem_peak_device", GIB, symbols, frame)
     for inst in sorted(data["instance"].unique()):
         for ok in (True, False):
             part = data[(data["instance"] == inst) & (data["feasible"].astype(bool) == ok)]
@@ -147,6 +175,33 @@ def throughput_memory_figure(frame: Any) -> Any:
     return fig
 
 
+def _by_family(fig: Any, data: Any, x: str, scale: float, symbols: dict[str, str], frame: Any) -> Any:
+    """Several instance types: one colour per GPU family (one legend entry each), one marker per size, the
+    feasible configurations only (the caller passes the top ones of each type); the OOM lines stay."""
+    import plotly.graph_objects as go
+
+    data = data[data["feasible"].astype(bool)]
+    colors = instance_colors(data["instance"].tolist())
+    for fam in sorted({family_of(i) for i in data["instance"].unique()}):
+        part = data[[family_of(i) == fam for i in data["instance"]]]
+        text = [candidate_label(r, True) for _, r in part.iterrows()]
+        fig.add_trace(go.Scatter(
+            x=part[x] / scale, y=part["samples_per_s"], mode="markers", text=text, name=fam, legendgroup=fam,
+            marker={"color": [colors[i] for i in part["instance"]], "size": 9, "opacity": 0.85,
+                    "symbol": [symbols[i] for i in part["instance"]], "line": {"width": 0.5, "color": "white"}},
+            hovertemplate="%{text}<br>peak %{x:.2f} GiB, %{y:.1f} samples/s<extra></extra>"))
+    for _names, gpu in oom_lines(frame):
+        fig.add_vline(x=gpu / GIB, line={"color": OOM_COLOR, "dash": "dash", "width": 1},
+                      annotation_text=f"OOM {gpu / GIB:.0f} GiB", annotation_position="top left",
+                      annotation_textangle=-90, annotation_font_color=OOM_COLOR)
+    sizes = sorted({gpus_of(i) for i in data["instance"].unique()})
+    fig.update_layout(title="Throughput vs peak memory: the best configurations of each instance type (colour: "
+                            "GPU family; marker: GPUs per instance " + ", ".join(map(str, sizes)) + ")",
+                      xaxis_title="peak memory of one GPU (GiB)", yaxis_title="samples/s (whole job)",
+                      template="plotly_white", height=520, yaxis={"type": "log"})
+    return fig
+
+
 def _front_traces(feasible: Any, front: Any, x: str, per_instance: bool) -> list[Any]:
     """Faint points for every feasible configuration, coloured by instance type, and the front on top:
     one line per instance type (`per_instance`) or one line across all of them."""
@@ -156,12 +211,16 @@ def _front_traces(feasible: Any, front: Any, x: str, per_instance: bool) -> list
     with_instance = several_instances(feasible)
     hover = "%{text}<br>%{x}, %{y:.1f} samples/s<extra></extra>"
     traces = []
-    for inst in sorted(feasible["instance"].unique()):
-        part = feasible[feasible["instance"] == inst]
+    symbols = instance_markers(feasible["instance"].tolist(), PLOTLY_SYMBOLS)
+    for fam in sorted({family_of(i) for i in feasible["instance"].unique()}):
+        part = feasible[[family_of(i) == fam for i in feasible["instance"]]]
         traces.append(go.Scatter(
-            x=part[x], y=part["samples_per_s"], mode="markers", name=f"{inst}: feasible", legendgroup=inst,
-            marker={"color": colors[inst], "size": 7, "opacity": 0.3},
+            x=part[x], y=part["samples_per_s"], mode="markers", name=f"{fam}: feasible", legendgroup=fam,
+            marker={"color": [colors[i] for i in part["instance"]], "size": 7, "opacity": 0.35,
+                    "symbol": [symbols[i] for i in part["instance"]]},
             text=[candidate_label(r, with_instance) for _, r in part.iterrows()], hovertemplate=hover))
+    if per_instance and several_instances(feasible):  # one front line per type would be a legend per type
+        per_instance = False
     groups = [(f"{inst}: Pareto front", front[front["instance"] == inst], colors.get(inst, "#000000"))
               for inst in sorted(front["instance"].unique())] if per_instance else [("Pareto front", front, "#000000")]
     for name, part, color in groups:
@@ -192,9 +251,10 @@ def pareto_cost_figure(feasible: Any, front: Any, cost: str) -> Any:
     import plotly.graph_objects as go
 
     fig = go.Figure(_front_traces(feasible, front, cost, per_instance=False))
-    fig.update_layout(title=f"Pareto front: throughput vs {cost_label(cost)} across instance types",
-                      xaxis_title=cost_label(cost), yaxis_title="samples/s (whole job)", template="plotly_white",
-                      height=500)
+    fig.update_layout(title=f"Pareto front: throughput vs {cost_label(cost)} across instance types (colour: GPU "
+                            "family; marker: GPUs per instance)",
+                      xaxis_title=f"{cost_label(cost)} (log)", yaxis_title="samples/s (whole job)",
+                      template="plotly_white", height=500, xaxis={"type": "log"}, yaxis={"type": "log"})
     return fig
 
 
@@ -277,7 +337,19 @@ def throughput_memory_png(frame: Any) -> Any:
     data = _measured(frame)
     with_instance = several_instances(frame)
     markers = instance_markers(data["instance"].tolist(), MPL_MARKERS)
-    for inst in sorted(data["instance"].unique()):
+    if with_instance:
+        data = data[data["feasible"].astype(bool)]
+        colors = instance_colors(data["instance"].tolist())
+        seen: set[str] = set()
+        for inst in sorted(data["instance"].unique()):
+            part = data[data["instance"] == inst]
+            fam = family_of(inst)
+            ax.scatter(part["mem_peak_device"] / GIB, part["samples_per_s"], color=colors[inst],
+                       marker=markers[inst], alpha=0.85, edgecolors="white", linewidths=0.5,
+                       label=fam if fam not in seen else None)
+            seen.add(fam)
+        ax.set_yscale("log")
+    for inst in sorted(data["instance"].unique()) if not with_instance else ():
         for ok in (True, False):
             part = data[(data["instance"] == inst) & (data["feasible"].astype(bool) == ok)]
             if not part.empty:
@@ -288,11 +360,12 @@ def throughput_memory_png(frame: Any) -> Any:
     ymax = ax.get_ylim()[1]
     for names, gpu in oom_lines(frame):
         ax.axvline(gpu / GIB, color=OOM_COLOR, linestyle="--", linewidth=1.4)
-        ax.text(gpu / GIB, ymax, f"OOM: {names} ({gpu / GIB:.1f} GiB) ", color=OOM_COLOR, fontsize=8,
-                va="top", ha="right", rotation=90)
+        label = f"OOM {gpu / GIB:.0f} GiB " if with_instance else f"OOM: {names} ({gpu / GIB:.1f} GiB) "
+        ax.text(gpu / GIB, ymax, label, color=OOM_COLOR, fontsize=8, va="top", ha="right", rotation=90)
     ax.set_xlabel("peak memory of one GPU (GiB)")
     ax.set_ylabel("samples/s (whole job)")
-    ax.set_title("Throughput vs peak memory of one GPU", fontsize=11)
+    ax.set_title("Throughput vs peak memory of one GPU" + (" (best of each type; colour: GPU family, marker: "
+                                                           "GPUs per instance)" if with_instance else ""), fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(color="#eeeeee")
     return fig
@@ -300,10 +373,16 @@ def throughput_memory_png(frame: Any) -> Any:
 
 def _front_png(ax: Any, feasible: Any, front: Any, x: str, per_instance: bool) -> None:
     colors = instance_colors(feasible["instance"].tolist())
+    markers = instance_markers(feasible["instance"].tolist(), MPL_MARKERS)
+    seen: set[str] = set()
     for inst in sorted(feasible["instance"].unique()):
         part = feasible[feasible["instance"] == inst]
-        ax.scatter(part[x], part["samples_per_s"], color=colors[inst], alpha=0.3, s=16,
-                   label=f"{inst}: feasible" if not per_instance else None)
+        fam = family_of(inst)
+        ax.scatter(part[x], part["samples_per_s"], color=colors[inst], marker=markers[inst], alpha=0.35, s=16,
+                   label=fam if not per_instance and fam not in seen else None)
+        seen.add(fam)
+    if per_instance and several_instances(feasible):
+        per_instance = False
     if per_instance:
         for inst in sorted(front["instance"].unique()):
             part = front[front["instance"] == inst].sort_values(x)
@@ -337,8 +416,11 @@ def pareto_cost_png(feasible: Any, front: Any, cost: str) -> Any:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     _front_png(ax, feasible, front, cost, per_instance=False)
-    ax.set_xlabel(cost_label(cost))
-    ax.set_title(f"Pareto front: throughput vs {cost_label(cost)} across instance types", fontsize=11)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"{cost_label(cost)} (log)")
+    ax.set_title(f"Pareto front: throughput vs {cost_label(cost)} (colour: GPU family; marker: GPUs/instance)",
+                 fontsize=10)
     return fig
 
 

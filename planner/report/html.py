@@ -22,6 +22,8 @@ from planner.errors import PlannerError
 from planner.report import figures as F
 
 PROBES_FILE = "probes.parquet"
+# Configurations per instance type drawn in the scatter charts when several types were searched.
+TOP_PER_TYPE = 5
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -36,7 +38,8 @@ class StoredRun:
 
     @property
     def instance(self) -> str:
-        return ", ".join(i.removeprefix("ml.") for i in self.run.instances)
+        names = [i.removeprefix("ml.") for i in self.run.instances]
+        return ", ".join(names) if len(names) <= 3 else f"{len(names)} instance types"
 
     @property
     def trials(self) -> list[Any]:
@@ -378,9 +381,15 @@ def _pareto_sections(search: Search, frame: Any, out: Path, pngs: list[Path]) ->
 
 
 def _value_name(search: Search) -> str:
-    objective = search.definition.get("objective", {})
-    if objective.get("target") == "cost":
-        return "$ per epoch" if objective.get("dataset_size") else "$ per million samples"
+    d = search.definition
+    target = d.get("target") or d.get("objective", {}).get("target")
+    sized = (d.get("recipe") or {}).get("dataset_size") or d.get("objective", {}).get("dataset_size")
+    if target == "cost":
+        return "$ per job" if sized else "$ per million samples"
+    if target == "time":
+        return "hours per job" if sized else "hours per million samples"
+    if target == "pareto":
+        return "hours per job (first objective)"
     return "samples/s"
 
 
@@ -399,7 +408,7 @@ def _optuna_sections(search: Search, out: Path, pngs: list[Path]) -> list[Sectio
     completed = {r.instance: [t for t in r.trials if t.state == optuna.trial.TrialState.COMPLETE]
                  for r in search.runs}
     finite = [s for s, r in zip(studies, search.runs, strict=True)
-              if any(t.value is not None and math.isfinite(t.value) for t in completed[r.instance])]
+              if any(_first(t) is not None and math.isfinite(_first(t)) for t in completed[r.instance])]
     if finite:
         target = _finite_target([t for ts in completed.values() for t in ts])
         with warnings.catch_warnings():
@@ -425,7 +434,7 @@ def _optuna_sections(search: Search, out: Path, pngs: list[Path]) -> list[Sectio
             continue
         fig.update_layout(title=f"Parameter importances: {run.instance}")
         importances.figures.append(fig)
-        stem = f"{importances.key}-{run.instance.removeprefix('ml.').replace('.', '-')}"
+        stem = f"{importances.key}-{run.instance.removeprefix('ml.').replace('.', '-').replace(', ', '_').replace(' ', '-')}"
         pngs.append(_optuna_png(lambda s=run.study, t=target: omp.plot_param_importances(s, target=t,
                                                                                           target_name=name),
                                 out, stem, importances))
@@ -435,11 +444,11 @@ def _optuna_sections(search: Search, out: Path, pngs: list[Path]) -> list[Sectio
 def _finite_target(trials: list[Any]) -> Callable[[Any], float]:
     """The objective with infinite values (a cost search records inf for infeasible trials) replaced by the
     worst finite value, so the charts can draw them."""
-    values = [t.value for t in trials if t.value is not None and math.isfinite(t.value)]
+    values = [_first(t) for t in trials if _first(t) is not None and math.isfinite(_first(t))]
     worst = max(values) if values else 0.0
 
     def target(trial: Any) -> float:
-        v = trial.value
+        v = _first(trial)
         return float(v) if v is not None and math.isfinite(v) else worst
 
     return target
@@ -459,6 +468,11 @@ def _probes_section(probes: Path, out: Path, pngs: list[Path]) -> Section:
         s.figures.append(F.predicted_measured_figure(part, unit))
         pngs.append(_png(F.predicted_measured_png(part, unit), out, stem))
     return s
+
+
+def _first(trial: Any) -> float | None:
+    """The first objective's value (a pareto search has two; Optuna's `.value` refuses those)."""
+    return trial.values[0] if trial.values else None
 
 
 def _png(fig: Any, out: Path, stem: str) -> Path:
@@ -496,7 +510,7 @@ def write_report(name: str, storage: str | None = None, *, top: int = 5, results
     """Write `<out_dir or results_dir/name>/report.html` and the PNGs next to it; return what was written.
 
     `estimate_fn` (default planner.estimate.estimate) recomputes the top candidates' peak breakdowns."""
-    from planner.search.results import top_k, unique_configs
+    from planner.search.results import top_k, top_k_per_instance, unique_configs
 
     if top < 1:
         raise PlannerError("--top", top, "a positive integer")
@@ -518,8 +532,12 @@ def write_report(name: str, storage: str | None = None, *, top: int = 5, results
     sections.append(breakdown)
     if best_est is not None:
         sections.append(_timeline_section(search, best_est, out, pngs))
-    sections.append(_throughput_memory_section(search, distinct, out, pngs))
-    sections += _pareto_sections(search, frame, out, pngs)
+    # Several instance types: the charts draw the top configurations of each type only (37 types × hundreds
+    # of points would be unreadable and would bloat the page); the tables and files keep every trial.
+    several = frame["instance"].nunique() > 1
+    shown = top_k_per_instance(frame, max(top, TOP_PER_TYPE), search.direction) if several else distinct
+    sections.append(_throughput_memory_section(search, shown, out, pngs))
+    sections += _pareto_sections(search, shown if several else frame, out, pngs)
     sections += _optuna_sections(search, out, pngs)
     sections.append(_probes_section(probes, out, pngs))
 
