@@ -85,7 +85,7 @@ def test_a_sure_fit_is_rarer_than_a_point_fit():
     """Near the limit the point estimate fits but the high end does not: tight, not fits."""
     cfg = TrainConfig(batch_size=1, seq_len=512, precision="amp-fp16")
     verdicts = []
-    for b in range(8, 129, 8):
+    for b in range(1, 41):  # every batch: the tight region is only a few batches wide
         e = estimate("roberta-base", cfg.model_copy(update={"batch_size": b}), "ml.p3.2xlarge",
                      with_throughput=False)
         verdicts.append(e.verdict)
