@@ -10,8 +10,10 @@ from typer.core import TyperGroup
 
 try:  # typer >= 0.17 parses with its own copy of click
     from typer._click import exceptions as click
+    from typer.exceptions import Abort
 except ImportError:  # pragma: no cover
     from click import exceptions as click  # type: ignore[no-redef]
+    from click.exceptions import Abort  # type: ignore[no-redef,assignment]
 
 from planner.cli import catalog_cmd, estimate_cmd, models_cmd, prices_cmd, probe_cmd, report_cmd, search_cmd
 
@@ -35,10 +37,23 @@ class OneLineErrors(TyperGroup):
             where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
             print(f"error: {' '.join(exc.format_message().split())}{where}", file=sys.stderr)
             sys.exit(2)
-        except click.Abort:
+        except Abort:
             print("Aborted!", file=sys.stderr)
             sys.exit(1)
+        except BrokenPipeError:  # `planner models | head`: the reader left; say nothing more
+            _silence_stdout()
+            sys.exit(0)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise a second BrokenPipeError."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout already closed or not a real file
+        pass
 
 
 app = typer.Typer(
