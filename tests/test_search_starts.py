@@ -142,3 +142,17 @@ def test_a_search_over_a_hand_modelled_model_never_imports_torch(tmp_path):
             f"run_search(None, trials=3, results_dir={str(tmp_path)!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_a_piped_search_prints_status_lines(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from planner.cli import search_cmd
+    from planner.cli.main import app
+
+    monkeypatch.setattr(search_cmd, "STATUS_INTERVAL_S", 0.0)  # a line per trial instead of every 5 s
+    result = CliRunner().invoke(app, ["search", "--instance", "ml.p3.2xlarge,ml.g5.xlarge", "--trials", "3",
+                                      "--study", "piped", "--results-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("search piped:")]
+    assert lines and lines[-1].startswith("search piped: 3/3 trials")
