@@ -156,3 +156,13 @@ def test_a_piped_search_prints_status_lines(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("search piped:")]
     assert lines and lines[-1].startswith("search piped: 3/3 trials")
+
+
+def test_a_single_type_search_starts_from_a_configuration_that_fits(tmp_path):
+    # 7B on 8 x A100-40GB: only sharded, checkpointed AMP configurations fit; TPE alone found 26 feasible
+    # trials in 100, the best of them fp32 at 1/8 of the AMP speed
+    sweep = DEFAULT_SWEEP.with_overrides(instance=("ml.p4d.24xlarge",), model="llama-2-7b", model_options={},
+                                         recipe={"seq_len": 1024})
+    result = run_search(sweep, trials=1, results_dir=tmp_path)
+    first = result.frame.iloc[0]
+    assert first.feasible and first.precision == "amp-bf16" and first.parallelism in ("zero3", "fsdp")
