@@ -11,6 +11,7 @@ from typing import Any
 from planner.errors import PlannerError
 from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
+from planner.memory import stack as sw
 from planner.spec import (
     Estimate,
     Instance,
@@ -63,14 +64,61 @@ def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Inst
         raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
 
 
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What depends on the model alone (parameter counts, buffers, gradient shapes), computed once per model:
+    a search evaluates thousands of configurations of a few models."""
+
+    spec: ModelSpec  # kept alive so that its id stays its own while cached
+    counts: dict[str, int]
+    buffer_bytes: int
+    gradient_shapes: tuple
+    by_block: dict[str, int]
+    optimizer: dict  # (optimizer, impl, param bytes, share) -> (state bytes, temporary bytes)
+
+
+_MODEL_FACTS: dict[int, _ModelFacts] = {}
+MODEL_FACTS_CACHE_SIZE = 256  # models kept (a catalog is a few dozen)
+
+
+def _model_facts(spec: ModelSpec) -> _ModelFacts:
+    facts = _MODEL_FACTS.get(id(spec))
+    if facts is not None and facts.spec is spec:
+        return facts
+    from planner.models.params import (
+        count_buffers_bytes,
+        count_parameters,
+        model_gradient_tensor_shapes,
+        parameters_by_block,
+    )
+
+    if len(_MODEL_FACTS) >= MODEL_FACTS_CACHE_SIZE:
+        _MODEL_FACTS.clear()
+    facts = _ModelFacts(spec, count_parameters(spec), count_buffers_bytes(spec),
+                        tuple(model_gradient_tensor_shapes(spec)), parameters_by_block(spec), {})
+    _MODEL_FACTS[id(spec)] = facts
+    return facts
+
+
+def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: float) -> tuple[int, int]:
+    """(state bytes, step temporary bytes): they read only the optimizer, its implementation, the parameter
+    dtype and the share (`optimizer.optimizer_state_bytes`, `optimizer_temporary_bytes`)."""
+    key = (cfg.optimizer, cfg.optimizer_impl, p_bytes, share)
+    hit = facts.optimizer.get(key)
+    if hit is None:
+        shapes = facts.gradient_shapes
+        hit = (optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share),
+               optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share))
+        facts.optimizer[key] = hit
+    return hit
+
+
 def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
                   share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
     """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
-    from planner.models.params import parameters_by_block
-
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
-    counts = parameters_by_block(model)
+    counts = _model_facts(model).by_block
     out = []
     for act in activations:  # every block in forward order, then "loss"
         n = counts.get(act.block, 0)
@@ -144,7 +192,6 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
                 rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
     """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
     cuBLAS workspaces of that torch version, unless the user fixed them; and what the band needs."""
-    from planner.memory import stack as sw
     from planner.memory.runtime import CUBLAS_HANDLES_PER_TRAINING_PROCESS, calibration_entry
 
     st = sw.resolve_stack(stack, inst.gpu)
@@ -188,8 +235,6 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         load_calibration,
         runtime_constants,
     )
-    from planner.models.params import count_buffers_bytes, count_parameters, model_gradient_tensor_shapes
-
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
@@ -206,7 +251,8 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
 
-    counts = count_parameters(spec)
+    facts = _model_facts(spec)
+    counts = dict(facts.counts)
     total_params = counts["total"]
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
 
@@ -214,19 +260,18 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     block_mem = _block_memory(spec, activations, cfg, share)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
-    shapes = model_gradient_tensor_shapes(spec)  # optimizers keep states only for tensors with a .grad
-    states = optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states)
-    opt_temp = optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states)
+    # optimizers keep states only for tensors with a .grad (facts.gradient_shapes)
+    states, opt_temp = _optimizer_bytes(facts, cfg, p_bytes, share.optimizer_states)
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
-        module_buffer_bytes=count_buffers_bytes(spec),
+        module_buffer_bytes=facts.buffer_bytes,
         ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
-        grads_resident=cfg.grad_accum > 1,
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -454,7 +499,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
         optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1,
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "

@@ -249,10 +249,8 @@ def print_result(result: SearchResult, top: int) -> None:
             table.add_row(_instance_text(row), _config_text(row, shown), _num(row["samples_per_s"], ",.1f"),
                           _num(row["price_per_hour"], prefix="$"), _num(row[time_col]), _num(row[cost_col], prefix="$"))
         console.print(table)
-        missing = [t for t in types if t not in set(frame[frame["feasible"]]["instance"])]
-        if missing:
-            console.print(f"no feasible configuration found on: {', '.join(m.removeprefix('ml.') for m in missing)}",
-                          highlight=False)
+        for line in _missing_lines(result, types):
+            console.print(line, highlight=False)
     if result.target == "pareto":
         from planner.search.pareto import time_vs_cost
 
@@ -288,6 +286,28 @@ def infeasible_message(result: SearchResult) -> str:
     advice = f" Try {'; or '.join(hints)}." if hints else ""
     return (f"no feasible configuration in {len(result.frame)} trials of study {result.name} (the trials are "
             f"saved in {result.storage}); reasons: {common or 'none'}.{advice}")
+
+
+def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
+    """Why some instance types have no row, said honestly: "even its smallest start fails" only where the
+    memory model's start (study.start_points: smallest micro-batch, checkpointing, sharding) failed; otherwise
+    the trials simply found none ("in its N trials"), which a user must not read as "cannot train here"."""
+    frame = result.frame
+    found = set(frame[frame["feasible"]]["instance"])
+    missing = [t for t in types if t not in found]
+    unfit = {s.instance: s.reason for s in result.run.starts if not s.feasible}
+    counts = frame["instance"].value_counts()
+    lines = []
+    for name in missing:
+        short = name.removeprefix("ml.")
+        n = int(counts.get(name, 0))
+        if name in unfit:
+            lines.append(f"{short}: nothing found; even its smallest start (micro-batch, checkpointing and "
+                         f"sharding as far as the space allows) fails: {unfit[name]}")
+        else:
+            lines.append(f"{short}: no feasible configuration found in its {n} trial{'s' if n != 1 else ''} "
+                         f"(not proven impossible: search it alone, --instance {short})")
+    return lines
 
 
 # Seconds between status lines when stderr is not a terminal (a log, CI): a bar would print nothing useful.

@@ -40,13 +40,28 @@ def _trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activat
 
 def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
                  parameter_share: float, gradient_share: float, state_share: float, backend: str) -> events.Trace:
-    from planner.models.params import model_gradient_tensor_shapes
-
     tensors = events.model_block_tensors(spec, activations, cfg, parameter_share, gradient_share, backend)
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
-    states, temps = events.optimizer_tensor_sizes(model_gradient_tensor_shapes(spec), cfg, p_bytes, state_share)
+    states, temps = _optimizer_tensors(spec, cfg, p_bytes, state_share)
     return events.step_events(step, tensors, state_sizes=states, temp_sizes=temps,
                               bucket_cap_bytes=int(cfg.bucket_cap_mb * events.MiB), first_step=REPLAY_FIRST_STEP)
+
+
+_OPTIMIZER_TENSORS: dict[tuple, tuple] = {}
+
+
+def _optimizer_tensors(spec: ModelSpec, cfg: TrainConfig, p_bytes: int, share: float) -> tuple:
+    """`events.optimizer_tensor_sizes`, once per model and optimizer (of `cfg` it reads only these two)."""
+    from planner.models.params import model_gradient_tensor_shapes
+
+    key = (id(spec), cfg.optimizer, cfg.optimizer_impl, p_bytes, share)
+    hit = _OPTIMIZER_TENSORS.get(key)
+    if hit is None or hit[0] is not spec:
+        if len(_OPTIMIZER_TENSORS) >= REPLAY_CACHE_SIZE:
+            _OPTIMIZER_TENSORS.clear()
+        hit = _OPTIMIZER_TENSORS[key] = (spec, events.optimizer_tensor_sizes(
+            model_gradient_tensor_shapes(spec), cfg, p_bytes, share))
+    return hit[1]
 
 
 _PREFIXES: dict[tuple, allocator.Snapshot] = {}
@@ -93,4 +108,5 @@ def clear_caches() -> None:
     """Forget cached traces and replays (benchmarks; tests that change module constants)."""
     _TRACES.clear()
     _PREFIXES.clear()
+    _OPTIMIZER_TENSORS.clear()
     _replay.cache_clear()

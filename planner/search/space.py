@@ -272,7 +272,7 @@ def space_from_flags(**texts: str | None) -> SpaceSpec:
     return SpaceSpec(**{field: parse_flag_list(field, text) for field, text in texts.items()})
 
 
-def _gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
+def gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     gpu = instance.gpu
     if dimension == "precision":
         return gpu.bf16 or "bf16" not in value
@@ -305,7 +305,7 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec, instances: Instance | list[
         if dim in fixed and dim in FIXED_DIMENSIONS:
             chosen, asked = (fixed.pop(dim),), True
         if asked is None:
-            keep = tuple(v for v in chosen if any(_gpu_can_run(i, dim, v) for i in types))
+            keep = tuple(v for v in chosen if any(gpu_can_run(i, dim, v) for i in types))
             if dim == "seq_len" and model.max_positions is not None:
                 keep = tuple(v for v in keep if v <= model.max_positions)
                 if not keep:  # every default is too long: search the model's own limit
