@@ -271,7 +271,8 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
+                                                                           cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -499,7 +500,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
         optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
+                                                                           cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
