@@ -11,6 +11,7 @@ from typing import Any
 from planner.errors import PlannerError
 from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
+from planner.memory import stack as sw
 from planner.spec import (
     Estimate,
     Instance,
@@ -212,7 +213,6 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
                 rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
     """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
     cuBLAS workspaces of that torch version, unless the user fixed them; and what the band needs."""
-    from planner.memory import stack as sw
     from planner.memory.runtime import CUBLAS_HANDLES_PER_TRAINING_PROCESS, calibration_entry
 
     st = sw.resolve_stack(stack, inst.gpu)
@@ -291,7 +291,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
-        grads_resident=cfg.grad_accum > 1,
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -532,7 +532,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
         optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1,
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
