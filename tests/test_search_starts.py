@@ -142,3 +142,27 @@ def test_a_search_over_a_hand_modelled_model_never_imports_torch(tmp_path):
             f"run_search(None, trials=3, results_dir={str(tmp_path)!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_a_piped_search_prints_status_lines(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from planner.cli import search_cmd
+    from planner.cli.main import app
+
+    monkeypatch.setattr(search_cmd, "STATUS_INTERVAL_S", 0.0)  # a line per trial instead of every 5 s
+    result = CliRunner().invoke(app, ["search", "--instance", "ml.p3.2xlarge,ml.g5.xlarge", "--trials", "3",
+                                      "--study", "piped", "--results-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("search piped:")]
+    assert lines and lines[-1].startswith("search piped: 3/3 trials")
+
+
+def test_a_single_type_search_starts_from_a_configuration_that_fits(tmp_path):
+    # 7B on 8 x A100-40GB: only sharded, checkpointed AMP configurations fit; TPE alone found 26 feasible
+    # trials in 100, the best of them fp32 at 1/8 of the AMP speed
+    sweep = DEFAULT_SWEEP.with_overrides(instance=("ml.p4d.24xlarge",), model="llama-2-7b", model_options={},
+                                         recipe={"seq_len": 1024})
+    result = run_search(sweep, trials=1, results_dir=tmp_path)
+    first = result.frame.iloc[0]
+    assert first.feasible and first.precision == "amp-bf16" and first.parallelism in ("zero3", "fsdp")
