@@ -113,6 +113,27 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
     return hit
 
 
+# What `activations.activation_blocks` reads of a TrainConfig (its `_ctx` and the checkpointing flag):
+# tests/test_estimate_cache.py fails if another field changes its answer.
+ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing")
+_ACTIVATIONS: dict[tuple, tuple] = {}
+ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
+
+
+def _activations(spec: ModelSpec, cfg: TrainConfig, backend: str, flash_ok: bool) -> tuple:
+    """`activation_blocks`, cached per model object and the fields it reads: a search evaluates one shape
+    on many instance types and counts, and this is the costliest part of preparing an estimate."""
+    from planner.memory.activations import activation_blocks
+
+    key = (id(spec), *(getattr(cfg, f) for f in ACTIVATION_FIELDS), backend, flash_ok)
+    hit = _ACTIVATIONS.get(key)
+    if hit is None or hit[0] is not spec:
+        if len(_ACTIVATIONS) >= ACTIVATION_CACHE_SIZE:
+            _ACTIVATIONS.clear()
+        hit = _ACTIVATIONS[key] = (spec, tuple(activation_blocks(spec, cfg, backend=backend, flash_ok=flash_ok)))
+    return hit[1]
+
+
 def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
                   share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
     """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
@@ -228,7 +249,6 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
-    from planner.memory.activations import activation_blocks
     from planner.memory.runtime import (
         calibrated_values,
         calibration_entry,
@@ -256,7 +276,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     total_params = counts["total"]
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
 
-    activations = activation_blocks(spec, cfg, backend=backend, flash_ok=inst.gpu.flash_attention)
+    activations = _activations(spec, cfg, backend, inst.gpu.flash_attention)
     block_mem = _block_memory(spec, activations, cfg, share)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
@@ -271,7 +291,8 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
+                                                                           cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -341,9 +362,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     states = step.optimizer_state_bytes
     micro_batch = step.batch_bytes
     block_mem = step.blocks
-    points = timeline.simulate(step)
-    peaks = timeline.phase_peaks(points)
-    top = timeline.peak(points)
+    peaks, top = _timeline_peaks(step)
 
     peak_allocated = top.total
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
@@ -425,6 +444,21 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     )
 
 
+_PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = {}
+
+
+def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point], timeline.Point]:
+    """(peak point per phase, the highest point) of the step's block timeline, cached per step: a search
+    meets one step on many instance types and counts. Callers copy what they keep (`Point.bytes` is a dict)."""
+    hit = _PEAKS.get(step)
+    if hit is None:
+        points = timeline.simulate(step)
+        if len(_PEAKS) >= ACTIVATION_CACHE_SIZE:
+            _PEAKS.clear()
+        hit = _PEAKS[step] = (timeline.phase_peaks(points), timeline.peak(points))
+    return hit
+
+
 def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
     """The whole-device peak term by term, each with its band (planner.memory.band)."""
     workspace = prep.step.workspace_bytes
@@ -499,7 +533,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
         optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism),
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
+                                                                           cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput from the traced ops "
@@ -560,3 +595,13 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
     return notes
+
+
+def clear_caches() -> None:
+    """Forget every cached intermediate of `estimate` (benchmarks of a cold start; tests)."""
+    from planner.memory import reserved
+
+    _MODEL_FACTS.clear()
+    _ACTIVATIONS.clear()
+    _PEAKS.clear()
+    reserved.clear_caches()

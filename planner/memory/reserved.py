@@ -9,8 +9,6 @@ only when the unlimited peak does not fit, to model the OOM retry (`release_cach
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from planner.memory import allocator, events, model_states, timeline
 from planner.spec import AllocatorReplay, ModelSpec, TrainConfig
 
@@ -20,22 +18,48 @@ REPLAY_CACHE_SIZE = 4096  # distinct steps kept (a few hundred bytes each)
 REPLAY_FIRST_STEP = True
 
 
-_TRACES: dict[tuple, tuple[ModelSpec, events.Trace]] = {}
+# What the trace reads of a TrainConfig besides the step's block bytes: the activation records' fields
+# (estimate.ACTIVATION_FIELDS), the parameter dtype, the optimizer's tensors, the DDP bucket size.
+TRACE_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "optimizer", "optimizer_impl",
+                "bucket_cap_mb")
+
+
+class _Entry:
+    """One step's trace and its replays by (capacity, expandable), kept with the model object (so its id
+    stays its own). Replays are looked up here, never by hashing the trace's thousands of events."""
+
+    __slots__ = ("spec", "trace", "replays")
+
+    def __init__(self, spec: ModelSpec, trace: events.Trace) -> None:
+        self.spec, self.trace = spec, trace
+        self.replays: dict[tuple[int | None, bool], allocator.ReplayResult] = {}
+
+
+_TRACES: dict[tuple, _Entry] = {}
+
+
+def _entry(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
+           parameter_share: float, gradient_share: float, state_share: float, backend: str,
+           flash_ok: bool) -> _Entry:
+    """Cached by the model object, the config fields the trace reads, the step and the rest."""
+    key = (id(spec), *(getattr(cfg, f) for f in TRACE_FIELDS), step, parameter_share, gradient_share, state_share,
+           backend, flash_ok, REPLAY_FIRST_STEP)
+    hit = _TRACES.get(key)
+    if hit is not None and hit.spec is spec:
+        return hit
+    trace = _build_trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend)
+    if len(_TRACES) >= REPLAY_CACHE_SIZE:
+        _TRACES.clear()
+    hit = _TRACES[key] = _Entry(spec, trace)
+    return hit
 
 
 def _trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
            parameter_share: float, gradient_share: float, state_share: float, backend: str,
            flash_ok: bool) -> events.Trace:
-    """Cached by the model object (kept alive by the cache, so its id stays its own) and everything else."""
-    key = (id(spec), cfg, step, parameter_share, gradient_share, state_share, backend, flash_ok)
-    hit = _TRACES.get(key)
-    if hit is not None:
-        return hit[1]
-    trace = _build_trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend)
-    if len(_TRACES) >= REPLAY_CACHE_SIZE:
-        _TRACES.clear()
-    _TRACES[key] = (spec, trace)
-    return trace
+    """The step's per-tensor trace (cached, see `_entry`)."""
+    return _entry(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend,
+                  flash_ok).trace
 
 
 def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
@@ -67,7 +91,6 @@ def _optimizer_tensors(spec: ModelSpec, cfg: TrainConfig, p_bytes: int, share: f
 _PREFIXES: dict[tuple, allocator.Snapshot] = {}
 
 
-@lru_cache(maxsize=REPLAY_CACHE_SIZE)
 def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
     """Without a capacity (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed
     once per model and optimizer and restored from a snapshot afterwards."""
@@ -92,10 +115,17 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
                 backend: str = "cuda", flash_ok: bool = True) -> AllocatorReplay:
     """The step's allocator replay; `capacity_bytes` is what the allocator may reserve (GPU memory less the
     CUDA context and NCCL buffers)."""
-    trace = _trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend, flash_ok)
-    r = _replay(trace, None, expandable_segments)
+    entry = _entry(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend, flash_ok)
+    trace = entry.trace
+    r = entry.replays.get((None, expandable_segments))
+    if r is None:
+        r = entry.replays[None, expandable_segments] = _replay(trace, None, expandable_segments)
     if capacity_bytes is not None and r.peak_reserved > capacity_bytes:
-        r = _replay(trace, capacity_bytes, expandable_segments)
+        hit = entry.replays.get((capacity_bytes, expandable_segments))
+        if hit is None:
+            hit = entry.replays[capacity_bytes, expandable_segments] = _replay(trace, capacity_bytes,
+                                                                               expandable_segments)
+        r = hit
     name = events.tensor_name(trace, r.peak_tensor) if r.peak_tensor >= 0 else ""
     return AllocatorReplay(peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, segments=r.segments,
                            peak_allocation=name, peak_allocation_bytes=r.peak_event_bytes,
@@ -109,4 +139,3 @@ def clear_caches() -> None:
     _TRACES.clear()
     _PREFIXES.clear()
     _OPTIMIZER_TENSORS.clear()
-    _replay.cache_clear()

@@ -164,10 +164,20 @@ def parameter_tensors(block: Block) -> int:
 # ---- the prediction ------------------------------------------------------------------------------
 
 
+_DEFAULT: list[ThroughputConstants] = []
+
+
+def _default_constants() -> ThroughputConstants:
+    """ThroughputConstants() made once (frozen, so it can be shared): a search predicts thousands of steps."""
+    if not _DEFAULT:
+        _DEFAULT.append(ThroughputConstants())
+    return _DEFAULT[0]
+
+
 def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance,
                        constants: ThroughputConstants | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
-    c = constants or ThroughputConstants()
+    c = constants or _default_constants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
     table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention)
