@@ -293,10 +293,13 @@ def test_installed_torch_zero_grad_frees_gradients_as_the_table_says():
     assert lin.weight.grad is None
 
 
-@pytest.mark.parametrize("torch,par,keeps", [("1.4", "single", True), ("1.13", "ddp", True), ("1.13", "dp", True),
-                                             ("2.0", "single", False), ("1.13", "zero2", False)])
-def test_zero_grad_keeps_gradients_before_torch_2_0(torch, par, keeps):
-    assert sw.zero_grad_keeps_gradients(st(torch, sw.table()["torch"][0]["cuda"][0]), par) is keeps
+@pytest.mark.parametrize("torch,par,impl,keeps", [
+    ("1.4", "single", "for-loop", True), ("1.13", "ddp", "foreach", True), ("1.13", "dp", "foreach", True),
+    ("2.0", "single", "foreach", False), ("1.13", "zero2", "foreach", False),
+    ("1.7", "single", "fused", False),  # apex FusedAdam: zero_grad() sets None (set_grad_none=True)
+])
+def test_zero_grad_keeps_gradients_before_torch_2_0(torch, par, impl, keeps):
+    assert sw.zero_grad_keeps_gradients(st(torch, sw.table()["torch"][0]["cuda"][0]), par, impl) is keeps
 
 
 def test_old_stack_keeps_the_gradients_through_forward_and_backward():

@@ -283,15 +283,18 @@ def model_default_attention(stack: SoftwareStack, families: list[str]) -> str:
     return "eager" if "eager" in kinds else "sdpa"
 
 
-def zero_grad_keeps_gradients(stack: SoftwareStack, parallelism: str) -> bool:
+def zero_grad_keeps_gradients(stack: SoftwareStack, parallelism: str, optimizer_impl: str = "foreach") -> bool:
     """True when the training loop's `zero_grad()` leaves the gradient tensors allocated (filled with zeros)
     between steps: torch < 2.0, whose default was set_to_none=False (stacks.json zero_grad, PR #92731). Then
     the gradients are resident through the next forward and backward, as with gradient accumulation.
-    ZeRO/FSDP keep their own gradient buffers: unchanged (ASSUMPTION, see stacks.json)."""
+    Not for a "fused" optimizer before torch 2.0: that is apex's FusedAdam, whose zero_grad() sets them to
+    None by default. ZeRO/FSDP keep their own gradient buffers: unchanged (ASSUMPTION, see stacks.json)."""
     if parallelism not in ("single", "dp", "ddp"):
         return False
-    since = table()["zero_grad"]["set_to_none_since_torch"]
-    return parse_version("torch", stack.torch) < parse_version("since", since)
+    zg = table()["zero_grad"]
+    if parse_version("torch", stack.torch) >= parse_version("since", zg["set_to_none_since_torch"]):
+        return False
+    return not (optimizer_impl == "fused" and zg["apex_fused_sets_none"])
 
 
 def workspace_rule(stack: SoftwareStack) -> dict[str, Any]:
