@@ -414,8 +414,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     phases = tuple(PhasePeak(phase=name, allocated=p.total, detail=dict(p.bytes)) for name, p in peaks.items())
 
     throughput = cost = None
-    if with_throughput and spec is not None:
-        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale)
+    if with_throughput and (spec is not None or prep.traced is not None):
+        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced)
 
     return Estimate(
         model=prep.name,
@@ -537,8 +537,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
-    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
-             "models yet", *full.notes, *_notes(None, cfg)]
+    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput from the traced ops "
+             "(planner.program.speed)", *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -548,17 +548,22 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                      "replicated single/DDP steps only")
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
                      scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
-                     full)
+                     kept)
 
 
-def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
-                    scale: float | None):
-    """Throughput, and cost at the instance's price (the refreshed cache when present, else the embedded table;
-    `predict_cost` records which, with its date)."""
+def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
+                    scale: float | None, traced: Any = None):
+    """Throughput (the analytic kernel list, or a traced model's own ops), and cost at the instance's price
+    (the refreshed cache when present, else the embedded table; `predict_cost` records which, with its date)."""
     from planner.perf.cost import predict_cost
     from planner.perf.throughput import predict_throughput
 
-    throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
+    if spec is None:
+        from planner.program.speed import traced_throughput
+
+        throughput = _calibrated(traced_throughput(traced, cfg, inst), scale)
+    else:
+        throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
     except PlannerError as exc:  # no price known for this instance type; a corrupt prices cache stays an error

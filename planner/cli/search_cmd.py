@@ -16,6 +16,8 @@ import typer
 from planner.cli.common import (
     AllocConfOpt,
     CudaVersionOpt,
+    InputsOpt,
+    LossOpt,
     TorchVersionOpt,
     TransformersVersionOpt,
     console,
@@ -35,6 +37,7 @@ HELP_SPACE = "Comma-separated values to search (default: see planner/search/spac
 def _slug(text: str) -> str:
     import re
 
+    text = text.replace(".py:", "-")  # FILE.py:build -> FILE-build
     stem = Path(text).stem if ("/" in text or text.endswith(".json")) else text
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "search"
 
@@ -43,7 +46,7 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
                 instance: str | None, nodes: int | None, space: dict[str, str | None],
                 constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
                 recipe: dict[str, Any] | None = None, max_instances: int | None = None,
-                stack: dict[str, str] | None = None) -> Sweep:
+                stack: dict[str, str] | None = None, inputs: str | None = None, loss: str | None = None) -> Sweep:
     """The sweep file (or the built-in default) with the flags that were given laid over it.
 
     The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
@@ -57,8 +60,12 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     if model is not None:
         updates["model"] = model
         updates["model_options"] = {}  # the sweep's options belong to its model
+        updates["inputs"] = updates["loss"] = None  # and so do its inputs and loss
         if sweep_file is None:
             updates["name"] = _slug(model)
+    for key, value in (("inputs", inputs), ("loss", loss)):
+        if value is not None:
+            updates[key] = value
     if model_options:
         updates["model_options"] = {**(updates.get("model_options", base.model_options)),
                                     **parse_model_options(model_options)}
@@ -359,9 +366,13 @@ def register(app: typer.Typer) -> None:
     def search(
         instance: Annotated[str | None, typer.Option(
             "--instance", "-i", help="Instance type(s): NAME, A,B,C or all (default: the sweep's).")] = None,
-        model: Annotated[str | None, typer.Option("--model", "-m", help="Catalog name or config.json path.")] = None,
+        model: Annotated[str | None, typer.Option(
+            "--model", "-m", help="Catalog name, config.json path or FILE.py:build (your own module, traced once "
+                                  "per shape class).")] = None,
         model_option: Annotated[list[str] | None, typer.Option(
             "--model-option", "-o", help="Model option KEY=VALUE (repeatable).")] = None,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
             min=1, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
@@ -448,6 +459,7 @@ def register(app: typer.Typer) -> None:
             recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
             max_instances=max_instances,
             stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
+            inputs=inputs, loss=loss,
         )
         bar = sys.stderr.isatty() and not json_out if progress is None else progress
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,

@@ -281,7 +281,7 @@ def gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     return True
 
 
-def resolve_space(spec: SpaceSpec, model: ModelSpec, instances: Instance | list[Instance], *,
+def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance | list[Instance], *,
                   min_seq_len: int | None = None, fixed: dict[str, Any] | None = None,
                   global_batch_size: int | None = None) -> SearchSpace:
     """The concrete joint space for `model` over `instances` (one type or several).
@@ -306,10 +306,11 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec, instances: Instance | list[
             chosen, asked = (fixed.pop(dim),), True
         if asked is None:
             keep = tuple(v for v in chosen if any(gpu_can_run(i, dim, v) for i in types))
-            if dim == "seq_len" and model.max_positions is not None:
-                keep = tuple(v for v in keep if v <= model.max_positions)
+            limit = getattr(model, "max_positions", None)  # None: no limit known (a traced model's reference)
+            if dim == "seq_len" and limit is not None:
+                keep = tuple(v for v in keep if v <= limit)
                 if not keep:  # every default is too long: search the model's own limit
-                    keep = (model.max_positions,)
+                    keep = (limit,)
             if dim == "batch_size" and global_batch_size is not None:
                 keep = tuple(v for v in keep if v <= global_batch_size) or (1,)
             if len(keep) < len(chosen):

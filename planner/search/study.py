@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError
-from planner.models.catalog import cached_model
 from planner.search.objective import EstimateFn, Objective
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
 from planner.search.storage import StorageSpec, StudyLock, open_storage, parse_storage, remove_if_empty
-from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep
+from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep, sweep_model
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -326,7 +325,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
 
     from planner.hardware import get_instance
 
-    model = cached_model(sweep.model, sweep.model_options)
+    model = sweep_model(sweep)
     types = [get_instance(n) for n in sweep.instance_names()]
     space = resolve_space(sweep.seq_space(), model, types, min_seq_len=sweep.constraints.min_seq_len,
                           fixed=sweep.fixed, global_batch_size=sweep.recipe.global_batch_size)
@@ -439,7 +438,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
         raise PlannerError("--trials", trials, "a positive integer")
     name = resolve_name(sweep, study)
     results_dir = Path(results_dir)
-    cached_model(sweep.model, sweep.model_options)  # a bad model fails before any storage is created
+    sweep_model(sweep)  # a bad model fails before any storage is created
     folder = results_dir / name
     spec = parse_storage(storage, folder / JOURNAL_FILE)
     file = spec.file
