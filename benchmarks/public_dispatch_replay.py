@@ -117,17 +117,21 @@ def record_steps(model_name: str, cfg: TrainConfig, steps: int = 2, set_to_none:
         return pre + rec.events
 
 
-def planner_figures(model_name: str, cfg: TrainConfig, instance: str, torch_version: str) -> tuple[int, int]:
+def planner_figures(model_name: str, cfg: TrainConfig, instance: str, stack: dict[str, str]) -> tuple[int, int]:
     import planner
 
-    est = planner.estimate(model_name, cfg, instance, stack={"torch": torch_version}, model_options=OPTIONS,
-                           with_throughput=False)
+    est = planner.estimate(model_name, cfg, instance, stack=stack, model_options=OPTIONS, with_throughput=False)
     return est.memory_bytes.peak_allocated, est.memory_bytes.peak_reserved
 
 
-CASES = [  # (catalog model, batch, seq): the lambda-dlb-logs fp32 rows (fp32: no autocast mapping needed)
-    ("bert-large-uncased", 12, 384),
+# zero_grad(set_to_none=...) of the recording -> a planner stack whose zero_grad() does the same (PR #92731)
+STACKS = {False: {"torch": "1.13", "cuda": "11.7"}, True: {"torch": "2.4", "cuda": "12.1"}}
+
+CASES = [  # (catalog model, batch, seq): the lambda-dlb-logs fp32 rows (fp32: no autocast mapping needed) and
+    ("bert-large-uncased", 12, 384),  # the held-out RoBERTa-large at batch 1 and 8 (results/public/heldout)
     ("bert-base-uncased", 36, 384),
+    ("roberta-large", 1, 128),
+    ("roberta-large", 8, 128),
 ]
 QUICK = [("bert-base-uncased", 4, 128)]
 
@@ -138,17 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print("Op-level replay (every storage of 2 real training steps, FakeTensorMode, CPU kernels)")
     print("through planner.memory.allocator vs the planner's per-block replay; fp32, eager,")
-    print("AdamW foreach, zero_grad(set_to_none=False) as torch < 2.0 did")
-    print(f"{'model':<20}{'b':>4}{'s':>5}{'op alloc':>10}{'op resv':>9}{'ratio':>7}"
-          f"{'pl alloc':>10}{'pl resv':>9}{'ratio':>7}")
+    print("AdamW foreach; zg: zero_grad keeps the gradients (torch < 2.0) or frees them")
+    print(f"{'model':<19}{'b':>3}{'s':>4}{'zg':>5}{'op alloc':>9}{'op resv':>8}{'ratio':>6}"
+          f"{'pl alloc':>9}{'pl resv':>8}{'ratio':>6}")
     for name, b, s in QUICK if args.quick else CASES:
         cfg = TrainConfig(batch_size=b, seq_len=s, precision="fp32", attention="eager", parallelism="single")
-        events = record_steps(name, cfg)
-        r = allocator.replay(events)
-        pa, pr = planner_figures(name, cfg, "ml.p3dn.24xlarge", "1.13")
-        print(f"{name:<20}{b:>4}{s:>5}{r.peak_allocated / GIB:>10.2f}{r.peak_reserved / GIB:>9.2f}"
-              f"{r.peak_reserved / r.peak_allocated:>7.3f}{pa / GIB:>10.2f}{pr / GIB:>9.2f}{pr / pa:>7.3f}")
-    print("GiB; ratio = reserved / allocated. planner: torch 1.13 stack (gradients kept by zero_grad)")
+        for set_to_none in (False, True):
+            r = allocator.replay(record_steps(name, cfg, set_to_none=set_to_none))
+            pa, pr = planner_figures(name, cfg, "ml.p3.2xlarge", STACKS[set_to_none])
+            print(f"{name[:19]:<19}{b:>3}{s:>4}{'free' if set_to_none else 'keep':>5}"
+                  f"{r.peak_allocated / GIB:>9.2f}{r.peak_reserved / GIB:>8.2f}"
+                  f"{r.peak_reserved / r.peak_allocated:>6.3f}{pa / GIB:>9.2f}{pr / GIB:>8.2f}{pr / pa:>6.3f}")
+    print("GiB; ratio = reserved / allocated; planner stacks: torch 1.13 (keep), 2.4 (free)")
     return 0
 
 

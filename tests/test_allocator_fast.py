@@ -67,7 +67,7 @@ def test_fast_snapshot_resumes_exactly(head, tail):
         assert allocator.run(evs, start=snap, snapshot_at=len(head))[0] == full
 
 
-GRID = list(itertools.product([1, 3, 8, 24], [64, 200, 512], ["fp32", "amp-fp16"], [False, True]))
+GRID = list(itertools.product([1, 3, 24], [64, 200, 512], ["fp32", "amp-fp16"], [False, True]))
 PARALLEL = [dict(), dict(parallelism="zero3"), dict(grad_accum=2), dict(optimizer_impl="for-loop")]
 
 
@@ -79,7 +79,7 @@ def _trace(model, cfg, instance="ml.p4d.24xlarge"):
 
 @pytest.mark.parametrize("model", list_models())
 def test_fast_run_equals_the_reference_on_catalog_steps(model):
-    """Every catalog model, 48 shapes each, one parallelism variant per shape (cycled), unlimited and at a
+    """Every catalog model, 36 shapes each, one parallelism variant per shape (cycled), unlimited and at a
     capacity below the unlimited peak (the OOM retry path); and the cached prefix path of `reserved`."""
     large = model.startswith(("llama", "mistral", "gpt2-xl", "gpt2-large"))
     for k, (b, s, precision, ckpt) in enumerate(GRID):

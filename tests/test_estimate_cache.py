@@ -55,3 +55,19 @@ def test_trace_reads_only_the_keyed_fields():
     assert set(others) | set(reserved.TRACE_FIELDS) == set(TrainConfig.model_fields)
     for field, value in others.items():
         assert reserved._build_trace(prep.spec, prep.cfg.model_copy(update={field: value}), *args) == base, field
+
+
+def test_roofline_timings_are_cached_per_gpu_facts_not_name():
+    """A GPU changed with model_copy keeps its name; its kernels must not be timed from the cache of the other."""
+    from planner.hardware import get_instance
+    from planner.perf.roofline import RooflineConstants, kernel_table, time_table
+
+    spec = cached_model("bert-base-uncased")
+    cfg = TrainConfig(batch_size=8, seq_len=128, precision="amp-fp16")
+    gpu = get_instance("ml.p3.2xlarge").gpu
+    faster = gpu.model_copy(update={"memory_bandwidth_gbs": 2 * gpu.memory_bandwidth_gbs})
+    table = kernel_table(spec, cfg, flash_ok=gpu.flash_attention)
+    c = RooflineConstants()
+    slow, fast = time_table(table, 8, gpu, c), time_table(table, 8, faster, c)
+    assert fast.seconds.sum() < slow.seconds.sum()
+    assert time_table(table, 8, gpu, c) is slow  # cached
