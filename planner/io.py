@@ -190,6 +190,23 @@ def writable_dir(path: str | Path, what: str) -> Path:
     return p
 
 
+def check_writable_dir(path: str | Path, what: str) -> Path:
+    """Fail early, creating nothing, when `path` cannot become a writable folder: the nearest existing
+    ancestor must be a folder we may write (a regular file in the way fails for every user, root included).
+
+    Unlike `writable_dir` it leaves no empty folder behind when the command fails later."""
+    p = Path(path)
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        why = "exists and is not a folder" if probe == p else f"{probe} is a file, not a folder"
+        raise PlannerError(what, str(p), f"a writable folder ({why})")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise PlannerError(what, str(p), f"a writable folder ({probe} is read-only)")
+    return p
+
+
 def write_text(path: str | Path, text: str, what: str) -> Path:
     """Write `text` (UTF-8) to `path` atomically."""
     with atomic_path(path, what) as tmp:
