@@ -49,7 +49,7 @@ def read_text(path: str | Path, what: str) -> str:
     if b"\x00" in raw:
         raise PlannerError(what, str(p), "a text file (this one is binary)")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not content
     except UnicodeDecodeError as exc:
         raise PlannerError(what, str(p), f"UTF-8 text (byte {exc.start} is not)") from None
 
