@@ -44,8 +44,10 @@ def estimate_fn(fake: bool):
     return estimate
 
 
-def bench_cli(args: list[str]) -> tuple[float, float, str]:
-    """(wall s, CPU s, last output line) of `planner search ARGS` in a fresh results folder."""
+def bench_cli(args: list[str]) -> tuple[float, float, str, dict]:
+    """(wall s, CPU s, the `best:` output line, best.json) of `planner search ARGS` in a fresh results folder."""
+    import json
+
     with tempfile.TemporaryDirectory() as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
@@ -58,7 +60,19 @@ def bench_cli(args: list[str]) -> tuple[float, float, str]:
             print(proc.stdout[-2000:], proc.stderr[-2000:])
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         best = next((line for line in proc.stdout.splitlines() if line.startswith("best:")), "")
-        return wall, cpu, best
+        files = list(Path(tmp).glob("*/best.json"))
+        data = json.loads(files[0].read_text()) if files else {}
+        return wall, cpu, best, data
+
+
+def check_best(data: dict, types: int) -> str:
+    """Whether `best` is the cheapest per job among `best_per_instance`, and how many types have a row."""
+    per = data.get("best_per_instance") or []
+    best = (data.get("best") or {}).get("usd_per_job")
+    cheapest = min((r["usd_per_job"] for r in per if r.get("usd_per_job") is not None), default=None)
+    same = best is not None and cheapest is not None and abs(best - cheapest) <= 1e-9 * max(1.0, cheapest)
+    return (f"best ${best:.4f}/job {'=' if same else '!='} cheapest of best_per_instance ${cheapest:.4f}/job; "
+            f"{len(per)}/{types} instance types have a feasible configuration")
 
 
 def objective_for(sweep, fake: bool):
@@ -159,17 +173,21 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; estimate: "
           f"{'fake' if args.fake else 'planner.estimate'}")
     if not args.no_cli and not args.fake:
+        from planner.hardware import list_instances
+
         for flags in (["--instance", "ml.p3.16xlarge"], ["--instance", "all"]):
-            wall, cpu, best = bench_cli(flags)
+            wall, cpu, best, data = bench_cli(flags)
             print(f"`planner search {' '.join(flags)}` (fresh study): {wall:.2f} s wall, {cpu:.2f} s CPU; "
                   f"load average {os.getloadavg()[0]:.1f}")
             print(f"  {best[:150]}")
+            if flags[-1] == "all":
+                print(f"  {check_best(data, len(list_instances()))}")
     default = exhaustive(DEFAULT_SWEEP, args.fake)
     print(f"estimate: {default['estimates_per_s']:,.0f} estimates/s over the {default['estimates']} runnable points "
           f"of the default space ({default['points']} points, no cache)")
     rate, hits = objective_rate(DEFAULT_SWEEP, args.fake, default_trials(1))
     print(f"objective as the default search calls it: {rate:,.0f} calls/s ({hits:.0%} answered by the "
-          f"per-configuration cache)")
+          f"per-configuration cache; target >= 2,000/s)")
     storage = bench_storage(args.fake, 100)
     print(f"storage per finished trial: journal file {storage['journal']:.1f} ms, SQLite (WAL) "
           f"{storage['sqlite']:.1f} ms (whole search, estimate included)")

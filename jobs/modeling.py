@@ -157,6 +157,12 @@ def build_model(spec: dict[str, Any], attention: str = "sdpa", *, device: Any = 
     transformers per-layer gradient checkpointing.
     """
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+    if "user_code" in spec:
+        with ctx:
+            model = user_build(spec)
+        if checkpointing:
+            enable_checkpointing(model)
+        return model.train()
     with ctx:
         if spec.get("loss") == "multimodal":
             model: nn.Module = MultimodalBert(spec, attention)
@@ -194,6 +200,8 @@ def make_batch(spec: dict[str, Any], batch_size: int, seq_len: int, device: Any 
     Labels: one class per sample, or one token per position (a copy of input_ids, as LM collators make;
     the models shift causal labels themselves).
     """
+    if "user_code" in spec:
+        return user_batch(spec, batch_size, seq_len, device)
     inputs = spec["inputs"]
     texts = _transformers(spec)
     batch: dict[str, torch.Tensor] = {}
@@ -228,6 +236,8 @@ def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     The stand-in saves nothing large for backward (a mean's gradient needs only the shape) and still sends
     a gradient to every parameter, the pooler's included.
     """
+    if isinstance(batch, UserBatch):
+        return user_loss(model, batch)
     out = model(**batch)
     loss = out.get("loss") if hasattr(out, "get") else getattr(out, "loss", None)
     if loss is not None:
@@ -237,3 +247,111 @@ def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if pooled is not None:
         loss = loss + pooled.mean()
     return loss
+
+
+# ------------------------------------------------------------------------- the user's own module
+# A request for user code (`planner estimate --model FILE.py:build --inputs FILE.py:batch`) carries
+# {"name": ..., "user_code": {"model": "file.py:build", "inputs": "file.py:batch", "loss": "file.py:fn" or
+# None, "options": {...}, "files": {"file.py": source}}} (planner.models.user_module.probe_model). The files
+# are written to a folder of their own and imported by path, as the planner imported them.
+
+
+class UserBatch(dict):
+    """The user's batch as `model(**batch)` (a dict) or `model(*batch)` (a tuple, kept here under the keys
+    "0", "1", ...), with the request attached; a dict so that the probe's byte counting and dtype casting see
+    its tensors."""
+
+    spec: dict[str, Any]
+    positional: bool = False
+
+    def call(self, model: nn.Module) -> Any:
+        return model(*self.original()) if self.positional else model(**self)
+
+    def original(self) -> Any:
+        return tuple(self[str(i)] for i in range(len(self))) if self.positional else dict(self)
+
+
+_USER_MODULES: dict[tuple[str, str], Any] = {}
+
+
+def _user_function(spec: dict[str, Any], role: str) -> Any:
+    import hashlib
+    import importlib.util
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    code = spec["user_code"]
+    ref = code.get(role)
+    if not ref:
+        return None
+    file, fn = ref.rsplit(":", 1)
+    digest = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(code["files"].items())).encode()).hexdigest()
+    module = _USER_MODULES.get((file, digest))
+    if module is None:
+        folder = Path(tempfile.gettempdir()) / "planner_user_code" / digest[:16]
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in code["files"].items():
+            (folder / name).write_text(text, encoding="utf-8")
+        name = f"planner_user_{Path(file).stem}_{digest[:12]}"
+        loader_spec = importlib.util.spec_from_file_location(name, folder / file)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        loader_spec.loader.exec_module(module)
+        _USER_MODULES[(file, digest)] = module
+    return getattr(module, fn)
+
+
+def _accepted_options(fn: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The model options `fn` names among its parameters (as planner.models.user_module._accepted)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def user_build(spec: dict[str, Any]) -> nn.Module:
+    """`build(**options)` of the user's file."""
+    model = _user_function(spec, "model")(**spec["user_code"].get("options", {}))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{spec['user_code']['model']} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def user_batch(spec: dict[str, Any], batch_size: int, seq_len: int, device: Any = "cpu") -> UserBatch:
+    """`batch(batch_size, seq_len, **options it names)` of the user's file, moved to `device`."""
+    fn = _user_function(spec, "inputs")
+    raw = fn(batch_size, seq_len, **_accepted_options(fn, spec["user_code"].get("options", {})))
+
+    def move(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    if isinstance(raw, dict):
+        out = UserBatch({k: move(v) for k, v in raw.items()})
+    elif isinstance(raw, (tuple, list)):
+        out = UserBatch({str(i): move(v) for i, v in enumerate(raw)})
+        out.positional = True
+    else:
+        raise TypeError(f"{spec['user_code']['inputs']} returned {type(raw).__name__}, not a dict or tuple")
+    out.spec = spec
+    return out
+
+
+def user_loss(model: nn.Module, batch: UserBatch) -> torch.Tensor:
+    """`fn(output, batch)` when the request names a loss; else output.loss, else the sum of the first floating
+    tensor of the output (planner.program.trace.default_loss)."""
+    out = batch.call(model)
+    fn = _user_function(batch.spec, "loss")
+    if fn is not None:
+        return fn(out, batch.original())
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
+    first = next(t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return first.sum()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import math
@@ -573,8 +574,10 @@ def _cast_batch(batch: dict[str, Any], plan: Plan) -> dict[str, Any]:
     if plan.precision not in ("fp16", "bf16"):
         return batch
     dtype = torch.float16 if plan.precision == "fp16" else torch.bfloat16
-    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in batch.items()}
+    out = copy.copy(batch)  # keeps a dict subclass (modeling.UserBatch: the user's own batch) and its fields
+    out.update({k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for k, v in batch.items()})
+    return out
 
 
 def _native_bf16() -> bool:

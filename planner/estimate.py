@@ -11,6 +11,7 @@ from typing import Any
 from planner.errors import PlannerError
 from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
+from planner.memory import stack as sw
 from planner.spec import (
     Estimate,
     Instance,
@@ -63,14 +64,82 @@ def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Inst
         raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
 
 
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What depends on the model alone (parameter counts, buffers, gradient shapes), computed once per model:
+    a search evaluates thousands of configurations of a few models."""
+
+    spec: ModelSpec  # kept alive so that its id stays its own while cached
+    counts: dict[str, int]
+    buffer_bytes: int
+    gradient_shapes: tuple
+    by_block: dict[str, int]
+    optimizer: dict  # (optimizer, impl, param bytes, share) -> (state bytes, temporary bytes)
+
+
+_MODEL_FACTS: dict[int, _ModelFacts] = {}
+MODEL_FACTS_CACHE_SIZE = 256  # models kept (a catalog is a few dozen)
+
+
+def _model_facts(spec: ModelSpec) -> _ModelFacts:
+    facts = _MODEL_FACTS.get(id(spec))
+    if facts is not None and facts.spec is spec:
+        return facts
+    from planner.models.params import (
+        count_buffers_bytes,
+        count_parameters,
+        model_gradient_tensor_shapes,
+        parameters_by_block,
+    )
+
+    if len(_MODEL_FACTS) >= MODEL_FACTS_CACHE_SIZE:
+        _MODEL_FACTS.clear()
+    facts = _ModelFacts(spec, count_parameters(spec), count_buffers_bytes(spec),
+                        tuple(model_gradient_tensor_shapes(spec)), parameters_by_block(spec), {})
+    _MODEL_FACTS[id(spec)] = facts
+    return facts
+
+
+def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: float) -> tuple[int, int]:
+    """(state bytes, step temporary bytes): they read only the optimizer, its implementation, the parameter
+    dtype and the share (`optimizer.optimizer_state_bytes`, `optimizer_temporary_bytes`)."""
+    key = (cfg.optimizer, cfg.optimizer_impl, p_bytes, share)
+    hit = facts.optimizer.get(key)
+    if hit is None:
+        shapes = facts.gradient_shapes
+        hit = (optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share),
+               optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share))
+        facts.optimizer[key] = hit
+    return hit
+
+
+# What `activations.activation_blocks` reads of a TrainConfig (its `_ctx` and the checkpointing flag):
+# tests/test_estimate_cache.py fails if another field changes its answer.
+ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing")
+_ACTIVATIONS: dict[tuple, tuple] = {}
+ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
+
+
+def _activations(spec: ModelSpec, cfg: TrainConfig, backend: str, flash_ok: bool) -> tuple:
+    """`activation_blocks`, cached per model object and the fields it reads: a search evaluates one shape
+    on many instance types and counts, and this is the costliest part of preparing an estimate."""
+    from planner.memory.activations import activation_blocks
+
+    key = (id(spec), *(getattr(cfg, f) for f in ACTIVATION_FIELDS), backend, flash_ok)
+    hit = _ACTIVATIONS.get(key)
+    if hit is None or hit[0] is not spec:
+        if len(_ACTIVATIONS) >= ACTIVATION_CACHE_SIZE:
+            _ACTIVATIONS.clear()
+        hit = _ACTIVATIONS[key] = (spec, tuple(activation_blocks(spec, cfg, backend=backend, flash_ok=flash_ok)))
+    return hit[1]
+
+
 def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
                   share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
     """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
-    from planner.models.params import parameters_by_block
-
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
-    counts = parameters_by_block(model)
+    counts = _model_facts(model).by_block
     out = []
     for act in activations:  # every block in forward order, then "loss"
         n = counts.get(act.block, 0)
@@ -144,7 +213,6 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
                 rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
     """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
     cuBLAS workspaces of that torch version, unless the user fixed them; and what the band needs."""
-    from planner.memory import stack as sw
     from planner.memory.runtime import CUBLAS_HANDLES_PER_TRAINING_PROCESS, calibration_entry
 
     st = sw.resolve_stack(stack, inst.gpu)
@@ -181,15 +249,12 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
-    from planner.memory.activations import activation_blocks
     from planner.memory.runtime import (
         calibrated_values,
         calibration_entry,
         load_calibration,
         runtime_constants,
     )
-    from planner.models.params import count_buffers_bytes, count_parameters, model_gradient_tensor_shapes
-
     spec = _resolve_model(model, model_options)
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
@@ -206,27 +271,28 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
 
-    counts = count_parameters(spec)
+    facts = _model_facts(spec)
+    counts = dict(facts.counts)
     total_params = counts["total"]
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
 
-    activations = activation_blocks(spec, cfg, backend=backend, flash_ok=inst.gpu.flash_attention)
+    activations = _activations(spec, cfg, backend, inst.gpu.flash_attention)
     block_mem = _block_memory(spec, activations, cfg, share)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
-    shapes = model_gradient_tensor_shapes(spec)  # optimizers keep states only for tensors with a .grad
-    states = optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states)
-    opt_temp = optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states)
+    # optimizers keep states only for tensors with a .grad (facts.gradient_shapes)
+    states, opt_temp = _optimizer_bytes(facts, cfg, p_bytes, share.optimizer_states)
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
-        module_buffer_bytes=count_buffers_bytes(spec),
+        module_buffer_bytes=facts.buffer_bytes,
         ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
-        grads_resident=cfg.grad_accum > 1,
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
+                                                                           cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -296,9 +362,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     states = step.optimizer_state_bytes
     micro_batch = step.batch_bytes
     block_mem = step.blocks
-    points = timeline.simulate(step)
-    peaks = timeline.phase_peaks(points)
-    top = timeline.peak(points)
+    peaks, top = _timeline_peaks(step)
 
     peak_allocated = top.total
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
@@ -350,8 +414,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     phases = tuple(PhasePeak(phase=name, allocated=p.total, detail=dict(p.bytes)) for name, p in peaks.items())
 
     throughput = cost = None
-    if with_throughput and spec is not None:
-        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale)
+    if with_throughput and (spec is not None or prep.traced is not None):
+        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced)
 
     return Estimate(
         model=prep.name,
@@ -378,6 +442,21 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         cost=cost,
         notes=prep.notes,
     )
+
+
+_PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = {}
+
+
+def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point], timeline.Point]:
+    """(peak point per phase, the highest point) of the step's block timeline, cached per step: a search
+    meets one step on many instance types and counts. Callers copy what they keep (`Point.bytes` is a dict)."""
+    hit = _PEAKS.get(step)
+    if hit is None:
+        points = timeline.simulate(step)
+        if len(_PEAKS) >= ACTIVATION_CACHE_SIZE:
+            _PEAKS.clear()
+        hit = _PEAKS[step] = (timeline.phase_peaks(points), timeline.peak(points))
+    return hit
 
 
 def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
@@ -454,11 +533,12 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
         optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1,
+        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
+                                                                           cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
-    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput not predicted for traced "
-             "models yet", *full.notes, *_notes(None, cfg)]
+    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput from the traced ops "
+             "(planner.program.speed)", *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -468,17 +548,22 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                      "replicated single/DDP steps only")
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
                      scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
-                     full)
+                     kept)
 
 
-def _speed_and_cost(spec: ModelSpec, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
-                    scale: float | None):
-    """Throughput, and cost at the instance's price (the refreshed cache when present, else the embedded table;
-    `predict_cost` records which, with its date)."""
+def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
+                    scale: float | None, traced: Any = None):
+    """Throughput (the analytic kernel list, or a traced model's own ops), and cost at the instance's price
+    (the refreshed cache when present, else the embedded table; `predict_cost` records which, with its date)."""
     from planner.perf.cost import predict_cost
     from planner.perf.throughput import predict_throughput
 
-    throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
+    if spec is None:
+        from planner.program.speed import traced_throughput
+
+        throughput = _calibrated(traced_throughput(traced, cfg, inst), scale)
+    else:
+        throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
     except PlannerError as exc:  # no price known for this instance type; a corrupt prices cache stays an error
@@ -510,3 +595,13 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
     return notes
+
+
+def clear_caches() -> None:
+    """Forget every cached intermediate of `estimate` (benchmarks of a cold start; tests)."""
+    from planner.memory import reserved
+
+    _MODEL_FACTS.clear()
+    _ACTIVATIONS.clear()
+    _PEAKS.clear()
+    reserved.clear_caches()

@@ -40,12 +40,11 @@ def lookup(name: str, cache: Mapping[str, Any] | None) -> tuple[float | None, st
     if cache and key in cache.get("prices", {}):
         region = cache.get("region", "")
         return float(cache["prices"][key]), str(cache.get("fetched", "")), f"{cache.get('source', API_SOURCE)}, {region}"
-    table = embedded_prices()
-    if key not in table:
-        known = list(table) + list((cache or {}).get("prices", {}))
+    rec = instance_table().get(key)  # the embedded row (embedded_prices() for all of them)
+    if rec is None:
+        known = list(instance_table()) + list((cache or {}).get("prices", {}))
         raise unknown("--instance", name, known)
-    rec = table[key]
-    return rec["price"], rec["date"], rec["source"]
+    return rec.get("price_per_hour"), rec.get("price_date", ""), rec.get("price_source", "")
 
 
 def cache_path() -> Path:

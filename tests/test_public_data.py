@@ -132,3 +132,20 @@ def test_benchmark_scripts_run_through_the_public_api(capsys):
         out = capsys.readouterr().out
         assert expect in out and source in out
         assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_held_out_readings_live_apart_from_the_fitting_files():
+    """results/public/heldout/ holds readings of held-out sources (tlkh/transformers-benchmarking): only
+    benchmarks/public_heldout.py reads them; the loaders' files never cite them."""
+    import csv
+
+    held = public_dir() / "heldout" / "tlkh_v100_16gb_amp.csv"
+    with held.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 10
+    for r in rows:
+        assert r["path"].startswith("results/v100-16gb-300w/amp/") and r["path"].endswith("/metrics.csv"), r
+        assert 0 < int(r["peak_mib"]) * MIB <= get_gpu("V100-16GB").memory_bytes, r
+        get_model(r["model"])  # a catalog model
+    for name in (MEMORY_FILE, THROUGHPUT_FILE):
+        assert not any(h in (public_dir() / name).read_text(encoding="utf-8").lower() for h in HELD_OUT), name

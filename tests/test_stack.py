@@ -43,7 +43,7 @@ def test_every_torch_row_has_cuda_builds_a_source_and_a_date():
 def test_every_other_section_has_a_source_and_a_date():
     t = sw.table()
     for section in ("module_loading", "eager_context_mib", "lazy_context_band", "defaulted_stack_widening",
-                    "sdpa_default", "cublas_workspace", "alloc_conf", "ngc"):
+                    "sdpa_default", "cublas_workspace", "alloc_conf", "ngc", "zero_grad"):
         assert DATE.match(t[section]["date"]), section
         assert "source" in t[section] or all("source" in r for r in t[section].get("rules", [])), section
     for fam in FAMILIES:  # every model family the catalog has gets a sourced, dated row
@@ -251,6 +251,8 @@ def test_ngc_containers_map_to_known_stacks():
     """NGC release notes: 20.06 ships PyTorch 1.6 with CUDA 11.0 (eager loading), 21.11 PyTorch 1.11 / CUDA 11.5."""
     assert sw.ngc_stack("NGC pytorch:20.06-py3; NVIDIA modeling.py") == {"torch": "1.6", "cuda": "11.0"}
     assert sw.ngc_stack("no container named") is None
+    # Lambda's 2020 runs (deeplearning-benchmark pytorch/README.md: 'version: 0 for pytorch:20.01-py3')
+    assert sw.ngc_stack("in NGC pytorch:20.01-py3 (build 9332039)") == {"torch": "1.4", "cuda": "10.2"}
     for tag, row in sw.table()["ngc"]["containers"].items():
         assert row["source"] and sw.check_cuda(sw.check_torch(row["torch"]), row["cuda"]), tag
         assert not sw.lazy_loading(st(row["torch"], row["cuda"]))  # all before CUDA 11.7: eager contexts
@@ -264,3 +266,53 @@ def test_expandable_segments_from_the_stack_reach_the_allocator_replay():
     assert plain.allocator is not None and exp.allocator is not None
     assert not plain.allocator.expandable_segments and exp.allocator.expandable_segments
     assert exp.stack.alloc_conf == "expandable_segments:True"
+
+
+# ---- zero_grad(): gradients freed (torch >= 2.0) or kept as zeros (before) ------------------------------
+
+
+def test_installed_torch_zero_grad_frees_gradients_as_the_table_says():
+    """The table's boundary checked against the real default of the installed torch (>= 2.0): zero_grad()
+    sets .grad to None, for optimizers and modules alike; set_to_none=False (the pre-2.0 default, PR #92731)
+    keeps the same gradient tensor, filled with zeros: that tensor stays allocated into the next step."""
+    import inspect
+
+    import torch
+
+    installed = st(sw.fmt(sw.parse_version("torch", torch.__version__)), "12.8")
+    assert not sw.zero_grad_keeps_gradients(installed, "single")
+    assert inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default is True
+    assert inspect.signature(torch.nn.Module.zero_grad).parameters["set_to_none"].default is True
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.ones(2, 4)).sum().backward()
+    kept = lin.weight.grad
+    opt.zero_grad(set_to_none=False)  # what zero_grad() did before torch 2.0
+    assert lin.weight.grad is kept and not kept.any()
+    opt.zero_grad()
+    assert lin.weight.grad is None
+
+
+@pytest.mark.parametrize("torch,par,impl,keeps", [
+    ("1.4", "single", "for-loop", True), ("1.13", "ddp", "foreach", True), ("1.13", "dp", "foreach", True),
+    ("2.0", "single", "foreach", False), ("1.13", "zero2", "foreach", False),
+    ("1.7", "single", "fused", False),  # apex FusedAdam: zero_grad() sets None (set_grad_none=True)
+])
+def test_zero_grad_keeps_gradients_before_torch_2_0(torch, par, impl, keeps):
+    assert sw.zero_grad_keeps_gradients(st(torch, sw.table()["torch"][0]["cuda"][0]), par, impl) is keeps
+
+
+def test_old_stack_keeps_the_gradients_through_forward_and_backward():
+    """torch 1.13: the forward phase already holds every gradient (zeros from the last zero_grad()), so the
+    peak grows by at most the gradient bytes; torch 2.x: no gradient in the forward."""
+    cfg = TrainConfig(batch_size=8, seq_len=128, precision="fp32", attention="eager")
+    old = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", stack={"torch": "1.13", "cuda": "11.7"},
+                   with_throughput=False)
+    new = estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", stack={"torch": "2.0", "cuda": "11.7"},
+                   with_throughput=False)
+    grads = old.memory_bytes.gradients
+    fwd_old = next(p for p in old.phases if p.phase == "forward")
+    fwd_new = next(p for p in new.phases if p.phase == "forward")
+    assert fwd_old.detail["gradients"] == grads > 0 and fwd_new.detail["gradients"] == 0
+    gain = old.memory_bytes.peak_allocated - new.memory_bytes.peak_allocated
+    assert 0 < gain <= grads

@@ -277,3 +277,41 @@ def test_traced_events_replay_through_the_allocator_in_steady_state_order():
                     and names[t] in ("parameter", "buffer", "optimizer_state"))
     r = replay_trace(trace, ddp_bucket_bytes=1000, workspace_bytes=4096)
     assert r.peak_allocated >= permanent and r.peak_reserved >= r.peak_allocated
+
+
+# ------------------------------------------------------------------------------ the traced kernel list
+
+
+def test_traced_flops_equal_flop_counter_mode_on_the_real_module():
+    """Forward + backward FLOPs recorded per op equal torch.utils.flop_counter.FlopCounterMode on real tensors."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    real = TinyLM(dropout=0.1).train()
+    with FlopCounterMode(display=False) as counter:
+        _lm_loss(real, lm_batch(3, 7)).backward()
+    conv = ConvNet(0.2).train()
+    with FlopCounterMode(display=False) as conv_counter:
+        _conv_loss(conv, conv_batch(2, 8)).backward()
+    for build, make, shape, expected in ((TinyLM, lm_batch, (3, 7), counter.get_total_flops()),
+                                         (lambda: ConvNet(0.2), conv_batch, (2, 8), conv_counter.get_total_flops())):
+        trace = trace_step(build, make, TrainConfig(batch_size=shape[0], seq_len=shape[1]), backend="cpu")
+        assert sum(o.flops for o in trace.ops if o.phase in ("forward", "backward")) == expected > 0
+
+
+def test_traced_throughput_agrees_with_the_analytic_kernel_list(tmp_path):
+    """Two independent kernel lists of the same BERT: the traced one (its ATen ops) and the hand-written one
+    (planner.perf.kernels) give the same GEMM time; the whole step within 10 % (the CPU trace runs dropout
+    as bernoulli_/div_/mul where CUDA runs one native_dropout kernel)."""
+    from planner.estimate import estimate
+    from tests import saved_tensors as st
+
+    spec = st.model("bert", "sequence-classification", full=True)
+    path = _user_file(tmp_path, spec)
+    cfg = TrainConfig(batch_size=8, seq_len=128, parallelism="single", precision="amp-fp16")
+    traced = estimate(f"{path}:build", cfg, "ml.p3.2xlarge", inputs=f"{path}:batch")
+    analytic = estimate(spec, cfg, "ml.p3.2xlarge")
+    t, a = traced.throughput, analytic.throughput
+    assert t is not None and a is not None
+    assert t.breakdown_s["gemm"] == pytest.approx(a.breakdown_s["gemm"], rel=0.01)
+    assert t.samples_per_s == pytest.approx(a.samples_per_s, rel=0.10)

@@ -135,3 +135,39 @@ def test_forward_error_is_one_line_and_options_reach_batch(tmp_path):
     r = run("--model", f"{path}:build", "--inputs", f"{path}:bad_batch")
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert "the training step raised RuntimeError" in " ".join(r.output.split())
+
+
+def test_search_over_a_user_module_traces_once_per_shape_class(user, tmp_path):
+    """`planner search --model FILE.py:build --inputs FILE.py:batch`: trials are estimated through the tracer,
+    whose cache keeps one trace per (micro-batch, sequence, precision, checkpointing, attention, optimizer)."""
+    from planner.program import sources
+
+    sources._user_trace.cache_clear()
+    r = runner.invoke(app, ["search", "--model", f"{user}:build", "--inputs", f"{user}:batch", "--instance",
+                            "ml.g5.2xlarge", "--trials", "12", "--batch-sizes", "2,4", "--seq-len", "8",
+                            "--global-batch-size", "4", "--checkpointing", "off", "--precisions", "fp32,amp-bf16",
+                            "--results-dir", str(tmp_path / "results"), "--json", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    best = out["best"] if "best" in out else out
+    assert "samples_per_s" in json.dumps(best)
+    info = sources._user_trace.cache_info()
+    # 2 micro-batches x 2 precisions x 2 optimizer kernels (foreach, fused): at most 8 traces for 12 trials
+    assert 0 < info.misses <= 8
+
+
+def test_sweep_file_names_a_user_module_beside_it(user, tmp_path):
+    from pathlib import Path
+
+    from planner.search.sweep import load_sweep, sweep_model
+
+    sweep = tmp_path / "mine.yaml"
+    sweep.write_text(f"model: {Path(user).name}:build\ninputs: {Path(user).name}:batch\nmodel_options: {{width: 8}}\n"
+                     "instance: ml.g5.2xlarge\n")
+    loaded = load_sweep(sweep)
+    assert loaded.model == f"{user}:build" and loaded.inputs == f"{user}:batch"
+    assert sweep_model(loaded) == loaded.model
+    assert loaded.estimate_kwargs()["model_options"] == {"width": 8}
+    sweep.write_text(f"model: {Path(user).name}:build\ninstance: ml.g5.2xlarge\n")
+    r = runner.invoke(app, ["search", "--sweep", str(sweep), "--results-dir", str(tmp_path / "r")])
+    assert r.exit_code == 2 and "--inputs" in r.output and "Traceback" not in r.output

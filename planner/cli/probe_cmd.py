@@ -20,9 +20,11 @@ from planner.cli.common import (
     BatchOpt,
     CheckpointingOpt,
     GradAccumOpt,
+    InputsOpt,
     InstanceOpt,
     InstancesOpt,
     JsonOpt,
+    LossOpt,
     ModelOpt,
     ModelOptionOpt,
     OptimizerImplOpt,
@@ -60,7 +62,8 @@ def _jobs_dir() -> Path:
 
 
 def build_requests(study: str | None, top: int, model: str | None, instance: str | None, config_args: dict[str, Any],
-                   model_option: list[str] | None, warmup: int, steps: int) -> list[Any]:
+                   model_option: list[str] | None, warmup: int, steps: int, inputs: str | None = None,
+                   loss: str | None = None) -> list[Any]:
     from planner.probes import spec as pspec
     from planner.probes.store import results_dir
 
@@ -68,7 +71,7 @@ def build_requests(study: str | None, top: int, model: str | None, instance: str
     if study:
         return pspec.requests_from_study(study, top, results_dir(), **kw)
     if not model:
-        raise PlannerError("--model", None, "a catalog model or config.json path (or --study)")
+        raise PlannerError("--model", None, "a catalog model, config.json path or FILE.py:build (or --study)")
     if not instance:
         raise PlannerError("--instance", None, "a SageMaker instance type, e.g. ml.g5.xlarge (or --study)")
     if config_args.get("batch_size") is None:
@@ -77,7 +80,8 @@ def build_requests(study: str | None, top: int, model: str | None, instance: str
     from planner.hardware import get_instance
 
     config = build_config(instance_gpus=get_instance(instance).gpus, global_batch_size=None, **config_args)
-    return [pspec.make_request(model, config, instance, model_options=parse_model_options(model_option), **kw)]
+    return [pspec.make_request(model, config, instance, model_options=parse_model_options(model_option),
+                               inputs=inputs, loss=loss, **kw)]
 
 
 # ------------------------------------------------------------------------------------------ local
@@ -232,6 +236,8 @@ def register(app: typer.Typer) -> None:
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
         device: Annotated[str | None, typer.Option("--device", help="Force cpu or cuda:N.")] = None,
         warmup_steps: WarmupOpt = 1,
         steps: StepsOpt = 3,
@@ -250,7 +256,8 @@ def register(app: typer.Typer) -> None:
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances), model_option, warmup_steps, steps)
+            attention=attention, grad_accum=grad_accum, instances=instances), model_option, warmup_steps, steps,
+            inputs, loss)
         records = []
         try:
             for req in requests:
@@ -296,6 +303,8 @@ def register(app: typer.Typer) -> None:
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
         warmup_steps: WarmupOpt = 1,
         steps: StepsOpt = 3,
         json_out: JsonOpt = False,
@@ -312,7 +321,8 @@ def register(app: typer.Typer) -> None:
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances), model_option, warmup_steps, steps)
+            attention=attention, grad_accum=grad_accum, instances=instances), model_option, warmup_steps, steps,
+            inputs, loss)
         opts = awslaunch.LaunchOptions(role_arn=role_arn, s3=s3, region=region_name, spot=spot,
                                        max_run_minutes=max_run_minutes, max_wait_minutes=max_wait_minutes,
                                        volume_gb=volume_gb, image_uri=image, framework_version=framework_version)

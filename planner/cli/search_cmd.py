@@ -15,6 +15,8 @@ import typer
 from planner.cli.common import (
     AllocConfOpt,
     CudaVersionOpt,
+    InputsOpt,
+    LossOpt,
     TorchVersionOpt,
     TransformersVersionOpt,
     console,
@@ -43,6 +45,7 @@ HELP_SPACE = "Comma-separated values to search (default: see planner/search/spac
 def _slug(text: str) -> str:
     import re
 
+    text = text.replace(".py:", "-")  # FILE.py:build -> FILE-build
     stem = Path(text).stem if ("/" in text or text.endswith(".json")) else text
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "search"
 
@@ -51,7 +54,7 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
                 instance: str | None, nodes: int | None, space: dict[str, str | None],
                 constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
                 recipe: dict[str, Any] | None = None, max_instances: int | None = None,
-                stack: dict[str, str] | None = None) -> Sweep:
+                stack: dict[str, str] | None = None, inputs: str | None = None, loss: str | None = None) -> Sweep:
     """The sweep file (or the built-in default) with the flags that were given laid over it.
 
     The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
@@ -65,8 +68,12 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     if model is not None:
         updates["model"] = model
         updates["model_options"] = {}  # the sweep's options belong to its model
+        updates["inputs"] = updates["loss"] = None  # and so do its inputs and loss
         if sweep_file is None:
             updates["name"] = _slug(model)
+    for key, value in (("inputs", inputs), ("loss", loss)):
+        if value is not None:
+            updates[key] = value
     if model_options:
         updates["model_options"] = {**(updates.get("model_options", base.model_options)),
                                     **parse_model_options(model_options)}
@@ -257,10 +264,8 @@ def print_result(result: SearchResult, top: int) -> None:
             table.add_row(_instance_text(row), _config_text(row, shown), _num(row["samples_per_s"], ",.1f"),
                           _num(row["price_per_hour"], prefix="$"), _num(row[time_col]), _num(row[cost_col], prefix="$"))
         console.print(table)
-        missing = [t for t in types if t not in set(frame[frame["feasible"]]["instance"])]
-        if missing:
-            console.print(f"no feasible configuration found on: {', '.join(m.removeprefix('ml.') for m in missing)}",
-                          highlight=False)
+        for line in _missing_lines(result, types):
+            console.print(line, highlight=False)
     if result.target == "pareto":
         from planner.search.pareto import time_vs_cost
 
@@ -296,6 +301,28 @@ def infeasible_message(result: SearchResult) -> str:
     advice = f" Try {'; or '.join(hints)}." if hints else ""
     return (f"no feasible configuration in {len(result.frame)} trials of study {result.name} (the trials are "
             f"saved in {result.storage}); reasons: {common or 'none'}.{advice}")
+
+
+def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
+    """Why some instance types have no row, said honestly: "even its smallest start fails" only where the
+    memory model's start (study.start_points: smallest micro-batch, checkpointing, sharding) failed; otherwise
+    the trials simply found none ("in its N trials"), which a user must not read as "cannot train here"."""
+    frame = result.frame
+    found = set(frame[frame["feasible"]]["instance"])
+    missing = [t for t in types if t not in found]
+    unfit = {s.instance: s.reason for s in result.run.starts if not s.feasible}
+    counts = frame["instance"].value_counts()
+    lines = []
+    for name in missing:
+        short = name.removeprefix("ml.")
+        n = int(counts.get(name, 0))
+        if name in unfit:
+            lines.append(f"{short}: nothing found; even its smallest start (micro-batch, checkpointing and "
+                         f"sharding as far as the space allows) fails: {unfit[name]}")
+        else:
+            lines.append(f"{short}: no feasible configuration found in its {n} trial{'s' if n != 1 else ''} "
+                         f"(not proven impossible: search it alone, --instance {short})")
+    return lines
 
 
 # Seconds between status lines when stderr is not a terminal (a log, CI): a bar would print nothing useful.
@@ -347,9 +374,13 @@ def register(app: typer.Typer) -> None:
     def search(
         instance: Annotated[str | None, typer.Option(
             "--instance", "-i", help="Instance type(s): NAME, A,B,C or all (default: the sweep's).")] = None,
-        model: Annotated[str | None, typer.Option("--model", "-m", help="Catalog name or config.json path.")] = None,
+        model: Annotated[str | None, typer.Option(
+            "--model", "-m", help="Catalog name, config.json path or FILE.py:build (your own module, traced once "
+                                  "per shape class).")] = None,
         model_option: Annotated[list[str] | None, typer.Option(
             "--model-option", "-o", help="Model option KEY=VALUE (repeatable).")] = None,
+        inputs: InputsOpt = None,
+        loss: LossOpt = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
             min=1, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
@@ -436,6 +467,7 @@ def register(app: typer.Typer) -> None:
             recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
             max_instances=max_instances,
             stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
+            inputs=inputs, loss=loss,
         )
         check_writable_dir(results_dir, "--results-dir")  # before any trial: the result files go there
         quiet_interrupted_trials()

@@ -29,6 +29,13 @@ they can be found in any recent release):
 
 One stream is assumed (training on the default stream); `recordStream` and CUDA graphs are not modelled.
 Events are `(tensor_id, nbytes)`: nbytes > 0 allocates tensor_id, nbytes == 0 frees it.
+
+Two implementations of the same rules: `CachingAllocator` / `run_reference` (block objects, one method per C++
+function: the readable model, and the only one with expandable segments) and `fast_run` (plain ints, what
+`run` uses otherwise; tests/test_allocator_fast.py checks both give the same ReplayResult). A replay cannot
+skip repeated transformer layers: the free blocks after a layer are never those after the previous one
+(benchmarks/layer_periodicity.py: 0 of 6,400 layer windows), because each layer's leftovers in the 2 MiB and
+20 MiB segments shift the next layer's placements.
 """
 
 from __future__ import annotations
@@ -110,6 +117,8 @@ class Snapshot:
     next_addr: int
     allocated: int
     peaks: tuple  # the replay loop's peak variables
+    fast: bool = False  # made by `fast_run` (segments SEGMENT_GAP apart): only it restores such a snapshot
+    pools: tuple[tuple[int, bool], ...] = ()  # (segment, small pool) for `fast_run`
 
 
 class CachingAllocator:
@@ -333,7 +342,21 @@ def run(events: Sequence[Event], *, capacity_bytes: int | None = None, expandabl
     """`replay`, resumable: `start` is a `Snapshot` standing for events[:snapshot_at] (they are skipped);
     without it and with `snapshot_at` > 0, the state after events[:snapshot_at] comes back as a Snapshot
     (None if those events are not all permanent allocations, under expandable segments, or after an OOM
-    retry). Returns (result, snapshot or None)."""
+    retry). Returns (result, snapshot or None).
+
+    Without expandable segments this is `fast_run` (the same rules on plain ints, several times faster);
+    `run_reference` is the block-object replay it is tested against."""
+    if not expandable_segments:
+        return fast_run(events, capacity_bytes=capacity_bytes, max_split_size=max_split_size, start=start,
+                        snapshot_at=snapshot_at)
+    return run_reference(events, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments,
+                         max_split_size=max_split_size, start=start, snapshot_at=snapshot_at)
+
+
+def run_reference(events: Sequence[Event], *, capacity_bytes: int | None = None, expandable_segments: bool = False,
+                  max_split_size: int | None = None, start: Snapshot | None = None,
+                  snapshot_at: int = 0) -> tuple[ReplayResult, Snapshot | None]:
+    """`run` through `CachingAllocator` (block objects, one method per C++ function): the readable model."""
     snap = None
     # addresses never exceed all requests rounded up to new segments, plus expandable address space
     bound = sum(n for _, n in events) + len(events) * K_LARGE_BUFFER + (1 << 50)
@@ -380,3 +403,177 @@ def _last_alloc(events: Sequence[Event]) -> int:
         if events[i][1]:
             return i + 1
     return 0
+
+
+# `fast_run` leaves this many unused bytes between segments, so a free block that ends where the next segment
+# begins is never taken for its neighbour (blocks merge only within a segment). Order, all the rules use of an
+# address, is unchanged.
+SEGMENT_GAP = K_MIN_BLOCK_SIZE
+
+
+def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_split_size: int | None = None,
+             start: Snapshot | None = None, snapshot_at: int = 0) -> tuple[ReplayResult, Snapshot | None]:
+    """`run_reference` without expandable segments, on ints: the same choices, the same results.
+
+    Why: a search replays thousands of steps of ~4,000 events; block objects, one method call per rule and
+    a linked list cost ~2 µs per event. Here a free block is two dict entries (start -> size, end -> start)
+    and a key `size << bits | addr` in its pool's sorted list (best fit = `bisect`, ties to the lower address
+    as `BlockComparatorSize`); a live tensor is (addr, size, pool). Merging looks up the free block ending at
+    the freed block's start and the one starting at its end; `SEGMENT_GAP` keeps segments apart.
+    An allocation freed by the very next event (a transient) changes nothing when a cached block fits (split
+    then merged back): only the allocated peak moves, and no state is touched."""
+    if start is not None and not start.fast:
+        return run_reference(events, capacity_bytes=capacity_bytes, max_split_size=max_split_size, start=start,
+                             snapshot_at=snapshot_at)
+    bound = sum(n for _, n in events) + len(events) * (K_LARGE_BUFFER + SEGMENT_GAP) + (1 << 50)
+    bits = max(ADDR_BITS, bound.bit_length() + 1)
+    mask = (1 << bits) - 1
+    keys_small: list[int] = []
+    keys_large: list[int] = []
+    by_start: dict[int, int] = {}  # free block: addr -> size
+    by_end: dict[int, int] = {}  # free block: addr + size -> addr
+    seg_size: dict[int, int] = {}  # segment base -> bytes
+    seg_small: dict[int, bool] = {}
+    if start is not None:
+        for size, addr, _seg, small in start.tails:
+            (keys_small if small else keys_large).append(size << bits | addr)
+            by_start[addr] = size
+            by_end[addr + size] = addr
+        keys_small.sort()
+        keys_large.sort()
+        seg_size.update(start.segments)
+        seg_small.update(start.pools)
+        next_addr, allocated = start.next_addr, start.allocated
+        reserved = sum(seg_size.values())
+        peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg = start.peaks
+        first = snapshot_at
+    else:
+        next_addr = allocated = reserved = 0
+        peak_alloc = peak_res = segments = peak_req = peak_seg = 0
+        peak_event = peak_tensor = -1
+        first = 0
+    oom_retry = oom = False
+    ms = max_split_size
+    cap = capacity_bytes
+    live: dict[int, tuple[int, int, bool]] = {}
+    take_snapshot = start is None and snapshot_at > 0
+    snap = None
+    end = _last_alloc(events)
+    n_events = len(events)
+    small_max, large_buffer, min_large, round_large = K_SMALL_SIZE, K_LARGE_BUFFER, K_MIN_LARGE_ALLOC, K_ROUND_LARGE
+    i = first
+    while i < end:
+        if take_snapshot and i == snapshot_at:
+            take_snapshot = False
+            if not oom_retry:
+                snap = _fast_snapshot(by_start, seg_size, seg_small, next_addr, allocated, bits,
+                                      (peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg))
+        tid, nbytes = events[i]
+        if not nbytes:  # free: merge with the free neighbours of the same segment, then cache
+            addr, size, small = live.pop(tid)
+            allocated -= size
+            keys = keys_small if small else keys_large
+            stop = addr + size
+            p = by_end.pop(addr, None)
+            if p is not None:
+                psize = by_start.pop(p)
+                del keys[bisect_left(keys, psize << bits | p)]
+                addr = p
+                size += psize
+            nsize = by_start.pop(stop, None)
+            if nsize is not None:
+                del by_end[stop + nsize]
+                del keys[bisect_left(keys, nsize << bits | stop)]
+                size += nsize
+            by_start[addr] = size
+            by_end[addr + size] = addr
+            insort(keys, size << bits | addr)
+            i += 1
+            continue
+        size = ((nbytes + 511) >> 9) << 9  # round_size
+        small = size <= small_max
+        keys = keys_small if small else keys_large
+        j = bisect_left(keys, size << bits)
+        bsize = 0
+        if j < len(keys):
+            key = keys[j]
+            bsize = key >> bits
+            if ms is not None and not small and ((size < ms <= bsize) or (size >= ms and bsize >= size + large_buffer)):
+                bsize = 0  # get_free_block's max_split_size limits: no cached block
+        # should_split: small pool: remainder >= kMinBlockSize; large: size < max_split and remainder > kSmallSize
+        transient = i + 1 < n_events and events[i + 1][0] == tid and not events[i + 1][1]
+        if bsize:
+            rest = bsize - size
+            split = rest >= 512 if small else (rest > small_max and (ms is None or size < ms))
+            took = size if split else bsize
+            if allocated + took > peak_alloc:
+                peak_alloc = allocated + took
+            if transient:  # split and merged back (or handed out whole and returned): nothing changes
+                i += 2
+                continue
+            addr = key & mask
+            del keys[j]
+            del by_start[addr]
+            del by_end[addr + bsize]
+        else:  # alloc_block: a new segment (get_allocation_size), the OOM retry when over capacity
+            if small:
+                grow = K_SMALL_BUFFER
+            elif size < min_large:
+                grow = large_buffer
+            else:
+                grow = -(-size // round_large) * round_large
+            if cap is not None and reserved + grow > cap:
+                oom_retry = True
+                # release_cached_blocks: cudaFree every segment that is one whole free block
+                for base in [b for b, s in seg_size.items() if by_start.get(b) == s]:
+                    s = seg_size.pop(base)
+                    del by_start[base]
+                    del by_end[base + s]
+                    k2 = keys_small if seg_small.pop(base) else keys_large
+                    del k2[bisect_left(k2, s << bits | base)]
+                    reserved -= s
+                if reserved + grow > cap:
+                    oom = True
+            addr = next_addr
+            next_addr += grow + SEGMENT_GAP
+            seg_size[addr] = grow
+            seg_small[addr] = small
+            reserved += grow
+            bsize = grow
+            rest = grow - size
+            split = rest >= 512 if small else (rest > small_max and (ms is None or size < ms))
+            took = size if split else bsize
+            if allocated + took > peak_alloc:
+                peak_alloc = allocated + took
+            if reserved > peak_res:
+                peak_res = reserved
+                segments = len(seg_size)
+                peak_event, peak_tensor, peak_req, peak_seg = i, tid, nbytes, grow
+            if transient:  # the new segment, wholly free again
+                by_start[addr] = grow
+                by_end[addr + grow] = addr
+                insort(keys, grow << bits | addr)
+                i += 2
+                continue
+        if split:
+            r = addr + size
+            by_start[r] = rest
+            by_end[r + rest] = r
+            insort(keys, rest << bits | r)
+        allocated += took
+        live[tid] = (addr, took, small)
+        i += 1
+    if take_snapshot and end == snapshot_at and not oom_retry:
+        snap = _fast_snapshot(by_start, seg_size, seg_small, next_addr, allocated, bits,
+                              (peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg))
+    return ReplayResult(peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg, oom_retry,
+                        oom, False), snap
+
+
+def _fast_snapshot(by_start: dict[int, int], seg_size: dict[int, int], seg_small: dict[int, bool], next_addr: int,
+                   allocated: int, bits: int, peaks: tuple) -> Snapshot:
+    bases = sorted(seg_size)
+    segment_of = {addr: bases[bisect_left(bases, addr + 1) - 1] for addr in by_start}
+    tails = tuple((size, addr, segment_of[addr], seg_small[segment_of[addr]]) for addr, size in by_start.items())
+    return Snapshot(tails, tuple(seg_size.items()), next_addr, allocated, peaks, fast=True,
+                    pools=tuple(seg_small.items()))

@@ -67,6 +67,7 @@ class Trace:
     events: tuple[tuple[int, int], ...]  # (tensor_id, nbytes); nbytes == 0 frees it
     names: tuple[str, ...]  # tensor_id -> name
     marks: tuple[Mark, ...]
+    permanent: int = -1  # leading events that allocate tensors never freed (-1: unknown, see permanent_prefix)
 
 
 def split(total: int, sizes: Sequence[int]) -> tuple[int, ...]:
@@ -103,6 +104,13 @@ class _Builder:
     def alloc(self, name: str, sizes: Sequence[int]) -> list[int]:
         """One tensor per positive size; every tensor of the group is named `name` (see `tensor_name`)."""
         first = len(self.names)
+        if len(sizes) == 1:  # most groups are one tensor
+            n = sizes[0]
+            if n <= 0:
+                return []
+            self.names.append(name)
+            self.events.append((first, n))
+            return [first]
         sizes = [n for n in sizes if n > 0]
         ids = list(range(first, first + len(sizes)))
         self.names.extend([name] * len(sizes))
@@ -138,11 +146,13 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     t.mark("load", "after load")
     states = split(step.optimizer_state_bytes, state_sizes)
     if first_step:
+        permanent = len(t.events)  # parameters, buffers and buckets live as long as the model
         _one_step(t, step, bt, states, temp_sizes, first=True)
     else:
         t.alloc("optimizer state", states)
+        permanent = len(t.events)  # ... and so do the optimizer states
     _one_step(t, step, bt, states, temp_sizes, first=not first_step, marks=True)
-    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks))
+    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks), permanent)
 
 
 def _one_step(t: _Builder, step: timeline.StepMemory, bt: list[BlockTensors], states: Sequence[int],
@@ -236,6 +246,8 @@ def tensor_name(trace: Trace, tid: int) -> str:
 def permanent_prefix(trace: Trace) -> int:
     """How many leading events allocate tensors the step never frees (parameters, buffers, buckets, states):
     the allocator state after them depends on the model and optimizer only, so it can be cached."""
+    if trace.permanent >= 0:  # known to the builder (step_events)
+        return trace.permanent
     freed = {tid for tid, n in trace.events if not n}
     for i, (tid, n) in enumerate(trace.events):
         if not n or tid in freed:
@@ -260,6 +272,10 @@ def live_bytes(trace: Trace) -> list[int]:
     return out
 
 
+MODEL_CACHE_SIZE = 256  # models whose parameter / gradient tensor bytes are kept
+_BLOCK_SHAPES: dict[tuple, tuple] = {}
+
+
 def model_block_tensors(model, activations, config, parameter_share: float = 1.0,
                         gradient_share: float = 1.0, backend: str = "cuda") -> dict[str, BlockTensors]:
     """Each block's tensors from the analytic core: parameter and gradient tensors from
@@ -272,12 +288,19 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
 
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
-    shapes = {}
-    for block in model_blocks(model):
-        params = tuple(math.prod(s) * p_bytes for s in block_tensor_shapes(block)) if parameter_share == 1 else ()
-        grads = (tuple(math.prod(s) * g_bytes for s in block_gradient_tensor_shapes(block))
-                 if gradient_share == 1 else ())
-        shapes[block.name] = (params, grads)
+    key = (id(model), p_bytes, g_bytes, parameter_share == 1, gradient_share == 1)
+    hit = _BLOCK_SHAPES.get(key)
+    if hit is None or hit[0] is not model:
+        shapes = {}
+        for block in model_blocks(model):
+            params = tuple(math.prod(s) * p_bytes for s in block_tensor_shapes(block)) if parameter_share == 1 else ()
+            grads = (tuple(math.prod(s) * g_bytes for s in block_gradient_tensor_shapes(block))
+                     if gradient_share == 1 else ())
+            shapes[block.name] = (params, grads)
+        if len(_BLOCK_SHAPES) >= MODEL_CACHE_SIZE:
+            _BLOCK_SHAPES.clear()
+        hit = _BLOCK_SHAPES[key] = (model, shapes)
+    shapes = hit[1]
     out = {}
     for act in activations:
         params, grads = shapes.get(act.block, ((), ()))

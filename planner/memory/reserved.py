@@ -2,14 +2,14 @@
 (`allocator`), cached, as the `AllocatorReplay` record an `Estimate` carries.
 
 Why a cache: a search evaluates many configurations that share one step (they differ in instance count,
-price, spot...), and a replay costs milliseconds in pure Python. The key is everything the trace depends on;
-the replay runs without a capacity first (cacheable across GPUs of one family), and again with the capacity
-only when the unlimited peak does not fit, to model the OOM retry (`release_cached_blocks`).
+price, spot...), and a replay costs milliseconds in pure Python (~1 µs per event, `allocator.fast_run`). The
+key is everything the trace depends on (the model object, `TRACE_FIELDS` of the config, the step's block
+bytes, the shares); the replays hang on the cached trace, so a hit hashes no event list. The replay runs
+without a capacity first (cacheable across GPUs of one family), and again with the capacity only when the
+unlimited peak does not fit, to model the OOM retry (`release_cached_blocks`).
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 from planner.memory import allocator, events, model_states, timeline
 from planner.spec import AllocatorReplay, ModelSpec, TrainConfig
@@ -20,39 +20,79 @@ REPLAY_CACHE_SIZE = 4096  # distinct steps kept (a few hundred bytes each)
 REPLAY_FIRST_STEP = True
 
 
-_TRACES: dict[tuple, tuple[ModelSpec, events.Trace]] = {}
+# What the trace reads of a TrainConfig besides the step's block bytes: the activation records' fields
+# (estimate.ACTIVATION_FIELDS), the parameter dtype, the optimizer's tensors, the DDP bucket size.
+TRACE_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "optimizer", "optimizer_impl",
+                "bucket_cap_mb")
+
+
+class _Entry:
+    """One step's trace and its replays by (capacity, expandable), kept with the model object (so its id
+    stays its own). Replays are looked up here, never by hashing the trace's thousands of events."""
+
+    __slots__ = ("spec", "trace", "replays")
+
+    def __init__(self, spec: ModelSpec, trace: events.Trace) -> None:
+        self.spec, self.trace = spec, trace
+        self.replays: dict[tuple[int | None, bool], allocator.ReplayResult] = {}
+
+
+_TRACES: dict[tuple, _Entry] = {}
+
+
+def _entry(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
+           parameter_share: float, gradient_share: float, state_share: float, backend: str,
+           flash_ok: bool) -> _Entry:
+    """Cached by the model object, the config fields the trace reads, the step and the rest."""
+    key = (id(spec), *(getattr(cfg, f) for f in TRACE_FIELDS), step, parameter_share, gradient_share, state_share,
+           backend, flash_ok, REPLAY_FIRST_STEP)
+    hit = _TRACES.get(key)
+    if hit is not None and hit.spec is spec:
+        return hit
+    trace = _build_trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend)
+    if len(_TRACES) >= REPLAY_CACHE_SIZE:
+        _TRACES.clear()
+    hit = _TRACES[key] = _Entry(spec, trace)
+    return hit
 
 
 def _trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
            parameter_share: float, gradient_share: float, state_share: float, backend: str,
            flash_ok: bool) -> events.Trace:
-    """Cached by the model object (kept alive by the cache, so its id stays its own) and everything else."""
-    key = (id(spec), cfg, step, parameter_share, gradient_share, state_share, backend, flash_ok)
-    hit = _TRACES.get(key)
-    if hit is not None:
-        return hit[1]
-    trace = _build_trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend)
-    if len(_TRACES) >= REPLAY_CACHE_SIZE:
-        _TRACES.clear()
-    _TRACES[key] = (spec, trace)
-    return trace
+    """The step's per-tensor trace (cached, see `_entry`)."""
+    return _entry(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend,
+                  flash_ok).trace
 
 
 def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
                  parameter_share: float, gradient_share: float, state_share: float, backend: str) -> events.Trace:
-    from planner.models.params import model_gradient_tensor_shapes
-
     tensors = events.model_block_tensors(spec, activations, cfg, parameter_share, gradient_share, backend)
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
-    states, temps = events.optimizer_tensor_sizes(model_gradient_tensor_shapes(spec), cfg, p_bytes, state_share)
+    states, temps = _optimizer_tensors(spec, cfg, p_bytes, state_share)
     return events.step_events(step, tensors, state_sizes=states, temp_sizes=temps,
                               bucket_cap_bytes=int(cfg.bucket_cap_mb * events.MiB), first_step=REPLAY_FIRST_STEP)
+
+
+_OPTIMIZER_TENSORS: dict[tuple, tuple] = {}
+
+
+def _optimizer_tensors(spec: ModelSpec, cfg: TrainConfig, p_bytes: int, share: float) -> tuple:
+    """`events.optimizer_tensor_sizes`, once per model and optimizer (of `cfg` it reads only these two)."""
+    from planner.models.params import model_gradient_tensor_shapes
+
+    key = (id(spec), cfg.optimizer, cfg.optimizer_impl, p_bytes, share)
+    hit = _OPTIMIZER_TENSORS.get(key)
+    if hit is None or hit[0] is not spec:
+        if len(_OPTIMIZER_TENSORS) >= REPLAY_CACHE_SIZE:
+            _OPTIMIZER_TENSORS.clear()
+        hit = _OPTIMIZER_TENSORS[key] = (spec, events.optimizer_tensor_sizes(
+            model_gradient_tensor_shapes(spec), cfg, p_bytes, share))
+    return hit[1]
 
 
 _PREFIXES: dict[tuple, allocator.Snapshot] = {}
 
 
-@lru_cache(maxsize=REPLAY_CACHE_SIZE)
 def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
     """Without a capacity (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed
     once per model and optimizer and restored from a snapshot afterwards."""
@@ -77,10 +117,17 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
                 backend: str = "cuda", flash_ok: bool = True) -> AllocatorReplay:
     """The step's allocator replay; `capacity_bytes` is what the allocator may reserve (GPU memory less the
     CUDA context and NCCL buffers)."""
-    trace = _trace(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend, flash_ok)
-    r = _replay(trace, None, expandable_segments)
+    entry = _entry(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend, flash_ok)
+    trace = entry.trace
+    r = entry.replays.get((None, expandable_segments))
+    if r is None:
+        r = entry.replays[None, expandable_segments] = _replay(trace, None, expandable_segments)
     if capacity_bytes is not None and r.peak_reserved > capacity_bytes:
-        r = _replay(trace, capacity_bytes, expandable_segments)
+        hit = entry.replays.get((capacity_bytes, expandable_segments))
+        if hit is None:
+            hit = entry.replays[capacity_bytes, expandable_segments] = _replay(trace, capacity_bytes,
+                                                                               expandable_segments)
+        r = hit
     name = events.tensor_name(trace, r.peak_tensor) if r.peak_tensor >= 0 else ""
     return AllocatorReplay(peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, segments=r.segments,
                            peak_allocation=name, peak_allocation_bytes=r.peak_event_bytes,
@@ -93,4 +140,4 @@ def clear_caches() -> None:
     """Forget cached traces and replays (benchmarks; tests that change module constants)."""
     _TRACES.clear()
     _PREFIXES.clear()
-    _replay.cache_clear()
+    _OPTIMIZER_TENSORS.clear()

@@ -7,6 +7,8 @@ What a stack decides, each from a sourced row of `planner/data/stacks.json`:
 * the attention kernel transformers picks by default for a model type (`sdpa` from the version whose model
   class sets `_supports_sdpa`, with torch >= 2.1.1; `eager` before);
 * the cuBLAS / cuBLASLt workspaces of the torch version;
+* whether `zero_grad()` frees the gradients between steps (set_to_none=True by default from torch 2.0) or
+  keeps them allocated as zeros (before);
 * the caching allocator's settings (`expandable_segments` and the other keys, validated).
 
 The default stack is the AWS PyTorch DLC that `probe launch` would use for the GPU (planner/aws/images.py)
@@ -279,6 +281,20 @@ def model_default_attention(stack: SoftwareStack, families: list[str]) -> str:
     """One kernel for the model: eager if any of its transformers would run eager (the larger memory)."""
     kinds = {default_attention(stack, f) for f in families}
     return "eager" if "eager" in kinds else "sdpa"
+
+
+def zero_grad_keeps_gradients(stack: SoftwareStack, parallelism: str, optimizer_impl: str = "foreach") -> bool:
+    """True when the training loop's `zero_grad()` leaves the gradient tensors allocated (filled with zeros)
+    between steps: torch < 2.0, whose default was set_to_none=False (stacks.json zero_grad, PR #92731). Then
+    the gradients are resident through the next forward and backward, as with gradient accumulation.
+    Not for a "fused" optimizer before torch 2.0: that is apex's FusedAdam, whose zero_grad() sets them to
+    None by default. ZeRO/FSDP keep their own gradient buffers: unchanged (ASSUMPTION, see stacks.json)."""
+    if parallelism not in ("single", "dp", "ddp"):
+        return False
+    zg = table()["zero_grad"]
+    if parse_version("torch", stack.torch) >= parse_version("since", zg["set_to_none_since_torch"]):
+        return False
+    return not (optimizer_impl == "fused" and zg["apex_fused_sets_none"])
 
 
 def workspace_rule(stack: SoftwareStack) -> dict[str, Any]:

@@ -144,3 +144,46 @@ def loss_function(ref: str | None) -> Callable[[Any, Any], Any] | None:
         return value
 
     return loss
+
+
+# Largest user source file a probe request carries (the request travels as JSON inside the job's source
+# archive). ASSUMPTION: a model file is code, not data; 1 MiB is far above any hand-written module.
+MAX_SHIPPED_SOURCE_BYTES = 1 << 20
+
+
+def probe_model(ref: str, *, inputs: str | None, loss: str | None = None,
+                options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a probe request carries for user code: the references and the source of each file they name.
+
+    Why: the probe job runs on another machine (`jobs/probe.py`), which has none of the user's files; so the
+    files travel inside the request (hence inside the job's source archive), keyed by their base name, and
+    the job imports them from there. Each file is imported here first, so a bad reference fails now, as one
+    line. One file per reference; a file that imports its own sibling modules must ship them itself.
+    """
+    if inputs is None:
+        raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
+                           f"function) for --model {ref}")
+    files: dict[str, str] = {}
+    refs: dict[str, str | None] = {}
+    for flag, role, value in (("--model", "model", ref), ("--inputs", "inputs", inputs), ("--loss", "loss", loss)):
+        if value is None:
+            refs[role] = None
+            continue
+        load_function(value, flag)  # exists, imports, names a function: one-line errors here, not on the GPU
+        m = REFERENCE.match(value)
+        assert m is not None
+        path = Path(m["file"]).expanduser()
+        text = path.read_text(encoding="utf-8")
+        if len(text.encode()) > MAX_SHIPPED_SOURCE_BYTES:
+            raise PlannerError(flag, value, f"a source file of at most {MAX_SHIPPED_SOURCE_BYTES} bytes to ship "
+                               "with the probe")
+        if files.get(path.name, text) != text:
+            raise PlannerError(flag, value, f"files with distinct base names (another {path.name} is shipped)")
+        files[path.name] = text
+        refs[role] = f"{path.name}:{m['fn']}"
+    return {"name": refs["model"], "user_code": {**refs, "options": dict(options or {}), "files": files}}
+
+
+def is_probe_model(model: object) -> bool:
+    """A probe request's model block that holds user code (`probe_model`), not a ModelSpec."""
+    return isinstance(model, dict) and isinstance(model.get("user_code"), dict)

@@ -570,10 +570,15 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     bytes each GPU sends (`bytes_read`) per occurrence and `count` occurrences per optimizer step.
 
     DDP: one all-reduce of all gradients per optimizer step (no_sync on the other micro-steps), launched
-    per bucket (`launches` = ceil(bytes / bucket_cap_mb)). ZeRO-1/2: reduce-scatter of gradients + all-gather
-    of the updated parameters. ZeRO-3/FSDP: per micro-step, all-gather of parameters for forward and again for
-    backward, reduce-scatter of gradients. DataParallel: per micro-step, parameters broadcast to the replicas
-    and gradients reduced to GPU 0 (two copies of the gradient bytes), plus its thread/replicate cost."""
+    per bucket (`launches` = ceil(bytes / bucket_cap_mb)). ZeRO-1 is torch's ZeroRedundancyOptimizer over
+    DDP (as planner.memory.parallel models it): DDP's all-reduce, then each rank sends its updated shard to the
+    others (docs: "each rank will broadcast its parameters to all other peers"), an all-gather's volume,
+    exposed. ZeRO-2: gradients are partitioned, so they are reduce-scattered after EVERY backward, not once per
+    optimizer step (DeepSpeed issue #2252, maintainer: "gradient reduction is required after every backward
+    because of gradient partitioning"), + the all-gather of updated parameters. ZeRO-3/FSDP: per micro-step,
+    all-gather of parameters for forward and again for backward, reduce-scatter of gradients (3 halves of an
+    all-reduce: 1.5x DDP's traffic). DataParallel: per micro-step, parameters broadcast to the replicas and
+    gradients reduced to GPU 0 (two copies of the gradient bytes), plus its thread/replicate cost."""
     if world <= 1 or parallelism == "single":
         return ()
     buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
@@ -584,8 +589,11 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
 
     if parallelism == "ddp":
         return (comm("ddp.allreduce", "allreduce", launches=buckets),)
-    if parallelism in ("zero1", "zero2"):
-        return (comm("zero.reduce_scatter", "reduce_scatter"), comm("zero.all_gather", "all_gather"))
+    if parallelism == "zero1":
+        return (comm("zero.allreduce", "allreduce", launches=buckets), comm("zero.all_gather", "all_gather"))
+    if parallelism == "zero2":
+        return (comm("zero.reduce_scatter", "reduce_scatter", count=grad_accum),
+                comm("zero.all_gather", "all_gather"))
     if parallelism in ("zero3", "fsdp"):
         return (comm("fsdp.all_gather", "fsdp_all_gather", count=2 * grad_accum),
                 comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum))

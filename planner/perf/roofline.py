@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -158,15 +159,22 @@ def build_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float
 
 _TABLES: OrderedDict[tuple, tuple[ModelSpec, KernelTable]] = OrderedDict()
 TABLE_CACHE_SIZE = 256
+TIMES_CACHE_SIZE = 512  # (micro-batch, GPU) timings kept per table
+# TrainConfig fields that do not change a micro-step's kernel list (the batch size scales it, see KernelTable).
+NOT_SHAPE = frozenset({"batch_size", "grad_accum", "instances", "parallelism", "gradient_as_bucket_view",
+                       "bucket_cap_mb", "optimizer", "optimizer_impl"})
+
+
+@lru_cache(maxsize=1)
+def _shape_fields() -> tuple[str, ...]:
+    """The shape class: every other TrainConfig field, in a fixed order."""
+    return tuple(sorted(f for f in TrainConfig.model_fields if f not in NOT_SHAPE))
 
 
 def kernel_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
                  flash_ok: bool = True) -> KernelTable:
     """`build_table`, cached per model object and shape class (the config without its batch size)."""
-    shape = config.model_dump(exclude={"batch_size", "grad_accum", "instances", "parallelism",
-                                       "gradient_as_bucket_view", "bucket_cap_mb", "optimizer",
-                                       "optimizer_impl"})
-    key = (id(model), tuple(sorted(shape.items())), causal_fraction, flash_ok)
+    key = (id(model), *(getattr(config, f) for f in _shape_fields()), causal_fraction, flash_ok)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is model:
         _TABLES.move_to_end(key)
@@ -206,9 +214,14 @@ class KernelTimes:
     launches: float  # CUDA launches of one micro-step
 
 
+def _gpu_key(gpu: GPU) -> tuple:
+    """What the timing reads of a GPU (a GPU changed with model_copy but keeping its name is another GPU)."""
+    return gpu.name, tuple(sorted(gpu.peak_tflops.items())), gpu.memory_bandwidth_gbs, gpu.sm_count
+
+
 def _peaks(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
     """FLOP/s of each kernel's unit on this GPU, cached per table and GPU."""
-    key = (gpu.name, allow_tf32)
+    key = (_gpu_key(gpu), allow_tf32)
     hit = table.peaks_cache.get(key)
     if hit is None:
         hit = np.array([peak_for(gpu, d, allow_tf32) for d in table.dtype]) * TFLOP
@@ -217,7 +230,18 @@ def _peaks(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
 
 
 def time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> KernelTimes:
-    """Roofline time of every kernel of a micro-step at micro-batch b."""
+    """Roofline time of every kernel of a micro-step at micro-batch b (cached on the table per b, GPU and
+    constants: a search times one micro-step on many instance counts)."""
+    key = ("times", b, _gpu_key(gpu), c)
+    hit = table.peaks_cache.get(key)
+    if hit is None:
+        if len(table.peaks_cache) >= TIMES_CACHE_SIZE:
+            table.peaks_cache.clear()
+        hit = table.peaks_cache[key] = _time_table(table, b, gpu, c)
+    return hit
+
+
+def _time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> KernelTimes:
     v = table.at(b)
     flops, nbytes = v[:, 0], v[:, 1]
     peaks = _peaks(table, gpu, c.allow_tf32)
@@ -230,8 +254,10 @@ def time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> Ke
     compute = flops / (peaks * eff)
     memory = nbytes / (gpu.memory_bandwidth_gbs * GB * c.hbm_efficiency)
     per = np.maximum(compute, memory)
-    return KernelTimes(per * table.count, c.kernel_gap_s * table.launches * table.count, memory >= compute,
-                       float((table.launches * table.count).sum()))
+    arrays = (per * table.count, c.kernel_gap_s * table.launches * table.count, memory >= compute)
+    for a in arrays:  # shared through the cache: read-only
+        a.flags.writeable = False
+    return KernelTimes(*arrays, float((table.launches * table.count).sum()))
 
 
 def time_kernels(kernels: tuple[Kernel, ...] | list[Kernel], gpu: GPU, c: RooflineConstants

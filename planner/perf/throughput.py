@@ -39,7 +39,15 @@ from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
-from planner.perf.roofline import PHASES, RooflineConstants, by_kind, kernel_table, time_kernels, time_table
+from planner.perf.roofline import (
+    PHASES,
+    KernelTable,
+    RooflineConstants,
+    by_kind,
+    kernel_table,
+    time_kernels,
+    time_table,
+)
 from planner.spec import DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
 
 GB = 1e9
@@ -156,9 +164,32 @@ def parameter_tensors(block: Block) -> int:
 # ---- the prediction ------------------------------------------------------------------------------
 
 
+_DEFAULT: list[ThroughputConstants] = []
+
+
+def _default_constants() -> ThroughputConstants:
+    """ThroughputConstants() made once (frozen, so it can be shared): a search predicts thousands of steps."""
+    if not _DEFAULT:
+        _DEFAULT.append(ThroughputConstants())
+    return _DEFAULT[0]
+
+
 def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance,
                        constants: ThroughputConstants | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
+    c = constants or _default_constants()
+    if config.tf32 and not c.allow_tf32:
+        c = c.model_copy(update={"allow_tf32": True})
+    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention)
+    n_params, n_tensors = parameter_counts(model)
+    return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance, c)
+
+
+def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int, config: TrainConfig,
+                     instance: Instance, constants: ThroughputConstants | None = None) -> Throughput:
+    """`predict_throughput` from a micro-step's kernel table, whoever built it (the analytic kernel list, or
+    a traced model's own ops: planner.program.speed), the parameter and parameter-tensor counts and the
+    tokens per sample."""
     c = constants or ThroughputConstants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
@@ -170,7 +201,6 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     gpu = instance.gpu
     peak, _ = peak_tflops(instance, config.precision, c)
 
-    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=gpu.flash_attention)
     times = time_table(table, config.batch_size, gpu, c)
     gpu_micro = float(times.seconds.sum() + times.gap.sum())
     cpu_micro = times.launches * c.cpu_dispatch_s
@@ -180,7 +210,6 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     backward = max(float(times.seconds[back].sum() + times.gap[back].sum()),
                    float((table.launches * table.count)[back].sum()) * c.cpu_dispatch_s)
 
-    n_params, n_tensors = parameter_counts(model)
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
     comm = communication_kernels(parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb)
@@ -222,7 +251,7 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     return Throughput(
         step_time_s=step,
         samples_per_s=samples_per_s,
-        tokens_per_s=samples_per_s * tokens_per_sample(model, config.seq_len),
+        tokens_per_s=samples_per_s * tokens,
         mfu=mfu,
         global_batch_size=samples_per_step,
         breakdown_s=breakdown,

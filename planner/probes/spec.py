@@ -67,6 +67,12 @@ class ProbeRequest(BaseModel):
     def model_spec(self) -> ModelSpec:
         return ModelSpec.model_validate(self.model)
 
+    @property
+    def user_code(self) -> dict[str, Any] | None:
+        """The user's own module (`--model FILE.py:build`): references, options and shipped sources."""
+        code = self.model.get("user_code")
+        return code if isinstance(code, dict) else None
+
     def to_json(self) -> dict[str, Any]:
         """What jobs/probe.py reads (plain JSON; the probe does not need pydantic)."""
         out = {"schema": REQUEST_SCHEMA, "request_id": self.request_id}
@@ -102,11 +108,11 @@ def resolve_instance(instance: Any) -> Any:
     return get_instance(instance)
 
 
-def predict(model: ModelSpec, config: TrainConfig, instance: Any) -> Any:
-    """planner.estimate(...) -> Estimate."""
+def predict(model: ModelSpec | str, config: TrainConfig, instance: Any, **user: Any) -> Any:
+    """planner.estimate(...) -> Estimate (`user`: model_options, inputs, loss of a traced user module)."""
     import planner
 
-    return planner.estimate(model, config, instance)  # type: ignore[attr-defined]
+    return planner.estimate(model, config, instance, **user)  # type: ignore[attr-defined]
 
 
 def resolve_parallelism(config: TrainConfig, gpus: int) -> str:
@@ -127,14 +133,22 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
                  estimate: Any = None, with_estimate: bool = True, study: str | None = None,
                  trial: int | None = None, model_options: dict[str, Any] | None = None,
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, measure_steps: int = DEFAULT_MEASURE_STEPS,
-                 seed: int = 0) -> ProbeRequest:
-    """A request for one candidate; the estimate (if any) fixes the resolved parallelism."""
-    spec = resolve_model(model, model_options)
+                 seed: int = 0, inputs: str | None = None, loss: str | None = None) -> ProbeRequest:
+    """A request for one candidate; the estimate (if any) fixes the resolved parallelism.
+
+    `model` as `FILE.py:build` is the user's own module: the request carries the source of the files that
+    `model`, `inputs` and `loss` name (planner.models.user_module.probe_model), and the estimate traces it."""
+    from planner.models.user_module import is_reference, probe_model
+
+    user = is_reference(model)
+    spec_json = (probe_model(str(model), inputs=inputs, loss=loss, options=model_options) if user
+                 else resolve_model(model, model_options).model_dump(mode="json"))
     inst = resolve_instance(instance)
     estimate_error = None
     if estimate is None and with_estimate:
         try:
-            estimate = predict(spec, config, inst)
+            estimate = (predict(str(model), config, inst, model_options=model_options, inputs=inputs, loss=loss)
+                        if user else predict(resolve_model(model, model_options), config, inst))
         except (PlannerError, ValidationError):
             raise  # bad input (e.g. seq_len beyond the model's positions): the user must fix it
         except Exception as exc:  # noqa: BLE001 - a broken estimator must not stop a measurement
@@ -151,7 +165,7 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
         world = int(est_json["world_size"])
         per_instance = max(1, world // resolved.instances)
     gpu = getattr(getattr(inst, "gpu", None), "name", None)
-    return ProbeRequest(model=spec.model_dump(mode="json"), config=resolved.model_dump(mode="json"),
+    return ProbeRequest(model=spec_json, config=resolved.model_dump(mode="json"),
                         instance=getattr(inst, "name", inst if isinstance(inst, str) else None), gpu=gpu,
                         gpus_per_instance=per_instance, world_size=world, warmup_steps=warmup_steps,
                         measure_steps=measure_steps, seed=seed, estimate=est_json, estimate_error=estimate_error,
@@ -197,7 +211,7 @@ def trial_candidate(trial: Any, definition: dict[str, Any], instance: str) -> di
                            "trials with a config (batch_size, seq_len) in a study whose definition names the model")
     return {"model": model, "instance": instance, "config": TrainConfig.model_validate(cfg),
             "model_options": definition.get("model_options") or {}, "trial": trial.number,
-            "feasible": _feasible(trial)}
+            "feasible": _feasible(trial), "inputs": definition.get("inputs"), "loss": definition.get("loss")}
 
 
 def find_study_storage(study: str, results: Any) -> str:
@@ -271,5 +285,6 @@ def requests_from_study(study: str, top: int, results: Any = "results", **kw: An
     reqs = []
     for cand in study_candidates(study, top, results):
         reqs.append(make_request(cand["model"], cand["config"], cand["instance"], study=study, trial=cand["trial"],
-                                 model_options=cand["model_options"], **kw))
+                                 model_options=cand["model_options"], inputs=cand.get("inputs"),
+                                 loss=cand.get("loss"), **kw))
     return reqs

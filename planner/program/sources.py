@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlannerError
-from planner.program.trace import StepTrace, trace_step
 from planner.spec import TrainConfig
+
+if TYPE_CHECKING:  # pragma: no cover - torch is imported only when a model is traced (search start-up)
+    from planner.program.trace import StepTrace
 
 TRACE_CACHE_SIZE = 64  # traces kept per process; each holds its op and event lists (a few MB for 8B models)
 
@@ -38,6 +40,8 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
         raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
                            f"function) for --model {ref}")
     config = TrainConfig.model_validate_json(config_json)
+    from planner.program.trace import trace_step
+
     return trace_step(user_module.model_builder(ref, json.loads(options_json)), user_module.batch_maker(inputs, json.loads(options_json)),
                       config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
                       flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
@@ -54,6 +58,8 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
     config = TrainConfig.model_validate_json(config_json)
     hf_config = hf.hf_config_object(load_config_file(path), path, config.attention, json.loads(options_json))
     label = Path(path).stem if Path(path).stem != "config" else Path(path).parent.name
+    from planner.program.trace import trace_step
+
     return trace_step(hf.builder(hf_config, path), hf.batch_maker(hf_config, path), config, backend=backend,  # type: ignore[arg-type]
                       flash_ok=flash_ok, name=label or path, source=path, enable_checkpointing=_checkpointing_for)
 

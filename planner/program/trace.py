@@ -62,6 +62,8 @@ class OpRecord:
     module: str  # qualified name of the module running ("" = the root / the loss)
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
+    flops: int = 0  # torch.utils.flop_counter's formula for the op (0 where it has none: memory-bound ops)
+    kernel: bool = True  # False for ops that launch no CUDA kernel (views, empty, detach): `_NO_KERNEL`
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class _Recorder(TorchDispatchMode):
         self.polled: dict[int, _StorageInfo] = {}  # key -> info: live storages that may be freed
         self.raw_events: list[tuple[int, str, int]] = []  # (op, action, sid)
         self.op_block: list[str] = []
+        self.failed_in: list[str] | None = None  # the module stack when an op raised
 
     def block(self) -> str:
         if self.phase != "forward":
@@ -191,13 +194,19 @@ class _Recorder(TorchDispatchMode):
         return info
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            # where it failed, for the one-line error (the module stack unwinds as the exception leaves)
+            self.failed_in = list(self.stack)
+            raise
         index = len(self.ops)
         name = str(func.name()) if hasattr(func, "name") else str(func)
         name = f"aten.{name.removeprefix('aten::')}" if "::" in name else name
         name = name if "." in name.split("aten.", 1)[-1] else f"{name}.default"
         self.ops.append(OpRecord(index, name, self.phase, self.stack[-1] if self.stack else "",
-                                 _metas((args, kwargs)), _metas(out)))
+                                 _metas((args, kwargs)), _metas(out), _flops(func, args, kwargs, out),
+                                 not (getattr(func, "is_view", False) or name in _NO_KERNEL or "prim::" in name)))
         self.op_block.append(self.block())
         leaves, _ = tree_flatten(out)
         for i, t in enumerate(x for x in leaves if isinstance(x, torch.Tensor)):
@@ -224,6 +233,31 @@ class _Recorder(TorchDispatchMode):
 
 
 _EXPIRED = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls (torch/storage.py)
+
+# Ops that launch no CUDA kernel beyond views (`OpOverload.is_view`) and metadata queries (`prim::device`,
+# which fake tensors dispatch): uninitialised allocations, autograd metadata, scalar reads (a sync, not a
+# kernel) and aliasing reshapes.
+_NO_KERNEL = frozenset({
+    "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default", "aten.new_empty.default",
+    "aten.new_empty_strided.default", "aten.detach.default", "aten.lift_fresh.default", "aten.alias.default",
+    "aten._local_scalar_dense.default", "aten._unsafe_view.default", "aten._reshape_alias.default",
+    "aten.set_.source_Storage_storage_offset", "aten.resize_.default", "aten.sym_size.int",
+    "aten.sym_stride.int", "aten.sym_numel.default", "aten.is_same_size.default",
+})
+
+
+def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one op by `torch.utils.flop_counter.flop_registry` (what FlopCounterMode counts: matmuls,
+    convolutions and attention, forward and backward); 0 for the rest."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **(kwargs or {}), out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that rejects these arguments: count nothing, as for other ops
+        return 0
 
 
 def component_of(qualname: str) -> str:
@@ -258,7 +292,9 @@ def _module_stack(module: torch.nn.Module) -> Iterator[list[str]]:
             stack.pop()
 
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    # always_call: non-reentrant checkpointing stops a recomputation early by raising inside the module's
+    # forward (torch/utils/checkpoint.py, _StopRecomputationError); the stack must still unwind.
+    h2 = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
     try:
         yield stack
     finally:
@@ -548,13 +584,15 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                     else:
                         notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
             except fake_errors as exc:
-                raise _fake_error(exc, stack, source, type(module).__name__) from None
+                raise _fake_error(exc, rec.failed_in if rec.failed_in is not None else stack, source,
+                                  type(module).__name__) from None
             except PlannerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - an error in the user's forward/loss: one line, exit 2
                 from planner.models.user_module import last_line
 
-                where = (stack[-1] or "(root)") if stack else "the loss or backward"
+                at = rec.failed_in if rec.failed_in is not None else stack
+                where = (at[-1] or "(root)") if at else "the loss or backward"
                 raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
                                    f"(in {where}); check --inputs matches the model") from None
 

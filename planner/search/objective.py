@@ -87,7 +87,7 @@ class Objective:
     """Callable objective over a joint space (instance types × configurations); `estimate_fn` is
     injectable for tests, `estimate_kwargs` are passed to every estimate (e.g. a software stack)."""
 
-    def __init__(self, model: ModelSpec, instances: Instance | list[Instance], space: SearchSpace, *,
+    def __init__(self, model: ModelSpec | str, instances: Instance | list[Instance], space: SearchSpace, *,
                  constraints: Constraints | None = None, objective: ObjectiveSpec | None = None,
                  recipe: Recipe | None = None, target: str | None = None, estimate_fn: EstimateFn | None = None,
                  estimate_kwargs: dict[str, Any] | None = None):

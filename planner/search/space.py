@@ -281,7 +281,7 @@ def space_from_flags(**texts: str | None) -> SpaceSpec:
     return SpaceSpec(**{field: parse_flag_list(field, text) for field, text in texts.items()})
 
 
-def _gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
+def gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     gpu = instance.gpu
     if dimension == "precision":
         return gpu.bf16 or "bf16" not in value
@@ -290,7 +290,7 @@ def _gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     return True
 
 
-def resolve_space(spec: SpaceSpec, model: ModelSpec, instances: Instance | list[Instance], *,
+def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance | list[Instance], *,
                   min_seq_len: int | None = None, fixed: dict[str, Any] | None = None,
                   global_batch_size: int | None = None) -> SearchSpace:
     """The concrete joint space for `model` over `instances` (one type or several).
@@ -314,11 +314,12 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec, instances: Instance | list[
         if dim in fixed and dim in FIXED_DIMENSIONS:
             chosen, asked = (fixed.pop(dim),), True
         if asked is None:
-            keep = tuple(v for v in chosen if any(_gpu_can_run(i, dim, v) for i in types))
-            if dim == "seq_len" and model.max_positions is not None:
-                keep = tuple(v for v in keep if v <= model.max_positions)
+            keep = tuple(v for v in chosen if any(gpu_can_run(i, dim, v) for i in types))
+            limit = getattr(model, "max_positions", None)  # None: no limit known (a traced model's reference)
+            if dim == "seq_len" and limit is not None:
+                keep = tuple(v for v in keep if v <= limit)
                 if not keep:  # every default is too long: search the model's own limit
-                    keep = (model.max_positions,)
+                    keep = (limit,)
             if dim == "batch_size" and global_batch_size is not None:
                 keep = tuple(v for v in keep if v <= global_batch_size) or (1,)
             if len(keep) < len(chosen):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
@@ -42,6 +42,9 @@ from planner.search.limits import (
     MAX_SPACE_VALUE,
 )
 from planner.search.space import SpaceSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from planner.spec import ModelSpec
 
 Sampler = Literal["tpe", "grid", "random"]
 Target = Literal["throughput", "cost", "time", "pareto"]
@@ -136,6 +139,9 @@ class Sweep(_Strict):
     description: str = ""
     model: str = "multimodal-bert"
     model_options: dict[str, Any] = Field(default_factory=dict)
+    # With model: FILE.py:build (the user's own module, traced): FILE.py:batch and, optionally, FILE.py:fn.
+    inputs: str | None = None
+    loss: str | None = None
     instance: str | tuple[str, ...] = "ml.p3.16xlarge"
     recipe: Recipe = Recipe()
     stack: StackSpec = StackSpec()
@@ -179,12 +185,24 @@ class Sweep(_Strict):
     def estimate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments every estimate of this sweep gets (beyond the configuration): the stack."""
         stack = self.stack.given()
-        return {"stack": stack} if stack else {}
+        out: dict[str, Any] = {"stack": stack} if stack else {}
+        if self.traced():  # estimate() builds and traces it itself, once per shape class
+            out |= {"model_options": dict(self.model_options), "inputs": self.inputs, "loss": self.loss}
+        return out
+
+    def traced(self) -> bool:
+        """Whether the model is traced (user code `FILE.py:build`, a config.json outside the families) rather
+        than described by the analytic core."""
+        from planner.models.user_module import is_reference
+        from planner.program.sources import is_traced_config
+
+        return is_reference(self.model) or is_traced_config(self.model)
 
     def definition(self) -> dict[str, Any]:
         """What decides a trial's value on one instance type: runs with the same definition may share a
         study. The sampler, seed and trial count are left out (they change the path, not the values)."""
-        return self.model_dump(mode="json", exclude={"name", "description", "search", "instance"}) | {
+        unused = {k for k in ("inputs", "loss") if getattr(self, k) is None}  # older definitions stay equal
+        return self.model_dump(mode="json", exclude={"name", "description", "search", "instance", *unused}) | {
             "instances": self.instance_names(), "target": self.target()}
 
     def fingerprint(self) -> str:
@@ -230,6 +248,9 @@ def load_sweep(path: str | Path) -> Sweep:
     if not path.is_file():
         raise PlannerError("--sweep", str(path), "an existing YAML sweep file")
     data = read_yaml(path, "--sweep", expect=None)  # binary, non-UTF-8, bad or too deep YAML: one line
+    if isinstance(data, dict):
+        data = {**data, **{k: _relative_to(path, data[k]) for k in ("model", "inputs", "loss")
+                           if isinstance(data.get(k), str)}}
     sweep = parse_sweep(data, str(path))
     if "name" not in data:  # a file's stem names its study
         sweep = sweep.model_copy(update={"name": path.stem})
@@ -248,8 +269,6 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
     if sweep.recipe.seq_len is not None and sweep.space.seq_lens is not None:
         raise PlannerError(f"{where}space.seq_lens", list(sweep.space.seq_lens),
                            "left out when recipe.seq_len is given (give the recipe a list to explore)")
-    from planner.models.catalog import cached_model
-
     def stack() -> None:
         from planner.hardware import get_instance
         from planner.memory.stack import resolve_stack
@@ -258,7 +277,7 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
             for name in sweep.instance_names():
                 resolve_stack(sweep.stack.given(), get_instance(name).gpu)
 
-    for field, call in (("model", lambda: cached_model(sweep.model, sweep.model_options)),
+    for field, call in (("model", lambda: sweep_model(sweep)),
                         ("instance", sweep.instance_names), ("stack", stack)):
         try:
             call()
@@ -268,6 +287,42 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
             raise PlannerError(f"{source}: {field}", exc.value, f"{exc.field}: {exc.allowed}") from None
         except ValidationError as exc:
             raise _validation_error(f"{source or 'flags'}: {field}", exc) from None
+
+
+def sweep_model(sweep: Sweep) -> ModelSpec | str:
+    """What a search estimates: the ModelSpec of a catalog model or config.json, or, for a traced model (user
+    code, a config.json outside the families), its reference string, which `estimate` traces once per shape
+    class (`planner.program.sources`). User code is imported here, so a bad reference fails before any trial."""
+    if not sweep.traced():
+        from planner.models.catalog import cached_model
+
+        return cached_model(sweep.model, sweep.model_options)
+    from planner.models.user_module import is_reference, load_function
+
+    if is_reference(sweep.model):
+        if sweep.inputs is None:
+            raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
+                               f"model {sweep.model}")
+        load_function(sweep.model, "--model")
+        load_function(sweep.inputs, "--inputs")
+        if sweep.loss is not None:
+            load_function(sweep.loss, "--loss")
+    elif sweep.inputs is not None or sweep.loss is not None:
+        raise PlannerError("--inputs", sweep.inputs or sweep.loss, f"left out for {sweep.model} (a config.json "
+                           "makes its own inputs and loss)")
+    return sweep.model
+
+
+def _relative_to(path: Path, ref: str | None) -> str | None:
+    """A `FILE.py:FUNCTION` reference of a sweep file: FILE relative to the working directory, else to the
+    sweep file's folder (so a sweep and its model file can travel together)."""
+    from planner.models.user_module import REFERENCE
+
+    m = REFERENCE.match(ref) if ref else None
+    if m is None or Path(m["file"]).expanduser().exists():
+        return ref
+    beside = path.parent / m["file"]
+    return f"{beside}:{m['fn']}" if beside.is_file() else ref
 
 
 # The default of `planner search`: the seed's multimodal BERT; sweeps/multimodal-bert-p3.yaml holds the

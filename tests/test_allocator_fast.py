@@ -1,0 +1,110 @@
+"""`allocator.fast_run` (ints, the replay every estimate uses) makes exactly the choices of `run_reference`
+(block objects, one method per function of c10/cuda/CUDACachingAllocator.cpp): the same ReplayResult — peaks,
+the allocation that set the reserved peak, segment count, OOM flags — for random event streams and for the
+step trace of every catalog model over a grid of batch / sequence / precision / checkpointing / parallelism.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.memory import allocator, events, reserved
+from planner.models.catalog import list_models
+from planner.spec import TrainConfig
+
+estimate_mod = importlib.import_module("planner.estimate")
+MiB = 1024 * 1024
+
+# Request sizes around every threshold of the rules: 512 B rounding, the 1 MiB small pool, 10 MiB kMinLargeAlloc,
+# 20 MiB kLargeBuffer, plus arbitrary sizes.
+SIZES = st.one_of(st.integers(1, 4096), st.integers(MiB - 1024, MiB + 1024), st.integers(1, 3 * MiB),
+                  st.integers(10 * MiB - 1024, 10 * MiB + 1024), st.integers(1, 64 * MiB))
+
+
+@st.composite
+def event_streams(draw):
+    """Allocations and frees in any order; some frees follow their allocation at once (transients)."""
+    ops = draw(st.lists(st.tuples(st.sampled_from(["alloc", "transient", "free"]), SIZES, st.integers(0, 10**6)),
+                        max_size=250))
+    out, live, nid = [], [], 0
+    for op, size, pick in ops:
+        if op == "free" and live:
+            out.append((live.pop(pick % len(live)), 0))
+            continue
+        out.append((nid, size))
+        if op == "transient":
+            out.append((nid, 0))
+        else:
+            live.append(nid)
+        nid += 1
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(event_streams(), st.sampled_from([None, 24 * MiB, 100 * MiB, 400 * MiB]),
+       st.sampled_from([None, 4 * MiB, 30 * MiB]))
+def test_fast_run_equals_the_reference_on_any_stream(evs, capacity, max_split):
+    ref = allocator.run_reference(evs, capacity_bytes=capacity, max_split_size=max_split)[0]
+    assert allocator.fast_run(evs, capacity_bytes=capacity, max_split_size=max_split)[0] == ref
+
+
+@settings(max_examples=100, deadline=None)
+@given(event_streams(), event_streams())
+def test_fast_snapshot_resumes_exactly(head, tail):
+    """A snapshot after permanent allocations, restored, gives the full replay's result."""
+    head = [(tid, n) for tid, n in head if n]  # permanent: never freed
+    shift = len(head)
+    evs = head + [(tid + shift, n) for tid, n in tail]
+    full = allocator.run_reference(evs)[0]
+    result, snap = allocator.fast_run(evs, snapshot_at=len(head))
+    assert result == full
+    if snap is not None:
+        assert allocator.run(evs, start=snap, snapshot_at=len(head))[0] == full
+
+
+GRID = list(itertools.product([1, 3, 24], [64, 200, 512], ["fp32", "amp-fp16"], [False, True]))
+PARALLEL = [dict(), dict(parallelism="zero3"), dict(grad_accum=2), dict(optimizer_impl="for-loop")]
+
+
+def _trace(model, cfg, instance="ml.p4d.24xlarge"):
+    prep = estimate_mod._prepare(model, cfg, instance, None, "cuda", None)
+    return reserved._build_trace(prep.spec, prep.cfg, prep.step, prep.activations, prep.share.parameters,
+                                 prep.share.gradients, prep.share.optimizer_states, "cuda")
+
+
+@pytest.mark.parametrize("model", list_models())
+def test_fast_run_equals_the_reference_on_catalog_steps(model):
+    """Every catalog model, 36 shapes each, one parallelism variant per shape (cycled), unlimited and at a
+    capacity below the unlimited peak (the OOM retry path); and the cached prefix path of `reserved`."""
+    large = model.startswith(("llama", "mistral", "gpt2-xl", "gpt2-large"))
+    for k, (b, s, precision, ckpt) in enumerate(GRID):
+        if large and (b > 3 or s > 200):
+            continue  # the same rules; fewer shapes keep the test short
+        cfg = TrainConfig(batch_size=b, seq_len=s, precision=precision, checkpointing=ckpt,
+                          **PARALLEL[k % len(PARALLEL)])
+        trace = _trace(model, cfg)
+        ref = allocator.run_reference(trace.events)[0]
+        assert allocator.fast_run(trace.events)[0] == ref, (model, cfg)
+        reserved.clear_caches()
+        assert reserved._replay(trace, None, False) == ref  # cold: takes the prefix snapshot
+        assert reserved._replay(trace, None, False) == ref  # warm: restores it
+        cap = ref.peak_reserved * 3 // 4
+        assert (allocator.fast_run(trace.events, capacity_bytes=cap)[0]
+                == allocator.run_reference(trace.events, capacity_bytes=cap)[0]), (model, cfg, cap)
+
+
+def test_builder_prefix_is_the_permanent_prefix():
+    """`Trace.permanent` (known while building) is what scanning the events finds."""
+    for first in (True, False):
+        reserved.REPLAY_FIRST_STEP = first
+        try:
+            trace = _trace("bert-base-uncased", TrainConfig(batch_size=4, seq_len=128))
+        finally:
+            reserved.REPLAY_FIRST_STEP = True
+        scanned = events.permanent_prefix(events.Trace(trace.events, trace.names, trace.marks))
+        assert trace.permanent == scanned > 0
