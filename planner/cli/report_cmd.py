@@ -1,4 +1,4 @@
-"""`planner report`: a search's results as one self-contained HTML page plus PNGs (printing only)."""
+"""`planner report`: a search's results as one HTML page with plotly.js beside it, plus PNGs (printing only)."""
 
 from __future__ import annotations
 
