@@ -3,8 +3,12 @@
 Public API: `estimate()` and the data model. Heavy modules load lazily so `import planner` stays cheap.
 """
 
-from planner.errors import PlannerError
-from planner.spec import (
+from planner._startup import quiet_interrupts_while_starting
+
+quiet_interrupts_while_starting()  # only in the `planner` command itself; see planner/_startup.py
+
+from planner.errors import PlannerError  # noqa: E402
+from planner.spec import (  # noqa: E402
     GPU,
     Estimate,
     Instance,

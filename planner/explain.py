@@ -147,6 +147,47 @@ def _activation_lines(model: ModelSpec, est: Estimate) -> list[str]:
     return lines
 
 
+# What each optimizer keeps per parameter tensor (planner.memory.optimizer has the byte formulas).
+OPTIMIZER_STATES = {
+    "adamw": "two tensors per parameter, exp_avg and exp_avg_sq, in the parameters' dtype",
+    "adam": "two tensors per parameter, exp_avg and exp_avg_sq, in the parameters' dtype",
+    "sgd": "no state kept",
+    "sgd-momentum": "one momentum_buffer per parameter, in the parameters' dtype",
+    "adafactor": "a row and a column vector per matrix (a full tensor per vector parameter), fp32",
+    "adamw-8bit": "two 8-bit tensors per parameter plus fp32 scales per block of 256 (bitsandbytes)",
+}
+
+
+def where_states_live(est: Estimate) -> str:
+    """Where the gradient and optimizer-state figures are: per GPU, on GPU 0 only (DataParallel), or one
+    GPU's shard (ZeRO/FSDP), so step 7 says the same as step 3."""
+    p = est.config.parallelism
+    if p == "dp":
+        return "on GPU 0 only (DataParallel reduces gradients and steps the optimizer there)"
+    if p in ("zero1", "zero2", "zero3", "fsdp"):
+        return f"on each GPU (its share under {p}; see step 3)"
+    return "on each GPU" if est.world_size > 1 else "on the GPU"
+
+
+def _state_lines(est: Estimate) -> list[str]:
+    m, cfg = est.memory_bytes, est.config
+    where = where_states_live(est)
+    what = OPTIMIZER_STATES.get(cfg.optimizer, "see planner/memory/optimizer.py")
+    return [f"Gradients: {fmt_bytes(m.gradients)} {where}. They have the parameters' dtype and, with gradient "
+            "accumulation, stay allocated across micro-steps.",
+            f"Optimizer states ({cfg.optimizer}: {what}): {fmt_bytes(m.optimizer_states)} {where}, allocated at "
+            "the first optimizer.step(). Rules of thumb that count only parameters and activations leave them "
+            "out."]
+
+
+def batch_where(est: Estimate) -> str:
+    """The 'input batch' row under DataParallel is one GPU's scattered share; elsewhere each GPU's own."""
+    if est.config.parallelism == "dp":
+        return ("on each GPU (its scattered share; GPU 0 also holds the whole batch before the scatter, "
+                "counted in temporaries and buffers)")
+    return "per GPU"
+
+
 def _data_lines(model: ModelSpec, est: Estimate) -> list[str]:
     cfg = est.config
     pb = parameter_dtype_bytes(cfg.precision)
@@ -167,7 +208,7 @@ def _data_lines(model: ModelSpec, est: Estimate) -> list[str]:
         lines.append(f"labels: int64 [{b}] = {fmt_bytes(8 * b)}")
     elif inp.labels == "tokens":
         lines.append(f"labels: int64 [{b}, {s}] = {fmt_bytes(8 * b * s)}")
-    lines.append(f"Input batch in all: {fmt_bytes(est.memory_bytes.batch)} per GPU.")
+    lines.append(f"Input batch in all: {fmt_bytes(est.memory_bytes.batch)} {batch_where(est)}.")
     return lines
 
 
@@ -191,25 +232,38 @@ def _phase_lines(est: Estimate) -> list[str]:
 
 
 def phase_moment_note(est: Estimate) -> str | None:
-    """Why a phase row can show less than the term above it: a row is one moment, that phase's highest point.
+    """Why a phase row can show less (or more) than the term above it: a row is one moment, that phase's
+    highest point.
 
     Backward creates gradients block by block and frees activations block by block, so at the backward peak
     only the first blocks' gradients exist; the forward/backward peak falls while a block runs, before the
-    last saved tensors are made or after the first are freed."""
+    last saved tensors are made or after the first are freed. The phase rows' activations also count the
+    model's outputs the training loop still holds (logits, loss: planner.memory.timeline `retained_bytes`),
+    which are not saved for backward; they are what is left at the optimizer step."""
     m = est.memory_bytes
-    peak = next((ph for ph in est.phases if ph.phase == est.peak_phase), None)
+    by_phase = {ph.phase: ph for ph in est.phases}
+    peak = by_phase.get(est.peak_phase)
     if peak is None:
         return None
+    opt = by_phase.get("optimizer")
+    outputs = opt.detail.get("activations", 0) if opt is not None and est.peak_phase != "optimizer" else 0
     gaps = []
-    for key, label in (("gradients", "gradients"), ("activations", "activations")):
-        at_peak, total = peak.detail.get(key, 0), getattr(m, key)
-        if fmt_bytes(at_peak) != fmt_bytes(total):
-            gaps.append(f"{label} {fmt_bytes(at_peak)} of {fmt_bytes(total)}")
-    if not gaps:
-        return None
-    return (f"Each phase row is one moment, that phase's highest point, not the phase's total: at the "
-            f"{est.peak_phase} peak there are {' and '.join(gaps)}, because backward creates gradients and frees "
-            "activations block by block (all gradients exist only at the optimizer step).")
+    grads_at_peak = peak.detail.get("gradients", 0)
+    if fmt_bytes(grads_at_peak) != fmt_bytes(m.gradients):
+        gaps.append(f"gradients {fmt_bytes(grads_at_peak)} of {fmt_bytes(m.gradients)}")
+    saved_at_peak = max(peak.detail.get("activations", 0) - outputs, 0)
+    if fmt_bytes(saved_at_peak) != fmt_bytes(m.activations):
+        gaps.append(f"activations saved for backward {fmt_bytes(saved_at_peak)} of {fmt_bytes(m.activations)}")
+    lines = []
+    if gaps:
+        lines.append(f"Each phase row is one moment, that phase's highest point, not the phase's total: at the "
+                     f"{est.peak_phase} peak there are {' and '.join(gaps)}, because backward creates gradients "
+                     "and frees activations block by block (all gradients exist only at the optimizer step).")
+    if outputs:
+        lines.append(f"The phase rows' activations also hold the model's outputs ({fmt_bytes(outputs)}: logits "
+                     "and loss, kept by the training loop until the step ends), which are not saved for backward "
+                     "and so not in 'activations (saved for backward)'.")
+    return " ".join(lines) or None
 
 
 def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
@@ -388,13 +442,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("Parameters of each component", tuple(spec.component_lines() if extra else _component_lines(spec)) +
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
-        Step("Gradients and optimizer states", (
-            f"Gradients have the parameters' dtype: {fmt_bytes(est.memory_bytes.gradients)} per GPU; with "
-            "gradient accumulation they stay allocated across micro-steps.",
-            f"Optimizer states ({est.config.optimizer}): {fmt_bytes(est.memory_bytes.optimizer_states)} per GPU "
-            "(AdamW: two fp32 tensors per parameter, exp_avg and exp_avg_sq, allocated at the first "
-            "optimizer.step(); rules of thumb that count only parameters and activations leave them out).",
-        )),
+        Step("Gradients and optimizer states", tuple(_state_lines(est))),
         Step('The "computational graph": saved activations',
              tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
@@ -432,7 +480,7 @@ def _beyond_tensors_lines(est: Estimate) -> list[str]:
         where = "from the caching allocator" if rule["in_allocator"] else "inside cuBLAS, outside the allocator"
         lines.append(f"cuBLAS/cuBLASLt workspaces {fmt_bytes(ws.point)}{rng('workspaces')}: one per cuBLAS handle "
                      f"(forward thread and autograd's device thread), {where} in torch {est.stack.torch} "
-                     "(CUBLAS_WORKSPACE_CONFIG; counted with the buffers).")
+                     "(CUBLAS_WORKSPACE_CONFIG; counted in temporaries and buffers).")
     lines.append(f"NCCL buffers {fmt_bytes(m.nccl)}{rng('nccl')}" + (
         ": FIFO buffers per channel and ring peer, outside the allocator; the channel count depends on the "
         "topology." if m.nccl else ": none, one process does not talk to another GPU."))

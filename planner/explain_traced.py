@@ -52,5 +52,7 @@ class TracedView:
         batch = [e for e in self.trace.events if e.category == "batch" and e.action == "alloc"]
         lines = [f"Parameters and gradients: {pb} B each; optimizer states as the parameters' dtype."]
         lines += [f"input storage {i + 1}: {e.dtype}, {fmt_bytes(e.nbytes)}" for i, e in enumerate(batch)]
-        lines.append(f"Input batch in all: {fmt_bytes(self.est.memory_bytes.batch)} per GPU.")
+        from planner.explain import batch_where
+
+        lines.append(f"Input batch in all: {fmt_bytes(self.est.memory_bytes.batch)} {batch_where(self.est)}.")
         return lines

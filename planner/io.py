@@ -49,7 +49,7 @@ def read_text(path: str | Path, what: str) -> str:
     if b"\x00" in raw:
         raise PlannerError(what, str(p), "a text file (this one is binary)")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not content
     except UnicodeDecodeError as exc:
         raise PlannerError(what, str(p), f"UTF-8 text (byte {exc.start} is not)") from None
 
@@ -187,6 +187,23 @@ def writable_dir(path: str | Path, what: str) -> Path:
         os.unlink(probe)
     except OSError as exc:
         raise PlannerError(what, str(p), f"a writable folder ({exc.strerror or exc})") from None
+    return p
+
+
+def check_writable_dir(path: str | Path, what: str) -> Path:
+    """Fail early, creating nothing, when `path` cannot become a writable folder: the nearest existing
+    ancestor must be a folder we may write (a regular file in the way fails for every user, root included).
+
+    Unlike `writable_dir` it leaves no empty folder behind when the command fails later."""
+    p = Path(path)
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        why = "exists and is not a folder" if probe == p else f"{probe} is a file, not a folder"
+        raise PlannerError(what, str(p), f"a writable folder ({why})")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise PlannerError(what, str(p), f"a writable folder ({probe} is read-only)")
     return p
 
 

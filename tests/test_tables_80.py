@@ -116,11 +116,31 @@ def test_probe_status(s3_world, monkeypatch):  # noqa: F811
     assert_readable(text, ["probe-oom", "probe-run", "Failed", "InProgress"])
 
 
-@pytest.mark.xfail(strict=True, reason="planner/cli/search_cmd.py (the search engineer's) still cuts cells to '…' "
-                                       "at 80 columns; planner.cli.tables.print_table is there for it")
-def test_search(tmp_path):
-    args = ["search", "--instance", "ml.p3.2xlarge", "--batch-sizes", "8,32", "--seq-lens", "128",
-            "--trials", "4", "--study", "w80", "--results-dir", str(tmp_path)]
-    res = runner.invoke(app, args)
+def _path_lines_apart(text: str) -> str:
+    """The `results:`/`storage:` lines hold a path, soft-wrapped on purpose so it stays one copyable string;
+    they are not table cells."""
+    return "\n".join(ln for ln in text.splitlines() if not ln.startswith(("results: ", "storage: ")))
+
+
+@pytest.mark.parametrize("extra", [[], ["--instance", "ml.p3.2xlarge,ml.g5.xlarge", "--objective", "pareto"]])
+def test_search(tmp_path, extra):
+    args = ["search", "--instance", "ml.p3.2xlarge", "--batch-sizes", "8,32", "--seq-lens", "128,256",
+            "--trials", "6", "--study", "w80", "--results-dir", str(tmp_path), "--no-progress", *extra]
+    data = json_of(args)
+    text = text_of(args)
+    expected = []
+    for row in data["top"]:
+        expected += [row["instance"].removeprefix("ml."), f"{row['samples_per_s']:,.1f}",
+                     f"{int(row['batch_size'])}x{int(row['grad_accum'])}x{int(row['world_size'])}", row["precision"]]
+        if row.get("usd_per_job") is not None:
+            expected.append(f"${row['usd_per_job']:,.2f}")
+    assert_readable(_path_lines_apart(text), expected)
+    assert f"{tmp_path}/w80/" in text  # the path itself is printed whole
+
+
+def test_report(tmp_path):
+    runner.invoke(app, ["search", "--instance", "ml.p3.2xlarge", "--batch-sizes", "8", "--seq-lens", "128",
+                        "--trials", "2", "--study", "r80", "--results-dir", str(tmp_path), "--no-progress"])
+    res = runner.invoke(app, ["report", "--study", "r80", "--results-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert_readable(res.stdout, ["ml.p3.2xlarge"])
+    assert_readable(_path_lines_apart(res.stdout).replace(str(tmp_path), "DIR"), ["report.html", "PNGs"])

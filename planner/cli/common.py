@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -45,6 +46,8 @@ def handles_errors(fn: F) -> F:
         except (PlannerError, ValidationError) as exc:
             err_console.print(f"[bold red]error:[/] {one_line(exc)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except BrokenPipeError:  # `planner ... --json | head`: the reader left; main.OneLineErrors ends quietly
+            raise
         except OSError as exc:  # an unreadable or unwritable place the command did not check itself
             where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
             err_console.print(f"[bold red]error:[/] {where}{exc.strerror or exc}", highlight=False, soft_wrap=True)
@@ -54,6 +57,33 @@ def handles_errors(fn: F) -> F:
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+class InterruptedTrials(logging.Filter):
+    """Drops Optuna's log of a trial that Ctrl-C stopped: `_run_trial` (optuna/study/_optimize.py) logs it
+    as a warning with the whole traceback, then "Trial N failed with value None."; `handles_errors` says
+    `interrupted` once instead. Other warnings pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, KeyboardInterrupt) or "KeyboardInterrupt" in record.getMessage():
+            self.interrupted = True
+            return False
+        return not (self.interrupted and "failed" in record.getMessage())
+
+
+def quiet_interrupted_trials() -> None:
+    """Install `InterruptedTrials` on Optuna's log handlers (they exist once optuna is imported)."""
+    import optuna  # noqa: F401  (configures the "optuna" logger and its stderr handler)
+
+    logger = logging.getLogger("optuna")
+    for target in [*logger.handlers, logger]:
+        if not any(isinstance(f, InterruptedTrials) for f in target.filters):
+            target.addFilter(InterruptedTrials())
 
 
 def fail(message: str, code: int = 2) -> None:

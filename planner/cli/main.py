@@ -15,7 +15,16 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click  # type: ignore[no-redef]
     from click.exceptions import Abort  # type: ignore[no-redef,assignment]
 
-from planner.cli import catalog_cmd, estimate_cmd, models_cmd, prices_cmd, probe_cmd, report_cmd, search_cmd
+from planner._startup import restore_interrupts
+from planner.cli import (
+    catalog_cmd,
+    estimate_cmd,
+    models_cmd,
+    prices_cmd,
+    probe_cmd,
+    report_cmd,
+    search_cmd,
+)
 
 
 class OneLineErrors(TyperGroup):
@@ -67,6 +76,9 @@ app = typer.Typer(
 
 for module in (estimate_cmd, models_cmd, catalog_cmd, search_cmd, prices_cmd, probe_cmd, report_cmd):
     module.register(app)
+
+
+restore_interrupts()  # Ctrl-C was quiet while these modules imported (planner/_startup.py); now KeyboardInterrupt
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""`planner report`: a search's results as one self-contained HTML page plus PNGs (printing only)."""
+"""`planner report`: a search's results as one HTML page with plotly.js beside it, plus PNGs (printing only)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Memory breakdowns of the top candidates, throughput vs memory with the OOM line, Pareto fronts,
         Optuna history and importances, predicted vs measured: results/<study>/report.html + PNGs."""
+        from planner.errors import PlannerError
         from planner.report.html import write_report
 
+        if probes is not None and not probes.is_file():  # the default may be absent; a named file may not
+            raise PlannerError("--probes", str(probes), "an existing probes table (results/probes.parquet, "
+                                                        "written by `planner probe collect`)")
         rep = write_report(study, storage, top=top, results_dir=results_dir, probes=probes, out_dir=out_dir)
         for note in rep.notes:
-            console.print(f"[dim]note: {note}[/]", highlight=False, soft_wrap=True)
+            console.print(f"[dim]note: {note}[/]", highlight=False)
         console.print(f"report written to {rep.path} ({len(rep.pngs)} PNGs next to it)", highlight=False,
                       soft_wrap=True)

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -24,7 +23,16 @@ from planner.cli.common import (
     err_console,
     handles_errors,
     parse_model_options,
+    quiet_interrupted_trials,
     stack_from_flags,
+)
+from planner.io import check_writable_dir, dumps_json
+from planner.search.limits import (
+    MAX_DATASET_SIZE,
+    MAX_EPOCHS,
+    MAX_GLOBAL_BATCH,
+    MAX_SEARCH_INSTANCES,
+    MAX_SEED,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -379,7 +387,7 @@ def register(app: typer.Typer) -> None:
                         "further instance type; grid: the whole grid).")] = None,
         sampler: Annotated[str | None, typer.Option(help="tpe (default; grid when the space has no more points than --trials), grid (exhaustive) or random.")] = None,
         seed: Annotated[int | None, typer.Option(
-            help="Sampler seed (default 0); each further worker on the same study adds its number.")] = None,
+            min=0, max=MAX_SEED, help="Sampler seed (default 0); each further worker on the same study adds its number.")] = None,
         study: Annotated[str | None, typer.Option(
             help="Study name; re-running with the same name resumes it (default: sweep name, instance set, "
                  "hash).")] = None,
@@ -391,18 +399,18 @@ def register(app: typer.Typer) -> None:
         max_memory_fraction: Annotated[float | None, typer.Option(
             min=0.01, max=1.0, help="Fits only if peak GPU memory <= this × GPU memory (default 0.95).")] = None,
         global_batch_size: Annotated[int | None, typer.Option(
-            min=1, help="Recipe: samples per optimizer step over all GPUs (default 64); accumulation = this / "
+            min=1, max=MAX_GLOBAL_BATCH, help="Recipe: samples per optimizer step over all GPUs (default 64); accumulation = this / "
                         "(micro-batch x GPUs), and must be whole.")] = None,
         seq_len: Annotated[str | None, typer.Option(
             "--seq-len", help="Recipe: tokens per sample, or a list to explore, e.g. 256,512 (default 512).")] = None,
         epochs: Annotated[float | None, typer.Option(
-            min=0.001, help="Recipe: passes over the dataset (default 3), for hours and $ per job.")] = None,
+            min=0.001, max=MAX_EPOCHS, help="Recipe: passes over the dataset (default 3), for hours and $ per job.")] = None,
         global_batch_tolerance: Annotated[float | None, typer.Option(
             min=0.0, max=0.99, help="Accept a global batch within this relative tolerance, with searched "
                                     "--grad-accums (default 0: exact, accumulation derived).")] = None,
         min_seq_len: Annotated[int | None, typer.Option(min=1, help="Search only sequence lengths >= this.")] = None,
         dataset_size: Annotated[int | None, typer.Option(
-            min=1, help="Recipe: samples per epoch (default 100,000).")] = None,
+            min=1, max=MAX_DATASET_SIZE, help="Recipe: samples per epoch (default 100,000).")] = None,
         spot: Annotated[bool | None, typer.Option("--spot/--on-demand", help="Price with spot instances.")] = None,
         objective: Annotated[str | None, typer.Option(
             help="cost ($/job; default with several instance types), time (hours/job), throughput "
@@ -410,9 +418,9 @@ def register(app: typer.Typer) -> None:
         accept_tight: Annotated[bool | None, typer.Option(
             "--accept-tight/--sure-fit", help="Count a 'tight' memory verdict as feasible (default: sure "
                                              "fits only).")] = None,
-        nodes: Annotated[int | None, typer.Option("--instances", min=1, help="Instances (nodes) per job, fixed.")] = None,
+        nodes: Annotated[int | None, typer.Option("--instances", min=1, max=MAX_SEARCH_INSTANCES, help="Instances (nodes) per job, fixed.")] = None,
         max_instances: Annotated[int | None, typer.Option(
-            min=1, help="Search 1..N instances per job (default 1).")] = None,
+            min=1, max=MAX_SEARCH_INSTANCES, help="Search 1..N instances per job (default 1).")] = None,
         batch_sizes: Annotated[str | None, typer.Option(help="Micro-batches per GPU, e.g. 1,2,4,8.")] = None,
         seq_lens: Annotated[str | None, typer.Option(help="Older spelling of --seq-len.")] = None,
         precisions: Annotated[str | None, typer.Option(help="fp32, amp-fp16, amp-bf16, fp16, bf16.")] = None,
@@ -461,6 +469,8 @@ def register(app: typer.Typer) -> None:
             stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
             inputs=inputs, loss=loss,
         )
+        check_writable_dir(results_dir, "--results-dir")  # before any trial: the result files go there
+        quiet_interrupted_trials()
         bar = sys.stderr.isatty() and not json_out if progress is None else progress
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,
                       results_dir=results_dir)
@@ -470,7 +480,7 @@ def register(app: typer.Typer) -> None:
             from planner.search.results import summary
 
             data = summary(result, top) | {"files": {k: str(v) for k, v in result.files.items()}}
-            typer.echo(json.dumps(data, indent=2, default=str))
+            typer.echo(dumps_json(data, indent=2, default=str))
         else:
             print_result(result, top)
             if result.files:

@@ -250,7 +250,7 @@ def family_of(config: Any) -> str:
     model_type = config.get("model_type")
     if model_type is None:
         raise _missing("model_type", f"one of {', '.join(CLASS_PREFIX)}")
-    if model_type not in CLASS_PREFIX:
+    if not isinstance(model_type, str) or model_type not in CLASS_PREFIX:
         raise PlannerError(f"{FIELD}:model_type", model_type, f"one of {', '.join(CLASS_PREFIX)}")
     return str(model_type)
 

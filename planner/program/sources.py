@@ -76,7 +76,8 @@ def is_traced_config(model: object) -> bool:
     if not (model.endswith(".json") or Path(model).is_dir()) or not Path(model).exists():
         return False
     config = hf_config.load_config_file(model)
-    return isinstance(config, dict) and config.get("model_type") not in hf_config.CLASS_PREFIX
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return isinstance(model_type, str) and model_type not in hf_config.CLASS_PREFIX  # else hf_config says why
 
 
 # Trace micro-batches other than scale.BASE_BATCHES by interpolating two traces (planner.program.scale);

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
 from planner.errors import PlannerError
+from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
     OPTIMIZER_IMPLS,
@@ -92,12 +93,12 @@ class SpaceSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    instance_counts: tuple[PositiveInt, ...] | None = None
-    batch_sizes: tuple[PositiveInt, ...] | None = None
-    seq_lens: tuple[PositiveInt, ...] | None = None
+    instance_counts: tuple[Annotated[int, Field(ge=1, le=MAX_SEARCH_INSTANCES)], ...] | None = None
+    batch_sizes: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    seq_lens: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
     precisions: tuple[Precision, ...] | None = None
     checkpointing: tuple[bool, ...] | None = None
-    grad_accums: tuple[PositiveInt, ...] | None = None
+    grad_accums: tuple[Annotated[int, Field(ge=1, le=MAX_GRAD_ACCUM)], ...] | None = None
     optimizers: tuple[OptimizerName, ...] | None = None
     optimizer_impls: tuple[OptimizerImpl, ...] | None = None
     attentions: tuple[Attention, ...] | None = None
@@ -230,6 +231,11 @@ def _literal_values(name: str) -> tuple[str, ...]:
     return table[name]
 
 
+# The largest value of each integer dimension (planner.search.limits).
+INT_LIMITS = {"batch_sizes": MAX_SPACE_VALUE, "seq_lens": MAX_SPACE_VALUE, "grad_accums": MAX_GRAD_ACCUM,
+              "instance_counts": MAX_SEARCH_INSTANCES}
+
+
 def parse_flag_list(field: str, text: str | None) -> tuple[Any, ...] | None:
     """'1,2,4' -> (1, 2, 4) for the flag of `field`; None stays None. Errors name the flag."""
     if text is None:
@@ -238,7 +244,8 @@ def parse_flag_list(field: str, text: str | None) -> tuple[Any, ...] | None:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise PlannerError(flag, text, "a comma-separated list with at least one value")
-    if field in ("batch_sizes", "seq_lens", "grad_accums", "instance_counts"):
+    if field in INT_LIMITS:
+        high = INT_LIMITS[field]
         out = []
         for item in items:
             try:
@@ -247,6 +254,8 @@ def parse_flag_list(field: str, text: str | None) -> tuple[Any, ...] | None:
                 raise PlannerError(flag, item, "positive integers, e.g. 1,2,4,8") from None
             if value <= 0:
                 raise PlannerError(flag, item, "positive integers, e.g. 1,2,4,8")
+            if value > high:
+                raise PlannerError(flag, item, f"integers from 1 to {high:,} (planner.search.limits)")
             out.append(value)
         return tuple(out)
     if field == "checkpointing":

@@ -29,11 +29,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from planner.errors import PlannerError
+from planner.search.limits import (
+    MAX_DATASET_SIZE,
+    MAX_EPOCHS,
+    MAX_GLOBAL_BATCH,
+    MAX_SEED,
+    MAX_SPACE_VALUE,
+)
 from planner.search.space import SpaceSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,6 +67,11 @@ DEFAULT_MAX_MEMORY_FRACTION = 0.95
 DEFAULT_TRIALS = 100
 
 
+GlobalBatch = Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]
+SeqLen = Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)]
+DatasetSize = Annotated[int, Field(ge=1, le=MAX_DATASET_SIZE)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -68,10 +80,10 @@ class Recipe(_Strict):
     """The training job as the user runs it: a global batch and sequence length the model was tuned with
     (not free choices for the sampler), and how many samples it sees (dataset_size × epochs)."""
 
-    global_batch_size: PositiveInt | None = None  # samples per optimizer step over every GPU
-    seq_len: PositiveInt | tuple[PositiveInt, ...] | None = None  # a list: explored, best at the longest
-    dataset_size: PositiveInt | None = None  # samples per epoch
-    epochs: float = Field(1.0, gt=0)
+    global_batch_size: GlobalBatch | None = None  # samples per optimizer step over every GPU
+    seq_len: SeqLen | tuple[SeqLen, ...] | None = None  # a list: explored, best at the longest
+    dataset_size: DatasetSize | None = None  # samples per epoch
+    epochs: float = Field(1.0, gt=0, le=MAX_EPOCHS, allow_inf_nan=False)  # limits: planner.search.limits
 
     def seq_lens(self) -> tuple[int, ...] | None:
         if self.seq_len is None:
@@ -100,9 +112,9 @@ class Constraints(_Strict):
     # The memory verdict has a band (planner.spec.Verdict): "tight" means the band straddles the GPU's
     # memory. It is infeasible (not a sure fit) unless accepted.
     accept_tight: bool = False
-    global_batch_size: PositiveInt | None = None  # = micro-batch × grad_accum × GPUs × instances
+    global_batch_size: GlobalBatch | None = None  # = micro-batch × grad_accum × GPUs × instances
     global_batch_tolerance: float = Field(0.0, ge=0, lt=1)  # relative: 0.1 accepts 90..110% of the target
-    min_seq_len: PositiveInt | None = None
+    min_seq_len: SeqLen | None = None
 
 
 class ObjectiveSpec(_Strict):
@@ -112,14 +124,14 @@ class ObjectiveSpec(_Strict):
     throughput on one."""
 
     target: Target | None = None
-    dataset_size: PositiveInt | None = None  # samples per epoch
+    dataset_size: DatasetSize | None = None  # samples per epoch
     spot: bool = False
 
 
 class SearchOptions(_Strict):
     trials: PositiveInt | None = None  # None: DEFAULT_TRIALS for tpe/random, the whole grid for grid
     sampler: Sampler | None = None  # None: tpe, or grid when the space has no more points than trials
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class Sweep(_Strict):
@@ -317,7 +329,7 @@ def _relative_to(path: Path, ref: str | None) -> str | None:
 # same definition (a test keeps them equal), so the command works without the repository's files.
 DEFAULT_SWEEP = Sweep(
     name="multimodal-bert-p3",
-    description="The seed's multimodal BERT (TabAE + BERT-base + merge) with DDP on ml.p3.16xlarge.",
+    description="The reference multimodal BERT (TabAE + BERT-base + merge) with DDP on ml.p3.16xlarge.",
     model="multimodal-bert",
     model_options={"text_model": "bert-base-uncased", "tab_in": 100, "tab_out": 128, "text_out": 128,
                    "num_classes": 2, "binary": True},
