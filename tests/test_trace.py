@@ -171,10 +171,13 @@ def _user_file(tmp_path, spec) -> str:
     path = tmp_path / "catalog_model.py"
     path.write_text(textwrap.dedent(f"""
         import json
-        from jobs.modeling import build_model, make_batch
+        from jobs.modeling import build_model, enable_checkpointing, make_batch
         SPEC = json.load(open({str(tmp_path / 'spec.json')!r}))
         def build(attention="sdpa"):
-            return build_model(SPEC, attention)
+            model = build_model(SPEC, attention)
+            if not hasattr(model, "gradient_checkpointing_enable"):  # the multimodal model: its BERT
+                model.gradient_checkpointing_enable = lambda **kw: enable_checkpointing(model.TextBertBase[0])
+            return model
         def batch(b, s):
             return make_batch(SPEC, b, s)
     """))
@@ -190,7 +193,10 @@ AGREEMENT = [  # family, head, attention, checkpointing, precision, instance (V1
     ("gpt2", "causal-lm", "eager", False, "amp-bf16", "ml.p4d.24xlarge"),
     ("llama", "causal-lm", "sdpa", True, "amp-bf16", "ml.p4d.24xlarge"),
     ("llama", "causal-lm", "eager", False, "fp32", "ml.p3.2xlarge"),
+    ("roberta", "sequence-classification", "eager", False, "fp32", "ml.p3.2xlarge"),
+    ("distilbert", "sequence-classification", "sdpa", True, "amp-bf16", "ml.p4d.24xlarge"),
     ("multimodal", None, "sdpa", False, "amp-fp16", "ml.p3.2xlarge"),
+    ("multimodal", None, "sdpa", True, "amp-fp16", "ml.p3.2xlarge"),
     ("multimodal", None, "eager", False, "bf16", "ml.p4d.24xlarge"),
 ]
 
@@ -220,7 +226,7 @@ def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, atten
 
 
 def _tiny_configs() -> dict[str, dict]:
-    from transformers import T5Config, ViTConfig, WhisperConfig
+    from transformers import BartConfig, Qwen2Config, T5Config, ViTConfig, WhisperConfig
 
     t5 = T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64, decoder_start_token_id=0)
     vit = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
@@ -229,9 +235,15 @@ def _tiny_configs() -> dict[str, dict]:
                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
                             max_source_positions=16, num_mel_bins=8, pad_token_id=1, bos_token_id=2,
                             eos_token_id=2, decoder_start_token_id=2, max_target_positions=16)
+    bart = BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+                      max_position_embeddings=32)
+    qwen2 = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
     out = {}
     for cfg, arch in ((t5, "T5ForConditionalGeneration"), (vit, "ViTForImageClassification"),
-                      (whisper, "WhisperForConditionalGeneration")):
+                      (whisper, "WhisperForConditionalGeneration"), (bart, "BartForConditionalGeneration"),
+                      (qwen2, "Qwen2ForCausalLM")):
         d = cfg.to_dict()
         d["architectures"] = [arch]
         out[arch] = d
@@ -239,7 +251,8 @@ def _tiny_configs() -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("arch", ["T5ForConditionalGeneration", "ViTForImageClassification",
-                                  "WhisperForConditionalGeneration"])
+                                  "WhisperForConditionalGeneration", "BartForConditionalGeneration",
+                                  "Qwen2ForCausalLM"])
 def test_hf_config_outside_the_families_traces_like_the_real_module(arch):
     """Saved bytes (CPU kernels) equal saved_tensors_hooks on the real module; parameters exact, tied once."""
     from planner.program import hf
@@ -315,3 +328,33 @@ def test_traced_throughput_agrees_with_the_analytic_kernel_list(tmp_path):
     assert t is not None and a is not None
     assert t.breakdown_s["gemm"] == pytest.approx(a.breakdown_s["gemm"], rel=0.01)
     assert t.samples_per_s == pytest.approx(a.samples_per_s, rel=0.10)
+
+
+@pytest.mark.parametrize(("build", "make", "seq", "precision"), [
+    (TinyLM, lm_batch, 7, "fp32"), (lambda: TinyLM(dropout=0.0), lm_batch, 5, "amp-bf16"),
+    (lambda: ConvNet(0.2), conv_batch, 8, "fp32")])
+@pytest.mark.parametrize("b", [3, 8])
+def test_trace_interpolated_between_two_batches_equals_the_direct_trace(build, make, seq, precision, b):
+    """planner.program.scale: the step at micro-batch b from traces at 2 and 4 equals tracing b itself (ops with
+    shapes and FLOPs, storage events, saved tensors, per-block saved bytes and measured transients)."""
+    from planner.program.scale import scaled
+
+    def at(n):
+        return trace_step(build, make, TrainConfig(batch_size=n, seq_len=seq, precision=precision), backend="cuda")
+
+    direct, interpolated = at(b), scaled(at(2), at(4), 2, 4, b)
+    assert interpolated is not None
+    assert interpolated.ops == direct.ops
+    assert interpolated.events == direct.events
+    assert interpolated.saved == direct.saved and interpolated.saved_bytes == direct.saved_bytes
+    assert interpolated.blocks == direct.blocks
+    assert interpolated.batch_bytes == direct.batch_bytes
+
+
+def test_interpolation_refuses_two_different_programs():
+    from planner.program.scale import scaled
+
+    cfg = TrainConfig(batch_size=2, seq_len=5)
+    assert scaled(trace_step(TinyLM, lm_batch, cfg), trace_step(lambda: TinyLM(layers=3), lm_batch,
+                                                                cfg.model_copy(update={"batch_size": 4})),
+                  2, 4, 8) is None

@@ -80,6 +80,33 @@ def is_traced_config(model: object) -> bool:
     return isinstance(model_type, str) and model_type not in hf_config.CLASS_PREFIX  # else hf_config says why
 
 
+# Trace micro-batches other than scale.BASE_BATCHES by interpolating two traces (planner.program.scale);
+# False traces every micro-batch itself (exact to the byte; seconds per batch size instead of none).
+SCALE_TRACES = True
+
+
+@lru_cache(maxsize=TRACE_CACHE_SIZE)
+def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
+    """The trace at the config's micro-batch: interpolated from the base batches' traces when it is not one
+    of them (and they are the same program), else traced directly."""
+    from planner.program.scale import BASE_BATCHES, scaled
+
+    direct = _user_trace if kind == "user" else _config_trace
+    config = TrainConfig.model_validate_json(config_json)
+    b = config.batch_size
+    if SCALE_TRACES and b > BASE_BATCHES[0] and b not in BASE_BATCHES:
+        b0, b1 = BASE_BATCHES
+        t0, t1 = (direct(*args[:-2], config.model_copy(update={"batch_size": x}).model_dump_json(), *args[-2:])
+                  for x in (b0, b1))
+        out = scaled(t0, t1, b0, b1, b)
+        if out is not None:
+            from dataclasses import replace
+
+            return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b} "
+                                       "(planner.program.scale)"))
+    return direct(*args[:-2], config_json, *args[-2:])
+
+
 def model_trace(model: str, config: TrainConfig, *, options: dict[str, Any] | None = None,
                 inputs: str | None = None, loss: str | None = None, backend: str = "cuda",
                 flash_ok: bool = True) -> StepTrace:
@@ -90,12 +117,13 @@ def model_trace(model: str, config: TrainConfig, *, options: dict[str, Any] | No
         return user_trace(model, config, options=options, inputs=inputs, loss=loss, backend=backend,
                           flash_ok=flash_ok)
     key = config.model_copy(update={"grad_accum": 1, "instances": 1, "parallelism": "single"})
-    return _config_trace(model, json.dumps(options or {}, sort_keys=True), key.model_dump_json(), backend, flash_ok)
+    return _at_batch("config", (model, json.dumps(options or {}, sort_keys=True), backend, flash_ok),
+                     key.model_dump_json())
 
 
 def user_trace(ref: str, config: TrainConfig, *, options: dict[str, Any] | None = None, inputs: str | None = None,
                loss: str | None = None, backend: str = "cuda", flash_ok: bool = True) -> StepTrace:
     """The trace of user code `ref` under `config` (cached per shape class)."""
     key = config.model_copy(update={"grad_accum": 1, "instances": 1, "parallelism": "single"})
-    return _user_trace(ref, json.dumps(options or {}, sort_keys=True), inputs, loss, key.model_dump_json(), backend,
-                       flash_ok)
+    return _at_batch("user", (ref, json.dumps(options or {}, sort_keys=True), inputs, loss, backend, flash_ok),
+                     key.model_dump_json())

@@ -119,6 +119,9 @@ class StepTrace:
     events: tuple[StorageEvent, ...] = field(repr=False)
     checkpointed: bool = False
     notes: tuple[str, ...] = ()
+    op_blocks: tuple[str, ...] = field(default=(), repr=False)  # the block each op ran for (`_Recorder.block`)
+    block_parameters: dict[str, int] = field(default_factory=dict, repr=False)  # parameters per block
+    retained_storages: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # (block, storage) of outputs
 
     @property
     def saved_bytes(self) -> int:
@@ -169,11 +172,12 @@ class _Recorder(TorchDispatchMode):
         self.raw_events: list[tuple[int, str, int]] = []  # (op, action, sid)
         self.op_block: list[str] = []
         self.failed_in: list[str] | None = None  # the module stack when an op raised
+        self.repeats: dict[str, int] | None = None  # `layer_repeats` of the traced module
 
     def block(self) -> str:
         if self.phase != "forward":
             return self.backward_block
-        return block_of(self.stack[-1]) if self.stack else LOSS_BLOCK
+        return block_of(self.stack[-1], self.repeats) if self.stack else LOSS_BLOCK
 
     def register(self, t: torch.Tensor, category: str, op: int = -1) -> _StorageInfo:
         """A storage that exists before the step (parameter, buffer, batch) or a new one."""
@@ -265,17 +269,34 @@ def component_of(qualname: str) -> str:
     return qualname.split(".", 1)[0] if qualname else ROOT_BLOCK
 
 
-def block_of(qualname: str) -> str:
-    """The block a module belongs to: the path through its first numbered child (one entry of a ModuleList
+def block_of(qualname: str, repeats: dict[str, int] | None = None) -> str:
+    """The block a module belongs to: the path through one of its numbered children (an entry of a ModuleList
     or nn.Sequential: a transformer layer), else its top-level child ("" = the root's own forward). Layer-sized
-    blocks let the step memory free activations and grow gradients layer by layer, as the analytic core does."""
+    blocks let the step memory free activations and grow gradients layer by layer, as the analytic core does.
+
+    Which numbered child: the one repeated most (`repeats`: same-class siblings of each numbered module, from
+    `layer_repeats`), the outermost on a tie; so `TextBertBase.0.encoder.layer.3` (a wrapper's child "0"
+    around 12 identical layers) is layer 3, and `layers.3.mlp.0` is layer 3. Without `repeats`, the first."""
     if not qualname:
         return ROOT_BLOCK
     parts = qualname.split(".")
+    best, most = -1, 0
     for i, part in enumerate(parts):
         if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0]
+            n = repeats.get(".".join(parts[: i + 1]), 1) if repeats is not None else 1
+            if best < 0 or n > most:
+                best, most = i, n
+    return ".".join(parts[: best + 1]) if best >= 0 else parts[0]
+
+
+def layer_repeats(module: torch.nn.Module) -> dict[str, int]:
+    """For each numbered child (`layers.3`): how many numbered siblings share its class."""
+    by_parent: dict[tuple[str, type], list[str]] = {}
+    for name, child in module.named_modules():
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            by_parent.setdefault((parent, type(child)), []).append(name)
+    return {name: len(names) for names in by_parent.values() for name in names}
 
 
 @contextlib.contextmanager
@@ -513,6 +534,7 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
 
         with _module_stack(module) as stack:
             rec = _Recorder(backend, stack)
+            rec.repeats = layer_repeats(module)
             named = list(module.named_parameters())  # shared weights once (remove_duplicate=True)
             parameters: dict[str, int] = {}
             block_params: dict[str, int] = {}
@@ -520,7 +542,8 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                 rec.register(p, "parameter")
                 owner = pname.rsplit(".", 1)[0] if "." in pname else ""
                 parameters[component_of(pname)] = parameters.get(component_of(pname), 0) + p.numel()
-                block_params[block_of(owner)] = block_params.get(block_of(owner), 0) + p.numel()
+                block = block_of(owner, rec.repeats)
+                block_params[block] = block_params.get(block, 0) + p.numel()
             parameters["total"] = sum(p.numel() for _, p in named)
             buffers = {storage_key(b): b for b in module.buffers()}
             for b in buffers.values():
@@ -566,7 +589,8 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                         stack.clear()
                         loss = loss_fn(output, batch) if loss_fn is not None else default_loss(output)
                     forward_end = len(rec.ops)
-                    retained = _retained(output, loss, rec, excluded)
+                    retained_storages: list[tuple[str, int]] = []
+                    retained = _retained(output, loss, rec, excluded, retained_storages)
                     rec.phase = "backward"
                     loss.backward()
                     backward_end = len(rec.ops)
@@ -601,17 +625,22 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
         buffer_bytes = sum(b.untyped_storage().nbytes() for b in buffers.values())
         batch_bytes = sum(t.untyped_storage().nbytes() for t in inputs.values())
         del output, loss
-    blocks = _blocks(rec, saved, block_params, retained, forward_end, backward_end, backend)
     events = tuple(StorageEvent(op, action, sid, rec.storages[sid].device.nbytes, rec.storages[sid].device.dtype,
                                 rec.storages[sid].category) for op, action, sid in rec.raw_events)
+    blocks = block_memory(events, tuple(rec.op_block), tuple(saved.values()), block_params, retained, forward_end,
+                          backward_end, backend)
     return StepTrace(name=name, backend=backend, parameters=parameters, gradient_shapes=grads,
                      parameter_dtype_bytes=pbytes, buffer_bytes=buffer_bytes, batch_bytes=batch_bytes,
                      blocks=blocks, saved=tuple(saved.values()), ops=tuple(rec.ops), events=events,
-                     checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes))
+                     checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes),
+                     op_blocks=tuple(rec.op_block), block_parameters=block_params,
+                     retained_storages=tuple(retained_storages))
 
 
-def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int]) -> dict[str, int]:
-    """Model outputs other than the loss that the loop keeps alive through backward (`outputs = model(...)`)."""
+def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int],
+              storages: list[tuple[str, int]] | None = None) -> dict[str, int]:
+    """Model outputs other than the loss that the loop keeps alive through backward (`outputs = model(...)`),
+    bytes per block; `storages` collects (block, storage id) of each."""
     out: dict[str, int] = {}
     seen: set[int] = set()
     items = output.to_tuple() if hasattr(output, "to_tuple") else output
@@ -622,33 +651,37 @@ def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int
             continue
         seen.add(key)
         out[info.block] = out.get(info.block, 0) + cuda.allocation_bytes(info.device.nbytes, rec.backend)
+        if storages is not None:
+            storages.append((info.block, info.sid))
     return out
 
 
-def _blocks(rec: _Recorder, saved: dict[int, SavedRecord], parameters: dict[str, int], retained: dict[str, int],
-            forward_end: int, backward_end: int, backend: Backend) -> tuple[TracedBlock, ...]:
-    """Per block: saved bytes, and the measured transient peaks from replaying the storage events."""
+def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...],
+                 parameters: dict[str, int], retained: dict[str, int], forward_end: int, backward_end: int,
+                 backend: Backend) -> tuple[TracedBlock, ...]:
+    """Per block: saved bytes, and the measured transient peaks from replaying the storage events (a pure
+    function of the trace's records, so an interpolated trace gets its own: planner.program.scale)."""
     order: list[str] = []
     for i in range(forward_end):
-        if rec.op_block[i] not in order:
-            order.append(rec.op_block[i])
-    for b in [*(s.block for s in saved.values()), *retained]:
+        if op_blocks[i] not in order:
+            order.append(op_blocks[i])
+    for b in [*(s.block for s in saved), *retained]:
         if b not in order:
             order.append(b)
     if LOSS_BLOCK in order:
         order.remove(LOSS_BLOCK)
     order.append(LOSS_BLOCK)
     saved_by: dict[str, int] = {b: 0 for b in order}
-    for s in saved.values():
+    for s in saved:
         saved_by[s.block] += s.device_bytes
 
-    size = {sid: cuda.allocation_bytes(info.device.nbytes, backend) for sid, info in rec.storages.items()}
-    cat = {sid: info.category for sid, info in rec.storages.items()}
+    size = {e.storage: cuda.allocation_bytes(e.nbytes, backend) for e in events if e.action == "alloc"}
+    cat = {e.storage: e.category for e in events}
     fwd = dict.fromkeys(order, 0)
     bwd = dict.fromkeys(order, 0)
     live = kept = grads = 0  # step storages alive; of them saved activations; of them parameter gradients
-    events = iter(rec.raw_events)
-    pending = next(events, None)
+    stream = iter((e.op, e.action, e.storage) for e in events)
+    pending = next(stream, None)
     for i in range(backward_end):
         while pending is not None and pending[0] <= i:
             _, action, sid = pending
@@ -659,8 +692,8 @@ def _blocks(rec: _Recorder, saved: dict[int, SavedRecord], parameters: dict[str,
                     kept += sign * size[sid]
                 elif cat[sid] == "gradient":
                     grads += sign * size[sid]
-            pending = next(events, None)
-        block = rec.op_block[i] or LOSS_BLOCK
+            pending = next(stream, None)
+        block = op_blocks[i] or LOSS_BLOCK
         extra = max(live - kept - grads, 0)
         if i < forward_end:
             fwd[block] = max(fwd.get(block, 0), extra - sum(retained.values()))
