@@ -624,6 +624,9 @@ def run_probe(request: dict[str, Any], *, modeling: Any = None, device: str | No
     dev = torch.device(device)
     result["device"] = dev.type
     if dev.type == "cuda":
+        if not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s) "
+                               f"visible to torch {torch.__version__} (use --device cpu, or cuda:0..N-1)")
         torch.cuda.set_device(dev)
         props = torch.cuda.get_device_properties(dev)
         result.update(gpu_name=props.name, gpu_total_bytes=int(props.total_memory),

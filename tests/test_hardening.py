@@ -151,9 +151,64 @@ def test_failed_searches_leave_no_study_files(tmp_path):
         assert not results.exists() or _files(results) == [], (args, _files(results))
 
 
+@pytest.mark.parametrize("env, content, names", [
+    ("PLANNER_PRICES", b'{"prices": {"ml.p3.2xlarge": NaN}}', ["prices cache", "NaN"]),
+    ("PLANNER_PRICES", b'{"prices": {"ml.p3.2xlarge": "cheap"}}', ["prices.ml.p3.2xlarge", "cheap"]),
+    ("PLANNER_CALIBRATION", b'{"families": {"V100": {"fragmentation": -1}}}', ["fragmentation", "-1"]),
+    ("PLANNER_CALIBRATION", b'{"families": {"A100": {"cuda_context_bytes": "big"}}}', ["cuda_context_bytes"]),
+])
+def test_search_with_a_corrupt_cache_fails_before_any_trial(tmp_path, monkeypatch, env, content, names):
+    """Formerly every trial was recorded as infeasible for the same bad file, and a study was left behind."""
+    path = tmp_path / "cache.json"
+    path.write_bytes(content)
+    monkeypatch.setenv(env, str(path))
+    results = tmp_path / "r"
+    code, out, err = invoke([*SMALL_SEARCH, "--results-dir", str(results)])
+    assert_one_line_error(code, err, str(path), *names)
+    assert out == "" and (not results.exists() or _files(results) == [])
+
+
 def test_report_probes_named_but_missing(tmp_path):
     code, _, err = invoke(["report", "--study", "s", "--probes", str(tmp_path / "none.parquet")])
     assert_one_line_error(code, err, "--probes", "none.parquet")
+
+
+# ---- config.json and probe flags ----------------------------------------------------------------
+
+BERT = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "vocab_size": 30522,
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
+        "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("model_type", [["bert"], {"a": 1}, 5, None])
+def test_config_model_type_of_the_wrong_type(tmp_path, model_type):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BERT, "model_type": model_type}))
+    code, _, err = invoke(["estimate", "-m", str(path), "-i", "ml.g5.xlarge", "-b", "1", "-s", "16"])
+    assert_one_line_error(code, err, "model_type")
+
+
+def test_config_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors save UTF-8 with a BOM; Python's json refuses it, `utf-8-sig` strips it."""
+    import json
+
+    plain, bom = tmp_path / "plain.json", tmp_path / "bom.json"
+    plain.write_text(json.dumps(BERT))
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(BERT).encode())
+    answers = [invoke(["estimate", "--json", "-m", str(p), "-i", "ml.g5.xlarge", "-b", "1", "-s", "16"])
+               for p in (plain, bom)]
+    assert [a[0] for a in answers] == [0, 0]
+    assert strict_json(answers[0][1])["memory_bytes"] == strict_json(answers[1][1])["memory_bytes"]
+
+
+@pytest.mark.parametrize("command", [["probe", "run"], ["probe", "launch", "--dry-run", "--role",
+                                                         "arn:aws:iam::123456789012:role/x", "--bucket", "s3://b-1/p"]])
+def test_probe_steps_error_names_the_flag(command):
+    code, _, err = invoke([*command, "-m", "bert-base-uncased", "-i", "ml.g5.xlarge", "-b", "1", "-s", "8",
+                           "--steps", "-1"])
+    assert_one_line_error(code, err, "--steps=-1")
 
 
 # ---- explain: numeric flags ---------------------------------------------------------------------

@@ -17,6 +17,10 @@ err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Model fields whose flag is not the field's name with dashes (planner.probes.spec.ProbeSpec).
+FLAG_OF_FIELD = {"measure_steps": "--steps"}
+
+
 def one_line(exc: BaseException) -> str:
     """A pydantic ValidationError or PlannerError as one line naming the field."""
     try:
@@ -28,7 +32,8 @@ def one_line(exc: BaseException) -> str:
         for e in exc.errors():
             loc = [str(x) for x in e["loc"]]
             # A TrainConfig field is a flag on the command line: batch_size -> --batch-size.
-            field = "--" + loc[0].replace("_", "-") if len(loc) == 1 else ".".join(loc) or "input"
+            field = (FLAG_OF_FIELD.get(loc[0], "--" + loc[0].replace("_", "-")) if len(loc) == 1
+                     else ".".join(loc) or "input")
             parts.append(f"{field}={e.get('input')!r}: {e['msg']}")
         return "; ".join(parts)
     return str(exc).replace("\n", " ")

@@ -136,6 +136,16 @@ def check_values(values: Mapping[str, Any], where: str) -> None:
             number(value, f"{where}: {key}", low=low, high=high, integer=integer and not isinstance(value, float))
 
 
+def check_calibration(calibration: Mapping[str, Any] | None = None) -> None:
+    """Every family of the calibration file checked at once, so a search fails before its first trial
+    rather than recording each trial as infeasible for the same bad file."""
+    if calibration is None:
+        calibration = load_calibration()
+    families = calibration.get("families", {}) if calibration else {}
+    for family in families if isinstance(families, Mapping) else ():
+        check_values(calibrated_values(calibration, family), f"calibration {calibration_path()} families.{family}")
+
+
 def runtime_constants(gpu: GPU, overrides: Mapping[str, Any] | None = None,
                       calibration: Mapping[str, Any] | None = None) -> RuntimeConstants:
     """Defaults for `gpu.family`, then calibration, then `overrides` (keys = RuntimeConstants field names).

@@ -439,6 +439,11 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     name = resolve_name(sweep, study)
     results_dir = Path(results_dir)
     sweep_model(sweep)  # a bad model fails before any storage is created
+    from planner.memory.runtime import check_calibration
+    from planner.prices import load_cache
+
+    load_cache()  # so does a corrupt prices cache or calibration (else every trial is infeasible for it)
+    check_calibration()
     folder = results_dir / name
     spec = parse_storage(storage, folder / JOURNAL_FILE)
     file = spec.file
