@@ -203,6 +203,28 @@ def test_config_with_a_byte_order_mark_is_read(tmp_path):
     assert strict_json(answers[0][1])["memory_bytes"] == strict_json(answers[1][1])["memory_bytes"]
 
 
+@pytest.mark.parametrize("model", ["custom.json", "mod.py:build"])
+def test_traced_model_without_torch_is_one_line(tmp_path, monkeypatch, model):
+    """A model outside the hand-modelled families is traced with PyTorch; without torch (simulated: None in
+    sys.modules makes `import torch` raise ImportError) that is one line naming --model and the install."""
+    import json
+
+    (tmp_path / "custom.json").write_text(json.dumps({**BERT, "model_type": "some-new-arch"}))
+    (tmp_path / "mod.py").write_text("def build():\n    return None\n")
+    (tmp_path / "inp.py").write_text("def batch(b, s):\n    return {}\n")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    code, _, err = invoke(["estimate", "-m", str(tmp_path / model), "--inputs", str(tmp_path / "inp.py:batch"),
+                           "-i", "ml.g5.xlarge", "-b", "1", "-s", "16"])
+    assert_one_line_error(code, err, "--model", "torch", "pip install torch")
+
+
+def test_catalog_estimate_needs_no_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    code, out, err = invoke(["estimate", "--json", "-m", "bert-base-uncased", "-i", "ml.g5.xlarge", "-b", "2"])
+    assert code == 0, err
+    assert strict_json(out)["parameters"]["total"] > 0
+
+
 @pytest.mark.parametrize("command", [["probe", "run"], ["probe", "launch", "--dry-run", "--role",
                                                          "arn:aws:iam::123456789012:role/x", "--bucket", "s3://b-1/p"]])
 def test_probe_steps_error_names_the_flag(command):
