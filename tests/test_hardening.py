@@ -139,6 +139,15 @@ def test_search_in_a_working_directory_where_results_cannot_be_made(tmp_path):
     assert _files(tmp_path) == ["results"]
 
 
+def test_probe_run_where_results_cannot_be_made(tmp_path, monkeypatch):
+    """The probe commands have no --results-dir flag: the error names $PLANNER_RESULTS_DIR instead."""
+    monkeypatch.delenv("PLANNER_RESULTS_DIR", raising=False)
+    (tmp_path / "results").write_text("not a folder")
+    code, _, err = invoke(["probe", "run", "-m", "bert-base-uncased", "-i", "ml.g5.xlarge", "-b", "1", "-s", "8"])
+    assert_one_line_error(code, err, "PLANNER_RESULTS_DIR", "results")
+    assert _files(tmp_path) == ["results"]
+
+
 def test_failed_searches_leave_no_study_files(tmp_path):
     """Every way a search fails before its first trial leaves the results folder as it was."""
     results = tmp_path / "r"
