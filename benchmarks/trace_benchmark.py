@@ -4,7 +4,9 @@ Targets (issue 12), each traced in a fresh process so its peak RSS is its own:
 - BERT-base (bert-base-uncased config, BertForSequenceClassification) at batch 32 × 512: <= 10 s, <= 2 GB;
 - Llama-3-8B dimensions (the catalog's llama-3-8b config, LlamaForCausalLM) at batch 1 × 2048, bf16:
   <= 60 s, <= 4 GB (nothing is materialised: FakeTensorMode).
-Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert (analytic) at 8 × 512.
+Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert (analytic) at 8 × 512, and a
+30-trial `planner search` over it (issue 12: a traced model is traced once per shape class, so a search over
+it stays interactive).
 Usage: python benchmarks/trace_benchmark.py [--quick]
 """
 
@@ -59,6 +61,29 @@ def agreement() -> list[tuple[str, int, int]]:
         for k in ("activations", "optimizer_states", "batch", "peak_allocated")]
 
 
+def search(trials: int = 30) -> dict:
+    """A fresh `planner search` over examples/multimodal_bert.py on ml.p3.16xlarge (the default recipe):
+    seconds, estimates made, direct traces (the rest come from the trace cache or are interpolated)."""
+    import tempfile
+    import time
+
+    from planner.program import sources
+    from planner.search.study import run_search
+    from planner.search.sweep import Sweep
+
+    example = str(ROOT / "examples" / "multimodal_bert.py")
+    sweep = Sweep(name="trace-benchmark", model=f"{example}:build", inputs=f"{example}:batch",
+                  instance="ml.p3.16xlarge")
+    sources._user_trace.cache_clear()
+    sources._at_batch.cache_clear()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_search(sweep, trials=trials, results_dir=tmp, write_files=False)
+    return {"seconds": time.perf_counter() - start, "trials": len(result.frame),
+            "estimates": result.run.evaluations, "traces": sources._user_trace.cache_info().misses,
+            "interpolated": sources._at_batch.cache_info().misses}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="BERT-base only")
@@ -78,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nexamples/multimodal_bert.py (traced) vs multimodal-bert (analytic), 8 x 512 fp32, V100")
         for key, t, a in agreement():
             print(f"  {key:18s} {t:>15,d} {a:>15,d} {100 * (t - a) / a:+7.3f} %")
+        r = search()
+        print(f"\nplanner search over examples/multimodal_bert.py, ml.p3.16xlarge, fresh study: {r['trials']} trials "
+              f"in {r['seconds']:.1f} s ({r['estimates']} estimates, {r['traces']} traces; the rest cached or "
+              "interpolated between micro-batches 2 and 4)")
     return 0
 
 

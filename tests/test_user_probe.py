@@ -112,6 +112,10 @@ def test_probe_job_trains_the_user_module_and_saves_what_the_tracer_says(user, t
     running_stats = 2 * 6 * 4  # BatchNorm2d saves running_mean/var: buffers, which the tracer files apart
     assert result["tensors"]["parameter_count"] == trace.parameters["total"]
     assert result["tensors"]["saved_tensor_bytes"] == trace.saved_bytes + image + running_stats
+    from planner.probes.validate import current_estimate
+
+    again = current_estimate(result)  # `planner validate` re-estimates from the shipped source
+    assert again is not None and again["parameters"]["total"] == trace.parameters["total"]
 
 
 def test_probe_run_local_cli_with_user_module(user, tmp_path):

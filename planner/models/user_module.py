@@ -187,3 +187,32 @@ def probe_model(ref: str, *, inputs: str | None, loss: str | None = None,
 def is_probe_model(model: object) -> bool:
     """A probe request's model block that holds user code (`probe_model`), not a ModelSpec."""
     return isinstance(model, dict) and isinstance(model.get("user_code"), dict)
+
+
+def shipped_references(model: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The estimate arguments of a probe request's user code (`probe_model`), its files written under
+    `folder/<hash>/`: so a probe record can be re-estimated (`planner validate`) where the user's files are not.
+    Returns {"model": ref, "inputs": ref, "loss": ref or None, "model_options": {...}}."""
+    code = model["user_code"]
+    files: dict[str, str] = code["files"]
+    digest = hashlib.sha256(json_dumps(files).encode()).hexdigest()[:16]
+    where = folder / digest
+    where.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        if Path(name).name != name:  # base names only, as probe_model writes them
+            raise PlannerError("model_spec.user_code.files", name, "base file names")
+        target = where / name
+        if not target.is_file() or target.read_text(encoding="utf-8") != text:
+            target.write_text(text, encoding="utf-8")
+
+    def ref(value: str | None) -> str | None:
+        return None if value is None else str(where / value)
+
+    return {"model": ref(code["model"]), "inputs": ref(code["inputs"]), "loss": ref(code.get("loss")),
+            "model_options": dict(code.get("options") or {})}
+
+
+def json_dumps(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)

@@ -170,8 +170,17 @@ def current_estimate(record: dict[str, Any]) -> dict[str, Any] | None:
     if not spec or not record.get("instance") or not record.get("config"):
         return None
     backend = "cpu" if record.get("device") == "cpu" else "cuda"
-    est = planner.estimate(ModelSpec.model_validate(spec), TrainConfig.model_validate(record["config"]),
-                           record["instance"], backend=backend)
+    config = TrainConfig.model_validate(record["config"])
+    if isinstance(spec.get("user_code"), dict):  # the user's own module: traced from the shipped source
+        import tempfile
+        from pathlib import Path
+
+        from planner.models.user_module import shipped_references
+
+        refs = shipped_references(spec, Path(tempfile.gettempdir()) / "planner_user_code")
+        est = planner.estimate(refs.pop("model"), config, record["instance"], backend=backend, **refs)
+        return est.to_json()
+    est = planner.estimate(ModelSpec.model_validate(spec), config, record["instance"], backend=backend)
     return est.to_json()
 
 

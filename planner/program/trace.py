@@ -198,6 +198,8 @@ class _Recorder(TorchDispatchMode):
         return info
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "") == "prim":  # metadata queries (`x.device`): no tensor, no kernel
+            return func(*args, **(kwargs or {}))
         try:
             out = func(*args, **(kwargs or {}))
         except Exception:
