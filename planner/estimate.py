@@ -340,11 +340,12 @@ def estimate(
     whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     """
     from planner.models.user_module import is_reference
-    from planner.program.sources import is_traced_config
+    from planner.program.sources import is_traced_config, require_tracing_libraries
 
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
     if is_reference(model) or is_traced_config(model):
+        require_tracing_libraries(str(model))
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
     else:
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack)

@@ -317,7 +317,7 @@ def test_probe_results_dir_unwritable(tmp_path):
 
     with pytest.raises(PlannerError) as info:
         write_json_atomic(_blocked_folder(tmp_path) / "probes" / "x.json", {"a": 1})
-    assert "--results-dir" in str(info.value)
+    assert "PLANNER_RESULTS_DIR" in str(info.value)  # the probe commands have no --results-dir flag
 
 
 # ---- SageMaker request limits ------------------------------------------------------------------

@@ -139,6 +139,15 @@ def test_search_in_a_working_directory_where_results_cannot_be_made(tmp_path):
     assert _files(tmp_path) == ["results"]
 
 
+def test_probe_run_where_results_cannot_be_made(tmp_path, monkeypatch):
+    """The probe commands have no --results-dir flag: the error names $PLANNER_RESULTS_DIR instead."""
+    monkeypatch.delenv("PLANNER_RESULTS_DIR", raising=False)
+    (tmp_path / "results").write_text("not a folder")
+    code, _, err = invoke(["probe", "run", "-m", "bert-base-uncased", "-i", "ml.g5.xlarge", "-b", "1", "-s", "8"])
+    assert_one_line_error(code, err, "PLANNER_RESULTS_DIR", "results")
+    assert _files(tmp_path) == ["results"]
+
+
 def test_failed_searches_leave_no_study_files(tmp_path):
     """Every way a search fails before its first trial leaves the results folder as it was."""
     results = tmp_path / "r"
@@ -201,6 +210,28 @@ def test_config_with_a_byte_order_mark_is_read(tmp_path):
                for p in (plain, bom)]
     assert [a[0] for a in answers] == [0, 0]
     assert strict_json(answers[0][1])["memory_bytes"] == strict_json(answers[1][1])["memory_bytes"]
+
+
+@pytest.mark.parametrize("model", ["custom.json", "mod.py:build"])
+def test_traced_model_without_torch_is_one_line(tmp_path, monkeypatch, model):
+    """A model outside the hand-modelled families is traced with PyTorch; without torch (simulated: None in
+    sys.modules makes `import torch` raise ImportError) that is one line naming --model and the install."""
+    import json
+
+    (tmp_path / "custom.json").write_text(json.dumps({**BERT, "model_type": "some-new-arch"}))
+    (tmp_path / "mod.py").write_text("def build():\n    return None\n")
+    (tmp_path / "inp.py").write_text("def batch(b, s):\n    return {}\n")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    code, _, err = invoke(["estimate", "-m", str(tmp_path / model), "--inputs", str(tmp_path / "inp.py:batch"),
+                           "-i", "ml.g5.xlarge", "-b", "1", "-s", "16"])
+    assert_one_line_error(code, err, "--model", "torch", "pip install torch")
+
+
+def test_catalog_estimate_needs_no_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    code, out, err = invoke(["estimate", "--json", "-m", "bert-base-uncased", "-i", "ml.g5.xlarge", "-b", "2"])
+    assert code == 0, err
+    assert strict_json(out)["parameters"]["total"] > 0
 
 
 @pytest.mark.parametrize("command", [["probe", "run"], ["probe", "launch", "--dry-run", "--role",

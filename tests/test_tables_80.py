@@ -144,3 +144,24 @@ def test_report(tmp_path):
     res = runner.invoke(app, ["report", "--study", "r80", "--results-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert_readable(_path_lines_apart(res.stdout).replace(str(tmp_path), "DIR"), ["report.html", "PNGs"])
+
+
+@pytest.mark.parametrize("args", [["models"], ["estimate", "-m", "gpt2-xl", "-i", "ml.p4d.24xlarge", "-b", "4"]])
+def test_piped_to_a_file(tmp_path, args):
+    """Piped (stdout not a terminal, no COLUMNS): rich assumes 80 columns; the real process, not CliRunner."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "planner", *args], stdout=f, stderr=subprocess.PIPE, env=env,
+                              timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json_of(args)
+    expected = ([r["name"] for r in data] if args == ["models"]
+                else [f"{v:,}" for v in data["memory_bytes"].values()])
+    assert_readable(out.read_text(), expected)

@@ -28,6 +28,11 @@ SECRET_KEYS = {"RoleArn", "role", "role_arn", "aws_access_key_id", "aws_secret_a
                "AccessKeyId", "SecretAccessKey", "SessionToken", "credentials"}
 
 
+# How write errors name the place: the probe commands have no --results-dir flag; the folder is
+# $PLANNER_RESULTS_DIR (default results/ in the working directory).
+RESULTS_WHAT = "results folder ($PLANNER_RESULTS_DIR, default results/)"
+
+
 def results_dir() -> Path:
     return Path(os.environ.get("PLANNER_RESULTS_DIR", "results"))
 
@@ -82,7 +87,7 @@ def write_json_atomic(path: Path, obj: Any) -> Path:
     from planner.io import write_text
 
     # Python's json (NaN allowed): a diverged loss stays NaN in the record, and reads back as null.
-    return write_text(path, json.dumps(obj, indent=1, sort_keys=False, default=str), "--results-dir")
+    return write_text(path, json.dumps(obj, indent=1, sort_keys=False, default=str), RESULTS_WHAT)
 
 
 def record_id(record: dict[str, Any]) -> str:
@@ -253,10 +258,10 @@ def update_parquet(records: Iterable[dict[str, Any]], root: Path | None = None) 
     for col in table.columns:  # mixed object columns (None + str) must be one Arrow type
         if table[col].dtype == object:
             table[col] = table[col].map(lambda v: None if v is None else str(v) if not isinstance(v, str) else v)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    table.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    from planner.io import atomic_path
+
+    with atomic_path(path, RESULTS_WHAT) as tmp:  # a failure leaves neither a half table nor a temporary file
+        table.to_parquet(tmp, index=False)
     return path
 
 

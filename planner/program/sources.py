@@ -64,6 +64,20 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
                       flash_ok=flash_ok, name=label or path, source=path, enable_checkpointing=_checkpointing_for)
 
 
+def require_tracing_libraries(model: str) -> None:
+    """Tracing runs the model on fake tensors, so it needs PyTorch (and transformers for a config.json);
+    without them the answer is one line naming --model, not an ImportError traceback."""
+    needed = ["torch"] + ([] if ".py:" in model else ["transformers"])
+    for name in needed:
+        try:
+            __import__(name)
+        except ImportError:
+            how = ("pip install torch --index-url https://download.pytorch.org/whl/cpu" if name == "torch"
+                   else "pip install transformers")
+            raise PlannerError("--model", model, f"a model this Python can trace, which needs {name} ({how}); "
+                               "catalog models and the configs of hf_config's families need neither") from None
+
+
 def is_traced_config(model: object) -> bool:
     """A config.json path (or folder) whose model_type is none of the hand-modelled families."""
     from pathlib import Path

@@ -29,7 +29,7 @@ CATEGORY_LABELS: dict[str, str] = {
     "optimizer_states": "optimizer states",
     "activations": "activations",
     "batch": "input batch",
-    "buffers": "buffers / temporaries",
+    "buffers": "temporaries and buffers",  # DDP buckets, workspaces, casts; JSON key `buffers`
     "runtime": "runtime: CUDA context + NCCL + allocator reserve",
 }
 PHASE_COLORS: dict[str, str] = {"load": "#eeeeee", "forward": "#e3eefa", "backward": "#fbe9dc",
