@@ -23,7 +23,9 @@ RMSNorm saves fp32 copies; fused SDPA kernels save no s² tensor at all.
 
 Besides `saved_bytes` / `kept_bytes`, each block reports its AMP cast cache (`autocast_cache_bytes`:
 alive until autocast exits, checkpointed or not), the logits the model returns (`retained_output_bytes`)
-and rough, untested estimates of unsaved temporaries (`forward_transient_bytes`, `backward_transient_bytes`).
+and unsaved temporaries: `backward_transient_bytes` of transformer layers is op-by-op
+(`layer_backward_transient`, equal to the traced autograd peak: tests/test_backward_transients.py); the
+other blocks' and every `forward_transient_bytes` are rough estimates (`_transients`).
 Module-level constants (CUDA_ALLOCATION_ROUND_BYTES, EFFICIENT_LSE_ALIGN, ...) can be overridden by
 assignment; every function reads them at call time.
 
@@ -790,11 +792,68 @@ def multimodal_loss_saved(model: ModelSpec, ctx: Ctx) -> list[Saved]:
 
 
 def _transients(saved: list[Saved], ctx: Ctx) -> tuple[int, int]:
-    """Rough peaks of unsaved temporaries (not checked by the tests): in the forward, the largest saved
+    """Rough peaks of unsaved temporaries (transformer layers' backward: `layer_backward_transient`; the
+    loss's backward, 2·n·V = nll_loss's and log_softmax's gradients, equals the trace): in the forward, the largest saved
     tensor's producer output before the next op consumes it (one extra copy of the largest tensor); in
     backward, the gradient of the largest saved tensor plus that of its input (two copies)."""
     largest = max((alloc_bytes(t.nbytes, ctx.backend) for t in saved), default=0)
     return largest, 2 * largest
+
+
+def layer_backward_transient(spec: TransformerSpec, saved: list[Saved], ctx: Ctx) -> int:
+    """Peak temporaries while back-propagating through one transformer layer (CUDA-real, checked op by op
+    against the dispatch trace: tests/test_events_dispatch.py):
+
+    output_grad + max(attention, MLP), where
+    - output_grad = n·h in the residual stream's dtype: the gradient of the layer's output, made by the block
+      after it and alive until this layer's input gradient replaces it;
+    - attention = 2·largest saved (the gradient of the probabilities from the P·V bmm and that of the scores
+      from dropout's / softmax's backward: `_softmax_backward_data` and `native_dropout_backward` allocate
+      their output on CUDA too) + eager only: the bmm's other gradient, grad_v = n·H in the matmul dtype
+      (derivatives.yaml `bmm`: self: grad.bmm(mat2ᵀ), mat2: selfᵀ.bmm(grad): both are allocated);
+    - MLP with GPT-2's Python GELU (gelu_new, 0.5·x·(1 + tanh(c·(x + 0.044715·x³)))): its autograd graph
+      of mul / pow / tanh backward formulas keeps 6 tensors of n·ff alive at once (device-independent
+      formulas in derivatives.yaml; the trace measures 6): 4 in the tanh branch's dtype, 2 in the
+      up-projection's (under autocast the fp32 branch's gradients are cast back by `_to_copy`'s backward);
+    - Llama-style layers: the gated MLP (3·n·ff) or the Python RMSNorm (4-5·n·h in fp32), whichever is larger.
+    All are CUDA-real: the ops are the same ATen ops with device-independent autograd formulas, and each
+    CUDA kernel allocates exactly its output (no CPU-only scratch is counted: the tracer maps CPU to CUDA).
+    """
+    largest = max((alloc_bytes(t.nbytes, ctx.backend) for t in saved), default=0)
+    width = spec.num_heads * spec.head_dim
+    out_grad = alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[ctx.act], ctx.backend)
+    attention = 2 * largest
+    if ctx.attention == "eager":
+        attention += alloc_bytes(ctx.n * width * BYTES_PER_DTYPE[ctx.low], ctx.backend)
+    mlp = 0
+    if spec.hidden_act in ("gelu_new", "gelu_fast"):
+        branch = F32 if ctx.amp and autocast_fp32_op("pow", ctx.backend) else ctx.low
+        numel = ctx.n * spec.intermediate_size
+        mlp = (GELU_NEW_BACKWARD_TENSORS - 2) * alloc_bytes(numel * BYTES_PER_DTYPE[branch], ctx.backend) \
+            + 2 * alloc_bytes(numel * BYTES_PER_DTYPE[ctx.low], ctx.backend)
+    if spec.family in GATED_RMSNORM_FAMILIES:
+        up = alloc_bytes(ctx.n * spec.intermediate_size * BYTES_PER_DTYPE[ctx.low], ctx.backend)
+        mlp = GATED_MLP_BACKWARD_TENSORS * up
+        norm = (RMSNORM_BACKWARD_TENSORS - (ctx.act == F32)) \
+            * alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[F32], ctx.backend)
+        mlp = max(mlp, norm)
+    return out_grad + max(attention, mlp)
+
+
+# Llama-style layers (LlamaMLP: down(act(gate(x)) * up(x)); LlamaRMSNorm in Python, computed in fp32).
+GATED_RMSNORM_FAMILIES = ("llama", "mistral")
+# Gated MLP backward: down_proj's input gradient (mm) then mul's two gradients (grad·up, grad·act(gate)):
+# 3 tensors of n·ff in the matmul dtype alive at once (derivatives.yaml `mul`; measured by the trace).
+GATED_MLP_BACKWARD_TENSORS = 3
+# LlamaRMSNorm backward (mul / rsqrt / mean / pow formulas on the fp32 upcast): 5 fp32 tensors of n·h alive
+# at once for a 16-bit input, one fewer when the input already is fp32 (no cast to undo) (measured by the
+# trace; it sets the layer's peak in pure bf16 with SDPA).
+RMSNORM_BACKWARD_TENSORS = 5
+
+
+# Tensors of n·ff alive at the peak of NewGELUActivation's backward (measured by the dispatch trace of
+# transformers' GPT-2 MLP, tests/test_events_dispatch.py; the autograd formulas are device-independent).
+GELU_NEW_BACKWARD_TENSORS = 6
 
 
 # -------------------------------------------------------------------------------------------- API
@@ -848,6 +907,8 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         ckpt = config.checkpointing and block.role == "layer" and isinstance(block.layer, TransformerSpec)
         kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
         fwd, bwd = _transients(saved, ctx)
+        if block.role == "layer" and isinstance(block.layer, TransformerSpec):
+            bwd = layer_backward_transient(block.layer, saved, ctx)
         retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
         cache = autocast_cache(block, ctx)
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),

@@ -106,7 +106,8 @@ def scaled(t0: StepTrace, t1: StepTrace, b0: int, b1: int, b: int) -> StepTrace 
         forward_end = sum(op.phase == "forward" for op in ops)
         backward_end = forward_end + sum(op.phase == "backward" for op in ops)
         blocks = block_memory(events, t0.op_blocks, saved, t0.block_parameters, retained, forward_end,
-                              backward_end, t0.backend)  # type: ignore[arg-type]
+                              backward_end, t0.backend,  # type: ignore[arg-type]
+                              frozenset(sid for _, sid in t0.retained_storages))
         if [b.name for b in blocks] != [b.name for b in t0.blocks]:
             raise _Mismatch
         return replace(

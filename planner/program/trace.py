@@ -630,7 +630,7 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
     events = tuple(StorageEvent(op, action, sid, rec.storages[sid].device.nbytes, rec.storages[sid].device.dtype,
                                 rec.storages[sid].category) for op, action, sid in rec.raw_events)
     blocks = block_memory(events, tuple(rec.op_block), tuple(saved.values()), block_params, retained, forward_end,
-                          backward_end, backend)
+                          backward_end, backend, frozenset(sid for _, sid in retained_storages))
     return StepTrace(name=name, backend=backend, parameters=parameters, gradient_shapes=grads,
                      parameter_dtype_bytes=pbytes, buffer_bytes=buffer_bytes, batch_bytes=batch_bytes,
                      blocks=blocks, saved=tuple(saved.values()), ops=tuple(rec.ops), events=events,
@@ -660,9 +660,16 @@ def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int
 
 def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...],
                  parameters: dict[str, int], retained: dict[str, int], forward_end: int, backward_end: int,
-                 backend: Backend) -> tuple[TracedBlock, ...]:
+                 backend: Backend, retained_ids: frozenset[int] | None = None) -> tuple[TracedBlock, ...]:
     """Per block: saved bytes, and the measured transient peaks from replaying the storage events (a pure
-    function of the trace's records, so an interpolated trace gets its own: planner.program.scale)."""
+    function of the trace's records, so an interpolated trace gets its own: planner.program.scale).
+
+    A transient excludes the model outputs the loop keeps (`retained_ids`, the logits): the timeline counts
+    them as activations from the head's forward until the optimizer step (`TracedBlock.retained_bytes`), so
+    counting them in a backward transient too counted the logits twice (+n·V·4 bytes in every backward block
+    after the head; +2 MB per layer for gpt2-tiny at 4x128). They are subtracted only while alive, so the blocks
+    before the head keep their own temporaries. Without `retained_ids` (an old caller), the forward subtracts
+    the retained total as before."""
     order: list[str] = []
     for i in range(forward_end):
         if op_blocks[i] not in order:
@@ -681,7 +688,8 @@ def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], s
     cat = {e.storage: e.category for e in events}
     fwd = dict.fromkeys(order, 0)
     bwd = dict.fromkeys(order, 0)
-    live = kept = grads = 0  # step storages alive; of them saved activations; of them parameter gradients
+    live = kept = grads = held = 0  # step storages alive; of them saved activations, parameter gradients, outputs
+    rids = retained_ids if retained_ids is not None else frozenset()
     stream = iter((e.op, e.action, e.storage) for e in events)
     pending = next(stream, None)
     for i in range(backward_end):
@@ -694,11 +702,13 @@ def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], s
                     kept += sign * size[sid]
                 elif cat[sid] == "gradient":
                     grads += sign * size[sid]
+                elif sid in rids:
+                    held += sign * size[sid]
             pending = next(stream, None)
         block = op_blocks[i] or LOSS_BLOCK
-        extra = max(live - kept - grads, 0)
+        extra = max(live - kept - grads - held, 0)
         if i < forward_end:
-            fwd[block] = max(fwd.get(block, 0), extra - sum(retained.values()))
+            fwd[block] = max(fwd.get(block, 0), extra if retained_ids is not None else extra - sum(retained.values()))
         else:
             bwd[block] = max(bwd.get(block, 0), extra)
     return tuple(TracedBlock(b, parameters.get(b, 0), saved_by.get(b, 0), max(fwd.get(b, 0), 0), bwd.get(b, 0),
