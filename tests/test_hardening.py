@@ -90,7 +90,7 @@ def test_search_list_flags(flag, value, tmp_path):
     _search_answer([flag, f"8,{value!r}", "--results-dir", str(tmp_path / "r")], flag)
 
 
-@pytest.mark.parametrize("flag, value", [("--seed", "-1"), ("--seed", str(2**32)), ("--instances", str(10**20)),
+@pytest.mark.parametrize("flag, value", [("--seq-len", "inf"), ("--seed", "-1"), ("--seed", str(2**32)), ("--instances", str(10**20)),
                                          ("--max-instances", str(10**20)), ("--global-batch-size", str(10**23)),
                                          ("--epochs", "inf"), ("--epochs", "1e308"), ("--batch-sizes", str(10**20)),
                                          ("--grad-accums", str(10**20))])
@@ -175,6 +175,18 @@ def test_search_with_a_corrupt_cache_fails_before_any_trial(tmp_path, monkeypatc
     code, out, err = invoke([*SMALL_SEARCH, "--results-dir", str(results)])
     assert_one_line_error(code, err, str(path), *names)
     assert out == "" and (not results.exists() or _files(results) == [])
+
+
+@pytest.mark.parametrize("env, content", [("PLANNER_PRICES", b'{"prices": {"ml.p3.2xlarge": NaN}}'),
+                                          ("PLANNER_CALIBRATION", b'{"families": {"V100": {"fragmentation": -1}}}')])
+def test_report_with_a_corrupt_cache_fails(tmp_path, monkeypatch, env, content):
+    """Formerly the report was written with the breakdowns quietly left out."""
+    path = tmp_path / "cache.json"
+    path.write_bytes(content)
+    monkeypatch.setenv(env, str(path))
+    code, _, err = invoke(["report", "--study", "s", "--results-dir", str(tmp_path / "r")])
+    assert_one_line_error(code, err, str(path))
+    assert not (tmp_path / "r").exists()
 
 
 def test_report_probes_named_but_missing(tmp_path):
