@@ -154,6 +154,11 @@ def test_search_over_a_user_module_traces_once_per_shape_class(user, tmp_path):
     info = sources._user_trace.cache_info()
     # 2 micro-batches x 2 precisions x 2 optimizer kernels (foreach, fused): at most 8 traces for 12 trials
     assert 0 < info.misses <= 8
+    # the study's best trials become probe requests that carry the user's source (definition: inputs, loss)
+    from planner.probes.spec import requests_from_study
+
+    requests = requests_from_study(out["study"], 1, tmp_path / "results")
+    assert requests[0].user_code is not None and requests[0].user_code["inputs"] == "user.py:batch"
 
 
 def test_sweep_file_names_a_user_module_beside_it(user, tmp_path):
