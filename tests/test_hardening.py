@@ -349,6 +349,33 @@ def test_ctrl_c_while_estimating_is_one_line(monkeypatch):
     assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_ctrl_c_inside_optunas_tell_is_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C while optuna records a trial (`_tell_with_warning`) surfaced as optuna 5.0's UnboundLocalError
+    (`_run_trial`'s finally), exit 1 with a traceback, and the in-memory FAIL trial was saved to the study.
+    Now: 'interrupted', exit 130, only finished trials in the journal."""
+    import optuna
+    from optuna.study import _optimize
+
+    real, calls = _optimize._tell_with_warning, []
+
+    def tell(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_optimize, "_tell_with_warning", tell)
+    code, out, err = invoke(["search", "--instance", "ml.p3.2xlarge", "--trials", "20", "--study", "t",
+                             "--results-dir", str(tmp_path), "--no-progress"])
+    assert code == 130 and "Traceback" not in err and err.strip().endswith("interrupted; everything finished so "
+                                                                          "far is saved"), (code, err)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "t" / "journal.log")))
+    trials = optuna.load_study(study_name="t", storage=storage).get_trials(deepcopy=False)
+    assert len(trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
 def test_ctrl_c_in_a_trial_logs_no_traceback():
     """Optuna logs a trial stopped by KeyboardInterrupt with its traceback (optuna/study/_optimize.py
     `_run_trial`); the CLI's filter drops that and the 'failed' line after it, and keeps other warnings."""
