@@ -31,3 +31,16 @@ def unknown(field: str, value: str, choices: Iterable[str]) -> PlannerError:
     near = closest(value, choices)
     hint = f"did you mean {', '.join(near)}?" if near else f"one of {', '.join(choices)}"
     return PlannerError(field, value, f"unknown; {hint}")
+
+
+def interrupted(exc: BaseException | None) -> bool:
+    """Ctrl-C somewhere in the chain of `exc`: a library's cleanup code can replace the KeyboardInterrupt
+    with its own error. Optuna 5.0's `_run_trial` does, when Ctrl-C lands inside `tell` (its `finally` reads
+    `updated_state` before assignment: UnboundLocalError; the same pattern as optuna/optuna#5280)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False

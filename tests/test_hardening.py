@@ -90,7 +90,7 @@ def test_search_list_flags(flag, value, tmp_path):
     _search_answer([flag, f"8,{value!r}", "--results-dir", str(tmp_path / "r")], flag)
 
 
-@pytest.mark.parametrize("flag, value", [("--seed", "-1"), ("--seed", str(2**32)), ("--instances", str(10**20)),
+@pytest.mark.parametrize("flag, value", [("--seq-len", "inf"), ("--seed", "-1"), ("--seed", str(2**32)), ("--instances", str(10**20)),
                                          ("--max-instances", str(10**20)), ("--global-batch-size", str(10**23)),
                                          ("--epochs", "inf"), ("--epochs", "1e308"), ("--batch-sizes", str(10**20)),
                                          ("--grad-accums", str(10**20))])
@@ -175,6 +175,18 @@ def test_search_with_a_corrupt_cache_fails_before_any_trial(tmp_path, monkeypatc
     code, out, err = invoke([*SMALL_SEARCH, "--results-dir", str(results)])
     assert_one_line_error(code, err, str(path), *names)
     assert out == "" and (not results.exists() or _files(results) == [])
+
+
+@pytest.mark.parametrize("env, content", [("PLANNER_PRICES", b'{"prices": {"ml.p3.2xlarge": NaN}}'),
+                                          ("PLANNER_CALIBRATION", b'{"families": {"V100": {"fragmentation": -1}}}')])
+def test_report_with_a_corrupt_cache_fails(tmp_path, monkeypatch, env, content):
+    """Formerly the report was written with the breakdowns quietly left out."""
+    path = tmp_path / "cache.json"
+    path.write_bytes(content)
+    monkeypatch.setenv(env, str(path))
+    code, _, err = invoke(["report", "--study", "s", "--results-dir", str(tmp_path / "r")])
+    assert_one_line_error(code, err, str(path))
+    assert not (tmp_path / "r").exists()
 
 
 def test_report_probes_named_but_missing(tmp_path):
@@ -335,6 +347,33 @@ def test_ctrl_c_while_estimating_is_one_line(monkeypatch):
     monkeypatch.setattr(est_mod, "estimate", interrupted)
     code, out, err = invoke(["estimate"])
     assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ctrl_c_inside_optunas_tell_is_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C while optuna records a trial (`_tell_with_warning`) surfaced as optuna 5.0's UnboundLocalError
+    (`_run_trial`'s finally), exit 1 with a traceback, and the in-memory FAIL trial was saved to the study.
+    Now: 'interrupted', exit 130, only finished trials in the journal."""
+    import optuna
+    from optuna.study import _optimize
+
+    real, calls = _optimize._tell_with_warning, []
+
+    def tell(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_optimize, "_tell_with_warning", tell)
+    code, out, err = invoke(["search", "--instance", "ml.p3.2xlarge", "--trials", "20", "--study", "t",
+                             "--results-dir", str(tmp_path), "--no-progress"])
+    assert code == 130 and "Traceback" not in err and err.strip().endswith("interrupted; everything finished so "
+                                                                          "far is saved"), (code, err)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    storage = JournalStorage(JournalFileBackend(str(tmp_path / "t" / "journal.log")))
+    trials = optuna.load_study(study_name="t", storage=storage).get_trials(deepcopy=False)
+    assert len(trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
 
 
 def test_ctrl_c_in_a_trial_logs_no_traceback():

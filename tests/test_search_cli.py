@@ -72,7 +72,7 @@ def test_all_infeasible_exits_2_with_a_clear_message_and_keeps_trials(tmp_path):
     (["--model", "bert-lage"], "--model"),
     (["--batch-sizes", "8,x"], "--batch-sizes"),
     (["--objective", "speed"], "--objective"),
-    (["--seq-len", "512,x"], "--seq-lens"),
+    (["--seq-len", "512,x"], "--seq-len="),  # the flag as typed
     (["--sampler", "cmaes"], "--sampler"),
     (["--storage", "nosuch://db"], "--storage"),
 ])

@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, interrupted
 
 console = Console()
 err_console = Console(stderr=True)
@@ -58,6 +58,11 @@ def handles_errors(fn: F) -> F:
             err_console.print(f"[bold red]error:[/] {where}{exc.strerror or exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
+            err_console.print("interrupted; everything finished so far is saved")
+            raise typer.Exit(130) from None
+        except Exception as exc:  # a library's cleanup turned Ctrl-C into its own error (planner.errors)
+            if not interrupted(exc):
+                raise
             err_console.print("interrupted; everything finished so far is saved")
             raise typer.Exit(130) from None
 

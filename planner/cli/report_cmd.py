@@ -27,8 +27,12 @@ def register(app: typer.Typer) -> None:
         """Memory breakdowns of the top candidates, throughput vs memory with the OOM line, Pareto fronts,
         Optuna history and importances, predicted vs measured: results/<study>/report.html + PNGs."""
         from planner.errors import PlannerError
+        from planner.memory.runtime import check_calibration
+        from planner.prices import load_cache
         from planner.report.html import write_report
 
+        load_cache()  # a corrupt prices cache or calibration fails here, not as figures quietly left out
+        check_calibration()
         if probes is not None and not probes.is_file():  # the default may be absent; a named file may not
             raise PlannerError("--probes", str(probes), "an existing probes table (results/probes.parquet, "
                                                         "written by `planner probe collect`)")

@@ -131,7 +131,7 @@ def _seq_lens(text: Any) -> int | tuple[int, ...]:
 
     if isinstance(text, int):
         return text
-    values = parse_flag_list("seq_lens", str(text))
+    values = parse_flag_list("seq_lens", str(text), "--seq-len")
     assert values is not None
     return values[0] if len(values) == 1 else values
 

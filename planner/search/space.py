@@ -236,11 +236,12 @@ INT_LIMITS = {"batch_sizes": MAX_SPACE_VALUE, "seq_lens": MAX_SPACE_VALUE, "grad
               "instance_counts": MAX_SEARCH_INSTANCES}
 
 
-def parse_flag_list(field: str, text: str | None) -> tuple[Any, ...] | None:
-    """'1,2,4' -> (1, 2, 4) for the flag of `field`; None stays None. Errors name the flag."""
+def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tuple[Any, ...] | None:
+    """'1,2,4' -> (1, 2, 4) for the flag of `field` (or `flag`, when another spelling was given); None stays
+    None. Errors name the flag."""
     if text is None:
         return None
-    flag = FLAGS[field]
+    flag = flag or FLAGS[field]
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise PlannerError(flag, text, "a comma-separated list with at least one value")

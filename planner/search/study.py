@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, interrupted
 from planner.search.objective import EstimateFn, Objective
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
 from planner.search.storage import StorageSpec, StudyLock, open_storage, parse_storage, remove_if_empty
@@ -378,7 +378,9 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     if target > before:
         try:
             mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
-        except Exception:
+        except Exception as exc:
+            if interrupted(exc):  # Ctrl-C inside optuna's tell: an interrupt, not a failed trial to keep
+                raise KeyboardInterrupt from None
             # A bug in an estimate: keep its FAIL trial next to the finished ones, then let it surface.
             for trial in mirror.memory.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)):
                 mirror.save(trial, target + 1)
