@@ -140,10 +140,16 @@ def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
     counts = _model_facts(model).by_block
+    from planner.models.params import tied_gradient
+
+    tied = tied_gradient(model)  # a tied LM head's gradient is allocated at the head's backward
+    moved: dict[str, int] = {}
+    if tied is not None:
+        moved = {tied[0]: -tied[2][0] * tied[2][1], tied[1]: tied[2][0] * tied[2][1]}
     out = []
     for act in activations:  # every block in forward order, then "loss"
         n = counts.get(act.block, 0)
-        full_p, full_g = n * p_bytes, n * g_bytes
+        full_p, full_g = n * p_bytes, (n + moved.get(act.block, 0)) * g_bytes
         resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
         # ZeRO-3/FSDP all-gathers a unit's full parameters while it runs (and prefetches the next one).
         gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0

@@ -88,3 +88,23 @@ def test_trace_does_not_count_the_kept_logits_as_a_backward_temporary(tmp_path):
     loss_a = next(a for a in analytic if a.block == "loss").backward_transient_bytes
     assert loss_a == 2 * logits
     assert loss_t - loss_a == LOSS_SCALARS
+
+
+def test_tied_lm_head_gradient_appears_at_the_heads_backward(tmp_path):
+    """GPT-2's lm_head shares the token table: the trace allocates a (V, h) gradient while lm_head
+    back-propagates (its `mm`), long before the embeddings run backward; the analytic trace allocates the
+    table's gradient with the head block, and the embeddings keep the rest."""
+    from planner.memory.events import model_block_tensors
+
+    spec, traced, analytic = _traced_and_analytic(tmp_path, "gpt2", "causal-lm", "fp32", "eager")
+    t = spec.transformers[0]
+    table = t.vocab_size * t.hidden_size * 4
+    fwd_end = sum(op.phase == "forward" for op in traced.ops)
+    first = next(e for e in traced.events if e.action == "alloc" and e.op >= fwd_end and e.nbytes == table)
+    assert traced.op_blocks[first.op] == "lm_head"
+    cfg = TrainConfig(batch_size=4, seq_len=128, precision="fp32", attention="eager", parallelism="single")
+    tensors = model_block_tensors(spec, analytic, cfg)
+    head = next(name for name in tensors if name.endswith("head"))
+    emb = next(name for name in tensors if name.endswith("embeddings"))
+    assert table in tensors[head].grads and table not in tensors[emb].grads
+    assert sum(tensors[head].grads) + sum(tensors[emb].grads) == sum(tensors[emb].params) + sum(tensors[head].params)

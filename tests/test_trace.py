@@ -184,7 +184,7 @@ def _user_file(tmp_path, spec) -> str:
     return str(path)
 
 
-PEAK_TOLERANCE = 0.05  # see the test; the full-size multimodal-bert agrees within 0.5 % (benchmarks/trace_benchmark.py)
+PEAK_TOLERANCE = 0.01  # issue 12: "peak allocated within 1 %" (these rows: worst 0.63 %, llama eager fp32)
 AGREEMENT = [  # family, head, attention, checkpointing, precision, instance (V100: no flash; A100: flash)
     ("bert", "sequence-classification", "sdpa", False, "fp32", "ml.p3.2xlarge"),
     ("bert", "sequence-classification", "eager", True, "amp-fp16", "ml.p3.2xlarge"),
@@ -216,8 +216,8 @@ def test_traced_catalog_model_agrees_with_analytic(tmp_path, family, head, atten
     assert traced.parameters["total"] == analytic.parameters["total"]
     t, a = traced.memory_bytes.activations, analytic.memory_bytes.activations
     assert abs(t - a) <= 0.01 * a, (t, a)
-    # Peak: the tracer measures unsaved temporaries that the analytic core only estimates (one copy of the
-    # largest saved tensor forward, two backward); on these tiny models they are a large share of the peak.
+    # Peak: layers' and the loss's backward temporaries are op by op on both sides
+    # (tests/test_backward_transients.py); forward temporaries are still estimated by the analytic core.
     t, a = traced.memory_bytes.peak_allocated, analytic.memory_bytes.peak_allocated
     assert abs(t - a) <= PEAK_TOLERANCE * a, (t, a)
 

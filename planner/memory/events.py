@@ -285,7 +285,7 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
     from planner.memory import model_states
     from planner.memory.activations import alloc_bytes
     from planner.models.blocks import model_blocks
-    from planner.models.params import block_gradient_tensor_shapes, block_tensor_shapes
+    from planner.models.params import block_gradient_tensor_shapes, block_tensor_shapes, tied_gradient
 
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
@@ -298,6 +298,16 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
             grads = (tuple(math.prod(s) * g_bytes for s in block_gradient_tensor_shapes(block))
                      if gradient_share == 1 else ())
             shapes[block.name] = (params, grads)
+        tied = tied_gradient(model) if gradient_share == 1 else None
+        if tied is not None:  # the shared table's gradient appears at the head's backward (`tied_gradient`)
+            emb, head, shape = tied
+            nbytes = math.prod(shape) * g_bytes
+            e_params, e_grads = shapes[emb]
+            if nbytes in e_grads:
+                rest = list(e_grads)
+                rest.remove(nbytes)
+                shapes[emb] = (e_params, tuple(rest))
+                shapes[head] = (shapes[head][0], (*shapes[head][1], nbytes))
         if len(_BLOCK_SHAPES) >= MODEL_CACHE_SIZE:
             _BLOCK_SHAPES.clear()
         hit = _BLOCK_SHAPES[key] = (model, shapes)

@@ -344,3 +344,23 @@ def block_gradient_tensor_shapes(block: Block) -> list[Shape]:
 def model_gradient_tensor_shapes(model: ModelSpec) -> list[Shape]:
     """Shapes of the parameter tensors that receive a gradient, in `module.parameters()` order."""
     return [shape for block in model_blocks(model) for shape in block_gradient_tensor_shapes(block)]
+
+
+def tied_gradient(model: ModelSpec) -> tuple[str, str, Shape] | None:
+    """(embeddings block, head block, shape) when an LM head shares the token table (`tie_word_embeddings`).
+
+    Why: the shared (V, h) weight gets its gradient first from the head's backward (the head runs last in
+    forward, so first in backward); autograd's AccumulateGrad keeps that tensor as `.grad` and adds the
+    embedding's gradient into it later (torch/csrc/autograd/functions/accumulate_grad.h), so the gradient
+    is allocated when the HEAD back-propagates, not the embeddings. Parameters stay with the embeddings.
+    """
+    blocks = model_blocks(model)
+    emb = next((b for b in blocks if b.role == "embeddings"), None)
+    head = next((b for b in blocks if b.role == "head"), None)
+    if emb is None or head is None or not isinstance(head.layer, TransformerSpec):
+        return None
+    spec = head.layer
+    if not spec.tie_word_embeddings or spec.head not in ("causal-lm", "masked-lm") \
+            or emb.component != head.component:
+        return None
+    return emb.name, head.name, (spec.vocab_size, spec.hidden_size)
