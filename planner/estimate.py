@@ -468,8 +468,10 @@ def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point
 
 def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
     """The whole-device peak term by term, each with its band (planner.memory.band)."""
+    from planner.memory.stack import parse_version
+
     workspace = prep.step.workspace_bytes
-    return (
+    terms = (
         band.exact("tensors", allocated - workspace, "exact: parameters, gradients, optimizer states, "
                    "activations, batch and temporaries, checked against real modules"),
         band.workspace_term(workspace, "cublas_workspace_bytes" in prep.given),
@@ -478,6 +480,9 @@ def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, repla
         band.context_term(*prep.context),
         band.nccl_term(nccl, "nccl_bytes_per_peer" in prep.given),
     )
+    torch = parse_version("torch", prep.stack.torch) if prep.stack else None
+    point = sum(t.point for t in terms)
+    return (*terms, band.legacy_gap_term(point, torch, calibrated=bool(prep.fragmentation_range)))
 
 
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,

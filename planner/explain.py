@@ -502,6 +502,12 @@ def _beyond_tensors_lines(est: Estimate) -> list[str]:
                  f"(1 + {est.runtime.fragmentation:.0%}) (freed blocks are cached, large ones rounded to 2 MiB "
                  "segments and split, so reserved sits above allocated).")
     lines.append(line)
+    gap = terms.get("unexplained_gap")
+    if gap is not None and gap.high > 0:
+        lines.append(f"Unexplained gap 0 B to {fmt_bytes(gap.high)}: whole-GPU peaks published for torch 1.x runs "
+                     f"(Lambda's BERT logs, nvidia-smi) sit up to {gap.high / max(m.peak_device, 1):.0%} above "
+                     "this model, and nothing it counts explains why (NVIDIA's TorchScript GELU, apex and torch "
+                     "1.x allocator behaviour are suspects). A probe on this stack settles it.")
     lines.append(f"The whole device: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)}"
                  f" (point {fmt_bytes(m.peak_device)}) of {fmt_bytes(est.gpu_memory_bytes)}: verdict "
                  f"{est.verdict.upper()}. Your tensors are exact; the band is the sum of these terms' ranges. "

@@ -42,6 +42,18 @@ CALIBRATED_POOL_MARGIN = 0.02
 # Low end: only the forward thread's cuBLAS handle has touched its workspace at the peak. ASSUMPTION.
 WORKSPACE_LOW_FRACTION = 0.5
 
+# ---- what published readings show beyond this model, on torch 1.x stacks ---------------------------
+# Every whole-GPU peak (nvidia-smi) published for a torch 1.x run that results/public holds sits above this
+# model's point: Lambda's BERT SQuAD logs (source lambda-dlb-logs: 8 runs, V100 32 GB, NGC 20.01 = torch 1.4)
+# read 1.21-1.65x the point (benchmarks/public_memory.py --rows). The same model, replayed against real
+# HF BERT steps on torch 2.x, agrees within 3 % (benchmarks/public_dispatch_replay.py), so the gap lies in what
+# those stacks or scripts add and the model leaves out (NVIDIA's TorchScript GELU, apex, torch 1.x allocator
+# behaviour): unexplained until a probe on such a stack shows it. The band's high end takes the largest gap
+# seen, as a share of the point, for stacks before torch 1.13 and no calibration. FITTED to lambda-dlb-logs
+# only (tests/test_band_gap.py recomputes it); tlkh/transformers-benchmarking (torch 1.7) checks it, held out.
+LEGACY_TORCH = (1, 13)
+LEGACY_GAP_HIGH_FRACTION = 0.65
+
 # ---- NCCL ----------------------------------------------------------------------------------------
 # The channel count NCCL picks depends on topology and version (planner.memory.runtime NCCL_CHANNELS is an
 # ASSUMPTION): half to twice the default.
@@ -106,6 +118,16 @@ def nccl_term(nccl: int, given: bool = False) -> BandTerm:
 def context_term(point: int, low: int, high: int, basis: str) -> BandTerm:
     return BandTerm(name="cuda_context", point=int(point), low=min(int(low), int(point)),
                     high=max(int(high), int(point)), basis=basis)
+
+
+def legacy_gap_term(point_total: int, torch_version: tuple[int, int] | None, calibrated: bool) -> BandTerm:
+    """No bytes at the point; up to LEGACY_GAP_HIGH_FRACTION of the point above it on a torch 1.x stack that no
+    calibration covers (exact zero otherwise)."""
+    if calibrated or torch_version is None or torch_version >= LEGACY_TORCH:
+        return exact("unexplained_gap", 0, "none seen on this stack" if not calibrated else "calibrated family")
+    return BandTerm(name="unexplained_gap", point=0, low=0, high=int(point_total * LEGACY_GAP_HIGH_FRACTION),
+                    basis=f"published whole-GPU peaks of torch 1.x runs sit up to "
+                          f"{LEGACY_GAP_HIGH_FRACTION:.0%} above this model, cause unknown")
 
 
 def totals(terms: Iterable[BandTerm]) -> tuple[int, int, int]:
