@@ -1,7 +1,7 @@
 """Speed of `planner.estimate` with the caching-allocator replay on, against the flat fragmentation (prints).
 
 The target (issues 8, 9): >= 1,000 configurations/s on 2 cores with the allocator and the roofline on. Not met
-for distinct steps: a step of BERT-base is ~2,800 allocator events (first + steady step), each ~1 µs to build
+for distinct steps: a step of BERT-base is ~3,000 allocator events (first + steady step), each ~1 µs to build
 and ~1 µs to replay in CPython (`allocator.fast_run`), and repeated layers cannot be skipped exactly
 (benchmarks/layer_periodicity.py). Rows:
 - flat: `runtime={"fragmentation": 0.10}` (no replay; what estimate cost before the allocator model);

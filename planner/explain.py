@@ -73,10 +73,24 @@ def _precision_lines(est: Estimate) -> list[str]:
                      "optimizer states; no fp32 master copy (pure 16-bit training).")
     else:
         lines.append(f"fp32: 4 bytes per parameter = {fmt_bytes(4 * total)} per full copy.")
+    if est.config.tf32:
+        has = "tf32" in _gpu_peaks(est.gpu)
+        lines.append("TF32 on (--tf32): fp32 matmuls run on tensor cores with 10-bit mantissas; memory is "
+                     "unchanged, only speed. " + ("This GPU has TF32 tensor cores." if has else
+                                                 "This GPU has no TF32 tensor cores (before Ampere): no effect."))
     lines.append("The ZeRO paper's 16 bytes/parameter (fp16 params + fp32 master + Adam) is DeepSpeed's mixed "
                  "precision; PyTorch AMP with AdamW costs 4 (params) + 4 (grads) + 8 (Adam) = 16 bytes as well, "
                  "but all in fp32.")
     return lines
+
+
+def _gpu_peaks(gpu_name: str) -> dict[str, float]:
+    from planner.hardware import get_gpu
+
+    try:
+        return get_gpu(gpu_name).peak_tflops
+    except (PlannerError, KeyError):  # a name the table does not hold
+        return {}
 
 
 def _storage_lines(est: Estimate) -> list[str]:

@@ -125,3 +125,23 @@ def test_real_process_exit_code_and_no_traceback():
                        text=True)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_tf32_flag_speeds_fp32_on_ampere_only_and_leaves_memory_alone():
+    """--tf32 sets TrainConfig.tf32: fp32 GEMMs take the TF32 tensor-core peak on A100, nothing on V100 (no TF32
+    units), and no byte of memory changes."""
+    def est(instance: str, *flags: str) -> dict:
+        r = run("estimate", "--model", "bert-base-uncased", "--instance", instance, "--batch-size", "32",
+                "--seq-len", "128", "--json", *flags)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    a100, a100_tf32 = est("ml.p4d.24xlarge"), est("ml.p4d.24xlarge", "--tf32")
+    v100, v100_tf32 = est("ml.p3.2xlarge"), est("ml.p3.2xlarge", "--tf32")
+    assert a100_tf32["config"]["tf32"] is True and a100["config"]["tf32"] is False
+    assert a100_tf32["throughput"]["samples_per_s"] > 1.5 * a100["throughput"]["samples_per_s"]
+    assert v100_tf32["throughput"]["samples_per_s"] == pytest.approx(v100["throughput"]["samples_per_s"])
+    assert a100_tf32["memory_bytes"] == a100["memory_bytes"]
+    text = run("explain", "--model", "bert-base-uncased", "--instance", "ml.p3.2xlarge", "--batch-size", "8",
+               "--seq-len", "128", "--tf32").stdout
+    assert "no TF32 tensor cores" in " ".join(text.split())

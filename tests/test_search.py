@@ -238,6 +238,24 @@ def test_one_study_over_instance_types_best_is_the_cheapest_per_job(tmp_path):
     assert BEST_KEYS <= set(data["best"]) and all(BEST_KEYS <= set(r) for r in data["best_per_instance"])
     assert data["best"]["usd_per_job"] == pytest.approx(min(r["usd_per_job"] for r in data["best_per_instance"]))
     assert {"study", "storage", "model", "objective", "constraints", "trials", "top", "pareto"} <= set(data)
+    for rec in [data["best"], *data["best_per_instance"], *data["top"]]:  # counts stay integers in JSON
+        for key in ("instances", "batch_size", "grad_accum", "global_batch_size", "seq_len", "world_size"):
+            assert type(rec[key]) is int, (key, rec[key])
+
+
+def test_counts_stay_integers_when_an_infeasible_trial_left_a_gap():
+    """pandas stores a count column holding NaN (an infeasible trial's missing estimate) as floats; the JSON
+    records give the counts back as integers and the gaps as null."""
+    import pandas as pd
+
+    from planner.search.results import _records
+
+    frame = pd.DataFrame({"world_size": [8, None], "global_batch_size": [64, None], "mfu": [0.5, None]})
+    assert frame["world_size"].dtype == float
+    assert _records(frame, ["world_size", "global_batch_size", "mfu"]) == [
+        {"world_size": 8, "global_batch_size": 64, "mfu": 0.5},
+        {"world_size": None, "global_batch_size": None, "mfu": None}]
+    assert type(_records(frame, ["world_size"])[0]["world_size"]) is int
 
 
 def test_instance_count_is_searched_and_priced_per_instance(tmp_path):

@@ -47,6 +47,9 @@ ContextOpt = Annotated[float | None, typer.Option("--cuda-context-mib", help="Ov
 FragOpt = Annotated[float | None, typer.Option("--fragmentation", help="Override reserved/allocated - 1.")]
 DatasetOpt = Annotated[int | None, typer.Option("--dataset-size", help="Samples per epoch, for $/epoch.")]
 SpotOpt = Annotated[bool, typer.Option("--spot/--on-demand", help="Managed spot price.")]
+Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32",
+                                        help="fp32 matmuls on TF32 tensor cores (allow_tf32; Ampere and later; "
+                                             "PyTorch's default is off).")]
 PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write the memory timeline to FILE.png or FILE.html.")]
 
 
@@ -56,7 +59,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
                  spot: bool = False, inputs: str | None = None, loss: str | None = None,
-                 stack: dict[str, str] | None = None) -> Estimate:
+                 stack: dict[str, str] | None = None, tf32: bool = False) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -68,7 +71,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                           seq_len=seq_len, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                           parallelism=parallelism, checkpointing=checkpointing, attention=attention,
                           grad_accum=grad_accum, instances=instances,
-                          gradient_as_bucket_view=gradient_as_bucket_view)
+                          gradient_as_bucket_view=gradient_as_bucket_view, tf32=tf32)
     overrides: dict[str, Any] = {}
     if cuda_context_mib is not None:
         number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
@@ -82,7 +85,8 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
 def print_estimate(est: Estimate) -> None:
     cfg = est.config
     console.print(f"[bold]{est.model}[/] on [bold]{est.instance}[/] ({est.gpu}), {cfg.parallelism} over "
-                  f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}, "
+                  f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}"
+                  f"{' (TF32 matmuls)' if cfg.tf32 else ''}, "
                   f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
                   f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}")
     if est.stack:
@@ -187,6 +191,7 @@ def register(app: typer.Typer) -> None:
         fragmentation: FragOpt = None,
         dataset_size: DatasetOpt = None,
         spot: SpotOpt = False,
+        tf32: Tf32Opt = False,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -203,7 +208,7 @@ def register(app: typer.Typer) -> None:
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
                            spot, inputs, loss,
-                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
+                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32)
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -233,6 +238,7 @@ def register(app: typer.Typer) -> None:
         instances: InstancesOpt = 1,
         model_option: ModelOptionOpt = None,
         gradient_as_bucket_view: BucketViewOpt = False,
+        tf32: Tf32Opt = False,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -249,7 +255,8 @@ def register(app: typer.Typer) -> None:
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
-                           stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf))
+                           stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
+                           tf32=tf32)
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss)
         if json_out:

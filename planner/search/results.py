@@ -167,12 +167,28 @@ def best_row(frame: pd.DataFrame, target: str, direction: str) -> pd.DataFrame:
     return _order(data, direction).head(1)
 
 
+# Counts that pandas turns into floats when a column also holds NaN (an infeasible trial): JSON gives them as
+# integers again (a consumer reading "world_size": 1.0 would have to guess).
+INTEGER_COLUMNS = frozenset({"trial", "instances", "batch_size", "grad_accum", "global_batch_size", "seq_len",
+                             "world_size"})
+
+
 def _records(frame: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
     cols = [c for c in columns if c in frame.columns]
     out = []
     for rec in frame[cols].to_dict(orient="records"):
-        out.append({k: (None if isinstance(v, float) and math.isnan(v) else _plain(v)) for k, v in rec.items()})
+        out.append({k: _cell(k, v) for k, v in rec.items()})
     return out
+
+
+def _cell(column: str, value: Any) -> Any:
+    value = _plain(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if column in INTEGER_COLUMNS and value.is_integer():
+            return int(value)
+    return value
 
 
 def _plain(value: Any) -> Any:
