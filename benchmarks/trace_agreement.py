@@ -11,10 +11,8 @@ worst of each. Usage: python benchmarks/trace_agreement.py [--models bert-tiny,g
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -26,23 +24,9 @@ INSTANCES = ("ml.p3.2xlarge", "ml.p4d.24xlarge")  # V100 (no bf16, no flash), A1
 
 def user_file(folder: Path, name: str, spec) -> str:
     """The catalog model as user code, with per-layer checkpointing for its transformer."""
-    d = folder / name.replace("-", "_")
-    d.mkdir(exist_ok=True)
-    (d / "spec.json").write_text(json.dumps(spec.model_dump(mode="json")))
-    path = d / "model.py"
-    path.write_text(textwrap.dedent(f"""
-        import json
-        from jobs.modeling import build_model, enable_checkpointing, make_batch
-        SPEC = json.load(open({str(d / 'spec.json')!r}))
-        def build(attention="sdpa"):
-            model = build_model(SPEC, attention)
-            if not hasattr(model, "gradient_checkpointing_enable"):  # the multimodal model: its BERT
-                model.gradient_checkpointing_enable = lambda **kw: enable_checkpointing(model.TextBertBase[0])
-            return model
-        def batch(b, s):
-            return make_batch(SPEC, b, s)
-    """))
-    return str(path)
+    from tests.catalog_user import catalog_user_file
+
+    return catalog_user_file(folder / name.replace("-", "_"), spec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,14 +15,12 @@ difference of gradient timing, not a missing temporary, and is asserted as such.
 
 from __future__ import annotations
 
-import json
-import textwrap
-
 import pytest
 
 from planner.memory.activations import activation_blocks
 from planner.spec import BYTES_PER_DTYPE, TrainConfig
 from tests import saved_tensors as st
+from tests.catalog_user import catalog_user_file
 
 LOSS_SCALARS = 2 * 512  # loss value + backward's ones_like seed, each one 512-byte allocator block
 GRAD_DTYPE = {"fp32": "float32", "amp-bf16": "float32", "amp-fp16": "float32", "bf16": "bfloat16",
@@ -30,18 +28,7 @@ GRAD_DTYPE = {"fp32": "float32", "amp-bf16": "float32", "amp-fp16": "float32", "
 
 
 def _user_file(tmp_path, spec) -> str:
-    (tmp_path / "spec.json").write_text(json.dumps(spec.model_dump(mode="json")))
-    path = tmp_path / "model.py"
-    path.write_text(textwrap.dedent(f"""
-        import json
-        from jobs.modeling import build_model, make_batch
-        SPEC = json.load(open({str(tmp_path / 'spec.json')!r}))
-        def build(attention="sdpa"):
-            return build_model(SPEC, attention)
-        def batch(b, s):
-            return make_batch(SPEC, b, s)
-    """))
-    return str(path)
+    return catalog_user_file(tmp_path, spec, checkpointable=False)
 
 
 def _traced_and_analytic(tmp_path, family, head, precision, attention):

@@ -3,8 +3,6 @@ analytic core on the catalog's own modules."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 from torch import nn
@@ -12,6 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from planner.program.trace import trace_step
 from planner.spec import TrainConfig
+from tests.catalog_user import catalog_user_file
 
 # ------------------------------------------------------------------------------- user-style modules
 
@@ -165,23 +164,7 @@ def test_trace_records_ops_and_balanced_storage_events():
 
 def _user_file(tmp_path, spec) -> str:
     """The catalog model as user code: jobs.modeling builds exactly the module the analytic core describes."""
-    import json
-
-    (tmp_path / "spec.json").write_text(json.dumps(spec.model_dump(mode="json")))
-    path = tmp_path / "catalog_model.py"
-    path.write_text(textwrap.dedent(f"""
-        import json
-        from jobs.modeling import build_model, enable_checkpointing, make_batch
-        SPEC = json.load(open({str(tmp_path / 'spec.json')!r}))
-        def build(attention="sdpa"):
-            model = build_model(SPEC, attention)
-            if not hasattr(model, "gradient_checkpointing_enable"):  # the multimodal model: its BERT
-                model.gradient_checkpointing_enable = lambda **kw: enable_checkpointing(model.TextBertBase[0])
-            return model
-        def batch(b, s):
-            return make_batch(SPEC, b, s)
-    """))
-    return str(path)
+    return catalog_user_file(tmp_path, spec, "catalog_model.py")
 
 
 PEAK_TOLERANCE = 0.01  # issue 12: "peak allocated within 1 %" (these rows: worst 0.63 %, llama eager fp32)
