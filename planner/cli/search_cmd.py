@@ -1,6 +1,6 @@
 """`planner search`: find the fastest (or cheapest) configuration that fits, with Optuna.
 
-`planner search --instance ml.p3.16xlarge` searches the built-in default (the seed's multimodal BERT);
+`planner search --instance ml.p3.16xlarge` searches the built-in default (the multimodal BERT, text + tabular);
 `--sweep FILE` reads a sweep, and every other flag overrides the sweep's field of the same name.
 """
 

@@ -1,7 +1,7 @@
 """The input batch on the GPU, with the dtypes PyTorch and HF tokenizers really produce.
 
 Token ids, attention masks, token-type ids and class labels are int64 (8 B) in PyTorch / HF tokenizers'
-`return_tensors="pt"` output, not int32 (seed note 000). Tabular features are float32.
+`return_tensors="pt"` output, not int32 (a common mistake). Tabular features are float32.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 PyTorch AMP (autocast + GradScaler) keeps fp32 parameters and fp32 gradients and casts weights to 16 bit
 on the fly (the casts are cached for the forward and saved for backward: see activations). This differs
-from the ZeRO paper's "mixed precision" (fp16 params + fp32 master copy, seed note 001). Pure fp16/bf16
+from the ZeRO paper's "mixed precision" (fp16 params + fp32 master copy). Pure fp16/bf16
 training casts the model itself: 2-byte parameters and gradients.
 """
 

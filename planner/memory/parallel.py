@@ -1,7 +1,7 @@
 """How a parallelism strategy places model states on GPUs.
 
 Under DataParallel and DDP every GPU holds a FULL replica of parameters, gradients and optimizer states;
-only ZeRO/FSDP-style sharding divides them (seed note 000 divided by 8 GPUs: that is wrong).
+only ZeRO/FSDP-style sharding divides them (dividing them by the GPU count under DDP is a common mistake).
 ZeRO stages (Rajbhandari et al. 2020, §5): 1 shards optimizer states, 2 also gradients, 3 also parameters.
 `fsdp` is PyTorch FSDP FULL_SHARD, i.e. ZeRO-3 semantics.
 """

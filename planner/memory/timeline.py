@@ -5,7 +5,7 @@ cycle, because that is the worst one: with `grad_accum > 1` the gradients of ear
 allocated through its forward and backward. With `grad_accum == 1` `optimizer.zero_grad()` (set_to_none=True,
 PyTorch >= 2.0 default) frees them before the forward, and backward allocates them block by block.
 
-Phases (seed note 002's zones, corrected):
+Phases:
 - load: parameters, module buffers, DDP's gradient buckets (allocated when the model is wrapped).
 - forward: + batch + optimizer states, and each block's saved activations accumulate; a block's transient
   temporaries sit on top while it runs. Under AMP the autocast cast cache (16-bit weight copies) lives until the

@@ -20,7 +20,7 @@ from planner.spec import BatchNormSpec, Component, DenseSpec, InputSpec, ModelSp
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "models"  # shipped as package data
 MULTIMODAL = "multimodal-bert"
-# Options of multimodal-bert and their defaults (the seed's TabAE / TextBertBase / merge network).
+# Options of multimodal-bert and their defaults (its TabAE / TextBertBase / merge network).
 MULTIMODAL_DEFAULTS: dict[str, Any] = {"text_model": "bert-base-uncased", "tab_in": 100, "tab_out": 128,
                                        "text_out": 128, "num_classes": 2, "binary": True}
 TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels")
@@ -143,7 +143,7 @@ def multimodal_bert(**options: Any) -> ModelSpec:
       first token's hidden state stands in) -> Linear(hidden, text_out).
     - merge: Linear(tab_out + text_out, num_classes) on the concatenated features.
 
-    No nonlinearity between these Linear layers (as the seed describes the model).
+    No nonlinearity between these Linear layers (as the reference model defines them).
     Loss ("multimodal"): cross-entropy on the merge logits + an auxiliary loss on the TabAE logits:
     BCE-with-logits when binary, cross-entropy otherwise. jobs/modeling.py builds exactly this.
     """

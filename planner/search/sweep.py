@@ -50,8 +50,8 @@ Sampler = Literal["tpe", "grid", "random"]
 Target = Literal["throughput", "cost", "time", "pareto"]
 TARGETS: tuple[str, ...] = ("throughput", "cost", "time", "pareto")
 
-# The reference job of the seed's notes (the multimodal classifier fine-tuned with batch 64 at sequence 512,
-# 100 tabular features). Its dataset size is not in the notes. ASSUMPTION: 100,000 samples, a mid-size
+# The reference job (the multimodal classifier fine-tuned with batch 64 at sequence 512,
+# 100 tabular features). Its dataset size is not given. ASSUMPTION: 100,000 samples, a mid-size
 # fine-tuning set; override with --dataset-size. Epochs: 3, the middle of the 2-4 that BERT's authors
 # recommend for fine-tuning (Devlin et al. 2019, arXiv:1810.04805, appendix A.3); override with --epochs.
 REFERENCE_GLOBAL_BATCH_SIZE = 64
@@ -325,7 +325,7 @@ def _relative_to(path: Path, ref: str | None) -> str | None:
     return f"{beside}:{m['fn']}" if beside.is_file() else ref
 
 
-# The default of `planner search`: the seed's multimodal BERT; sweeps/multimodal-bert-p3.yaml holds the
+# The default of `planner search`: the multimodal BERT (text + tabular); sweeps/multimodal-bert-p3.yaml holds the
 # same definition (a test keeps them equal), so the command works without the repository's files.
 DEFAULT_SWEEP = Sweep(
     name="multimodal-bert-p3",
