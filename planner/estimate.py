@@ -5,6 +5,7 @@ This module only orchestrates: each term is a small function in `planner.memory`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ class _ModelFacts:
     buffer_bytes: int
     gradient_shapes: tuple
     by_block: dict[str, int]
+    # Gradient elements per block: `by_block`, except that a tied LM head's gradient is allocated at the head's
+    # backward, not the embeddings' (`params.tied_gradient`).
+    gradients_by_block: dict[str, int]
     optimizer: dict  # (optimizer, impl, param bytes, share) -> (state bytes, temporary bytes)
 
 
@@ -90,12 +94,20 @@ def _model_facts(spec: ModelSpec) -> _ModelFacts:
         count_parameters,
         model_gradient_tensor_shapes,
         parameters_by_block,
+        tied_gradient,
     )
 
     if len(_MODEL_FACTS) >= MODEL_FACTS_CACHE_SIZE:
         _MODEL_FACTS.clear()
+    by_block = parameters_by_block(spec)
+    gradients = dict(by_block)
+    tied = tied_gradient(spec)
+    if tied is not None:
+        emb, head, shape = tied
+        gradients[emb] = gradients.get(emb, 0) - math.prod(shape)
+        gradients[head] = gradients.get(head, 0) + math.prod(shape)
     facts = _ModelFacts(spec, count_parameters(spec), count_buffers_bytes(spec),
-                        tuple(model_gradient_tensor_shapes(spec)), parameters_by_block(spec), {})
+                        tuple(model_gradient_tensor_shapes(spec)), by_block, gradients, {})
     _MODEL_FACTS[id(spec)] = facts
     return facts
 
@@ -139,17 +151,11 @@ def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
     """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
-    counts = _model_facts(model).by_block
-    from planner.models.params import tied_gradient
-
-    tied = tied_gradient(model)  # a tied LM head's gradient is allocated at the head's backward
-    moved: dict[str, int] = {}
-    if tied is not None:
-        moved = {tied[0]: -tied[2][0] * tied[2][1], tied[1]: tied[2][0] * tied[2][1]}
+    facts = _model_facts(model)
     out = []
     for act in activations:  # every block in forward order, then "loss"
-        n = counts.get(act.block, 0)
-        full_p, full_g = n * p_bytes, (n + moved.get(act.block, 0)) * g_bytes
+        full_p = facts.by_block.get(act.block, 0) * p_bytes
+        full_g = facts.gradients_by_block.get(act.block, 0) * g_bytes
         resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
         # ZeRO-3/FSDP all-gathers a unit's full parameters while it runs (and prefetches the next one).
         gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0
@@ -468,8 +474,6 @@ def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point
 
 def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
     """The whole-device peak term by term, each with its band (planner.memory.band)."""
-    from planner.memory.stack import parse_version
-
     workspace = prep.step.workspace_bytes
     terms = (
         band.exact("tensors", allocated - workspace, "exact: parameters, gradients, optimizer states, "
@@ -480,8 +484,8 @@ def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, repla
         band.context_term(*prep.context),
         band.nccl_term(nccl, "nccl_bytes_per_peer" in prep.given),
     )
-    torch = parse_version("torch", prep.stack.torch) if prep.stack else None
-    point = sum(t.point for t in terms)
+    torch = sw.parse_version("torch", prep.stack.torch) if prep.stack else None
+    _, point, _ = band.totals(terms)
     return (*terms, band.legacy_gap_term(point, torch, calibrated=bool(prep.fragmentation_range)))
 
 
