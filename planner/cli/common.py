@@ -57,10 +57,8 @@ def handles_errors(fn: F) -> F:
             where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
             err_console.print(f"[bold red]error:[/] {where}{exc.strerror or exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            err_console.print("interrupted; everything finished so far is saved")
-            raise typer.Exit(130) from None
-        except Exception as exc:  # a library's cleanup turned Ctrl-C into its own error (planner.errors)
+        # Ctrl-C, or a library's cleanup that turned it into its own error (planner.errors.interrupted)
+        except (KeyboardInterrupt, Exception) as exc:
             if not interrupted(exc):
                 raise
             err_console.print("interrupted; everything finished so far is saved")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import re
 import sys
 import traceback
@@ -195,7 +196,7 @@ def shipped_references(model: dict[str, Any], folder: Path) -> dict[str, Any]:
     Returns {"model": ref, "inputs": ref, "loss": ref or None, "model_options": {...}}."""
     code = model["user_code"]
     files: dict[str, str] = code["files"]
-    digest = hashlib.sha256(json_dumps(files).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
     where = folder / digest
     where.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
@@ -210,9 +211,3 @@ def shipped_references(model: dict[str, Any], folder: Path) -> dict[str, Any]:
 
     return {"model": ref(code["model"]), "inputs": ref(code["inputs"]), "loss": ref(code.get("loss")),
             "model_options": dict(code.get("options") or {})}
-
-
-def json_dumps(value: Any) -> str:
-    import json
-
-    return json.dumps(value, sort_keys=True)
