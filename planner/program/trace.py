@@ -640,7 +640,7 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
 
 
 def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int],
-              storages: list[tuple[str, int]] | None = None) -> dict[str, int]:
+              storages: list[tuple[str, int]]) -> dict[str, int]:
     """Model outputs other than the loss that the loop keeps alive through backward (`outputs = model(...)`),
     bytes per block; `storages` collects (block, storage id) of each."""
     out: dict[str, int] = {}
@@ -653,14 +653,13 @@ def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int
             continue
         seen.add(key)
         out[info.block] = out.get(info.block, 0) + cuda.allocation_bytes(info.device.nbytes, rec.backend)
-        if storages is not None:
-            storages.append((info.block, info.sid))
+        storages.append((info.block, info.sid))
     return out
 
 
 def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...],
                  parameters: dict[str, int], retained: dict[str, int], forward_end: int, backward_end: int,
-                 backend: Backend, retained_ids: frozenset[int] | None = None) -> tuple[TracedBlock, ...]:
+                 backend: Backend, retained_ids: frozenset[int]) -> tuple[TracedBlock, ...]:
     """Per block: saved bytes, and the measured transient peaks from replaying the storage events (a pure
     function of the trace's records, so an interpolated trace gets its own: planner.program.scale).
 
@@ -668,8 +667,7 @@ def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], s
     them as activations from the head's forward until the optimizer step (`TracedBlock.retained_bytes`), so
     counting them in a backward transient too counted the logits twice (+n·V·4 bytes in every backward block
     after the head; +2 MB per layer for gpt2-tiny at 4x128). They are subtracted only while alive, so the blocks
-    before the head keep their own temporaries. Without `retained_ids` (an old caller), the forward subtracts
-    the retained total as before."""
+    before the head keep their own temporaries."""
     order: list[str] = []
     for i in range(forward_end):
         if op_blocks[i] not in order:
@@ -689,7 +687,6 @@ def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], s
     fwd = dict.fromkeys(order, 0)
     bwd = dict.fromkeys(order, 0)
     live = kept = grads = held = 0  # step storages alive; of them saved activations, parameter gradients, outputs
-    rids = retained_ids if retained_ids is not None else frozenset()
     stream = iter((e.op, e.action, e.storage) for e in events)
     pending = next(stream, None)
     for i in range(backward_end):
@@ -702,13 +699,13 @@ def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], s
                     kept += sign * size[sid]
                 elif cat[sid] == "gradient":
                     grads += sign * size[sid]
-                elif sid in rids:
+                elif sid in retained_ids:
                     held += sign * size[sid]
             pending = next(stream, None)
         block = op_blocks[i] or LOSS_BLOCK
         extra = max(live - kept - grads - held, 0)
         if i < forward_end:
-            fwd[block] = max(fwd.get(block, 0), extra if retained_ids is not None else extra - sum(retained.values()))
+            fwd[block] = max(fwd.get(block, 0), extra)
         else:
             bwd[block] = max(bwd.get(block, 0), extra)
     return tuple(TracedBlock(b, parameters.get(b, 0), saved_by.get(b, 0), max(fwd.get(b, 0), 0), bwd.get(b, 0),
