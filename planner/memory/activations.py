@@ -38,7 +38,7 @@ real modules on this CPU-only machine; every CPU/CUDA difference is one named fu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.errors import PlannerError
 from planner.models.blocks import Block, model_blocks
@@ -901,7 +901,17 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         padded = model.inputs.attention_mask
     ctx = _ctx(config, backend, padded, flash_ok)
     out: list[BlockActivations] = []
+    # A model's transformer layers share one spec, and a layer's tensors depend on its index only through
+    # "is it the first" (Llama's first layer, the checkpointed mask): compute two, copy the rest.
+    same_layer: dict[tuple[int, bool], BlockActivations] = {}
     for block in model_blocks(model):
+        is_layer = block.role == "layer" and isinstance(block.layer, TransformerSpec)
+        if is_layer:
+            key = (id(block.layer), block.index == 0)
+            hit = same_layer.get(key)
+            if hit is not None:
+                out.append(replace(hit, block=block.name))
+                continue
         saved = block_saved(block, model, ctx)
         casts = weight_casts(block, ctx)
         ckpt = config.checkpointing and block.role == "layer" and isinstance(block.layer, TransformerSpec)
@@ -914,6 +924,8 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
                                     _total(casts, backend), fwd, bwd, ckpt, retained,
                                     _total(cache, backend), tuple(saved), tuple(kept), tuple(cache)))
+        if is_layer:
+            same_layer[key] = out[-1]
     loss = _loss(model, ctx)
     fwd, bwd = _transients(loss, ctx)
     out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, bwd, False, 0, 0,
