@@ -42,5 +42,6 @@ def interrupted(exc: BaseException | None) -> bool:
         if isinstance(exc, KeyboardInterrupt):
             return True
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        # `raise ... from None` (a command that already answered the interrupt) ends the chain
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return False

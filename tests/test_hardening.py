@@ -367,13 +367,30 @@ def test_ctrl_c_inside_optunas_tell_is_an_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(_optimize, "_tell_with_warning", tell)
     code, out, err = invoke(["search", "--instance", "ml.p3.2xlarge", "--trials", "20", "--study", "t",
                              "--results-dir", str(tmp_path), "--no-progress"])
-    assert code == 130 and "Traceback" not in err and err.strip().endswith("interrupted; everything finished so "
-                                                                          "far is saved"), (code, err)
+    assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (code, err)
+    assert err.strip().startswith("interrupted after 2 of 20 trials") and "run the same command again" in err, err
+    import pandas as pd
+
+    assert pd.read_csv(tmp_path / "t" / "trials.csv").shape[0] == 2  # the table of what was found so far
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     storage = JournalStorage(JournalFileBackend(str(tmp_path / "t" / "journal.log")))
     trials = optuna.load_study(study_name="t", storage=storage).get_trials(deepcopy=False)
     assert len(trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
+def test_ctrl_c_before_the_first_trial_leaves_nothing(tmp_path, monkeypatch):
+    """Nothing finished: no table, no empty study folder, and the message says so."""
+    from optuna.study import _optimize
+
+    def tell(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_optimize, "_tell_with_warning", tell)
+    code, out, err = invoke(["search", "--instance", "ml.p3.2xlarge", "--trials", "20", "--study", "t",
+                             "--results-dir", str(tmp_path / "results"), "--no-progress"])
+    assert code == 130 and err.strip() == "interrupted before any trial finished; nothing was saved", err
+    assert not (tmp_path / "results").exists()
 
 
 def test_ctrl_c_in_a_trial_logs_no_traceback():

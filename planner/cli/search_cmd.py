@@ -36,7 +36,7 @@ from planner.search.limits import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from planner.search.study import SearchResult
+    from planner.search.study import SearchInterrupted, SearchResult
     from planner.search.sweep import Sweep
 
 HELP_SPACE = "Comma-separated values to search (default: see planner/search/space.py)."
@@ -285,6 +285,18 @@ def print_result(result: SearchResult, top: int) -> None:
         console.print(table)
 
 
+def interrupted_message(stop: SearchInterrupted) -> str:
+    """What a Ctrl-C left: how many trials are kept, where their table is, and how to go on."""
+    import optuna
+
+    done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in stop.run.trials)
+    if stop.result is None or not stop.result.files:
+        return "interrupted before any trial finished; nothing was saved"
+    names = ", ".join(p.name for p in stop.result.files.values())
+    return (f"interrupted after {done} of {stop.run.target} trials; what they found is in "
+            f"{stop.result.results_dir}/ ({names}); run the same command again to go on")
+
+
 def infeasible_message(result: SearchResult) -> str:
     from planner.search.results import infeasible_reasons
 
@@ -443,7 +455,7 @@ def register(app: typer.Typer) -> None:
         """Search instance type and count, parallelism, precision, checkpointing, micro-batch, attention and
         optimizer kernels for the best way to run a training recipe; prints the best, the top configurations
         and writes results/<study>/."""
-        from planner.search.study import run_search
+        from planner.search.study import SearchInterrupted, run_search
         from planner.search.sweep import TARGETS
 
         if objective is not None and objective not in TARGETS:
@@ -474,8 +486,12 @@ def register(app: typer.Typer) -> None:
         bar = sys.stderr.isatty() and not json_out if progress is None else progress
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,
                       results_dir=results_dir)
-        with _Progress(bar) as report:
-            result = run_search(sw, progress=report, **kwargs)
+        try:
+            with _Progress(bar) as report:
+                result = run_search(sw, progress=report, **kwargs)
+        except SearchInterrupted as stop:
+            err_console.print(interrupted_message(stop), highlight=False, soft_wrap=True)
+            raise typer.Exit(130) from None
         if json_out:
             from planner.search.results import summary
 

@@ -22,6 +22,7 @@ ends with exactly the budget and a grid is covered once.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,16 @@ class StudyRun:
     @property
     def instances(self) -> tuple[str, ...]:
         return self.space.instance_types
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a search, carrying the study as it stands: every finished trial is already stored, and
+    `run_search` writes their table and best before the interrupt goes on (a user who stops a long search
+    wants what it found so far)."""
+
+    def __init__(self, run: StudyRun, objective: Objective, result: SearchResult | None = None) -> None:
+        super().__init__()
+        self.run, self.objective, self.result = run, objective, result
 
 
 @dataclass
@@ -375,12 +386,19 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     # The grid stops itself once every point is in the in-memory study (ours and the others' trials); a
     # point another worker wrote meanwhile is skipped by `save`, not written twice.
     remaining = space.size if grid else target - before
+    def the_run(trials: list[optuna.trial.FrozenTrial]) -> StudyRun:
+        return StudyRun(study_name=name, space=space, sampler=sampler, target=target, new_trials=mirror.written,
+                        evaluations=objective.evaluations, worker=worker, seed=seed + worker, starts=starts,
+                        trials=trials)
+
     if target > before:
         try:
             mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
+        except KeyboardInterrupt:
+            raise SearchInterrupted(the_run(persistent.get_trials(deepcopy=False)), objective) from None
         except Exception as exc:
             if interrupted(exc):  # Ctrl-C inside optuna's tell: an interrupt, not a failed trial to keep
-                raise KeyboardInterrupt from None
+                raise SearchInterrupted(the_run(persistent.get_trials(deepcopy=False)), objective) from None
             # A bug in an estimate: keep its FAIL trial next to the finished ones, then let it surface.
             for trial in mirror.memory.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)):
                 mirror.save(trial, target + 1)
@@ -388,10 +406,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     mirror.sync()
     if progress is not None:
         progress(name, mirror.complete, max(mirror.complete, target))
-    run = StudyRun(study_name=name, space=space, sampler=sampler, target=target, new_trials=mirror.written,
-                   evaluations=objective.evaluations, worker=worker, seed=seed + worker, starts=starts,
-                   trials=persistent.get_trials(deepcopy=False))
-    return run, objective
+    return the_run(persistent.get_trials(deepcopy=False)), objective
 
 
 def instance_tag(names: list[str]) -> str:
@@ -450,20 +465,38 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     spec = parse_storage(storage, folder / JOURNAL_FILE)
     file = spec.file
     created = file is not None and not file.exists()
+    made_root = not results_dir.exists()
     if storage is None:
         folder.mkdir(parents=True, exist_ok=True)
+
+    def leave_nothing() -> None:
+        """A search that stored no trial leaves no storage file, study folder or results folder it made."""
+        remove_if_empty(spec, created)
+        if made_root:
+            with contextlib.suppress(OSError):
+                results_dir.rmdir()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    def result_of(run: StudyRun, objective: Objective) -> SearchResult:
+        result = SearchResult(name=name, storage=spec.display(), results_dir=folder, sweep=sweep,
+                              target=objective.target, directions=objective.directions, run=run,
+                              frame=trials_frame(run))
+        if write_files:
+            result.files = write_results(result)
+        return result
+
     try:
         store = open_storage(spec)
         run, objective = run_study(store, spec, name, sweep, trials=trials, sampler=sampler, seed=seed,
                                    estimate_fn=estimate_fn, progress=progress)
-    except BaseException:
-        remove_if_empty(spec, created)
+    except SearchInterrupted as stop:
+        finished = [t for t in stop.run.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if finished:  # the table and best of what was found so far; a second Ctrl-C leaves no half file
+            stop.result = result_of(stop.run, stop.objective)
+        else:
+            leave_nothing()
         raise
-    frame = trials_frame(run)
-    result = SearchResult(name=name, storage=spec.display(), results_dir=folder, sweep=sweep,
-                          target=objective.target, directions=objective.directions, run=run, frame=frame)
-    if write_files:
-        result.files = write_results(result)
-    return result
+    except BaseException:
+        leave_nothing()
+        raise
+    return result_of(run, objective)
 
