@@ -200,6 +200,7 @@ class Plan:
     seed: int
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = 25.0
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -234,6 +235,7 @@ def make_plan(request: dict[str, Any]) -> Plan:
         seed=int(request.get("seed", 0)),
         gradient_as_bucket_view=bool(cfg.get("gradient_as_bucket_view", False)),
         bucket_cap_mb=float(cfg.get("bucket_cap_mb", 25.0)),
+        tf32=bool(cfg.get("tf32", False)),
     )
 
 
@@ -674,6 +676,8 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
 
     plan, dev, rec, result = ctx.plan, ctx.device, ctx.rec, ctx.result
     torch.manual_seed(plan.seed)
+    # Set either way: a container or an earlier probe in this process may have changed PyTorch's default (off).
+    torch.backends.cuda.matmul.allow_tf32 = plan.tf32
     spec = request["model"]
 
     # ---- load: model, wrapper, optimizer, batch ------------------------------------------------
@@ -692,7 +696,7 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     if plan.precision == "amp-fp16":
         scaler = torch.amp.GradScaler(dev.type, init_scale=GRAD_SCALER_INIT_SCALE)
     applied.update(autocast={"amp-fp16": "float16", "amp-bf16": "bfloat16"}.get(plan.precision),
-                   grad_scaler=scaler is not None,
+                   grad_scaler=scaler is not None, tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
                    model_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     per_process_batch = plan.batch_size * (plan.world_size if plan.parallelism == "dp" else 1)
     batch = _cast_batch(modeling.make_batch(spec, per_process_batch, plan.seq_len, dev), plan)

@@ -225,6 +225,10 @@ def test_dry_run_calls_nothing_and_allows_placeholders(aws_env, tiny_config, mon
     assert req["RoleArn"].startswith("arn:aws:iam::************:role/")  # placeholder, account masked
     assert req["EnableManagedSpotTraining"] is True
     assert not (aws_env / "results").exists()  # a dry run writes nothing
+    tf32 = _cli(["probe", "launch", "--dry-run", "--model", str(tiny_config), "--instance", "ml.p3.2xlarge",
+                 "--batch-size", "2", "--seq-len", "32", "--spot", "--tf32"])
+    assert tf32.exit_code == 0, tf32.output  # another configuration, so another job
+    assert json.loads(tf32.stdout)["TrainingJobName"] != req["TrainingJobName"]
 
 
 @pytest.mark.parametrize("extra,needle", [

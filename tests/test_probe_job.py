@@ -221,3 +221,15 @@ def test_ddp_two_cpu_processes_under_torchrun(tiny_spec, tmp_path):
     assert result["applied"]["parallelism"] == "ddp"
     assert result["summary"]["global_batch_size"] == 2 * 2
     assert not list(tmp_path.glob("out.json.rank*"))  # per-rank files merged and removed
+
+
+def test_tf32_reaches_the_probe_and_is_set_either_way(tiny_spec):
+    """A configuration estimated with --tf32 is measured with TF32 matmuls, and one without after it is not
+    (the flag is process-wide: an earlier probe must not leak into the next)."""
+    import torch
+
+    on = probe.run_probe(request(tiny_spec, tf32=True), modeling=modeling, device="cpu")
+    assert on["status"] == "ok" and on["applied"]["tf32_matmul"] is True
+    off = probe.run_probe(request(tiny_spec), modeling=modeling, device="cpu")
+    assert off["status"] == "ok" and off["applied"]["tf32_matmul"] is False
+    assert torch.backends.cuda.matmul.allow_tf32 is False

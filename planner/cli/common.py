@@ -132,6 +132,9 @@ def stack_from_flags(torch_version: str | None, cuda_version: str | None, transf
     return given or None
 GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")]
 InstancesOpt = Annotated[int, typer.Option("--instances", help="Number of instances (nodes).")]
+Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32",
+                                        help="fp32 matmuls on TF32 tensor cores (allow_tf32; Ampere and later; "
+                                             "PyTorch's default is off).")]
 ModelOptionOpt = Annotated[list[str] | None, typer.Option(
     "--model-option", "-o", help="Model option KEY=VALUE, e.g. tab_in=200 (multimodal-bert).")]
 InputsOpt = Annotated[str | None, typer.Option(

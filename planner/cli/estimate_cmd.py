@@ -26,6 +26,7 @@ from planner.cli.common import (
     ParallelismOpt,
     PrecisionOpt,
     SeqOpt,
+    Tf32Opt,
     TorchVersionOpt,
     TransformersVersionOpt,
     console,
@@ -47,9 +48,6 @@ ContextOpt = Annotated[float | None, typer.Option("--cuda-context-mib", help="Ov
 FragOpt = Annotated[float | None, typer.Option("--fragmentation", help="Override reserved/allocated - 1.")]
 DatasetOpt = Annotated[int | None, typer.Option("--dataset-size", help="Samples per epoch, for $/epoch.")]
 SpotOpt = Annotated[bool, typer.Option("--spot/--on-demand", help="Managed spot price.")]
-Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32",
-                                        help="fp32 matmuls on TF32 tensor cores (allow_tf32; Ampere and later; "
-                                             "PyTorch's default is off).")]
 PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write the memory timeline to FILE.png or FILE.html.")]
 
 

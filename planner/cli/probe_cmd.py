@@ -32,6 +32,7 @@ from planner.cli.common import (
     ParallelismOpt,
     PrecisionOpt,
     SeqOpt,
+    Tf32Opt,
     console,
     err_console,
     fail,
@@ -235,6 +236,7 @@ def register(app: typer.Typer) -> None:
         attention: AttentionOpt = "sdpa",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
+        tf32: Tf32Opt = False,
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
@@ -256,7 +258,7 @@ def register(app: typer.Typer) -> None:
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances), model_option, warmup_steps, steps,
+            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option, warmup_steps, steps,
             inputs, loss)
         records = []
         try:
@@ -302,6 +304,7 @@ def register(app: typer.Typer) -> None:
         attention: AttentionOpt = "sdpa",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
+        tf32: Tf32Opt = False,
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
@@ -321,7 +324,7 @@ def register(app: typer.Typer) -> None:
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances), model_option, warmup_steps, steps,
+            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option, warmup_steps, steps,
             inputs, loss)
         opts = awslaunch.LaunchOptions(role_arn=role_arn, s3=s3, region=region_name, spot=spot,
                                        max_run_minutes=max_run_minutes, max_wait_minutes=max_wait_minutes,
