@@ -340,6 +340,20 @@ def test_a_study_name_cannot_be_reused_for_another_search(tmp_path):
         run_search(other, trials=3, study="same", results_dir=tmp_path, estimate_fn=fake_estimate)
 
 
+def test_a_study_resumed_by_another_build_of_planner_is_refused(tmp_path, monkeypatch):
+    """Trials estimated by an older planner (another memory or speed model) are not ranked against new ones;
+    the build is a digest of the package's code and data, so it is the same within one checkout."""
+    from planner.build import estimator_build
+    from planner.search import study as study_mod
+
+    assert estimator_build() == estimator_build() and len(estimator_build()) == 12
+    run_search(small_sweep(), trials=3, study="old", results_dir=tmp_path, estimate_fn=fake_estimate)
+    run_search(small_sweep(), trials=4, study="old", results_dir=tmp_path, estimate_fn=fake_estimate)  # same build
+    monkeypatch.setattr(study_mod, "estimator_build", lambda: "0123456789ab")
+    with pytest.raises(PlannerError, match="--study.*another build of planner"):
+        run_search(small_sweep(), trials=5, study="old", results_dir=tmp_path, estimate_fn=fake_estimate)
+
+
 def test_different_instance_sets_never_share_results(tmp_path):
     one = run_search(small_sweep(), trials=3, results_dir=tmp_path, estimate_fn=fake_estimate)
     two = run_search(small_sweep(instance="ml.p3.16xlarge,ml.g5.xlarge"), trials=3, results_dir=tmp_path,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planner.build import estimator_build
 from planner.errors import PlannerError, interrupted
 from planner.search.objective import EstimateFn, Objective
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DEFINITION_ATTR = "planner:definition"
+BUILD_ATTR = "planner:build"  # planner.build.estimator_build() of the process that created the study
 WORKERS_ATTR = "planner:workers"
 JOURNAL_FILE = "journal.log"
 # TPE trials when no count is given: benchmarks/search_benchmark.py shows TPE reaching >= 99% of the
@@ -126,15 +128,22 @@ def make_sampler(kind: str, space: SearchSpace, seed: int, objectives: int = 1) 
     raise PlannerError("--sampler", kind, "tpe, grid, random")
 
 
-def _check_definition(study: optuna.Study, definition: dict[str, Any], name: str) -> None:
+def _check_definition(study: optuna.Study, definition: dict[str, Any], name: str, build: str) -> None:
+    """A study holds one search: the same definition, estimated by the same build (planner.build)."""
     stored = study.user_attrs.get(DEFINITION_ATTR)
     if stored is None:
         study.set_user_attr(DEFINITION_ATTR, definition)
+        study.set_user_attr(BUILD_ATTR, build)
         return
     if stored != definition:
         keys = sorted(k for k in set(stored) | set(definition) if stored.get(k) != definition.get(k))
         raise PlannerError("--study", name, f"a new name: this study already holds a search with different "
                            f"{', '.join(keys)}")
+    made_by = study.user_attrs.get(BUILD_ATTR)
+    if made_by != build:
+        raise PlannerError("--study", name, f"a new name, or the study removed: its trials were estimated by "
+                           f"another build of planner ({made_by or 'an older one'}, this is {build}), whose "
+                           "figures may differ from this one's")
 
 
 def _point_key(trial: optuna.trial.FrozenTrial) -> tuple:
@@ -347,7 +356,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     with lock.hold():
         persistent = optuna.create_study(storage=storage, study_name=name, directions=objective.directions,
                                          load_if_exists=True)
-        _check_definition(persistent, sweep.definition(), name)
+        _check_definition(persistent, sweep.definition(), name, estimator_build())
     worker = _join(persistent, lock)
     budget = trials or default_trials(len(types))
     if sampler is None:  # not chosen: a space no larger than the budget is searched exhaustively
