@@ -1,13 +1,16 @@
-"""Held-out check: the planner's whole-GPU peak vs readings it must never be fitted to.
+"""Held-out check: the planner's whole-GPU peak (and speed) vs readings it must never be fitted to.
 
-Reads results/public/heldout/ (see its README.md: tlkh/transformers-benchmarking, RoBERTa on one V100 16 GB,
-native AMP, apex FusedAdam, NGC pytorch:20.10-py3) and prints, per run and as medians, the error of
-`peak_device` against nvidia-smi's memory.used peak (predicted / measured - 1) and whether the reading lies in
-the band [low, high]. Nothing here feeds back into the planner: the figures are for reading only.
+Reads results/public/heldout/ (see its README.md) and prints, per run and as medians per source, the error of
+`peak_device` against nvidia-smi's used memory after training (predicted / measured - 1) and whether the
+reading lies in the band [low, high]; for the Hugging Face page also the error of samples/s. Nothing here
+feeds back into the planner: the figures are for reading only.
 
-Stack: NGC 20.10 ships torch 1.7 (NGC release notes; CUDA 11.1 there, eager module loading like every CUDA
-before 11.7): passed as torch 1.7 (the table's CUDA build for it); transformers not stated (2020-12): eager
-attention given explicitly.
+- tlkh/transformers-benchmarking: RoBERTa on one V100 16 GB, native AMP, apex FusedAdam, NGC
+  pytorch:20.10-py3 = torch 1.7 (CUDA 11.1 there, eager module loading like every CUDA before 11.7);
+  transformers not stated (2020-12): eager attention given explicitly.
+- Hugging Face "efficient training on a single GPU" page: BERT-large on one V100 16 GB (2022-01: torch 1.10,
+  transformers 4.15, eager attention by that version's default), input_ids and labels only (no attention
+  mask in the batch), transformers' AdamW (a loop over parameters), Adafactor, bitsandbytes Adam8bit.
 
 Usage: python benchmarks/public_heldout.py
 """
@@ -17,49 +20,99 @@ from __future__ import annotations
 import csv
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import planner  # noqa: E402
-from planner.spec import TrainConfig  # noqa: E402
+from planner.models.catalog import get_model  # noqa: E402
+from planner.spec import InputSpec, TrainConfig  # noqa: E402
 
-HELDOUT = ROOT / "results" / "public" / "heldout" / "tlkh_v100_16gb_amp.csv"
+HELD = ROOT / "results" / "public" / "heldout"
 MIB = 1 << 20
 INSTANCE = "ml.p3.2xlarge"  # one V100 16 GB
-STACK = {"torch": "1.7"}
 OPTIONS = {"head": "sequence-classification", "num_labels": 2}
 
 
-def rows() -> list[dict[str, str]]:
-    with HELDOUT.open(newline="", encoding="utf-8") as f:
+@dataclass(frozen=True)
+class Run:
+    source: str
+    label: str
+    model: object  # a catalog name or a ModelSpec
+    config: TrainConfig
+    stack: dict[str, str]
+    peak_mib: float
+    samples_per_s: float | None = None
+
+
+def _csv(name: str) -> list[dict[str, str]]:
+    with (HELD / name).open(newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
 
 
-def evaluate(row: dict[str, str]) -> dict[str, float | str | bool]:
-    cfg = TrainConfig(batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]), precision="amp-fp16",
-                      attention="eager", optimizer="adamw", optimizer_impl="fused", parallelism="single")
-    est = planner.estimate(row["model"], cfg, INSTANCE, model_options=OPTIONS, stack=STACK, with_throughput=False)
-    measured = float(row["peak_mib"]) * MIB
+def tlkh_runs() -> list[Run]:
+    return [Run("tlkh", f"{r['model']} s={r['seq_len']} b={r['batch_size']}", r["model"],
+                TrainConfig(batch_size=int(r["batch_size"]), seq_len=int(r["seq_len"]), precision="amp-fp16",
+                            attention="eager", optimizer="adamw", optimizer_impl="fused", parallelism="single"),
+                {"torch": "1.7"}, float(r["peak_mib"]))
+            for r in _csv("tlkh_v100_16gb_amp.csv")]
+
+
+def hf_page_runs() -> list[Run]:
+    bert = get_model("bert-large-uncased", **OPTIONS)
+    bert = bert.model_copy(update={"inputs": InputSpec(attention_mask=False)})  # input_ids and labels only
+    out = []
+    for r in _csv("hf_perf_train_gpu_one_v100.csv"):
+        cfg = TrainConfig(batch_size=int(r["batch_size"]), seq_len=512, grad_accum=int(r["grad_accum"]),
+                          checkpointing=r["checkpointing"] == "true", precision=r["precision"],
+                          optimizer=r["optimizer"], optimizer_impl=r["optimizer_impl"], parallelism="single")
+        out.append(Run("hf-page", r["experiment"], bert, cfg, {"torch": "1.10", "transformers": "4.15"},
+                       float(r["peak_mib"]), float(r["samples_per_s"])))
+    return out
+
+
+def evaluate(run: Run) -> dict[str, float | str | bool | None]:
+    est = planner.estimate(run.model, run.config, INSTANCE, model_options=None if not isinstance(run.model, str)
+                           else OPTIONS, stack=run.stack, with_throughput=run.samples_per_s is not None)
+    measured = run.peak_mib * MIB
     m = est.memory_bytes
-    return {"id": f"{row['model']} s={row['seq_len']} b={row['batch_size']}", "measured": measured,
-            "predicted": m.peak_device, "err": m.peak_device / measured - 1, "verdict": est.verdict,
-            "in_band": est.peak_device_low_bytes <= measured <= est.peak_device_high_bytes,
-            "above": m.peak_device - m.peak_allocated - m.cuda_context - m.nccl}
+    speed = None
+    if run.samples_per_s is not None and est.throughput is not None:
+        speed = est.throughput.samples_per_s / run.samples_per_s - 1
+    return {"source": run.source, "id": run.label, "measured": measured, "predicted": m.peak_device,
+            "err": m.peak_device / measured - 1, "verdict": est.verdict, "speed_err": speed,
+            "in_band": est.peak_device_low_bytes <= measured <= est.peak_device_high_bytes}
+
+
+def summary(res: list[dict]) -> str:
+    errs = [float(r["err"]) for r in res]
+    line = (f"{len(res)} runs: median error {statistics.median(errs) * 100:+.0f}%, median |error| "
+            f"{statistics.median(abs(e) for e in errs) * 100:.0f}%, under {sum(e < 0 for e in errs)}, "
+            f"in band {sum(bool(r['in_band']) for r in res)}")
+    speeds = [float(r["speed_err"]) for r in res if r["speed_err"] is not None]
+    if speeds:
+        line += (f"\n  samples/s: median error {statistics.median(speeds) * 100:+.0f}%, median |error| "
+                 f"{statistics.median(abs(e) for e in speeds) * 100:.0f}%")
+    return line
 
 
 def main() -> int:
-    res = [evaluate(r) for r in rows()]
-    print("HELD OUT (never fitted): tlkh/transformers-benchmarking, V100 16 GB, AMP")
-    print(f"{'run':<28}{'real GiB':>9}{'pred GiB':>9}{'err':>7}{'band':>6}{'verdict':>8}")
-    for r in res:
-        print(f"{r['id']:<28}{r['measured'] / 2**30:>9.2f}{r['predicted'] / 2**30:>9.2f}"
-              f"{r['err'] * 100:>+6.0f}%{'in' if r['in_band'] else 'out':>6}{r['verdict']:>8}")
-    errs = [float(r["err"]) for r in res]
-    print(f"{len(res)} runs: median error {statistics.median(errs) * 100:+.0f}%, median |error| "
-          f"{statistics.median(abs(e) for e in errs) * 100:.0f}%, under-predicted {sum(e < 0 for e in errs)}, "
-          f"in band {sum(bool(r['in_band']) for r in res)}")
+    print("HELD OUT (never fitted): nvidia-smi used memory after training, one V100 16 GB")
+    everything = []
+    for title, runs in (("tlkh/transformers-benchmarking, RoBERTa, AMP", tlkh_runs()),
+                        ("Hugging Face single-GPU page, BERT-large s=512", hf_page_runs())):
+        res = [evaluate(r) for r in runs]
+        everything += res
+        print(f"\n{title}")
+        print(f"{'run':<34}{'real GiB':>9}{'pred GiB':>9}{'err':>6}{'band':>5}{'verdict':>8}{'speed':>7}")
+        for r in res:
+            speed = f"{r['speed_err'] * 100:+6.0f}%" if r["speed_err"] is not None else f"{'':>7}"
+            print(f"{str(r['id'])[:33]:<34}{r['measured'] / 2**30:>9.2f}{r['predicted'] / 2**30:>9.2f}"
+                  f"{r['err'] * 100:>+5.0f}%{'in' if r['in_band'] else 'out':>5}{r['verdict']:>8}{speed}")
+        print(summary(res))
+    print(f"\nall held out: {summary(everything)}")
     return 0
 
 

@@ -21,6 +21,7 @@ from planner.probes.public import (
     public_dir,
     public_instance,
 )
+from planner.spec import TrainConfig
 
 HELD_OUT = ("tlkh/transformers-benchmarking", "perf_train_gpu_one", "bingbertsquad")
 
@@ -135,8 +136,8 @@ def test_benchmark_scripts_run_through_the_public_api(capsys):
 
 
 def test_held_out_readings_live_apart_from_the_fitting_files():
-    """results/public/heldout/ holds readings of held-out sources (tlkh/transformers-benchmarking): only
-    benchmarks/public_heldout.py reads them; the loaders' files never cite them."""
+    """results/public/heldout/ holds readings of held-out sources (tlkh/transformers-benchmarking, the Hugging
+    Face single-GPU performance page): only benchmarks/public_heldout.py reads them; the loaders never cite them."""
     import csv
 
     held = public_dir() / "heldout" / "tlkh_v100_16gb_amp.csv"
@@ -147,5 +148,12 @@ def test_held_out_readings_live_apart_from_the_fitting_files():
         assert r["path"].startswith("results/v100-16gb-300w/amp/") and r["path"].endswith("/metrics.csv"), r
         assert 0 < int(r["peak_mib"]) * MIB <= get_gpu("V100-16GB").memory_bytes, r
         get_model(r["model"])  # a catalog model
+    with (public_dir() / "heldout" / "hf_perf_train_gpu_one_v100.csv").open(newline="", encoding="utf-8") as f:
+        page = list(csv.DictReader(f))
+    assert len(page) == 9  # every experiment the page prints a reading for
+    for r in page:  # each row is a configuration the planner can take
+        TrainConfig(batch_size=int(r["batch_size"]), seq_len=512, grad_accum=int(r["grad_accum"]),
+                    precision=r["precision"], optimizer=r["optimizer"], optimizer_impl=r["optimizer_impl"])
+        assert 0 < int(r["peak_mib"]) * MIB <= get_gpu("V100-16GB").memory_bytes and float(r["samples_per_s"]) > 0
     for name in (MEMORY_FILE, THROUGHPUT_FILE):
         assert not any(h in (public_dir() / name).read_text(encoding="utf-8").lower() for h in HELD_OUT), name
