@@ -354,6 +354,12 @@ def test_a_study_resumed_by_another_build_of_planner_is_refused(tmp_path, monkey
         run_search(small_sweep(), trials=5, study="old", results_dir=tmp_path, estimate_fn=fake_estimate)
 
 
+def test_a_results_dir_no_one_can_create_names_the_flag():
+    """/proc takes no new folders, for root either (whom permission checks let through)."""
+    with pytest.raises(PlannerError, match="--results-dir.*/proc/planner-nope"):
+        run_search(small_sweep(), trials=1, results_dir="/proc/planner-nope", estimate_fn=fake_estimate)
+
+
 def test_different_instance_sets_never_share_results(tmp_path):
     one = run_search(small_sweep(), trials=3, results_dir=tmp_path, estimate_fn=fake_estimate)
     two = run_search(small_sweep(instance="ml.p3.16xlarge,ml.g5.xlarge"), trials=3, results_dir=tmp_path,

@@ -476,7 +476,10 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     created = file is not None and not file.exists()
     made_root = not results_dir.exists()
     if storage is None:
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. a place even root cannot make folders in (/proc)
+            raise PlannerError("--results-dir", str(results_dir), f"a writable folder ({exc.strerror or exc})") from None
 
     def leave_nothing() -> None:
         """A search that stored no trial leaves no storage file, study folder or results folder it made."""
