@@ -7,7 +7,9 @@ feeds back into the planner: the figures are for reading only.
 
 - tlkh/transformers-benchmarking: RoBERTa on one V100 16 GB, native AMP, apex FusedAdam, NGC
   pytorch:20.10-py3 = torch 1.7 (CUDA 11.1 there, eager module loading like every CUDA before 11.7);
-  transformers not stated (2020-12): eager attention given explicitly.
+  transformers not stated (2020-12): eager attention given explicitly. Its PyTorch Lightning profiler
+  reports (tlkh_step_times.csv) also time the same runs on one A100 40 GB: the speed ratio between the two
+  GPU families, the figure issue 9 found over-predicted by +62 % (median) before the roofline.
 - Hugging Face "efficient training on a single GPU" page: BERT-large on one V100 16 GB (2022-01: torch 1.10,
   transformers 4.15, eager attention by that version's default), input_ids and labels only (no attention
   mask in the batch), transformers' AdamW (a loop over parameters), Adafactor, bitsandbytes Adam8bit.
@@ -98,6 +100,57 @@ def summary(res: list[dict]) -> str:
     return line
 
 
+def tlkh_speed_pairs() -> list[tuple[dict[str, str], dict[str, str]]]:
+    """(V100 row, A100 row) of each run both GPUs have, from tlkh_step_times.csv."""
+    by_gpu: dict[str, dict[tuple, dict[str, str]]] = {}
+    for r in _csv("tlkh_step_times.csv"):
+        by_gpu.setdefault(r["gpu"], {})[(r["model"], int(r["seq_len"]), int(r["batch_size"]))] = r
+    v100, a100 = by_gpu.get("v100-16gb-300w", {}), by_gpu.get("a100-40gb-400w", {})
+    return [(v100[k], a100[k]) for k in sorted(set(v100) & set(a100))]
+
+
+def measured_samples_per_s(row: dict[str, str]) -> float:
+    """PyTorch Lightning's `optimizer_step` wraps the closure (forward + backward) and the step itself; the
+    batch fetch is timed apart: one training step = both."""
+    step = float(row["optimizer_step_mean_s"]) + float(row["get_train_batch_mean_s"])
+    return int(row["batch_size"]) / step
+
+
+def predicted_samples_per_s(row: dict[str, str], gpu: str) -> float:
+    from planner.probes.public import public_instance
+
+    cfg = TrainConfig(batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]), precision="amp-fp16",
+                      attention="eager", optimizer="adamw", optimizer_impl="fused", parallelism="single")
+    est = planner.estimate(row["model"], cfg, public_instance(gpu, 1), model_options=OPTIONS,
+                           stack={"torch": "1.7"})
+    return est.throughput.samples_per_s
+
+
+def speed_section() -> None:
+    """tlkh's A100 / V100 pairs: samples/s per GPU and the speed ratio between the two GPU families."""
+    pairs = tlkh_speed_pairs()
+    if not pairs:
+        return
+    print("\ntlkh/transformers-benchmarking speed, AMP: one V100 16 GB vs one A100 40 GB")
+    print(f"{'run':<28}{'V100 err':>9}{'A100 err':>9}{'real A/V':>9}{'pred A/V':>9}{'ratio err':>10}")
+    v_errs, a_errs, r_errs = [], [], []
+    for v, a in pairs:
+        mv, ma = measured_samples_per_s(v), measured_samples_per_s(a)
+        pv, pa = predicted_samples_per_s(v, "V100-16GB"), predicted_samples_per_s(a, "A100-40GB")
+        v_errs.append(pv / mv - 1)
+        a_errs.append(pa / ma - 1)
+        r_errs.append((pa / pv) / (ma / mv) - 1)
+        label = f"{v['model']} s={v['seq_len']} b={v['batch_size']}"
+        print(f"{label[:27]:<28}{v_errs[-1] * 100:>+8.0f}%{a_errs[-1] * 100:>+8.0f}%{ma / mv:>9.2f}"
+              f"{pa / pv:>9.2f}{r_errs[-1] * 100:>+9.0f}%")
+
+    def med(xs: list[float]) -> str:
+        return f"median {statistics.median(xs) * 100:+.0f}% (|error| {statistics.median(abs(x) for x in xs) * 100:.0f}%)"
+
+    print(f"{len(pairs)} pairs: V100 samples/s {med(v_errs)}; A100 {med(a_errs)}")
+    print(f"  A100/V100 speed ratio: {med(r_errs)}")
+
+
 def main() -> int:
     print("HELD OUT (never fitted): nvidia-smi used memory after training, one V100 16 GB")
     everything = []
@@ -113,6 +166,7 @@ def main() -> int:
                   f"{r['err'] * 100:>+5.0f}%{'in' if r['in_band'] else 'out':>5}{r['verdict']:>8}{speed}")
         print(summary(res))
     print(f"\nall held out: {summary(everything)}")
+    speed_section()
     return 0
 
 

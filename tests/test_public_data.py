@@ -148,6 +148,17 @@ def test_held_out_readings_live_apart_from_the_fitting_files():
         assert r["path"].startswith("results/v100-16gb-300w/amp/") and r["path"].endswith("/metrics.csv"), r
         assert 0 < int(r["peak_mib"]) * MIB <= get_gpu("V100-16GB").memory_bytes, r
         get_model(r["model"])  # a catalog model
+    with (public_dir() / "heldout" / "tlkh_step_times.csv").open(newline="", encoding="utf-8") as f:
+        steps = list(csv.DictReader(f))
+    pairs = {(r["model"], r["seq_len"], r["batch_size"]) for r in steps if r["gpu"] == "a100-40gb-400w"} & \
+        {(r["model"], r["seq_len"], r["batch_size"]) for r in steps if r["gpu"] == "v100-16gb-300w"}
+    assert len(pairs) >= 20 and len(steps) == 2 * len(pairs)  # only runs both GPUs have
+    for r in steps:
+        assert r["path"] == f"results/{r['gpu']}/amp/{r['model']}/{r['seq_len']}-{r['batch_size']}/pl_profile.txt", r
+        step, forward, backward = (float(r[k]) for k in ("optimizer_step_mean_s", "model_forward_mean_s",
+                                                          "model_backward_mean_s"))
+        assert 0 < forward + backward <= step, r  # Lightning's optimizer_step wraps forward and backward
+        assert len(r["commit"]) == 40
     with (public_dir() / "heldout" / "hf_perf_train_gpu_one_v100.csv").open(newline="", encoding="utf-8") as f:
         page = list(csv.DictReader(f))
     assert len(page) == 9  # every experiment the page prints a reading for

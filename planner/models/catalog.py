@@ -26,8 +26,8 @@ MULTIMODAL_DEFAULTS: dict[str, Any] = {"text_model": "bert-base-uncased", "tab_i
 TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels")
 # Listing order: by family, small to large; a config file added later is listed after these.
 ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-base", "roberta-large",
-                          "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b",
-                          "llama-3-8b", "mistral-7b")
+                          "distilroberta-base", "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large",
+                          "gpt2-xl", "llama-2-7b", "llama-3-8b", "mistral-7b")
 
 
 @functools.cache
