@@ -545,8 +545,16 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
         head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
                 "with more FLOPs.")
     else:
+        peaks = _gpu_peaks(est.gpu)
+        on_cuda_cores = est.config.precision == "fp32" and not (est.config.tf32 and "tf32" in peaks)
+        if not on_cuda_cores:
+            unit = "tensor-core FLOP/s"
+        elif "tf32" in peaks:
+            unit = "FP32 FLOP/s (fp32 matmuls run on CUDA cores; --tf32 puts them on this GPU's tensor cores)"
+        else:
+            unit = "FP32 FLOP/s (fp32 matmuls run on CUDA cores; this GPU has no TF32 tensor cores)"
         head = (f"{1 - share - cpu:.0%} of this step is bound by FLOPs ({share:.0%} memory-bound): a GPU with "
-                "more tensor-core FLOP/s helps most.")
+                f"more {unit} helps most.")
     kinds = ", ".join(f"{k.replace('_', '-')} {b[k] / t.step_time_s:.0%}" for k in
                       ("gemm", "attention", "memory_bound", "optimizer", "communication", "launch_overhead")
                       if k in b)

@@ -92,3 +92,21 @@ def test_explain_names_what_bounds_the_step():
     launch = estimate("distilbert-base-uncased", TrainConfig(batch_size=1, seq_len=16, precision="amp-bf16"),
                       "ml.p4d.24xlarge", model_options=opts)
     assert any("launch overhead" in line for line in explain(launch, model_options=opts)[-1].lines)
+
+
+def test_explain_names_the_units_a_flop_bound_step_runs_on():
+    """fp32 matmuls run on CUDA cores unless TF32 is on and the GPU has it: the advice names FP32 FLOP/s then,
+    and tensor-core FLOP/s for 16-bit or TF32 steps."""
+    from planner.estimate import estimate
+    from planner.explain import explain
+    from planner.spec import TrainConfig
+
+    def advice(instance, **cfg):
+        est = estimate("bert-large-uncased", TrainConfig(batch_size=8, seq_len=512, **cfg), instance)
+        return " ".join(line for line in explain(est)[-1].lines if "bound by FLOPs" in line or "helps most" in line)
+
+    assert "FP32 FLOP/s" in advice("ml.p3.2xlarge", precision="fp32") and "no TF32" in advice(
+        "ml.p3.2xlarge", precision="fp32")
+    assert "--tf32 puts them" in advice("ml.p4d.24xlarge", precision="fp32")
+    assert "tensor-core FLOP/s" in advice("ml.p4d.24xlarge", precision="fp32", tf32=True)
+    assert "tensor-core FLOP/s" in advice("ml.p3.2xlarge", precision="amp-fp16")
