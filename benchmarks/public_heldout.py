@@ -147,7 +147,8 @@ def speed_section() -> None:
     def med(xs: list[float]) -> str:
         return f"median {statistics.median(xs) * 100:+.0f}% (|error| {statistics.median(abs(x) for x in xs) * 100:.0f}%)"
 
-    print(f"{len(pairs)} pairs: V100 samples/s {med(v_errs)}; A100 {med(a_errs)}")
+    print(f"{len(pairs)} pairs, samples/s: V100 {med(v_errs)}")
+    print(f"  A100 {med(a_errs)}")
     print(f"  A100/V100 speed ratio: {med(r_errs)}")
 
 
@@ -165,7 +166,7 @@ def main() -> int:
             print(f"{str(r['id'])[:33]:<34}{r['measured'] / 2**30:>9.2f}{r['predicted'] / 2**30:>9.2f}"
                   f"{r['err'] * 100:>+5.0f}%{'in' if r['in_band'] else 'out':>5}{r['verdict']:>8}{speed}")
         print(summary(res))
-    print(f"\nall held out: {summary(everything)}")
+    print(f"\nall held out:\n{summary(everything)}")
     speed_section()
     return 0
 

@@ -168,3 +168,23 @@ def test_held_out_readings_live_apart_from_the_fitting_files():
         assert 0 < int(r["peak_mib"]) * MIB <= get_gpu("V100-16GB").memory_bytes and float(r["samples_per_s"]) > 0
     for name in (MEMORY_FILE, THROUGHPUT_FILE):
         assert not any(h in (public_dir() / name).read_text(encoding="utf-8").lower() for h in HELD_OUT), name
+
+
+def test_held_out_benchmark_runs_and_prints_within_80_columns(capsys):
+    """benchmarks/public_heldout.py reads every held-out file (memory, speed, the A100/V100 pairs) without
+    error; its figures are for reading, so only the report's shape is checked."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "public_heldout.py"
+    spec = importlib.util.spec_from_file_location("public_heldout", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["public_heldout"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    assert module.main() == 0
+    out = capsys.readouterr().out
+    for section in ("tlkh/transformers-benchmarking, RoBERTa", "Hugging Face single-GPU page",
+                    "A100/V100 speed ratio"):
+        assert section in out
+    assert max(len(line) for line in out.splitlines()) <= 80
