@@ -395,6 +395,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     # The grid stops itself once every point is in the in-memory study (ours and the others' trials); a
     # point another worker wrote meanwhile is skipped by `save`, not written twice.
     remaining = space.size if grid else target - before
+
     def the_run(trials: list[optuna.trial.FrozenTrial]) -> StudyRun:
         return StudyRun(study_name=name, space=space, sampler=sampler, target=target, new_trials=mirror.written,
                         evaluations=objective.evaluations, worker=worker, seed=seed + worker, starts=starts,
@@ -479,7 +480,8 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # e.g. a place even root cannot make folders in (/proc)
-            raise PlannerError("--results-dir", str(results_dir), f"a writable folder ({exc.strerror or exc})") from None
+            raise PlannerError("--results-dir", str(results_dir),
+                               f"a writable folder ({exc.strerror or exc})") from None
 
     def leave_nothing() -> None:
         """A search that stored no trial leaves no storage file, study folder or results folder it made."""
@@ -488,6 +490,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
             with contextlib.suppress(OSError):
                 results_dir.rmdir()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+
     def result_of(run: StudyRun, objective: Objective) -> SearchResult:
         result = SearchResult(name=name, storage=spec.display(), results_dir=folder, sweep=sweep,
                               target=objective.target, directions=objective.directions, run=run,
