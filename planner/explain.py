@@ -545,9 +545,14 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
         head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
                 "with more FLOPs.")
     else:
-        peaks = _gpu_peaks(est.gpu)
-        on_cuda_cores = est.config.precision == "fp32" and not (est.config.tf32 and "tf32" in peaks)
-        if not on_cuda_cores:
+        from planner.hardware import get_gpu
+        from planner.memory.activations import LOW_DTYPE
+        from planner.perf.roofline import on_cuda_cores
+
+        peaks = _gpu_peaks(est.gpu)  # empty for a GPU the table does not hold: then only fp32 is on CUDA cores
+        cuda_cores = (on_cuda_cores(get_gpu(est.gpu), LOW_DTYPE[est.config.precision], est.config.tf32) if peaks
+                      else est.config.precision == "fp32")
+        if not cuda_cores:
             unit = "tensor-core FLOP/s"
         elif "tf32" in peaks:
             unit = "FP32 FLOP/s (fp32 matmuls run on CUDA cores; --tf32 puts them on this GPU's tensor cores)"

@@ -107,14 +107,19 @@ class RooflineConstants(BaseModel):
 # ------------------------------------------------------------------------------ peak per dtype
 
 
-def peak_for(gpu: GPU, dtype: str, allow_tf32: bool) -> float:
-    """TFLOP/s for a kernel computing in `dtype`: tensor cores for 16-bit, FP32 CUDA cores for fp32 (TF32
-    tensor cores when allowed and present). A dtype the GPU lacks (bf16 on V100) falls back to fp32."""
-    peaks = gpu.peak_tflops
+def peak_key(gpu: GPU, dtype: str, allow_tf32: bool) -> str:
+    """Which of the GPU's peaks a kernel computing in `dtype` runs at: tensor cores for 16-bit, FP32 CUDA cores
+    for fp32 (TF32 tensor cores when allowed and present). A dtype the GPU lacks (bf16 on V100) falls back to
+    fp32."""
     key = {"float16": "fp16", "bfloat16": "bf16"}.get(dtype, "fp32")
-    if key == "fp32" and allow_tf32 and "tf32" in peaks:
+    if key == "fp32" and allow_tf32 and "tf32" in gpu.peak_tflops:
         key = "tf32"
-    return peaks.get(key, peaks["fp32"])
+    return key if key in gpu.peak_tflops else "fp32"
+
+
+def peak_for(gpu: GPU, dtype: str, allow_tf32: bool) -> float:
+    """TFLOP/s for a kernel computing in `dtype` (`peak_key`)."""
+    return gpu.peak_tflops[peak_key(gpu, dtype, allow_tf32)]
 
 
 # ------------------------------------------------------------------------------ the kernel table
@@ -242,11 +247,8 @@ def _peaks(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
 
 
 def on_cuda_cores(gpu: GPU, dtype: str, allow_tf32: bool) -> bool:
-    """The kernel computes on FP32 CUDA cores (no tensor-core peak applies: `peak_for` took fp32)."""
-    key = {"float16": "fp16", "bfloat16": "bf16"}.get(dtype, "fp32")
-    if key != "fp32":
-        return key not in gpu.peak_tflops
-    return not (allow_tf32 and "tf32" in gpu.peak_tflops)
+    """The kernel computes on FP32 CUDA cores (no tensor-core peak applies: `peak_key` took fp32)."""
+    return peak_key(gpu, dtype, allow_tf32) == "fp32"
 
 
 def _on_cuda_cores(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
