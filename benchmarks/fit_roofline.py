@@ -41,7 +41,7 @@ def errors(rows, constants: ThroughputConstants) -> list[float]:
     return out
 
 
-def constants(gemm: float, cuda_core: float, hbm: float) -> ThroughputConstants:
+def efficiencies(gemm: float, cuda_core: float, hbm: float) -> ThroughputConstants:
     return ThroughputConstants(gemm_efficiency=gemm, cuda_core_gemm_efficiency=cuda_core, hbm_efficiency=hbm)
 
 
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     single = [r for r in load_public_throughput() if r.gpus == 1]
     fit = [r for r in single if r.source_id in fit_sources]
     held = [r for r in single if r.source_id not in fit_sources]
-    base = constants(PRIOR, PRIOR, PRIOR)  # the search starts from the prior
-    s, g, cc, h = min((score(errors(fit, constants(g, cc, h))), g, cc, h)
+    base = efficiencies(PRIOR, PRIOR, PRIOR)  # the search starts from the prior
+    s, g, cc, h = min((score(errors(fit, efficiencies(g, cc, h))), g, cc, h)
                       for g, cc, h in itertools.product(GEMM_GRID, GEMM_GRID, HBM_GRID))
-    fitted = constants(g, cc, h)
+    fitted = efficiencies(g, cc, h)
     print(f"fit on {', '.join(fit_sources)} ({len(fit)} single-GPU rows)")
     print(f"best gemm_efficiency={g} cuda_core_gemm_efficiency={cc} hbm_efficiency={h}: median |error| "
           f"{math.exp(s) - 1:.1%} on the fit rows")

@@ -914,11 +914,11 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
                 continue
         saved = block_saved(block, model, ctx)
         casts = weight_casts(block, ctx)
-        ckpt = config.checkpointing and block.role == "layer" and isinstance(block.layer, TransformerSpec)
+        ckpt = config.checkpointing and is_layer
         kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
         fwd, bwd = _transients(saved, ctx)
-        if block.role == "layer" and isinstance(block.layer, TransformerSpec):
-            bwd = layer_backward_transient(block.layer, saved, ctx)
+        if is_layer:
+            bwd = layer_backward_transient(block.layer, saved, ctx)  # type: ignore[arg-type]
         retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
         cache = autocast_cache(block, ctx)
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
