@@ -54,11 +54,18 @@ def _csv(name: str) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+TLKH_STACK = {"torch": "1.7"}
+
+
+def tlkh_config(row: dict[str, str]) -> TrainConfig:
+    """A tlkh run (memory or speed file): native AMP, eager attention, apex FusedAdam, one GPU."""
+    return TrainConfig(batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]), precision="amp-fp16",
+                       attention="eager", optimizer="adamw", optimizer_impl="fused", parallelism="single")
+
+
 def tlkh_runs() -> list[Run]:
-    return [Run("tlkh", f"{r['model']} s={r['seq_len']} b={r['batch_size']}", r["model"],
-                TrainConfig(batch_size=int(r["batch_size"]), seq_len=int(r["seq_len"]), precision="amp-fp16",
-                            attention="eager", optimizer="adamw", optimizer_impl="fused", parallelism="single"),
-                {"torch": "1.7"}, float(r["peak_mib"]))
+    return [Run("tlkh", f"{r['model']} s={r['seq_len']} b={r['batch_size']}", r["model"], tlkh_config(r),
+                TLKH_STACK, float(r["peak_mib"]))
             for r in _csv("tlkh_v100_16gb_amp.csv")]
 
 
@@ -119,10 +126,8 @@ def measured_samples_per_s(row: dict[str, str]) -> float:
 def predicted_samples_per_s(row: dict[str, str], gpu: str) -> float:
     from planner.probes.public import public_instance
 
-    cfg = TrainConfig(batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]), precision="amp-fp16",
-                      attention="eager", optimizer="adamw", optimizer_impl="fused", parallelism="single")
-    est = planner.estimate(row["model"], cfg, public_instance(gpu, 1), model_options=OPTIONS,
-                           stack={"torch": "1.7"})
+    est = planner.estimate(row["model"], tlkh_config(row), public_instance(gpu, 1), model_options=OPTIONS,
+                           stack=TLKH_STACK)
     return est.throughput.samples_per_s
 
 

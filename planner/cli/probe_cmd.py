@@ -258,8 +258,8 @@ def register(app: typer.Typer) -> None:
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option, warmup_steps, steps,
-            inputs, loss)
+            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option,
+            warmup_steps, steps, inputs, loss)
         records = []
         try:
             for req in requests:
@@ -324,8 +324,8 @@ def register(app: typer.Typer) -> None:
         requests = build_requests(study, top, model, instance, dict(
             batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
             optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option, warmup_steps, steps,
-            inputs, loss)
+            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option,
+            warmup_steps, steps, inputs, loss)
         opts = awslaunch.LaunchOptions(role_arn=role_arn, s3=s3, region=region_name, spot=spot,
                                        max_run_minutes=max_run_minutes, max_wait_minutes=max_wait_minutes,
                                        volume_gb=volume_gb, image_uri=image, framework_version=framework_version)
