@@ -287,13 +287,10 @@ def print_result(result: SearchResult, top: int) -> None:
 
 def interrupted_message(stop: SearchInterrupted) -> str:
     """What a Ctrl-C left: how many trials are kept, where their table is, and how to go on."""
-    import optuna
-
-    done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in stop.run.trials)
     if stop.result is None or not stop.result.files:
         return "interrupted before any trial finished; nothing was saved"
     names = ", ".join(p.name for p in stop.result.files.values())
-    return (f"interrupted after {done} of {stop.run.target} trials; what they found is in "
+    return (f"interrupted after {stop.finished} of {stop.run.target} trials; what they found is in "
             f"{stop.result.results_dir}/ ({names}); run the same command again to go on")
 
 

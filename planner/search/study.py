@@ -84,9 +84,17 @@ class SearchInterrupted(KeyboardInterrupt):
     `run_search` writes their table and best before the interrupt goes on (a user who stops a long search
     wants what it found so far)."""
 
-    def __init__(self, run: StudyRun, objective: Objective, result: SearchResult | None = None) -> None:
+    def __init__(self, run: StudyRun, objective: Objective) -> None:
         super().__init__()
-        self.run, self.objective, self.result = run, objective, result
+        self.run, self.objective = run, objective
+        self.result: SearchResult | None = None  # set by run_search once the files are written
+
+    @property
+    def finished(self) -> int:
+        """Trials that completed before the interrupt."""
+        import optuna
+
+        return sum(t.state == optuna.trial.TrialState.COMPLETE for t in self.run.trials)
 
 
 @dataclass
@@ -504,8 +512,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
         run, objective = run_study(store, spec, name, sweep, trials=trials, sampler=sampler, seed=seed,
                                    estimate_fn=estimate_fn, progress=progress)
     except SearchInterrupted as stop:
-        finished = [t for t in stop.run.trials if t.state == optuna.trial.TrialState.COMPLETE]
-        if finished:  # the table and best of what was found so far; a second Ctrl-C leaves no half file
+        if stop.finished:  # the table and best of what was found so far; a second Ctrl-C leaves no half file
             stop.result = result_of(stop.run, stop.objective)
         else:
             leave_nothing()
