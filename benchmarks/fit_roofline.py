@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", default=",".join(FIT_SOURCES), help="comma-separated source ids to fit on")
     args = ap.parse_args(argv)
     fit_sources = tuple(args.fit.split(","))
-    single = [r for r in load_public_throughput() if r.gpus == 1]
+    single = [r for r in load_public_throughput() if r.gpus == 1 and r.fixed_length]
     fit = [r for r in single if r.source_id in fit_sources]
     held = [r for r in single if r.source_id not in fit_sources]
     base = efficiencies(PRIOR, PRIOR, PRIOR)  # the search starts from the prior

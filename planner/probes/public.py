@@ -136,6 +136,15 @@ class ThroughputRun(PublicRun):
 
     samples_per_s: float = Field(gt=0, lt=MAX_SAMPLES_PER_S)
     unit: Literal["sequences/s", "samples/s"] = "sequences/s"
+    # "fixed": every batch had seq_len tokens per sample. "max": batches were padded only to their longest
+    # sample (binned or dynamic padding), so they ran at up to seq_len; a prediction at seq_len is then a
+    # floor on the published speed, not a point to compare with.
+    seq_len_kind: Literal["fixed", "max"] = "fixed"
+
+    @property
+    def fixed_length(self) -> bool:
+        """Whether the published speed is that of `seq_len`-token samples (comparable with a prediction)."""
+        return self.seq_len_kind == "fixed"
 
     @property
     def samples_per_s_per_gpu(self) -> float:
