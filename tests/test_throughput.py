@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -144,6 +145,55 @@ def test_fitted_efficiencies_are_a_local_optimum_of_their_fit():
         for step in (-0.025, 0.025):
             moved = c.model_copy(update={name: round(getattr(c, name) + step, 3)})
             assert score(moved) >= best - 1e-12, (name, step)
+
+
+def test_rank_speed_spread_is_a_local_optimum_of_its_fit():
+    """rank_speed_spread is what benchmarks/fit_scaling.py finds on the scaling pairs of FIT_SOURCES: no step of
+    0.005 lowers the fit's median |log(predicted scaling / published scaling)|; the held-out pairs' median
+    scaling error stays within 10 %."""
+    from planner.models.catalog import cached_model
+    from planner.probes.public import load_public_throughput, scaling_pairs
+
+    pairs = scaling_pairs(load_public_throughput())
+
+    def errs(sub, c):
+        out = []
+        for multi, single in sub:
+            m = cached_model(multi.model, multi.model_options())
+            pm = predict_throughput(m, multi.train_config(), multi.instance(), c).samples_per_s
+            ps = predict_throughput(m, single.train_config(), single.instance(), c).samples_per_s
+            out.append(math.log((pm / ps) / (multi.samples_per_s / single.samples_per_s)))
+        return out
+
+    fit = [p for p in pairs if p[0].source_id in FIT_SOURCES]
+    held = [p for p in pairs if p[0].source_id not in FIT_SOURCES]
+    assert len(fit) >= 8 and len(held) >= 8
+    c = ThroughputConstants()
+    best = statistics.median(abs(e) for e in errs(fit, c))
+    for step in (-0.005, 0.005):
+        moved = c.model_copy(update={"rank_speed_spread": round(c.rank_speed_spread + step, 3)})
+        assert statistics.median(abs(e) for e in errs(fit, moved)) >= best - 1e-12, step
+    assert statistics.median(abs(e) for e in errs(held, c)) <= math.log(1.10)
+
+
+def test_the_slowest_gpu_sets_the_pace():
+    """n synchronous GPUs wait spread x E[max of n standard normals] of the compute for the slowest: nothing on
+    one GPU, more on 8 than on 4, and it is counted as communication."""
+    from planner.perf.throughput import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)  # closed form for n = 2
+    assert expected_max_normal(8) == pytest.approx(1.4236, abs=1e-3)  # tables of normal order statistics
+    one = tput(instance=get_instance("ml.p3.2xlarge"))
+    assert one.breakdown_s["slowest_gpu_wait_s"] == 0.0
+    four = tput(instance=get_instance("ml.p3.8xlarge"), parallelism="ddp")
+    eight = tput(instance=get_instance("ml.p3.16xlarge"), parallelism="ddp")
+    w4, w8 = four.breakdown_s["slowest_gpu_wait_s"], eight.breakdown_s["slowest_gpu_wait_s"]
+    assert 0 < w4 < w8
+    assert eight.breakdown_s["communication"] >= w8
+    compute = eight.breakdown_s["compute_s"] + eight.breakdown_s["overhead_s"]
+    spread = ThroughputConstants().rank_speed_spread
+    assert w8 == pytest.approx(compute * spread * expected_max_normal(8), rel=1e-9)
 
 
 def test_published_single_gpu_speed_fitted_and_held_out():

@@ -15,6 +15,12 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
   reduce-scatters gradients, overlapped by `allreduce_overlap`. DataParallel (dp): every micro-step
   broadcasts parameters to the replicas and reduces gradients to GPU 0, not overlapped.
+- the slowest GPU: a synchronous data-parallel step ends when its slowest GPU is done. GPUs of one model
+  differ in speed (clocks under power and thermal limits; variability across nominally identical GPUs is
+  several percent: Sinha et al., "Not All GPUs Are Created Equal", SC22), so n GPUs wait
+  E[max of n] = `rank_speed_spread` x e(n) of the compute time longer than one alone, e(n) the expected
+  maximum of n standard normals (0 for one GPU, 0.56 for 2, 1.03 for 4, 1.42 for 8). Counted as
+  communication: in a profile the faster GPUs' wait shows as time inside the collective.
 - optimizer: its kernels (foreach / fused / for-loop, GradScaler's unscale_) on this GPU's parameters
   (1/n under ZeRO/FSDP), memory-bound, same roofline.
 - fp32 matmuls use TF32 tensor cores only when `allow_tf32` (PyTorch's default
@@ -24,14 +30,18 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
 `breakdown_s` splits the step by kernel kind (gemm, attention, memory_bound, optimizer, communication) and
 launch_overhead (per-kernel gaps, CPU-bound time beyond the GPU's and host time per micro-step): the six sum
 to `step_time_s`. `bytes_bound_s` is the time in kernels whose bytes, not FLOPs, bound them (what
-`planner explain` names). The older keys (compute_s, recompute_s, overhead_s, communication_s,
-communication_total_s, optimizer_s) stay.
+`planner explain` names); the communication kind = the exposed collectives (`communication_s`) + the wait
+for the slowest GPU (`slowest_gpu_wait_s`).
+The older keys (compute_s, recompute_s, overhead_s, communication_s, communication_total_s, optimizer_s) stay.
 """
 
 from __future__ import annotations
 
+import math
+from functools import cache
 from typing import Any
 
+import numpy as np
 from pydantic import Field
 
 from planner.errors import PlannerError
@@ -72,6 +82,13 @@ class ThroughputConstants(RooflineConstants):
         0.4, gt=0, le=1,
         description="share of network Gbps NCCL reaches over TCP sockets without EFA; 'up to' figures are "
                     "burst rates (ASSUMPTION)")
+    rank_speed_spread: float = Field(
+        0.055, ge=0, le=0.5,
+        description="spread (coefficient of variation) of per-GPU step speed: n synchronous GPUs wait "
+                    "rank_speed_spread x E[max of n standard normals] of the compute time for the slowest; "
+                    "fitted to the scaling of multi-GPU runs in results/public (benchmarks/fit_scaling.py); it "
+                    "also absorbs any other loss that grows with the GPU count (gradient bucket copies, NCCL "
+                    "kernels sharing SMs and HBM with backward)")
     dp_replicate_overhead_s: float = Field(
         0.01, ge=0,
         description="DataParallel's per-micro-step thread start/replicate/gather cost beyond its copies "
@@ -97,6 +114,18 @@ def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstan
 
 
 # ---- communication -------------------------------------------------------------------------------
+
+
+@cache
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1): how far, in standard deviations, the slowest
+    of n GPUs lies behind their mean. Numerical integral of x * n * pdf(x) * cdf(x)^(n-1)."""
+    if n <= 1:
+        return 0.0
+    x = np.linspace(-12.0, 12.0, 24001)
+    pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    cdf = np.cumsum(pdf) * (x[1] - x[0])
+    return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
 
 
 def resolve_parallelism(config: TrainConfig, instance: Instance) -> str:
@@ -222,7 +251,10 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         gpu, c)
     optimizer_gpu = opt_secs + opt_gap
     optimizer = max(optimizer_gpu, opt_launches * c.cpu_dispatch_s)
-    step = config.grad_accum * micro + exposed + optimizer
+    # every GPU waits for the slowest one of the `world` (module docstring)
+    slowest_wait = config.grad_accum * micro * c.rank_speed_spread * expected_max_normal(world)
+    exposed_total = exposed + slowest_wait
+    step = config.grad_accum * micro + exposed_total + optimizer
 
     # model FLOPs (MFU's, no recompute) = forward + backward = (1 + BACKWARD_TO_FORWARD) x forward matmuls,
     # as planner.perf.flops.step_flops counts them
@@ -235,7 +267,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     mfu = model_flops * config.grad_accum / (peak * TFLOP * step)
     kinds = {k: config.grad_accum * v for k, v in by_kind(table, times.seconds).items()}
     kinds["optimizer"] += opt_secs
-    kinds["communication"] = exposed
+    kinds["communication"] = exposed_total
     launch_overhead = step - sum(kinds.values())
     breakdown: dict[str, Any] = {
         **kinds,
@@ -246,6 +278,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         "overhead_s": config.grad_accum * (micro - gpu_micro),
         "communication_s": exposed,
         "communication_total_s": comm_total,
+        "slowest_gpu_wait_s": slowest_wait,
         "optimizer_s": optimizer,
     }
     return Throughput(

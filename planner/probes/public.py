@@ -280,6 +280,17 @@ def load_public_throughput(root: Path | None = None) -> list[ThroughputRun]:
     return rows
 
 
+def scaling_pairs(rows: list[ThroughputRun]) -> list[tuple[ThroughputRun, ThroughputRun]]:
+    """(multi-GPU row, its one-GPU twin): same source, task, model, GPU, sequence, precision, TF32, micro-batch
+    and accumulation, fixed length. Their ratio is the run's scaling, free of the one-GPU speed error."""
+    def key(r: ThroughputRun) -> tuple:
+        return (r.source_id, r.task, r.model, r.head, r.gpu, r.seq_len, r.precision, r.tf32, r.batch_size,
+                r.grad_accum, r.checkpointing)
+
+    single = {key(r): r for r in rows if r.gpus == 1 and r.fixed_length}
+    return [(r, single[key(r)]) for r in rows if r.gpus > 1 and r.fixed_length and key(r) in single]
+
+
 def rows_frame(rows: list[PublicRun]):
     """The rows as a pandas DataFrame (one column per field), for the benchmark scripts."""
     import pandas as pd

@@ -8,6 +8,10 @@ per-type table has a row for every type that can run the job. The study's name s
 (`multimodal-bert-p3-p3.16xlarge-<hash>`, `...-all-<hash>`), so results of different searches never
 overwrite each other.
 
+Why the last trials of a TPE search are not sampled: they try one-setting changes to the best configuration of
+each of the two leading instance types (planner.search.polish), because TPE can settle in one type's basin
+and never pair the right values in another; the winner is then at least locally optimal in every setting.
+
 Why trials are sampled in memory and written to the storage as each one finishes: Optuna's RDB
 storage issues one transaction per parameter and attribute of a running trial, which would make the
 storage, not the estimate, the cost of a search; a finished trial is written as one record, so the
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from planner.build import estimator_build
 from planner.errors import PlannerError, interrupted
 from planner.search.objective import EstimateFn, Objective
+from planner.search.polish import polish_points, polish_reserve
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
 from planner.search.storage import StorageSpec, StudyLock, open_storage, parse_storage, remove_if_empty
 from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep, sweep_model
@@ -391,12 +396,23 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
             for start in starts:
                 mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
 
+    # TPE's last trials try one-setting changes to the best configurations (planner.search.polish)
+    polish_at = target - polish_reserve(budget) if not grid and len(objective.directions) == 1 else None
+    polished = [False]
+
+    def polish(study: optuna.Study) -> None:
+        polished[0] = True
+        for params in _polish_params(study, objective, space, target - mirror.complete):
+            study.enqueue_trial(params, skip_if_exists=True)
+
     def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         mirror.save(trial, target)
         if progress is not None:
             progress(name, min(mirror.complete, target), target)
         if mirror.complete >= target or (grid and smp.is_exhausted(study)):
             study.stop()
+        elif polish_at is not None and not polished[0] and mirror.complete >= polish_at:
+            polish(study)
 
     if progress is not None:
         progress(name, min(before, target), target)
@@ -410,6 +426,8 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
                         trials=trials)
 
     if target > before:
+        if polish_at is not None and before >= polish_at:  # a resumed study already in its last trials
+            polish(mirror.memory)
         try:
             mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
         except KeyboardInterrupt:
@@ -425,6 +443,19 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     if progress is not None:
         progress(name, mirror.complete, max(mirror.complete, target))
     return the_run(persistent.get_trials(deepcopy=False)), objective
+
+
+def _polish_params(study: optuna.Study, objective: Objective, space: SearchSpace, limit: int) -> list[dict[str, Any]]:
+    """Untried one-setting changes to the best configurations so far (planner.search.polish), scored with the
+    objective's cache (every tried point is in it)."""
+    sign = 1.0 if objective.direction == "minimize" else -1.0
+
+    def score(params: dict[str, Any]) -> float | None:
+        result = objective.evaluate_point(space.point(space.decode(params)))
+        return sign * result.values[0] if result.feasible else None
+
+    tried = [t.params for t in study.get_trials(deepcopy=False)]
+    return polish_points(tried, space.parameters(), score, limit)
 
 
 def instance_tag(names: list[str]) -> str:
