@@ -16,28 +16,17 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
+from pathlib import Path
 
-from planner.models.catalog import cached_model
-from planner.perf.throughput import ThroughputConstants, predict_throughput
-from planner.probes.public import load_public_throughput, scaling_pairs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-FIT_SOURCES = ("dle-bert-1907", "dle-bert-2006")
+from fit_roofline import FIT_SOURCES, score  # noqa: E402  (the roofline's fit sources and its score)
+
+from planner.perf.throughput import ThroughputConstants  # noqa: E402
+from planner.probes.public import load_public_throughput, scaling_errors, scaling_pairs  # noqa: E402
+
 GRID = [round(0.005 * i, 3) for i in range(41)]  # 0 .. 0.20
-
-
-def scaling_errors(pairs, constants: ThroughputConstants) -> list[float]:
-    """log(predicted scaling / published scaling) per (multi, single) pair."""
-    out = []
-    for multi, single in pairs:
-        model = cached_model(multi.model, multi.model_options())
-        pm = predict_throughput(model, multi.train_config(), multi.instance(), constants).samples_per_s
-        ps = predict_throughput(model, single.train_config(), single.instance(), constants).samples_per_s
-        out.append(math.log((pm / ps) / (multi.samples_per_s / single.samples_per_s)))
-    return out
-
-
-def score(errs: list[float]) -> float:
-    return statistics.median(abs(e) for e in errs)
 
 
 def main(argv: list[str] | None = None) -> int:

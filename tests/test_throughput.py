@@ -151,29 +151,18 @@ def test_rank_speed_spread_is_a_local_optimum_of_its_fit():
     """rank_speed_spread is what benchmarks/fit_scaling.py finds on the scaling pairs of FIT_SOURCES: no step of
     0.005 lowers the fit's median |log(predicted scaling / published scaling)|; the held-out pairs' median
     scaling error stays within 10 %."""
-    from planner.models.catalog import cached_model
-    from planner.probes.public import load_public_throughput, scaling_pairs
+    from planner.probes.public import load_public_throughput, scaling_errors, scaling_pairs
 
     pairs = scaling_pairs(load_public_throughput())
-
-    def errs(sub, c):
-        out = []
-        for multi, single in sub:
-            m = cached_model(multi.model, multi.model_options())
-            pm = predict_throughput(m, multi.train_config(), multi.instance(), c).samples_per_s
-            ps = predict_throughput(m, single.train_config(), single.instance(), c).samples_per_s
-            out.append(math.log((pm / ps) / (multi.samples_per_s / single.samples_per_s)))
-        return out
-
     fit = [p for p in pairs if p[0].source_id in FIT_SOURCES]
     held = [p for p in pairs if p[0].source_id not in FIT_SOURCES]
     assert len(fit) >= 8 and len(held) >= 8
     c = ThroughputConstants()
-    best = statistics.median(abs(e) for e in errs(fit, c))
+    best = statistics.median(abs(e) for e in scaling_errors(fit, c))
     for step in (-0.005, 0.005):
         moved = c.model_copy(update={"rank_speed_spread": round(c.rank_speed_spread + step, 3)})
-        assert statistics.median(abs(e) for e in errs(fit, moved)) >= best - 1e-12, step
-    assert statistics.median(abs(e) for e in errs(held, c)) <= math.log(1.10)
+        assert statistics.median(abs(e) for e in scaling_errors(fit, moved)) >= best - 1e-12, step
+    assert statistics.median(abs(e) for e in scaling_errors(held, c)) <= math.log(1.10)
 
 
 def test_the_slowest_gpu_sets_the_pace():

@@ -291,6 +291,21 @@ def scaling_pairs(rows: list[ThroughputRun]) -> list[tuple[ThroughputRun, Throug
     return [(r, single[key(r)]) for r in rows if r.gpus > 1 and r.fixed_length and key(r) in single]
 
 
+def scaling_errors(pairs: list[tuple[ThroughputRun, ThroughputRun]], constants: Any = None) -> list[float]:
+    """log(predicted scaling / published scaling) of each `scaling_pairs` pair, from planner.perf.throughput
+    (`constants`: its ThroughputConstants, default when None)."""
+    from planner.models.catalog import cached_model
+    from planner.perf.throughput import predict_throughput
+
+    out = []
+    for multi, single in pairs:
+        model = cached_model(multi.model, multi.model_options())
+        pm = predict_throughput(model, multi.train_config(), multi.instance(), constants).samples_per_s
+        ps = predict_throughput(model, single.train_config(), single.instance(), constants).samples_per_s
+        out.append(math.log((pm / ps) / (multi.samples_per_s / single.samples_per_s)))
+    return out
+
+
 def rows_frame(rows: list[PublicRun]):
     """The rows as a pandas DataFrame (one column per field), for the benchmark scripts."""
     import pandas as pd
