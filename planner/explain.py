@@ -563,4 +563,8 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
     kinds = ", ".join(f"{k.replace('_', '-')} {b[k] / t.step_time_s:.0%}" for k in
                       ("gemm", "attention", "memory_bound", "optimizer", "communication", "launch_overhead")
                       if k in b)
-    return (f"Speed: {head}", f"Time by kernel kind: {kinds}; MFU {t.mfu:.0%}.")
+    wait = b.get("slowest_gpu_wait_s", 0.0) / t.step_time_s
+    waiting = (f" Of communication, {wait:.0%} of the step is the faster GPUs waiting for the slowest (GPUs of one"
+               " model differ by a few percent in speed; a synchronous step ends with the slowest)."
+               if wait >= 0.005 else "")
+    return (f"Speed: {head}", f"Time by kernel kind: {kinds}; MFU {t.mfu:.0%}.{waiting}")

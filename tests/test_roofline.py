@@ -94,6 +94,21 @@ def test_explain_names_what_bounds_the_step():
     assert any("launch overhead" in line for line in explain(launch, model_options=opts)[-1].lines)
 
 
+def test_explain_says_how_long_the_gpus_wait_for_the_slowest_only_when_there_are_several():
+    from planner.estimate import estimate
+    from planner.explain import explain
+    from planner.spec import TrainConfig
+
+    cfg = TrainConfig(batch_size=8, seq_len=512, precision="amp-fp16")
+    for instance, expected in (("ml.p3.16xlarge", True), ("ml.p3.2xlarge", False)):
+        est = estimate("bert-base-uncased", cfg, instance)
+        text = " ".join(explain(est)[-1].lines)
+        share = est.throughput.breakdown_s["slowest_gpu_wait_s"] / est.throughput.step_time_s
+        assert ("waiting for the slowest" in text) is expected
+        if expected:
+            assert f"{share:.0%} of the step is the faster GPUs waiting" in text
+
+
 def test_explain_names_the_units_a_flop_bound_step_runs_on():
     """fp32 matmuls run on CUDA cores unless TF32 is on and the GPU has it: the advice names FP32 FLOP/s then,
     and tensor-core FLOP/s for 16-bit or TF32 steps."""
