@@ -397,7 +397,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
                 mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
 
     # TPE's last trials try one-setting changes to the best configurations (planner.search.polish)
-    polish_at = target - polish_reserve(budget) if not grid and len(objective.directions) == 1 else None
+    polish_at = target - polish_reserve(budget) if sampler == "tpe" and len(objective.directions) == 1 else None
     polished = [False]
 
     def polish(study: optuna.Study) -> None:
