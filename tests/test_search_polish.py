@@ -51,8 +51,8 @@ def test_reserve_is_a_small_share_of_the_budget():
 
 
 def test_a_tpe_search_ends_with_one_setting_changes_to_its_best_points(tmp_path):
-    """The last polish_reserve(budget) trials of a real TPE search are untried neighbours of points tried
-    before them, and the winner is at least as good as the best before the polish."""
+    """The last polish_reserve(budget) trials of a real TPE search are untried neighbours of the best point,
+    before them, of one of the two leading instance types."""
     from planner.search.study import run_search
     from planner.search.sweep import DEFAULT_SWEEP
 
@@ -65,8 +65,12 @@ def test_a_tpe_search_ends_with_one_setting_changes_to_its_best_points(tmp_path)
     head, tail = trials[:-reserve], trials[-reserve:]
     parameters = result.run.space.parameters()
     before = [t.params for t in head]
+    frame = result.frame.set_index("trial")
+    feasible = [t for t in head if frame.loc[t.number, "feasible"]]
+    best: dict[str, object] = {}
+    for t in sorted(feasible, key=lambda t: frame.loc[t.number, "usd_per_job"]):
+        best.setdefault(t.params["instance"], t.params)
+    leaders = list(best.values())[:2]
     for t in tail:
         assert t.params not in before
-        assert any(t.params in neighbours(p, parameters) for p in before)
-    feasible = result.frame[result.frame.feasible].sort_values("trial")
-    assert feasible.usd_per_job.min() <= feasible[feasible.trial < budget - reserve].usd_per_job.min()
+        assert any(t.params in neighbours(p, parameters) for p in leaders)

@@ -10,7 +10,7 @@ overwrite each other.
 
 Why the last trials of a TPE search are not sampled: they try one-setting changes to the best configuration of
 each of the two leading instance types (planner.search.polish), because TPE can settle in one type's basin
-and never pair the right values in another; the winner is then at least locally optimal in every setting.
+and never pair the right values in another (up to 16 trials: a setting they do not reach stays untried).
 
 Why trials are sampled in memory and written to the storage as each one finishes: Optuna's RDB
 storage issues one transaction per parameter and attribute of a running trial, which would make the
@@ -398,10 +398,11 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
 
     # TPE's last trials try one-setting changes to the best configurations (planner.search.polish)
     polish_at = target - polish_reserve(budget) if sampler == "tpe" and len(objective.directions) == 1 else None
-    polished = [False]
+    polished = False
 
     def polish(study: optuna.Study) -> None:
-        polished[0] = True
+        nonlocal polished
+        polished = True
         for params in _polish_params(study, objective, space, target - mirror.complete):
             study.enqueue_trial(params, skip_if_exists=True)
 
@@ -411,7 +412,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
             progress(name, min(mirror.complete, target), target)
         if mirror.complete >= target or (grid and smp.is_exhausted(study)):
             study.stop()
-        elif polish_at is not None and not polished[0] and mirror.complete >= polish_at:
+        elif polish_at is not None and not polished and mirror.complete >= polish_at:
             polish(study)
 
     if progress is not None:
