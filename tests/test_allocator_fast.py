@@ -13,37 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.memory import allocator, events, reserved
+from planner.memory import allocator, compiled, events, reserved
 from planner.models.catalog import list_models
 from planner.spec import TrainConfig
+from tests.allocator_streams import event_streams
 
 estimate_mod = importlib.import_module("planner.estimate")
 MiB = 1024 * 1024
-
-# Request sizes around every threshold of the rules: 512 B rounding, the 1 MiB small pool, 10 MiB kMinLargeAlloc,
-# 20 MiB kLargeBuffer, plus arbitrary sizes.
-SIZES = st.one_of(st.integers(1, 4096), st.integers(MiB - 1024, MiB + 1024), st.integers(1, 3 * MiB),
-                  st.integers(10 * MiB - 1024, 10 * MiB + 1024), st.integers(1, 64 * MiB))
-
-
-@st.composite
-def event_streams(draw):
-    """Allocations and frees in any order; some frees follow their allocation at once (transients)."""
-    ops = draw(st.lists(st.tuples(st.sampled_from(["alloc", "transient", "free"]), SIZES, st.integers(0, 10**6)),
-                        max_size=250))
-    out, live, nid = [], [], 0
-    for op, size, pick in ops:
-        if op == "free" and live:
-            out.append((live.pop(pick % len(live)), 0))
-            continue
-        out.append((nid, size))
-        if op == "transient":
-            out.append((nid, 0))
-        else:
-            live.append(nid)
-        nid += 1
-    return out
-
 
 @settings(max_examples=300, deadline=None)
 @given(event_streams(), st.sampled_from([None, 24 * MiB, 100 * MiB, 400 * MiB]),
@@ -78,9 +54,11 @@ def _trace(model, cfg, instance="ml.p4d.24xlarge"):
 
 
 @pytest.mark.parametrize("model", list_models())
-def test_fast_run_equals_the_reference_on_catalog_steps(model):
+def test_fast_run_equals_the_reference_on_catalog_steps(model, monkeypatch):
     """Every catalog model, 36 shapes each, one parallelism variant per shape (cycled), unlimited and at a
-    capacity below the unlimited peak (the OOM retry path); and the cached prefix path of `reserved`."""
+    capacity below the unlimited peak (the OOM retry path); the cached prefix path of `reserved` (Python
+    replays pinned); and the compiled kernel (`compiled.kernel_replay`) on the same traces."""
+    monkeypatch.setenv("PLANNER_COMPILED_REPLAY", "0")
     large = model.startswith(("llama", "mistral", "gpt2-xl", "gpt2-large"))
     for k, (b, s, precision, ckpt) in enumerate(GRID):
         if large and (b > 3 or s > 200):
@@ -94,8 +72,10 @@ def test_fast_run_equals_the_reference_on_catalog_steps(model):
         assert reserved._replay(trace, None, False) == ref  # cold: takes the prefix snapshot
         assert reserved._replay(trace, None, False) == ref  # warm: restores it
         cap = ref.peak_reserved * 3 // 4
-        assert (allocator.fast_run(trace.events, capacity_bytes=cap)[0]
-                == allocator.run_reference(trace.events, capacity_bytes=cap)[0]), (model, cfg, cap)
+        capped = allocator.fast_run(trace.events, capacity_bytes=cap)[0]
+        assert capped == allocator.run_reference(trace.events, capacity_bytes=cap)[0], (model, cfg, cap)
+        assert compiled.kernel_replay(trace) == ref, (model, cfg)
+        assert compiled.kernel_replay(trace, capacity_bytes=cap) == capped, (model, cfg, cap)
 
 
 def test_builder_prefix_is_the_permanent_prefix():
@@ -106,5 +86,5 @@ def test_builder_prefix_is_the_permanent_prefix():
             trace = _trace("bert-base-uncased", TrainConfig(batch_size=4, seq_len=128))
         finally:
             reserved.REPLAY_FIRST_STEP = True
-        scanned = events.permanent_prefix(events.Trace(trace.events, trace.names, trace.marks))
+        scanned = events.permanent_prefix(events.Trace.from_events(trace.events, trace.names, trace.marks))
         assert trace.permanent == scanned > 0

@@ -31,9 +31,12 @@ partitions are.
 
 from __future__ import annotations
 
+import itertools
 import math
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from planner.memory import timeline
 
@@ -65,10 +68,66 @@ class Mark:
 
 @dataclass(frozen=True)
 class Trace:
-    events: tuple[tuple[int, int], ...]  # (tensor_id, nbytes); nbytes == 0 frees it
-    names: tuple[str, ...]  # tensor_id -> name
+    """The step as a compact program: tensor `tid` has `sizes[tid]` bytes and tensors are allocated in id order,
+    so the event stream is a few hundred ranges of ids (`program`: start, stop, allocate?) rather than ~4,000
+    events. Why: building and replaying the ranges is what keeps an estimate fast (`compiled`); `events` and
+    `names` expand it for whoever wants one entry per event or tensor."""
+
+    sizes: tuple[int, ...]  # tensor_id -> bytes requested
+    program: tuple[tuple[int, int, bool], ...]  # (first id, stop id, True: allocate / False: free), in order
+    group_first: tuple[int, ...]  # first tensor id of each named group (one `alloc` call), ascending
+    group_names: tuple[str, ...]
     marks: tuple[Mark, ...]
     permanent: int = -1  # leading events that allocate tensors never freed (-1: unknown, see permanent_prefix)
+
+    @cached_property
+    def n_events(self) -> int:
+        return sum(b - a for a, b, _ in self.program)
+
+    @cached_property
+    def events(self) -> tuple[tuple[int, int], ...]:
+        """(tensor_id, nbytes) per event; nbytes == 0 frees it."""
+        sizes, out = self.sizes, []
+        for a, b, alloc in self.program:
+            if alloc:
+                out.extend(zip(range(a, b), sizes[a:b], strict=True))
+            else:
+                out.extend((tid, 0) for tid in range(a, b))
+        return tuple(out)
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """tensor_id -> its group's name."""
+        bounds = (*self.group_first[1:], len(self.sizes))
+        return tuple(itertools.chain.from_iterable(
+            itertools.repeat(name, stop - first) for name, first, stop in zip(self.group_names, self.group_first,
+                                                                              bounds, strict=True)))
+
+    @classmethod
+    def from_events(cls, events: Sequence[tuple[int, int]], names: Sequence[str], marks: Sequence[Mark] = (),
+                    permanent: int = -1) -> Trace:
+        """The compact form of an event list whose tensors are allocated in id order from 0 (each tensor its
+        own group, named by `names`)."""
+        sizes: list[int] = []
+        program: list[tuple[int, int, bool]] = []
+        for tid, n in events:
+            if n:
+                if tid != len(sizes):
+                    raise ValueError(f"tensor {tid} allocated out of id order (expected {len(sizes)})")
+                sizes.append(n)
+            _extend(program, tid, tid + 1, bool(n))
+        return cls(tuple(sizes), tuple(program), tuple(range(len(sizes))), tuple(names[:len(sizes)]), tuple(marks),
+                   permanent)
+
+
+def _extend(program: list[tuple[int, int, bool]], first: int, stop: int, alloc: bool) -> None:
+    """Append a range, merged into the last one when it continues it."""
+    if program:
+        a, b, kind = program[-1]
+        if kind is alloc and b == first:
+            program[-1] = (a, stop, alloc)
+            return
+    program.append((first, stop, alloc))
 
 
 def split(total: int, sizes: Sequence[int]) -> tuple[int, ...]:
@@ -96,33 +155,58 @@ def buckets(total: int, cap_bytes: int, first_bytes: int = DDP_FIRST_BUCKET_BYTE
     return tuple(out)
 
 
+Ranges = list[tuple[int, int]]  # tensor ids [first, stop) of one or more groups
+
+
 class _Builder:
     def __init__(self) -> None:
-        self.events: list[tuple[int, int]] = []
-        self.names: list[str] = []
+        self.sizes: list[int] = []
+        self.program: list[tuple[int, int, bool]] = []
+        self.group_first: list[int] = []
+        self.group_names: list[str] = []
         self.marks: list[Mark] = []
+        self.n_events = 0
 
-    def alloc(self, name: str, sizes: Sequence[int]) -> list[int]:
-        """One tensor per positive size; every tensor of the group is named `name` (see `tensor_name`)."""
-        first = len(self.names)
+    def alloc(self, name: str, sizes: Sequence[int], suffix: str = "") -> Ranges:
+        """One tensor per positive size, one group named `name + suffix` (see `tensor_name`; joined only when
+        the group is not empty); returns its id range."""
+        first = len(self.sizes)
         if len(sizes) == 1:  # most groups are one tensor
-            n = sizes[0]
-            if n <= 0:
+            if sizes[0] <= 0:
                 return []
-            self.names.append(name)
-            self.events.append((first, n))
-            return [first]
-        sizes = [n for n in sizes if n > 0]
-        ids = list(range(first, first + len(sizes)))
-        self.names.extend([name] * len(sizes))
-        self.events.extend(zip(ids, sizes, strict=True))
-        return ids
+            self.sizes.append(sizes[0])
+        elif sizes and min(sizes) > 0:
+            self.sizes.extend(sizes)
+        else:
+            self.sizes.extend(n for n in sizes if n > 0)
+        stop = len(self.sizes)
+        if stop == first:
+            return []
+        self.group_first.append(first)
+        self.group_names.append(name + suffix if suffix else name)
+        self.n_events += stop - first
+        program = self.program
+        if program and program[-1][2] and program[-1][1] == first:  # `_extend`, inlined: the hot path
+            program[-1] = (program[-1][0], stop, True)
+        else:
+            program.append((first, stop, True))
+        return [(first, stop)]
 
-    def free(self, ids: Sequence[int]) -> None:
-        self.events.extend([(tid, 0) for tid in ids])
+    def free(self, ranges: Ranges) -> None:
+        program = self.program
+        for first, stop in ranges:
+            self.n_events += stop - first
+            if program and not program[-1][2] and program[-1][1] == first:
+                program[-1] = (program[-1][0], stop, False)
+            else:
+                program.append((first, stop, False))
 
     def mark(self, phase: str, label: str) -> None:
-        self.marks.append(Mark(phase, label, len(self.events)))
+        self.marks.append(Mark(phase, label, self.n_events))
+
+    def trace(self, permanent: int) -> Trace:
+        return Trace(tuple(self.sizes), tuple(self.program), tuple(self.group_first), tuple(self.group_names),
+                     tuple(self.marks), permanent)
 
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
@@ -141,85 +225,101 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     for b, d in zip(blocks, bt, strict=True):
-        t.alloc(f"{b.name}.param", split(b.param_bytes, d.params if b.param_bytes == sum(d.params) else ()))
+        t.alloc(b.name, split(b.param_bytes, d.params if b.param_bytes == sum(d.params) else ()), ".param")
     t.alloc("module buffers", (step.module_buffer_bytes,))
     t.alloc("ddp bucket", buckets(step.ddp_bucket_bytes, bucket_cap_bytes))
     t.mark("load", "after load")
     states = split(step.optimizer_state_bytes, state_sizes)
+    parts = [_split_block(b, d) for b, d in zip(blocks, bt, strict=True)]
     if first_step:
-        permanent = len(t.events)  # parameters, buffers and buckets live as long as the model
-        _one_step(t, step, bt, states, temp_sizes, first=True)
+        permanent = t.n_events  # parameters, buffers and buckets live as long as the model
+        _one_step(t, step, parts, states, temp_sizes, first=True)
     else:
         t.alloc("optimizer state", states)
-        permanent = len(t.events)  # ... and so do the optimizer states
-    _one_step(t, step, bt, states, temp_sizes, first=not first_step, marks=True)
-    return Trace(tuple(t.events), tuple(t.names), tuple(t.marks), permanent)
+        permanent = t.n_events  # ... and so do the optimizer states
+    _one_step(t, step, parts, states, temp_sizes, first=not first_step, marks=True)
+    return t.trace(permanent)
 
 
-def _one_step(t: _Builder, step: timeline.StepMemory, bt: list[BlockTensors], states: Sequence[int],
+@dataclass(frozen=True)
+class _Split:
+    """One block's totals split into tensors, computed once for both steps of the trace."""
+
+    saved: tuple[int, ...]
+    kept: tuple[int, ...]
+    cache: tuple[int, ...]
+    recomputed: tuple[int, ...]
+    grads: tuple[int, ...]
+
+
+def _split_block(b: timeline.BlockMemory, d: BlockTensors) -> _Split:
+    return _Split(split(b.saved_bytes, d.saved), split(b.kept_bytes, d.kept), split(b.forward_cache_bytes, d.cache),
+                  split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)) if b.checkpointed else (),
+                  split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()))
+
+
+def _one_step(t: _Builder, step: timeline.StepMemory, parts: Sequence[_Split], states: Sequence[int],
               temp_sizes: Sequence[int], *, first: bool, marks: bool = False) -> None:
-    """One training step's events; `first`: the workspace (and resident gradients) appear here;
-    `marks`: record the timeline points (only the steady step)."""
+    """One training step's events; `parts`: each block's tensors (`_split_block`); `first`: the workspace (and
+    resident gradients) appear here; `marks`: record the timeline points (only the steady step)."""
     blocks = step.blocks
     mark = t.mark if marks else (lambda phase, label: None)
-    batch = t.alloc("batch", (step.batch_bytes,))
-    extra = t.alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
+    alloc, free = t.alloc, t.free
+    batch = alloc("batch", (step.batch_bytes,))
+    extra = alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
 
-    def grads(b: timeline.BlockMemory, d: BlockTensors) -> list[int]:
-        return t.alloc(f"{b.name}.grad", split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()))
-
-    grad_ids: list[int] = []
+    grad_ids: Ranges = []
     if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
-        for b, d in zip(blocks, bt, strict=True):
-            grads(b, d)
+        for b, x in zip(blocks, parts, strict=True):
+            alloc(b.name, x.grads, ".grad")
     if first:
-        t.alloc("cublas workspace", (step.workspace_bytes,))
+        alloc("cublas workspace", (step.workspace_bytes,))
 
-    live: list[list[int]] = []
-    cache_ids: list[int] = []
-    retained: list[int] = []
-    for b, d in zip(blocks, bt, strict=True):
-        gathered = t.alloc(f"{b.name}.gathered params", (b.gathered_param_bytes,))
+    live: list[Ranges] = []
+    cache_ids: Ranges = []
+    retained: Ranges = []
+    for b, x in zip(blocks, parts, strict=True):
+        name = b.name
+        gathered = alloc(name, (b.gathered_param_bytes,), ".gathered params")
         if b.checkpointed:
-            ids = t.alloc(f"{b.name}.kept", split(b.kept_bytes, d.kept))
+            ids = alloc(name, x.kept, ".kept")
         else:
-            ids = t.alloc(f"{b.name}.saved", split(b.saved_bytes, d.saved))
+            ids = alloc(name, x.saved, ".saved")
         live.append(ids)
-        cache_ids += t.alloc(f"{b.name}.autocast cache", split(b.forward_cache_bytes, d.cache))
-        retained += t.alloc(f"{b.name}.logits", (b.retained_bytes,))
-        tmp = t.alloc(f"{b.name}.forward transient", (b.forward_transient_bytes,))
-        mark("forward", b.name)
-        t.free(tmp)
-        t.free(gathered)
+        cache_ids += alloc(name, x.cache, ".autocast cache")
+        retained += alloc(name, (b.retained_bytes,), ".logits")
+        tmp = alloc(name, (b.forward_transient_bytes,), ".forward transient")
+        mark("forward", name)
+        free(tmp)
+        free(gathered)
     mark("forward", "end of forward")
-    t.free(cache_ids)
+    free(cache_ids)
 
     new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
-    for b, d, ids in zip(reversed(blocks), reversed(bt), reversed(live), strict=True):
-        recompute = []
-        if b.checkpointed:
-            recompute = t.alloc(f"{b.name}.recomputed", split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)))
-        gathered = t.alloc(f"{b.name}.gathered params", (b.gathered_param_bytes,))
-        tmp = t.alloc(f"{b.name}.backward transient", (b.backward_transient_bytes,))
+    for b, x, ids in zip(reversed(blocks), reversed(parts), reversed(live), strict=True):
+        name = b.name
+        recompute = alloc(name, x.recomputed, ".recomputed") if b.checkpointed else []
+        gathered = alloc(name, (b.gathered_param_bytes,), ".gathered params")
+        tmp = alloc(name, (b.backward_transient_bytes,), ".backward transient")
         if new_grads:
-            grad_ids += grads(b, d)
-        tmp += t.alloc(f"{b.name}.unsharded grad", (b.transient_grad_bytes,))
-        mark("backward", b.name)
-        t.free(tmp)
-        t.free(gathered)
-        t.free(recompute)
-        t.free(ids)
-    t.free(extra)
+            grad_ids += alloc(name, x.grads, ".grad")
+        tmp += alloc(name, (b.transient_grad_bytes,), ".unsharded grad")
+        mark("backward", name)
+        free(tmp)
+        free(gathered)
+        free(recompute)
+        free(ids)
+    free(extra)
 
     if not marks:  # the first step: Adam's _init_group allocates the states before the update
-        t.alloc("optimizer state", states)
-    temps = t.alloc("optimizer temporary", split(step.optimizer_temporary_bytes, temp_sizes))
+        alloc("optimizer state", states)
+    temps = alloc("optimizer temporary", split(step.optimizer_temporary_bytes, temp_sizes))
     mark("optimizer", "optimizer step")
-    t.free(temps)
-    t.free(batch)
-    t.free(retained)
+    free(temps)
+    free(batch)
+    free(retained)
     if not marks and not step.grads_resident:
-        t.free(grad_ids)  # optimizer.zero_grad(set_to_none=True) before the next forward
+        free(grad_ids)  # optimizer.zero_grad(set_to_none=True) before the next forward
 
 
 def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
@@ -233,15 +333,11 @@ def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
 
 def tensor_name(trace: Trace, tid: int) -> str:
     """`group[k]` for the k-th tensor of a group of several, `group` for a single one."""
-    names = trace.names
-    name = names[tid]
-    first = tid
-    while first > 0 and names[first - 1] is name:
-        first -= 1
-    last = tid
-    while last + 1 < len(names) and names[last + 1] is name:
-        last += 1
-    return name if first == last else f"{name}[{tid - first}]"
+    g = bisect_right(trace.group_first, tid) - 1
+    first = trace.group_first[g]
+    stop = trace.group_first[g + 1] if g + 1 < len(trace.group_first) else len(trace.sizes)
+    name = trace.group_names[g]
+    return name if stop - first == 1 else f"{name}[{tid - first}]"
 
 
 def permanent_prefix(trace: Trace) -> int:
@@ -312,13 +408,23 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
             _BLOCK_SHAPES.clear()
         hit = _BLOCK_SHAPES[key] = (model, shapes)
     shapes = hit[1]
+    memo: dict[int, tuple] = {}  # identical layers share their records' tuples: round each tuple once
+
+    def rounded(tensors: tuple, weight: bool | None = None) -> tuple[int, ...]:
+        key = (id(tensors), weight)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = tuple(alloc_bytes(t.nbytes, backend) for t in tensors
+                                    if weight is None or t.name.startswith("weight") is weight)
+        return got
+
     out = {}
     for act in activations:
         params, grads = shapes.get(act.block, ((), ()))
-        weights = tuple(alloc_bytes(t.nbytes, backend) for t in act.cache_tensors if t.name.startswith("weight"))
-        others = tuple(alloc_bytes(t.nbytes, backend) for t in act.cache_tensors if not t.name.startswith("weight"))
-        saved = tuple(alloc_bytes(t.nbytes, backend) for t in act.tensors) + weights
-        kept = tuple(alloc_bytes(t.nbytes, backend) for t in act.kept_tensors)
+        weights = rounded(act.cache_tensors, True)
+        others = rounded(act.cache_tensors, False)
+        saved = rounded(act.tensors) + weights
+        kept = rounded(act.kept_tensors)
         out[act.block] = BlockTensors(act.block, params, grads, saved, kept,
                                       weights + others if act.checkpointed else others)
     return out

@@ -11,7 +11,7 @@ unlimited peak does not fit, to model the OOM retry (`release_cached_blocks`).
 
 from __future__ import annotations
 
-from planner.memory import allocator, events, model_states, timeline
+from planner.memory import allocator, compiled, events, model_states, timeline
 from planner.spec import AllocatorReplay, ModelSpec, TrainConfig
 
 REPLAY_CACHE_SIZE = 4096  # distinct steps kept (a few hundred bytes each)
@@ -94,12 +94,17 @@ _PREFIXES: dict[tuple, allocator.Snapshot] = {}
 
 
 def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
-    """Without a capacity (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed
-    once per model and optimizer and restored from a snapshot afterwards."""
+    """The compiled kernel when the process uses it (`compiled`); otherwise in Python, where without a capacity
+    (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed once per model and
+    optimizer and restored from a snapshot afterwards."""
+    if not expandable:
+        fast = compiled.replay(trace, capacity_bytes=capacity)
+        if fast is not None:
+            return fast
     if capacity is not None or expandable:
         return allocator.replay(trace.events, capacity_bytes=capacity, expandable_segments=expandable)
     n = events.permanent_prefix(trace)
-    key = trace.events[:n]
+    key = trace.sizes[:n]  # the prefix allocates tensors 0..n-1 in order: their sizes are its events
     snap = _PREFIXES.get(key)
     if snap is not None:
         return allocator.run(trace.events, start=snap, snapshot_at=n)[0]
@@ -133,7 +138,7 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
                            peak_allocation=name, peak_allocation_bytes=r.peak_event_bytes,
                            peak_segment_bytes=r.peak_segment_bytes, oom_retry=r.oom_retry,
                            oom_after_retry=r.oom, expandable_segments=expandable_segments,
-                           events=len(trace.events))
+                           events=trace.n_events)
 
 
 def clear_caches() -> None:

@@ -1,0 +1,102 @@
+"""When to replay a step with the compiled kernel (`replay_kernel`, Numba) instead of `allocator.fast_run`.
+
+Why a policy: the kernel replays a step ~10x faster, but importing Numba and loading the compiled code costs
+~0.7 s per process (~3 s the first time after an install, while Numba compiles and caches it). A single
+`planner estimate` replays one or two steps (~5 ms in Python), so it never loads the kernel; a process that
+has replayed `COMPILE_AFTER` steps in Python (a search, a sweep, a benchmark) is likely to replay many more,
+and switches. Both give the same `ReplayResult` (tests/test_replay_kernel.py), so the switch changes speed only.
+
+`PLANNER_COMPILED_REPLAY`: `0` never loads the kernel, `1` loads it at the first replay; unset: the policy.
+Without Numba (or on a broken install) every replay stays in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+from planner.memory.allocator import K_LARGE_BUFFER, ReplayResult
+from planner.memory.events import Trace
+
+COMPILE_AFTER = 100  # Python replays before the kernel is loaded: ~0.4 s of replays against ~0.7 s of loading
+INT64_LIMIT = 1 << 62  # every address the kernel computes must stay below this
+
+_state = {"python_replays": 0, "kernel": None, "unavailable": False}
+
+
+def _mode() -> str:
+    return os.environ.get("PLANNER_COMPILED_REPLAY", "").strip()
+
+
+def _load():
+    """The kernel, or None when Numba is missing or cannot compile it here."""
+    if _state["kernel"] is None and not _state["unavailable"]:
+        try:
+            from planner.memory.replay_kernel import replay_program
+        except (ImportError, OSError):  # no Numba, or an llvmlite whose library does not load: Python replays
+            _state["unavailable"] = True
+            return None
+        _state["kernel"] = replay_program
+    return _state["kernel"]
+
+
+def kernel_ready() -> bool:
+    """Whether replays in this process now go through the kernel (loading it if the policy says so)."""
+    mode = _mode()
+    if mode == "0":
+        return False
+    if _state["kernel"] is not None:
+        return True
+    if mode == "1" or _state["python_replays"] >= COMPILE_AFTER:
+        return _load() is not None
+    return False
+
+
+def warm() -> bool:
+    """Load the kernel now (benchmarks, long searches): True when it is available."""
+    if _mode() == "0":
+        return False
+    return _load() is not None
+
+
+def _arrays(trace: Trace):
+    """The trace as int64 arrays, cached on it; None when its numbers do not fit in int64."""
+    import numpy as np
+
+    hit = trace.__dict__.get("_int64_arrays", False)
+    if hit is not False:
+        return hit
+    sizes = trace.sizes
+    out = None
+    if sum(sizes) + len(sizes) * K_LARGE_BUFFER < INT64_LIMIT:  # a segment: its request + < 20 MiB
+        program = trace.program
+        out = (np.array(sizes, dtype=np.int64),
+               np.array([p[0] for p in program], dtype=np.int64),
+               np.array([p[1] for p in program], dtype=np.int64),
+               np.array([p[2] for p in program], dtype=np.bool_))
+    trace.__dict__["_int64_arrays"] = out  # a frozen dataclass: cached the way functools.cached_property does
+    return out
+
+
+def kernel_replay(trace: Trace, *, capacity_bytes: int | None = None,
+                  max_split_size: int | None = None) -> ReplayResult | None:
+    """The trace's replay through the kernel whatever the policy (loading it); None when Numba is missing or
+    the trace's numbers do not fit in int64."""
+    kernel = _load()
+    arrays = _arrays(trace) if kernel is not None else None
+    if arrays is None or (capacity_bytes or 0) >= INT64_LIMIT or (max_split_size or 0) >= INT64_LIMIT:
+        return None
+    out = kernel(*arrays, -1 if capacity_bytes is None else capacity_bytes,
+                 -1 if max_split_size is None else max_split_size).tolist()
+    return ReplayResult(*out[:7], bool(out[7]), bool(out[8]), False)
+
+
+def replay(trace: Trace, *, capacity_bytes: int | None = None,
+           max_split_size: int | None = None) -> ReplayResult | None:
+    """The trace's replay through the kernel when the policy has it loaded; None otherwise (the caller replays
+    in Python, and this counts it towards `COMPILE_AFTER`)."""
+    if kernel_ready():
+        result = kernel_replay(trace, capacity_bytes=capacity_bytes, max_split_size=max_split_size)
+        if result is not None:
+            return result
+    _state["python_replays"] += 1
+    return None

@@ -1,0 +1,222 @@
+"""`allocator.fast_run`'s rules compiled with Numba, on a compact `events.Trace` (ranges of tensor ids).
+
+Why: a search replays one step per distinct configuration, ~4,000 events each; in CPython that is ~1 µs per
+event (3-5 ms a step), here ~0.1 µs. Only `planner.memory.compiled` imports this module (importing Numba and
+loading the compiled code takes ~0.7 s, so it is done only when enough replays are coming).
+
+The state is the classic one: blocks in arrays (address, size, neighbours in their segment, free?, pool), a
+sorted free list per pool ordered by (size, address) as `BlockComparatorSize`, best fit by binary search. The
+rules and their sources are those of `planner.memory.allocator` (module doc); tests/test_replay_kernel.py
+checks that both give the same `ReplayResult` on random streams and on every catalog model's step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from planner.memory.allocator import (
+    K_LARGE_BUFFER,
+    K_MIN_BLOCK_SIZE,
+    K_MIN_LARGE_ALLOC,
+    K_ROUND_LARGE,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+)
+
+RESULT_FIELDS = 9  # peak_allocated, peak_reserved, segments, peak_event, peak_tensor, request, segment, retry, oom
+
+
+@njit(cache=True)
+def _position(fs, fa, count, size, addr):
+    """First index whose (size, address) is >= (size, addr)."""
+    lo, hi = 0, count
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if fs[mid] < size or (fs[mid] == size and fa[mid] < addr):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True)
+def _insert(fs, fa, fid, counts, pool, size, addr, block):
+    count = counts[pool]
+    j = _position(fs[pool], fa[pool], count, size, addr)
+    for k in range(count, j, -1):
+        fs[pool, k] = fs[pool, k - 1]
+        fa[pool, k] = fa[pool, k - 1]
+        fid[pool, k] = fid[pool, k - 1]
+    fs[pool, j] = size
+    fa[pool, j] = addr
+    fid[pool, j] = block
+    counts[pool] = count + 1
+
+
+@njit(cache=True)
+def _remove(fs, fa, fid, counts, pool, size, addr):
+    count = counts[pool]
+    j = _position(fs[pool], fa[pool], count, size, addr)
+    for k in range(j, count - 1):
+        fs[pool, k] = fs[pool, k + 1]
+        fa[pool, k] = fa[pool, k + 1]
+        fid[pool, k] = fid[pool, k + 1]
+    counts[pool] = count - 1
+
+
+@njit(cache=True)
+def replay_program(sizes, starts, stops, allocs, capacity, max_split):
+    """The replay of a compact trace. `capacity` < 0: unlimited; `max_split` < 0: no max_split_size.
+    Returns int64[RESULT_FIELDS] in `ReplayResult` order (flags as 0/1)."""
+    n_tensors = sizes.shape[0]
+    max_blocks = 2 * n_tensors + 2  # each allocation adds at most a segment block and a remainder
+    b_addr = np.empty(max_blocks, np.int64)
+    b_size = np.empty(max_blocks, np.int64)
+    b_prev = np.empty(max_blocks, np.int64)
+    b_next = np.empty(max_blocks, np.int64)
+    b_free = np.zeros(max_blocks, np.bool_)
+    b_pool = np.empty(max_blocks, np.int64)
+    n_blocks = 0
+    seg_first = np.empty(n_tensors + 1, np.int64)  # a segment's first block (it keeps its id: merges go left)
+    seg_size = np.empty(n_tensors + 1, np.int64)
+    seg_alive = np.zeros(n_tensors + 1, np.bool_)
+    n_segs = 0
+    alive_segs = 0
+    fs = np.empty((2, max_blocks), np.int64)  # free lists, pool 0 small / 1 large: size, address, block
+    fa = np.empty((2, max_blocks), np.int64)
+    fid = np.empty((2, max_blocks), np.int64)
+    counts = np.zeros(2, np.int64)
+    live = np.full(n_tensors, -1, np.int64)
+    next_addr = 0
+    allocated = 0
+    reserved = 0
+    peak_alloc = 0
+    peak_res = 0
+    segments = 0
+    peak_event = -1
+    peak_tensor = -1
+    peak_req = 0
+    peak_seg = 0
+    oom_retry = False
+    oom = False
+    event = -1
+    for op in range(starts.shape[0]):
+        for tid in range(starts[op], stops[op]):
+            event += 1
+            if not allocs[op]:  # free_block: merge with free neighbours of the same segment, then cache
+                b = live[tid]
+                live[tid] = -1
+                allocated -= b_size[b]
+                pool = b_pool[b]
+                prev = b_prev[b]
+                nxt = b_next[b]
+                if prev >= 0 and b_free[prev]:
+                    _remove(fs, fa, fid, counts, pool, b_size[prev], b_addr[prev])
+                    b_size[prev] += b_size[b]
+                    b_next[prev] = nxt
+                    if nxt >= 0:
+                        b_prev[nxt] = prev
+                    b = prev
+                if nxt >= 0 and b_free[nxt]:
+                    _remove(fs, fa, fid, counts, pool, b_size[nxt], b_addr[nxt])
+                    b_free[nxt] = False
+                    b_size[b] += b_size[nxt]
+                    after = b_next[nxt]
+                    b_next[b] = after
+                    if after >= 0:
+                        b_prev[after] = b
+                b_free[b] = True
+                _insert(fs, fa, fid, counts, pool, b_size[b], b_addr[b], b)
+                continue
+            nbytes = sizes[tid]
+            size = (nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE * K_MIN_BLOCK_SIZE  # round_size
+            small = size <= K_SMALL_SIZE
+            pool = 0 if small else 1
+            count = counts[pool]
+            j = _position(fs[pool], fa[pool], count, size, -1)  # get_free_block: best fit
+            block = -1
+            if j < count:
+                bsize = fs[pool, j]
+                if not (max_split >= 0 and not small
+                        and ((size < max_split <= bsize) or (size >= max_split and bsize >= size + K_LARGE_BUFFER))):
+                    block = fid[pool, j]
+                    _remove(fs, fa, fid, counts, pool, bsize, fa[pool, j])
+                    b_free[block] = False
+            grow = 0
+            if block < 0:  # alloc_block: a new segment (get_allocation_size), the OOM retry over capacity
+                if small:
+                    grow = K_SMALL_BUFFER
+                elif size < K_MIN_LARGE_ALLOC:
+                    grow = K_LARGE_BUFFER
+                else:
+                    grow = (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+                if capacity >= 0 and reserved + grow > capacity:
+                    oom_retry = True
+                    for s in range(n_segs):  # release_cached_blocks: every segment that is one free block
+                        if seg_alive[s]:
+                            f = seg_first[s]
+                            if b_free[f] and b_next[f] < 0:
+                                _remove(fs, fa, fid, counts, b_pool[f], b_size[f], b_addr[f])
+                                b_free[f] = False
+                                seg_alive[s] = False
+                                alive_segs -= 1
+                                reserved -= seg_size[s]
+                    if reserved + grow > capacity:
+                        oom = True
+                block = n_blocks
+                n_blocks += 1
+                b_addr[block] = next_addr
+                b_size[block] = grow
+                b_prev[block] = -1
+                b_next[block] = -1
+                b_pool[block] = pool
+                next_addr += grow
+                seg_first[n_segs] = block
+                seg_size[n_segs] = grow
+                seg_alive[n_segs] = True
+                n_segs += 1
+                alive_segs += 1
+                reserved += grow
+            rest = b_size[block] - size
+            if small:  # should_split
+                split = rest >= K_MIN_BLOCK_SIZE
+            else:
+                split = rest > K_SMALL_SIZE and (max_split < 0 or size < max_split)
+            if split:
+                r = n_blocks
+                n_blocks += 1
+                b_addr[r] = b_addr[block] + size
+                b_size[r] = rest
+                b_pool[r] = pool
+                b_prev[r] = block
+                nxt = b_next[block]
+                b_next[r] = nxt
+                if nxt >= 0:
+                    b_prev[nxt] = r
+                b_next[block] = r
+                b_size[block] = size
+                b_free[r] = True
+                _insert(fs, fa, fid, counts, pool, rest, b_addr[r], r)
+            allocated += b_size[block]
+            live[tid] = block
+            if allocated > peak_alloc:
+                peak_alloc = allocated
+            if grow > 0 and reserved > peak_res:
+                peak_res = reserved
+                segments = alive_segs
+                peak_event = event
+                peak_tensor = tid
+                peak_req = nbytes
+                peak_seg = grow
+    out = np.empty(RESULT_FIELDS, np.int64)
+    out[0] = peak_alloc
+    out[1] = peak_res
+    out[2] = segments
+    out[3] = peak_event
+    out[4] = peak_tensor
+    out[5] = peak_req
+    out[6] = peak_seg
+    out[7] = 1 if oom_retry else 0
+    out[8] = 1 if oom else 0
+    return out
