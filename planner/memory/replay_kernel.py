@@ -1,13 +1,19 @@
 """`allocator.fast_run`'s rules compiled with Numba, on a compact `events.Trace` (ranges of tensor ids).
 
-Why: a search replays one step per distinct configuration, ~4,000 events each; in CPython that is ~1 µs per
-event (3-5 ms a step), here ~0.1 µs. Only `planner.memory.compiled` imports this module (importing Numba and
-loading the compiled code takes ~0.7 s, so it is done only when enough replays are coming).
+Why: a search replays one step per distinct configuration, ~4,000 events each (~12,000 for a 7B model); in
+CPython that is ~1 µs per event (3-5 ms a step), here ~0.1 µs. Only `planner.memory.compiled` imports this
+module (importing Numba and loading the compiled code takes ~0.6 s, so it is done only when enough replays are
+coming).
 
-The state is the classic one: blocks in arrays (address, size, neighbours in their segment, free?, pool), a
-sorted free list per pool ordered by (size, address) as `BlockComparatorSize`, best fit by binary search. The
-rules and their sources are those of `planner.memory.allocator` (module doc); tests/test_replay_kernel.py
-checks that both give the same `ReplayResult` on random streams and on every catalog model's step.
+The state is the classic one: blocks in arrays (address, size, neighbours in their segment, free?, pool). The
+free blocks of each pool are indexed by size class, as TLSF allocators do (16 classes per power of two, a
+doubly linked list per class, a count of non-empty classes per 64): best fit (`get_free_block`: the smallest
+cached block >= the request, ties to the lower address as `BlockComparatorSize`) scans the request's class for
+the smallest fitting (size, address), else takes the smallest of the next non-empty class, whose blocks are
+all larger. Inserting and removing a block are O(1), where a sorted list shifts; a step of a 7B model keeps
+~400 free blocks. The rules and their sources are those of `planner.memory.allocator` (module doc);
+tests/test_replay_kernel.py and tests/test_allocator_fast.py check that both give the same `ReplayResult`
+on random streams and on every catalog model's step.
 """
 
 from __future__ import annotations
@@ -25,50 +31,90 @@ from planner.memory.allocator import (
 )
 
 RESULT_FIELDS = 9  # peak_allocated, peak_reserved, segments, peak_event, peak_tensor, request, segment, retry, oom
+SUB = 16  # size classes per power of two of (size / 512)
+N_CLASSES = SUB + 52 * SUB  # sizes below 2^63 bytes
 
 
 @njit(cache=True)
-def _position(fs, fa, count, size, addr):
-    """First index whose (size, address) is >= (size, addr)."""
-    lo, hi = 0, count
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if fs[mid] < size or (fs[mid] == size and fa[mid] < addr):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+def _size_class(size):
+    """Class of a block size (a multiple of 512): exact below 8 KiB, then 16 classes per power of two."""
+    u = size >> 9
+    if u < SUB:
+        return u
+    level = 0
+    while u >= 2 * SUB:
+        u >>= 1
+        level += 1
+    return SUB + level * SUB + (u - SUB)
 
 
 @njit(cache=True)
-def _insert(fs, fa, fid, counts, pool, size, addr, block):
-    count = counts[pool]
-    j = _position(fs[pool], fa[pool], count, size, addr)
-    for k in range(count, j, -1):
-        fs[pool, k] = fs[pool, k - 1]
-        fa[pool, k] = fa[pool, k - 1]
-        fid[pool, k] = fid[pool, k - 1]
-    fs[pool, j] = size
-    fa[pool, j] = addr
-    fid[pool, j] = block
-    counts[pool] = count + 1
+def _push(head, groups, fnext, fprev, b_size, pool, block):
+    """Cache a free block (at the head of its class's list)."""
+    c = _size_class(b_size[block])
+    h = head[pool, c]
+    fnext[block] = h
+    fprev[block] = -1
+    if h >= 0:
+        fprev[h] = block
+    else:
+        groups[pool, c >> 6] += 1
+    head[pool, c] = block
 
 
 @njit(cache=True)
-def _remove(fs, fa, fid, counts, pool, size, addr):
-    count = counts[pool]
-    j = _position(fs[pool], fa[pool], count, size, addr)
-    for k in range(j, count - 1):
-        fs[pool, k] = fs[pool, k + 1]
-        fa[pool, k] = fa[pool, k + 1]
-        fid[pool, k] = fid[pool, k + 1]
-    counts[pool] = count - 1
+def _unlink(head, groups, fnext, fprev, b_size, pool, block):
+    """Take a block off its class's list (before its size changes: the size names the class)."""
+    p = fprev[block]
+    n = fnext[block]
+    if p >= 0:
+        fnext[p] = n
+    else:
+        c = _size_class(b_size[block])
+        head[pool, c] = n
+        if n < 0:
+            groups[pool, c >> 6] -= 1
+    if n >= 0:
+        fprev[n] = p
+
+
+@njit(cache=True)
+def _best_fit(head, groups, fnext, b_size, b_addr, pool, size):
+    """The free block of the smallest (size, address) with size >= `size`, or -1."""
+    c = _size_class(size)
+    best = -1
+    b = head[pool, c]
+    while b >= 0:
+        s = b_size[b]
+        if s >= size and (best < 0 or s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best])):
+            best = b
+        b = fnext[b]
+    if best >= 0:
+        return best
+    c2 = c + 1
+    while c2 < head.shape[1]:
+        if c2 & 63 == 0 and groups[pool, c2 >> 6] == 0:
+            c2 += 64
+            continue
+        b = head[pool, c2]
+        c2 += 1
+        if b >= 0:
+            best = b
+            b = fnext[b]
+            while b >= 0:
+                s = b_size[b]
+                if s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best]):
+                    best = b
+                b = fnext[b]
+            return best
+    return -1
 
 
 @njit(cache=True)
 def replay_program(sizes, starts, stops, allocs, capacity, max_split):
-    """The replay of a compact trace. `capacity` < 0: unlimited; `max_split` < 0: no max_split_size.
-    Returns int64[RESULT_FIELDS] in `ReplayResult` order (flags as 0/1)."""
+    """The replay of a compact trace: `sizes[tid]`; ranges [starts[k], stops[k]) allocated or freed in order
+    (`allocs[k]`). `capacity` < 0: unlimited; `max_split` < 0: no max_split_size. Returns int64[RESULT_FIELDS]
+    in `ReplayResult` order (flags as 0/1)."""
     n_tensors = sizes.shape[0]
     max_blocks = 2 * n_tensors + 2  # each allocation adds at most a segment block and a remainder
     b_addr = np.empty(max_blocks, np.int64)
@@ -77,16 +123,16 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
     b_next = np.empty(max_blocks, np.int64)
     b_free = np.zeros(max_blocks, np.bool_)
     b_pool = np.empty(max_blocks, np.int64)
+    fnext = np.empty(max_blocks, np.int64)
+    fprev = np.empty(max_blocks, np.int64)
+    head = np.full((2, N_CLASSES), -1, np.int64)
+    groups = np.zeros((2, (N_CLASSES + 63) // 64), np.int64)  # non-empty classes per 64
     n_blocks = 0
     seg_first = np.empty(n_tensors + 1, np.int64)  # a segment's first block (it keeps its id: merges go left)
     seg_size = np.empty(n_tensors + 1, np.int64)
     seg_alive = np.zeros(n_tensors + 1, np.bool_)
     n_segs = 0
     alive_segs = 0
-    fs = np.empty((2, max_blocks), np.int64)  # free lists, pool 0 small / 1 large: size, address, block
-    fa = np.empty((2, max_blocks), np.int64)
-    fid = np.empty((2, max_blocks), np.int64)
-    counts = np.zeros(2, np.int64)
     live = np.full(n_tensors, -1, np.int64)
     next_addr = 0
     allocated = 0
@@ -112,14 +158,14 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                 prev = b_prev[b]
                 nxt = b_next[b]
                 if prev >= 0 and b_free[prev]:
-                    _remove(fs, fa, fid, counts, pool, b_size[prev], b_addr[prev])
+                    _unlink(head, groups, fnext, fprev, b_size, pool, prev)
                     b_size[prev] += b_size[b]
                     b_next[prev] = nxt
                     if nxt >= 0:
                         b_prev[nxt] = prev
                     b = prev
                 if nxt >= 0 and b_free[nxt]:
-                    _remove(fs, fa, fid, counts, pool, b_size[nxt], b_addr[nxt])
+                    _unlink(head, groups, fnext, fprev, b_size, pool, nxt)
                     b_free[nxt] = False
                     b_size[b] += b_size[nxt]
                     after = b_next[nxt]
@@ -127,21 +173,20 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                     if after >= 0:
                         b_prev[after] = b
                 b_free[b] = True
-                _insert(fs, fa, fid, counts, pool, b_size[b], b_addr[b], b)
+                _push(head, groups, fnext, fprev, b_size, pool, b)
                 continue
             nbytes = sizes[tid]
             size = (nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE * K_MIN_BLOCK_SIZE  # round_size
             small = size <= K_SMALL_SIZE
             pool = 0 if small else 1
-            count = counts[pool]
-            j = _position(fs[pool], fa[pool], count, size, -1)  # get_free_block: best fit
-            block = -1
-            if j < count:
-                bsize = fs[pool, j]
-                if not (max_split >= 0 and not small
-                        and ((size < max_split <= bsize) or (size >= max_split and bsize >= size + K_LARGE_BUFFER))):
-                    block = fid[pool, j]
-                    _remove(fs, fa, fid, counts, pool, bsize, fa[pool, j])
+            block = _best_fit(head, groups, fnext, b_size, b_addr, pool, size)  # get_free_block
+            if block >= 0:
+                bsize = b_size[block]
+                if max_split >= 0 and not small and (
+                        (size < max_split <= bsize) or (size >= max_split and bsize >= size + K_LARGE_BUFFER)):
+                    block = -1
+                else:
+                    _unlink(head, groups, fnext, fprev, b_size, pool, block)
                     b_free[block] = False
             grow = 0
             if block < 0:  # alloc_block: a new segment (get_allocation_size), the OOM retry over capacity
@@ -157,7 +202,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                         if seg_alive[s]:
                             f = seg_first[s]
                             if b_free[f] and b_next[f] < 0:
-                                _remove(fs, fa, fid, counts, b_pool[f], b_size[f], b_addr[f])
+                                _unlink(head, groups, fnext, fprev, b_size, b_pool[f], f)
                                 b_free[f] = False
                                 seg_alive[s] = False
                                 alive_segs -= 1
@@ -197,7 +242,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                 b_next[block] = r
                 b_size[block] = size
                 b_free[r] = True
-                _insert(fs, fa, fid, counts, pool, rest, b_addr[r], r)
+                _push(head, groups, fnext, fprev, b_size, pool, r)
             allocated += b_size[block]
             live[tid] = block
             if allocated > peak_alloc:
