@@ -67,9 +67,10 @@ def _arrays(trace: Trace):
         return hit
     sizes = trace.sizes
     out = None
-    if sum(sizes) + len(sizes) * K_LARGE_BUFFER < INT64_LIMIT:  # a segment: its request + < 20 MiB
+    # every address stays below the sum of the segments: each its request rounded up, plus < 20 MiB
+    if not sizes or len(sizes) * (max(sizes) + K_LARGE_BUFFER) < INT64_LIMIT:
         program = trace.program
-        out = (np.array(sizes, dtype=np.int64),
+        out = (np.fromiter(sizes, np.int64, len(sizes)),
                np.array([p[0] for p in program], dtype=np.int64),
                np.array([p[1] for p in program], dtype=np.int64),
                np.array([p[2] for p in program], dtype=np.bool_))

@@ -7,7 +7,7 @@ coming).
 
 The state is the classic one: blocks in arrays (address, size, neighbours in their segment, free?, pool). The
 free blocks of each pool are indexed by size class, as TLSF allocators do (16 classes per power of two, a
-doubly linked list per class, a count of non-empty classes per 64): best fit (`get_free_block`: the smallest
+doubly linked list per class, a bit per non-empty class): best fit (`get_free_block`: the smallest
 cached block >= the request, ties to the lower address as `BlockComparatorSize`) scans the request's class for
 the smallest fitting (size, address), else takes the smallest of the next non-empty class, whose blocks are
 all larger. Inserting and removing a block are O(1), where a sorted list shifts; a step of a 7B model keeps
@@ -49,7 +49,28 @@ def _size_class(size):
 
 
 @njit(cache=True)
-def _push(head, groups, fnext, fprev, b_size, pool, block):
+def _lowest_bit(x):
+    """Index of the lowest set bit of 0 < x < 2^32."""
+    n = 0
+    if x & 0xFFFF == 0:
+        n += 16
+        x >>= 16
+    if x & 0xFF == 0:
+        n += 8
+        x >>= 8
+    if x & 0xF == 0:
+        n += 4
+        x >>= 4
+    if x & 0x3 == 0:
+        n += 2
+        x >>= 2
+    if x & 0x1 == 0:
+        n += 1
+    return n
+
+
+@njit(cache=True)
+def _push(head, nonempty, fnext, fprev, b_size, pool, block):
     """Cache a free block (at the head of its class's list)."""
     c = _size_class(b_size[block])
     h = head[pool, c]
@@ -58,12 +79,12 @@ def _push(head, groups, fnext, fprev, b_size, pool, block):
     if h >= 0:
         fprev[h] = block
     else:
-        groups[pool, c >> 6] += 1
+        nonempty[pool, c >> 5] |= 1 << (c & 31)
     head[pool, c] = block
 
 
 @njit(cache=True)
-def _unlink(head, groups, fnext, fprev, b_size, pool, block):
+def _unlink(head, nonempty, fnext, fprev, b_size, pool, block):
     """Take a block off its class's list (before its size changes: the size names the class)."""
     p = fprev[block]
     n = fnext[block]
@@ -73,13 +94,13 @@ def _unlink(head, groups, fnext, fprev, b_size, pool, block):
         c = _size_class(b_size[block])
         head[pool, c] = n
         if n < 0:
-            groups[pool, c >> 6] -= 1
+            nonempty[pool, c >> 5] &= ~(1 << (c & 31))
     if n >= 0:
         fprev[n] = p
 
 
 @njit(cache=True)
-def _best_fit(head, groups, fnext, b_size, b_addr, pool, size):
+def _best_fit(head, nonempty, fnext, b_size, b_addr, pool, size):
     """The free block of the smallest (size, address) with size >= `size`, or -1."""
     c = _size_class(size)
     best = -1
@@ -91,23 +112,24 @@ def _best_fit(head, groups, fnext, b_size, b_addr, pool, size):
         b = fnext[b]
     if best >= 0:
         return best
-    c2 = c + 1
-    while c2 < head.shape[1]:
-        if c2 & 63 == 0 and groups[pool, c2 >> 6] == 0:
-            c2 += 64
-            continue
-        b = head[pool, c2]
-        c2 += 1
-        if b >= 0:
+    # the next non-empty class: its smallest block (every block there is larger than the request)
+    c += 1
+    word = c >> 5
+    bits = nonempty[pool, word] & ~((1 << (c & 31)) - 1) if word < nonempty.shape[1] else 0
+    while bits == 0:
+        word += 1
+        if word >= nonempty.shape[1]:
+            return -1
+        bits = nonempty[pool, word]
+    b = head[pool, word * 32 + _lowest_bit(bits)]
+    best = b
+    b = fnext[b]
+    while b >= 0:
+        s = b_size[b]
+        if s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best]):
             best = b
-            b = fnext[b]
-            while b >= 0:
-                s = b_size[b]
-                if s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best]):
-                    best = b
-                b = fnext[b]
-            return best
-    return -1
+        b = fnext[b]
+    return best
 
 
 @njit(cache=True)
@@ -126,7 +148,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
     fnext = np.empty(max_blocks, np.int64)
     fprev = np.empty(max_blocks, np.int64)
     head = np.full((2, N_CLASSES), -1, np.int64)
-    groups = np.zeros((2, (N_CLASSES + 63) // 64), np.int64)  # non-empty classes per 64
+    nonempty = np.zeros((2, (N_CLASSES + 31) // 32), np.int64)  # a bit per class with a free block
     n_blocks = 0
     seg_first = np.empty(n_tensors + 1, np.int64)  # a segment's first block (it keeps its id: merges go left)
     seg_size = np.empty(n_tensors + 1, np.int64)
@@ -158,14 +180,14 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                 prev = b_prev[b]
                 nxt = b_next[b]
                 if prev >= 0 and b_free[prev]:
-                    _unlink(head, groups, fnext, fprev, b_size, pool, prev)
+                    _unlink(head, nonempty, fnext, fprev, b_size, pool, prev)
                     b_size[prev] += b_size[b]
                     b_next[prev] = nxt
                     if nxt >= 0:
                         b_prev[nxt] = prev
                     b = prev
                 if nxt >= 0 and b_free[nxt]:
-                    _unlink(head, groups, fnext, fprev, b_size, pool, nxt)
+                    _unlink(head, nonempty, fnext, fprev, b_size, pool, nxt)
                     b_free[nxt] = False
                     b_size[b] += b_size[nxt]
                     after = b_next[nxt]
@@ -173,20 +195,20 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                     if after >= 0:
                         b_prev[after] = b
                 b_free[b] = True
-                _push(head, groups, fnext, fprev, b_size, pool, b)
+                _push(head, nonempty, fnext, fprev, b_size, pool, b)
                 continue
             nbytes = sizes[tid]
             size = (nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE * K_MIN_BLOCK_SIZE  # round_size
             small = size <= K_SMALL_SIZE
             pool = 0 if small else 1
-            block = _best_fit(head, groups, fnext, b_size, b_addr, pool, size)  # get_free_block
+            block = _best_fit(head, nonempty, fnext, b_size, b_addr, pool, size)  # get_free_block
             if block >= 0:
                 bsize = b_size[block]
                 if max_split >= 0 and not small and (
                         (size < max_split <= bsize) or (size >= max_split and bsize >= size + K_LARGE_BUFFER)):
                     block = -1
                 else:
-                    _unlink(head, groups, fnext, fprev, b_size, pool, block)
+                    _unlink(head, nonempty, fnext, fprev, b_size, pool, block)
                     b_free[block] = False
             grow = 0
             if block < 0:  # alloc_block: a new segment (get_allocation_size), the OOM retry over capacity
@@ -202,7 +224,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                         if seg_alive[s]:
                             f = seg_first[s]
                             if b_free[f] and b_next[f] < 0:
-                                _unlink(head, groups, fnext, fprev, b_size, b_pool[f], f)
+                                _unlink(head, nonempty, fnext, fprev, b_size, b_pool[f], f)
                                 b_free[f] = False
                                 seg_alive[s] = False
                                 alive_segs -= 1
@@ -242,7 +264,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                 b_next[block] = r
                 b_size[block] = size
                 b_free[r] = True
-                _push(head, groups, fnext, fprev, b_size, pool, r)
+                _push(head, nonempty, fnext, fprev, b_size, pool, r)
             allocated += b_size[block]
             live[tid] = block
             if allocated > peak_alloc:
