@@ -204,6 +204,26 @@ class _Builder:
     def mark(self, phase: str, label: str) -> None:
         self.marks.append(Mark(phase, label, self.n_events))
 
+    def emit(self, part: _Builder, marks: bool) -> int:
+        """Append `part` (a builder of its own, ids from 0) here, with its marks if `marks`; returns the id
+        offset of its tensors. Why: both steps of a trace run the same blocks, built once (`_blocks_section`)."""
+        off, events_before = len(self.sizes), self.n_events
+        self.sizes.extend(part.sizes)
+        self.group_first.extend([g + off for g in part.group_first])
+        self.group_names.extend(part.group_names)
+        program = self.program
+        rest = part.program
+        if rest:
+            first, stop, alloc = rest[0]
+            if program and program[-1][2] is alloc and program[-1][1] == first + off:  # continues the last range
+                program[-1] = (program[-1][0], stop + off, alloc)
+                rest = rest[1:]
+            program.extend([(a + off, b + off, k) for a, b, k in rest])
+        if marks:
+            self.marks.extend([Mark(m.phase, m.label, m.index + events_before) for m in part.marks])
+        self.n_events += part.n_events
+        return off
+
     def trace(self, permanent: int) -> Trace:
         return Trace(tuple(self.sizes), tuple(self.program), tuple(self.group_first), tuple(self.group_names),
                      tuple(self.marks), permanent)
@@ -231,13 +251,17 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     t.mark("load", "after load")
     states = split(step.optimizer_state_bytes, state_sizes)
     parts = [_split_block(b, d) for b, d in zip(blocks, bt, strict=True)]
+    section = None
     if first_step:
         permanent = t.n_events  # parameters, buffers and buckets live as long as the model
-        _one_step(t, step, parts, states, temp_sizes, first=True)
+        section = _blocks_section(step, parts, new_grads=True)
+        _one_step(t, step, parts, states, temp_sizes, first=True, section=section)
+        if step.grads_resident:  # the steady step's backward finds the gradients there: a section of its own
+            section = None
     else:
         t.alloc("optimizer state", states)
         permanent = t.n_events  # ... and so do the optimizer states
-    _one_step(t, step, parts, states, temp_sizes, first=not first_step, marks=True)
+    _one_step(t, step, parts, states, temp_sizes, first=not first_step, marks=True, section=section)
     return t.trace(permanent)
 
 
@@ -258,23 +282,14 @@ def _split_block(b: timeline.BlockMemory, d: BlockTensors) -> _Split:
                   split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()))
 
 
-def _one_step(t: _Builder, step: timeline.StepMemory, parts: Sequence[_Split], states: Sequence[int],
-              temp_sizes: Sequence[int], *, first: bool, marks: bool = False) -> None:
-    """One training step's events; `parts`: each block's tensors (`_split_block`); `first`: the workspace (and
-    resident gradients) appear here; `marks`: record the timeline points (only the steady step)."""
+def _blocks_section(step: timeline.StepMemory, parts: Sequence[_Split],
+                    new_grads: bool) -> tuple[_Builder, Ranges, Ranges]:
+    """Forward then backward through the blocks (a builder of its own, ids from 0; marks recorded); returns it
+    with the ranges of the gradients it allocates and of the outputs the loop keeps (logits), which the step
+    frees after it. `new_grads`: backward allocates the gradients (not resident from earlier micro-steps)."""
     blocks = step.blocks
-    mark = t.mark if marks else (lambda phase, label: None)
-    alloc, free = t.alloc, t.free
-    batch = alloc("batch", (step.batch_bytes,))
-    extra = alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
-
-    grad_ids: Ranges = []
-    if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
-        for b, x in zip(blocks, parts, strict=True):
-            alloc(b.name, x.grads, ".grad")
-    if first:
-        alloc("cublas workspace", (step.workspace_bytes,))
-
+    t = _Builder()
+    alloc, free, mark = t.alloc, t.free, t.mark
     live: list[Ranges] = []
     cache_ids: Ranges = []
     retained: Ranges = []
@@ -295,7 +310,7 @@ def _one_step(t: _Builder, step: timeline.StepMemory, parts: Sequence[_Split], s
     mark("forward", "end of forward")
     free(cache_ids)
 
-    new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
+    grad_ids: Ranges = []
     for b, x, ids in zip(reversed(blocks), reversed(parts), reversed(live), strict=True):
         name = b.name
         recompute = alloc(name, x.recomputed, ".recomputed") if b.checkpointed else []
@@ -309,12 +324,41 @@ def _one_step(t: _Builder, step: timeline.StepMemory, parts: Sequence[_Split], s
         free(gathered)
         free(recompute)
         free(ids)
+    return t, grad_ids, retained
+
+
+def _shift(ranges: Ranges, off: int) -> Ranges:
+    return [(a + off, b + off) for a, b in ranges]
+
+
+def _one_step(t: _Builder, step: timeline.StepMemory, parts: Sequence[_Split], states: Sequence[int],
+              temp_sizes: Sequence[int], *, first: bool, marks: bool = False,
+              section: tuple[_Builder, Ranges, Ranges] | None = None) -> None:
+    """One training step's events; `parts`: each block's tensors (`_split_block`); `first`: the workspace (and
+    resident gradients) appear here; `marks`: record the timeline points (only the steady step); `section`:
+    the blocks' forward and backward when already built (`_blocks_section`)."""
+    alloc, free = t.alloc, t.free
+    batch = alloc("batch", (step.batch_bytes,))
+    extra = alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
+    if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
+        for b, x in zip(step.blocks, parts, strict=True):
+            alloc(b.name, x.grads, ".grad")
+    if first:
+        alloc("cublas workspace", (step.workspace_bytes,))
+
+    new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
+    if section is None:
+        section = _blocks_section(step, parts, new_grads)
+    blocks_part, grads, kept = section
+    off = t.emit(blocks_part, marks)
+    grad_ids, retained = _shift(grads, off), _shift(kept, off)
     free(extra)
 
     if not marks:  # the first step: Adam's _init_group allocates the states before the update
         alloc("optimizer state", states)
     temps = alloc("optimizer temporary", split(step.optimizer_temporary_bytes, temp_sizes))
-    mark("optimizer", "optimizer step")
+    if marks:
+        t.mark("optimizer", "optimizer step")
     free(temps)
     free(batch)
     free(retained)
