@@ -12,8 +12,8 @@ load time is printed: a search that switches pays it once). Rows:
 - allocator, search-like: each step evaluated on several instance types and instance counts, as a search
   over instances does (the trace and the unlimited replay are cached per step);
 - allocator, steady step only: `reserved.REPLAY_FIRST_STEP = False` (half the events, less faithful);
-- allocator, distinct steps on 2 processes: the distinct row split over two forked workers (what a search
-  with two workers gets from 2 cores; wall time of the whole batch).
+- allocator, distinct steps / search-like on 2 processes: those rows split over two forked workers (what a
+  search with two workers gets from 2 cores; wall time of the whole batch).
 Every allocator row starts from cold per-shape caches (`estimate.clear_caches`: activations, traces, replays);
 the roofline's kernel tables (one per model and shape class, batch-free) stay warm from the flat row, as in any
 search over batch sizes.
@@ -107,6 +107,8 @@ def main() -> None:
     reserved.REPLAY_FIRST_STEP = True
     clear_caches()
     show("allocator, distinct steps, 2 processes", rate_two_processes(single), None, len(single))
+    clear_caches()
+    show("allocator, search-like, 2 processes", rate_two_processes(search), None, len(search))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@
    `planner search --instance all` (target: <= 3 s and <= 10 s wall on 2 idle cores; wall time also counts
    whatever else shares the cores, so the CPU time and the load average are printed beside it).
 2. Estimates/s: `planner.estimate` on distinct points (no cache), and the objective as a search calls it
-   (the per-configuration cache answers the points TPE proposes again; target >= 2,000/s).
+   (the per-configuration cache answers the points TPE proposes again; target >= 2,000/s), each twice: with
+   the allocator replayed in Python (what a default search of ~100 trials gets: it never loads the compiled
+   replay) and with the compiled replay loaded (what a longer search gets once it has replayed
+   `planner.memory.compiled.COMPILE_AFTER` steps; its one-off load time is printed). The objective figure
+   is the median of 3 runs: one cyclic garbage collection can double a 0.1 s run.
 3. Storage: ms to persist one finished trial in the journal file (the default) and in SQLite (WAL).
 4. TPE against the exhaustive optimum on a joint space small enough to enumerate (3 instance types ×
    parallelism × precision × checkpointing × micro-batch × attention × optimizer kernels), over several
@@ -87,6 +91,13 @@ def objective_for(sweep, fake: bool):
                           fixed=sweep.fixed, global_batch_size=sweep.recipe.global_batch_size)
     return Objective(model, types, space, constraints=sweep.constraints, objective=sweep.objective,
                      recipe=sweep.recipe, target=sweep.target(), estimate_fn=estimate_fn(fake))
+
+
+def compiled_loaded() -> bool:
+    """Load the compiled allocator replay (and run it once: the first call loads the machine code)."""
+    from planner.memory import compiled, events
+
+    return compiled.warm() and compiled.replay(events.Trace.from_events([(0, 1)], ["warm"])) is not None
 
 
 def grid_points(space) -> list[dict]:
@@ -189,12 +200,21 @@ def main() -> None:
             print(f"  {best[:150]}")
             if flags[-1] == "all":
                 print(f"  {check_best(data, len(list_instances()))}")
-    default = exhaustive(DEFAULT_SWEEP, args.fake)
-    print(f"estimate: {default['estimates_per_s']:,.0f} estimates/s over the {default['estimates']} runnable points "
-          f"of the default space ({default['points']} points, no cache)")
-    rate, hits = objective_rate(DEFAULT_SWEEP, args.fake, default_trials(1))
-    print(f"objective as the default search calls it: {rate:,.0f} calls/s ({hits:.0%} answered by the "
-          f"per-configuration cache; target >= 2,000/s)")
+    for replay in ("python", "compiled"):
+        os.environ["PLANNER_COMPILED_REPLAY"] = "0" if replay == "python" else "1"
+        if replay == "compiled" and not args.fake:
+            start = time.perf_counter()
+            if not compiled_loaded():
+                print("the compiled replay is not available here (no Numba)")
+            print(f"compiled replay loaded in {time.perf_counter() - start:.2f} s (once per process)")
+        default = exhaustive(DEFAULT_SWEEP, args.fake)
+        print(f"[{replay} replay] estimate: {default['estimates_per_s']:,.0f} estimates/s over the "
+              f"{default['estimates']} runnable points of the default space ({default['points']} points, no cache)")
+        runs = [objective_rate(DEFAULT_SWEEP, args.fake, default_trials(1)) for _ in range(3)]
+        rate, hits = statistics.median(r[0] for r in runs), runs[0][1]
+        print(f"[{replay} replay] objective as the default search calls it: {rate:,.0f} calls/s, median of 3 "
+              f"({hits:.0%} answered by the per-configuration cache; target >= 2,000/s)")
+    del os.environ["PLANNER_COMPILED_REPLAY"]
     storage = bench_storage(args.fake, 100)
     print(f"storage per finished trial: journal file {storage['journal']:.1f} ms, SQLite (WAL) "
           f"{storage['sqlite']:.1f} ms (whole search, estimate included)")
