@@ -30,9 +30,11 @@ they can be found in any recent release):
 One stream is assumed (training on the default stream); `recordStream` and CUDA graphs are not modelled.
 Events are `(tensor_id, nbytes)`: nbytes > 0 allocates tensor_id, nbytes == 0 frees it.
 
-Two implementations of the same rules: `CachingAllocator` / `run_reference` (block objects, one method per C++
-function: the readable model, and the only one with expandable segments) and `fast_run` (plain ints, what
-`run` uses otherwise; tests/test_allocator_fast.py checks both give the same ReplayResult). A replay cannot
+Three implementations of the same rules: `CachingAllocator` / `run_reference` (block objects, one method per
+C++ function: the readable model, and the only one with expandable segments), `fast_run` (plain ints, what
+`run` uses otherwise; tests/test_allocator_fast.py checks both give the same ReplayResult) and
+`replay_kernel` (compiled with Numba, on a compact trace; what a process that replays many steps switches to,
+`compiled`; checked against `fast_run` the same way). A replay cannot
 skip repeated transformer layers: the free blocks after a layer are never those after the previous one
 (benchmarks/layer_periodicity.py: 0 of 6,400 layer windows), because each layer's leftovers in the 2 MiB and
 20 MiB segments shift the next layer's placements.
