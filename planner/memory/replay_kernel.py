@@ -50,22 +50,12 @@ def _size_class(size):
 
 @njit(cache=True)
 def _lowest_bit(x):
-    """Index of the lowest set bit of 0 < x < 2^32."""
+    """Index of the lowest set bit of 0 < x < 2^32 (a binary search over halves of the word)."""
     n = 0
-    if x & 0xFFFF == 0:
-        n += 16
-        x >>= 16
-    if x & 0xFF == 0:
-        n += 8
-        x >>= 8
-    if x & 0xF == 0:
-        n += 4
-        x >>= 4
-    if x & 0x3 == 0:
-        n += 2
-        x >>= 2
-    if x & 0x1 == 0:
-        n += 1
+    for shift in (16, 8, 4, 2, 1):
+        if x & ((1 << shift) - 1) == 0:
+            n += shift
+            x >>= shift
     return n
 
 
