@@ -20,9 +20,8 @@ import statistics
 
 from planner.models.catalog import cached_model
 from planner.perf.throughput import ThroughputConstants, predict_throughput
-from planner.probes.public import load_public_throughput
+from planner.probes.public import SPEED_FIT_SOURCES, load_public_throughput, single_gpu_fixed
 
-FIT_SOURCES = ("dle-bert-1907", "dle-bert-2006")
 PRIOR = 0.80  # the three efficiencies before the fit (typical cuBLAS / STREAM shares of the datasheet figures)
 # Physically plausible ranges only: cuBLAS's largest fp16/TF32 GEMMs reach at most ~90% of the dense datasheet
 # peak (boost clocks drop under full tensor load), STREAM-like copies ~90-93% of HBM bandwidth. A fit that
@@ -51,10 +50,10 @@ def score(errs: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fit", default=",".join(FIT_SOURCES), help="comma-separated source ids to fit on")
+    ap.add_argument("--fit", default=",".join(SPEED_FIT_SOURCES), help="comma-separated source ids to fit on")
     args = ap.parse_args(argv)
     fit_sources = tuple(args.fit.split(","))
-    single = [r for r in load_public_throughput() if r.gpus == 1 and r.fixed_length]
+    single = single_gpu_fixed(load_public_throughput())
     fit = [r for r in single if r.source_id in fit_sources]
     held = [r for r in single if r.source_id not in fit_sources]
     base = efficiencies(PRIOR, PRIOR, PRIOR)  # the search starts from the prior

@@ -21,17 +21,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fit_roofline import FIT_SOURCES, score  # noqa: E402  (the roofline's fit sources and its score)
+from fit_roofline import score  # noqa: E402  (the roofline fit's score)
 
 from planner.perf.throughput import ThroughputConstants  # noqa: E402
-from planner.probes.public import load_public_throughput, scaling_errors, scaling_pairs  # noqa: E402
+from planner.probes.public import (  # noqa: E402
+    SPEED_FIT_SOURCES,
+    load_public_throughput,
+    scaling_errors,
+    scaling_pairs,
+)
 
 GRID = [round(0.005 * i, 3) for i in range(41)]  # 0 .. 0.20
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fit", default=",".join(FIT_SOURCES), help="comma-separated source ids to fit on")
+    ap.add_argument("--fit", default=",".join(SPEED_FIT_SOURCES), help="comma-separated source ids to fit on")
     args = ap.parse_args(argv)
     fit_sources = tuple(args.fit.split(","))
     pairs = scaling_pairs(load_public_throughput())

@@ -12,6 +12,7 @@ from planner.hardware import get_instance
 from planner.models.catalog import get_model
 from planner.perf.cost import DEFAULT_SPOT_DISCOUNT, predict_cost
 from planner.perf.throughput import ThroughputConstants, predict_throughput
+from planner.probes.public import SPEED_FIT_SOURCES, single_gpu_fixed
 from planner.spec import TrainConfig
 
 BERT_BASE = get_model("bert-base-uncased", num_labels=2)
@@ -109,10 +110,9 @@ def test_mfu_stays_below_the_efficiency_ceiling():
 
 # ---- published figures --------------------------------------------------------------------------
 # results/public/throughput/runs.csv (sources in results/public/sources.csv). The roofline's three fitted
-# constants (GEMM_EFFICIENCY, CUDA_CORE_GEMM_EFFICIENCY, HBM_EFFICIENCY) were fitted on the single-GPU rows of FIT_SOURCES only
-# (benchmarks/fit_roofline.py); the other sources' rows are held out. Targets from issue 9: single-GPU
+# constants (GEMM_EFFICIENCY, CUDA_CORE_GEMM_EFFICIENCY, HBM_EFFICIENCY) were fitted on the single-GPU rows of
+# SPEED_FIT_SOURCES only (benchmarks/fit_roofline.py); the other sources' rows are held out. Targets from issue 9: single-GPU
 # median |error| <= 25 %, cross-GPU speed ratio median |error| <= 20 %.
-FIT_SOURCES = ("dle-bert-1907", "dle-bert-2006")
 
 
 def public_errors(rows, constants=None):
@@ -128,13 +128,13 @@ def public_errors(rows, constants=None):
 
 def test_fitted_efficiencies_are_a_local_optimum_of_their_fit():
     """GEMM_EFFICIENCY, CUDA_CORE_GEMM_EFFICIENCY and HBM_EFFICIENCY are what benchmarks/fit_roofline.py finds on
-    FIT_SOURCES (a hand-tuned value would not be): no step of 0.025 on any of them lowers the fit's median
+    SPEED_FIT_SOURCES (a hand-tuned value would not be): no step of 0.025 on any of them lowers the fit's median
     |log(predicted / published)|."""
     import math
 
     from planner.probes.public import load_public_throughput
 
-    fit = [r for r in load_public_throughput() if r.gpus == 1 and r.fixed_length and r.source_id in FIT_SOURCES]
+    fit = [r for r in single_gpu_fixed(load_public_throughput()) if r.source_id in SPEED_FIT_SOURCES]
 
     def score(c):
         return statistics.median(abs(math.log(e)) for _, e in public_errors(fit, c))
@@ -148,14 +148,14 @@ def test_fitted_efficiencies_are_a_local_optimum_of_their_fit():
 
 
 def test_rank_speed_spread_is_a_local_optimum_of_its_fit():
-    """rank_speed_spread is what benchmarks/fit_scaling.py finds on the scaling pairs of FIT_SOURCES: no step of
+    """rank_speed_spread is what benchmarks/fit_scaling.py finds on the scaling pairs of SPEED_FIT_SOURCES: no step of
     0.005 lowers the fit's median |log(predicted scaling / published scaling)|; the held-out pairs' median
     scaling error stays within 10 %."""
     from planner.probes.public import load_public_throughput, scaling_errors, scaling_pairs
 
     pairs = scaling_pairs(load_public_throughput())
-    fit = [p for p in pairs if p[0].source_id in FIT_SOURCES]
-    held = [p for p in pairs if p[0].source_id not in FIT_SOURCES]
+    fit = [p for p in pairs if p[0].source_id in SPEED_FIT_SOURCES]
+    held = [p for p in pairs if p[0].source_id not in SPEED_FIT_SOURCES]
     assert len(fit) >= 8 and len(held) >= 8
     c = ThroughputConstants()
     best = statistics.median(abs(e) for e in scaling_errors(fit, c))
@@ -188,9 +188,9 @@ def test_the_slowest_gpu_sets_the_pace():
 def test_published_single_gpu_speed_fitted_and_held_out():
     from planner.probes.public import load_public_throughput
 
-    single = [r for r in load_public_throughput() if r.gpus == 1 and r.fixed_length]
-    held = public_errors([r for r in single if r.source_id not in FIT_SOURCES])
-    fit = public_errors([r for r in single if r.source_id in FIT_SOURCES])
+    single = single_gpu_fixed(load_public_throughput())
+    held = public_errors([r for r in single if r.source_id not in SPEED_FIT_SOURCES])
+    fit = public_errors([r for r in single if r.source_id in SPEED_FIT_SOURCES])
     assert len(held) >= 10 and len(fit) >= 10
     assert statistics.median(abs(e - 1) for _, e in held) <= 0.25
     assert statistics.median(abs(e - 1) for _, e in fit) <= 0.15
@@ -213,7 +213,7 @@ def test_published_cross_gpu_ratio():
     micro-batch): the predicted speed ratio against the published one."""
     from planner.probes.public import load_public_throughput
 
-    res = public_errors([r for r in load_public_throughput() if r.gpus == 1 and r.fixed_length])
+    res = public_errors(single_gpu_fixed(load_public_throughput()))
     by_run: dict[tuple, dict[str, list]] = {}
     for row, e in res:
         key = (row.source_id, row.model, row.task, row.seq_len, row.precision)

@@ -280,6 +280,17 @@ def load_public_throughput(root: Path | None = None) -> list[ThroughputRun]:
     return rows
 
 
+# The sources the speed model's constants are fitted on (benchmarks/fit_roofline.py: the three efficiencies;
+# benchmarks/fit_scaling.py: rank_speed_spread); every other source is held out.
+SPEED_FIT_SOURCES = ("dle-bert-1907", "dle-bert-2006")
+
+
+def single_gpu_fixed(rows: list[ThroughputRun]) -> list[ThroughputRun]:
+    """The one-GPU rows at a fixed sequence length: what a prediction's error is measured on (a `max` row's
+    prediction is only a floor)."""
+    return [r for r in rows if r.gpus == 1 and r.fixed_length]
+
+
 def scaling_pairs(rows: list[ThroughputRun]) -> list[tuple[ThroughputRun, ThroughputRun]]:
     """(multi-GPU row, its one-GPU twin): same source, task, model, GPU, sequence, precision, TF32, micro-batch
     and accumulation, fixed length. Their ratio is the run's scaling, free of the one-GPU speed error."""
@@ -287,7 +298,7 @@ def scaling_pairs(rows: list[ThroughputRun]) -> list[tuple[ThroughputRun, Throug
         return (r.source_id, r.task, r.model, r.head, r.gpu, r.seq_len, r.precision, r.tf32, r.batch_size,
                 r.grad_accum, r.checkpointing)
 
-    single = {key(r): r for r in rows if r.gpus == 1 and r.fixed_length}
+    single = {key(r): r for r in single_gpu_fixed(rows)}
     return [(r, single[key(r)]) for r in rows if r.gpus > 1 and r.fixed_length and key(r) in single]
 
 
