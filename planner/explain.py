@@ -84,13 +84,19 @@ def _precision_lines(est: Estimate) -> list[str]:
     return lines
 
 
-def _gpu_peaks(gpu_name: str) -> dict[str, float]:
+def _known_gpu(gpu_name: str):
+    """The GPU's datasheet row, or None for a name the table does not hold."""
     from planner.hardware import get_gpu
 
     try:
-        return get_gpu(gpu_name).peak_tflops
-    except (PlannerError, KeyError):  # a name the table does not hold
-        return {}
+        return get_gpu(gpu_name)
+    except (PlannerError, KeyError):
+        return None
+
+
+def _gpu_peaks(gpu_name: str) -> dict[str, float]:
+    gpu = _known_gpu(gpu_name)
+    return gpu.peak_tflops if gpu is not None else {}
 
 
 def _storage_lines(est: Estimate) -> list[str]:
@@ -545,12 +551,12 @@ def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:
         head = (f"{share:.0%} of this step is memory-bound: a GPU with more HBM bandwidth helps more than one "
                 "with more FLOPs.")
     else:
-        from planner.hardware import get_gpu
         from planner.memory.activations import LOW_DTYPE
         from planner.perf.roofline import on_cuda_cores
 
-        peaks = _gpu_peaks(est.gpu)  # empty for a GPU the table does not hold: then only fp32 is on CUDA cores
-        cuda_cores = (on_cuda_cores(get_gpu(est.gpu), LOW_DTYPE[est.config.precision], est.config.tf32) if peaks
+        gpu = _known_gpu(est.gpu)  # None for a GPU the table does not hold: then only fp32 is on CUDA cores
+        peaks = gpu.peak_tflops if gpu is not None else {}
+        cuda_cores = (on_cuda_cores(gpu, LOW_DTYPE[est.config.precision], est.config.tf32) if gpu is not None
                       else est.config.precision == "fp32")
         if not cuda_cores:
             unit = "tensor-core FLOP/s"

@@ -88,6 +88,16 @@ def build_requests(study: str | None, top: int, model: str | None, instance: str
 # ------------------------------------------------------------------------------------------ local
 
 
+# The training-configuration flags `probe run` and `probe launch` share (TrainConfig fields).
+CONFIG_FLAGS = ("batch_size", "seq_len", "precision", "optimizer", "optimizer_impl", "parallelism", "checkpointing",
+                "attention", "grad_accum", "instances", "tf32")
+
+
+def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
+    """The configuration flags of a command's arguments (`locals()` at its start)."""
+    return {k: flags[k] for k in CONFIG_FLAGS}
+
+
 def check_torch() -> None:
     """`probe run --local` runs jobs/probe.py with this Python: without torch it can only fail, so say so now."""
     import importlib.util
@@ -247,6 +257,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Run jobs/probe.py on this machine for one configuration or a study's best trials."""
+        flags = locals()
         from planner.probes import store
 
         if not local:
@@ -255,10 +266,7 @@ def register(app: typer.Typer) -> None:
         from planner.io import number
 
         number(timeout, "--timeout", low=1, high=7 * 24 * 3600, integer=True)  # seconds; a week at most
-        requests = build_requests(study, top, model, instance, dict(
-            batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-            optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option,
+        requests = build_requests(study, top, model, instance, _config_args(flags), model_option,
             warmup_steps, steps, inputs, loss)
         records = []
         try:
@@ -313,6 +321,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """One SageMaker training job per candidate (existing jobs are skipped)."""
+        flags = locals()
         from planner.aws import launch as awslaunch
         from planner.aws import session as awssession
         from planner.probes import store
@@ -321,10 +330,7 @@ def register(app: typer.Typer) -> None:
             region or awssession.first_env(awssession.REGION_ENV) or "us-east-1")
         role_arn = awssession.resolve_role(role, dry_run=dry_run)
         s3 = awssession.resolve_bucket(bucket, region=region_name, dry_run=dry_run)
-        requests = build_requests(study, top, model, instance, dict(
-            batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-            optimizer_impl=optimizer_impl, parallelism=parallelism, checkpointing=checkpointing,
-            attention=attention, grad_accum=grad_accum, instances=instances, tf32=tf32), model_option,
+        requests = build_requests(study, top, model, instance, _config_args(flags), model_option,
             warmup_steps, steps, inputs, loss)
         opts = awslaunch.LaunchOptions(role_arn=role_arn, s3=s3, region=region_name, spot=spot,
                                        max_run_minutes=max_run_minutes, max_wait_minutes=max_wait_minutes,
