@@ -3,9 +3,10 @@
 Public API: `estimate()` and the data model. Heavy modules load lazily so `import planner` stays cheap.
 """
 
-from planner._startup import quiet_interrupts_while_starting
+from planner._startup import check_environment_or_exit, quiet_interrupts_while_starting
 
 quiet_interrupts_while_starting()  # only in the `planner` command itself; see planner/_startup.py
+check_environment_or_exit()  # ditto: a bad PLANNER_* setting is one line and exit 2
 
 from planner.errors import PlannerError  # noqa: E402
 from planner.spec import (  # noqa: E402

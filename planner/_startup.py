@@ -4,7 +4,7 @@ own handler back once imported, so `handles_errors` answers an interrupt while a
 
 Only when the process is the command (the `planner` console script, or `python -m planner`, whose package
 import runs while sys.argv[0] is still "-m"): a library user or a test importing `planner` keeps its own
-handler. Standard library only, so it can run before anything heavy is imported."""
+handler. Standard library only (and planner.env, which is too), so it can run before anything heavy is imported."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ def started_as_command(argv: list[str]) -> bool:
 def quiet_interrupts_while_starting() -> None:
     if started_as_command(sys.argv) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, interrupted_while_starting)
+
+
+def check_environment_or_exit() -> None:
+    """The command with a bad PLANNER_* setting: one line and exit 2 before anything reads it (a library user
+    gets the PlannerError from the import instead)."""
+    if not started_as_command(sys.argv):
+        return
+    from planner.env import check_environment
+
+    problem = check_environment()
+    if problem is not None:
+        sys.stderr.write(f"error: {problem}\n")
+        sys.stderr.flush()
+        os._exit(2)
 
 
 def restore_interrupts() -> None:

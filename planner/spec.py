@@ -6,10 +6,11 @@ been checked, and a result can be serialised to JSON with `.model_dump(mode="jso
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from planner import env
 
 Precision = Literal["fp32", "amp-fp16", "amp-bf16", "fp16", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16")
@@ -37,7 +38,7 @@ Verdict = Literal["fits", "tight", "oom"]
 # usage") are adjustable and the API itself sets no maximum (botocore sagemaker-2017-07-24 TrainingInstanceCount:
 # min 0 only). ASSUMPTION: 2,048 instances (16,384 GPUs at 8 per instance) bounds any job this tool plans, above
 # the largest published SageMaker runs (hundreds of p4d/p5 instances). Override: $PLANNER_MAX_INSTANCES.
-MAX_INSTANCES = int(os.environ.get("PLANNER_MAX_INSTANCES", "2048"))
+MAX_INSTANCES = int(env.limit("PLANNER_MAX_INSTANCES"))
 
 # Samples per GPU in one micro-batch. ASSUMPTION: 2^31 - 1 (PyTorch's int32 kernel-indexing limit on one dimension);
 # any micro-batch near it is out of memory on every GPU, so above it the answer is this error, not an OOM verdict

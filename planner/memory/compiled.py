@@ -12,8 +12,6 @@ Without Numba (or on a broken install) every replay stays in Python.
 
 from __future__ import annotations
 
-import os
-
 from planner.memory.allocator import K_LARGE_BUFFER, ReplayResult
 from planner.memory.events import Trace
 
@@ -24,7 +22,9 @@ _state = {"python_replays": 0, "kernel": None, "unavailable": False}
 
 
 def _mode() -> str:
-    return os.environ.get("PLANNER_COMPILED_REPLAY", "").strip()
+    from planner.env import choice
+
+    return choice("PLANNER_COMPILED_REPLAY")
 
 
 def _load():

@@ -6,8 +6,7 @@ Each bound is far above any real training job; the point is a bounded answer, no
 
 from __future__ import annotations
 
-import os
-
+from planner import env
 from planner.spec import MAX_BATCH, MAX_INSTANCES
 
 # Sampler seeds: numpy's RandomState (which Optuna's samplers use) takes seeds in [0, 2^32 - 1]
@@ -21,7 +20,7 @@ MAX_SPACE_VALUE = MAX_BATCH
 
 # Micro-steps per optimizer step. ASSUMPTION: 65,536; it keeps micro-batch × accumulation × GPUs below 2^63
 # (2^31 · 2^16 · 2^14 = 2^61), the int64 columns of the trials table. Override: $PLANNER_MAX_GRAD_ACCUM.
-MAX_GRAD_ACCUM = int(os.environ.get("PLANNER_MAX_GRAD_ACCUM", str(2**16)))
+MAX_GRAD_ACCUM = int(env.limit("PLANNER_MAX_GRAD_ACCUM"))
 
 # Samples per optimizer step and per epoch: integers that a float64 holds exactly (2^53, IEEE 754), since
 # the trials table and `--json` carry them as numbers.
@@ -30,7 +29,7 @@ MAX_DATASET_SIZE = 2**53
 
 # Passes over the dataset. ASSUMPTION: 10^6, far above any training recipe; keeps hours and $ per job finite
 # (2^53 samples × 10^6 epochs is ~10^22 samples, a finite float). Override: $PLANNER_MAX_EPOCHS.
-MAX_EPOCHS = float(os.environ.get("PLANNER_MAX_EPOCHS", "1e6"))
+MAX_EPOCHS = float(env.limit("PLANNER_MAX_EPOCHS"))
 
 # Instances per job: the estimate's own limit (planner.spec.MAX_INSTANCES, $PLANNER_MAX_INSTANCES).
 MAX_SEARCH_INSTANCES = MAX_INSTANCES
