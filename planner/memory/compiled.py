@@ -1,7 +1,8 @@
 """When to replay a step with the compiled kernel (`replay_kernel`, Numba) instead of `allocator.fast_run`.
 
-Why a policy: the kernel replays a step ~10x faster, but importing Numba and loading the compiled code costs
-~0.7 s per process (~3 s the first time after an install, while Numba compiles and caches it). A single
+Why a policy: the kernel replays a step ~15x faster (~0.2 ms against ~3.5 ms for BERT-base), but importing
+Numba and loading the compiled code costs ~0.6 s per process (~3 s the first time after an install, while Numba
+compiles and caches it). A single
 `planner estimate` replays one or two steps (~5 ms in Python), so it never loads the kernel; a process that
 has replayed `COMPILE_AFTER` steps in Python (a search, a sweep, a benchmark) is likely to replay many more,
 and switches. Both give the same `ReplayResult` (tests/test_replay_kernel.py), so the switch changes speed only.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from planner.memory.allocator import K_LARGE_BUFFER, ReplayResult
 from planner.memory.events import Trace
 
-COMPILE_AFTER = 100  # Python replays before the kernel is loaded: ~0.4 s of replays against ~0.7 s of loading
+COMPILE_AFTER = 100  # Python replays before the kernel is loaded: ~0.4 s of replays against ~0.6 s of loading
 INT64_LIMIT = 1 << 62  # every address the kernel computes must stay below this
 
 _state = {"python_replays": 0, "kernel": None, "unavailable": False}

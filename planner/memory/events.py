@@ -84,9 +84,10 @@ class Trace:
     def n_events(self) -> int:
         return sum(b - a for a, b, _ in self.program)
 
-    @cached_property
+    @property
     def events(self) -> tuple[tuple[int, int], ...]:
-        """(tensor_id, nbytes) per event; nbytes == 0 frees it."""
+        """(tensor_id, nbytes) per event; nbytes == 0 frees it. Expanded on each use, not kept: ~4,000 tuples
+        would triple what a cached trace holds."""
         sizes, out = self.sizes, []
         for a, b, alloc in self.program:
             if alloc:
@@ -95,7 +96,7 @@ class Trace:
                 out.extend((tid, 0) for tid in range(a, b))
         return tuple(out)
 
-    @cached_property
+    @property
     def names(self) -> tuple[str, ...]:
         """tensor_id -> its group's name."""
         bounds = (*self.group_first[1:], len(self.sizes))

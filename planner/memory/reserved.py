@@ -3,8 +3,9 @@
 
 Why a cache: a search evaluates many configurations that share one step (they differ in instance count,
 price, spot...), and a replay costs milliseconds in pure Python (~1 µs per event, `allocator.fast_run`;
-~0.1 µs once the process uses the compiled kernel, `compiled`), building the trace ~0.3 ms. The key is everything the trace depends on (the model object, `TRACE_FIELDS` of the config, the step's block
-bytes, the shares); the replays hang on the cached trace, so a hit hashes no event list. The replay runs
+~0.1 µs once the process uses the compiled kernel, `compiled`), building the trace ~0.3 ms. The key is
+everything the trace depends on (the model object, `TRACE_FIELDS` of the config, the step's block bytes, the
+shares); the replays hang on the cached trace, so a hit hashes no event list. The replay runs
 without a capacity first (cacheable across GPUs of one family), and again with the capacity only when the
 unlimited peak does not fit, to model the OOM retry (`release_cached_blocks`).
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 from planner.memory import allocator, compiled, events, model_states, timeline
 from planner.spec import AllocatorReplay, ModelSpec, TrainConfig
 
-REPLAY_CACHE_SIZE = 4096  # distinct steps kept (a few hundred bytes each)
+# Distinct steps kept: a cached BERT-base step holds ~95 KB (its compact trace and int64 arrays; measured with
+# tracemalloc over benchmarks/estimate_benchmark.py's configurations), so at most ~200 MB.
+REPLAY_CACHE_SIZE = 2048
 # Replay the first step (optimizer states allocated after backward) before the steady one: ~2x the events,
 # and the main source of reserved > allocated (events.step_events). False: steady step only (faster).
 REPLAY_FIRST_STEP = True
