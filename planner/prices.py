@@ -54,12 +54,12 @@ def cache_path() -> Path:
 def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
     """The refreshed price cache, or None when absent; a cache that is not what `--refresh` writes is an error
     naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
-    p = Path(path) if path is not None else cache_path()
+    p = os.fspath(path) if path is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE)
     try:
-        stat = p.stat()
-    except OSError:
+        st = os.stat(p)  # os.stat on the string: pathlib's objects cost more than the stat, once per estimate
+    except (OSError, ValueError):
         return None
-    return _read_cache(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    return _read_cache(os.path.realpath(p), st.st_mtime_ns, st.st_size)
 
 
 @lru_cache(maxsize=8)

@@ -21,3 +21,22 @@ def test_calibration_file_is_used(tmp_path, monkeypatch):
     assert after.throughput.samples_per_s == before.throughput.samples_per_s * 0.5
     other = planner.estimate("bert-base-uncased", cfg, "ml.g5.xlarge")  # another family: untouched
     assert other.runtime.cuda_context_bytes != 700 * 2**20
+
+
+def test_a_rewritten_calibration_file_is_read_again(tmp_path, monkeypatch):
+    """Read once per file version (a search estimates thousands of configurations), and again when the file
+    changes: `planner calibrate` may rewrite it between two searches of one process."""
+    import os
+
+    from planner.memory import runtime
+
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(path))
+    assert runtime.load_calibration() == {}
+    path.write_text(json.dumps({"families": {"V100": {"throughput_scale": 0.5}}}))
+    first = runtime.load_calibration()
+    assert first["families"]["V100"]["throughput_scale"] == 0.5
+    assert runtime.load_calibration() is first  # not re-read
+    path.write_text(json.dumps({"families": {"V100": {"throughput_scale": 0.25}}}))
+    os.utime(path, ns=(1, 1))  # a different version even on a coarse clock
+    assert runtime.load_calibration()["families"]["V100"]["throughput_scale"] == 0.25

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +187,23 @@ def calibration_path() -> Path:
 
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
-    """The calibration JSON, or {} when the file does not exist (a missing file is the normal case)."""
+    """The calibration JSON, or {} when the file does not exist (a missing file is the normal case). Read and
+    checked once per file version (its mtime and size): a search estimates thousands of configurations. The
+    dict is shared: callers copy what they change."""
+    p = os.fspath(path) if path is not None else os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH)
+    try:
+        st = os.stat(p)
+    except (OSError, ValueError):  # absent (the normal case), or a path that cannot exist
+        return {}
+    return _read_calibration(os.path.abspath(p), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=8)
+def _read_calibration(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
     from planner.io import read_json
 
-    p = Path(path) if path is not None else calibration_path()
-    if not p.exists():
-        return {}
-    data = read_json(p, f"calibration file (${CALIBRATION_ENV} or {DEFAULT_CALIBRATION_PATH})")
+    data = read_json(Path(path), f"calibration file (${CALIBRATION_ENV} or {DEFAULT_CALIBRATION_PATH})")
     families = data.get("families", {})
     if not isinstance(families, dict) or not all(isinstance(v, dict) for v in families.values()):
-        raise PlannerError(f"{p}: families", families, 'an object {"V100": {"fragmentation": 0.07, ...}, ...}')
+        raise PlannerError(f"{path}: families", families, 'an object {"V100": {"fragmentation": 0.07, ...}, ...}')
     return data
