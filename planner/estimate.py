@@ -146,11 +146,29 @@ def _activations(spec: ModelSpec, cfg: TrainConfig, backend: str, flash_ok: bool
     return hit[1]
 
 
-def _block_memory(model: ModelSpec, activations: list, config: TrainConfig,
+_BLOCKS: dict[tuple, tuple] = {}
+
+
+def _block_memory(model: ModelSpec, activations: tuple, config: TrainConfig,
                   share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
-    """Each block (and the final "loss" entry of `activations`) as resident on this GPU."""
+    """Each block (and the final "loss" entry of `activations`) as resident on this GPU; cached per model,
+    activation records (one object per shape, `_activations`), dtypes and sharding: a search meets one shape
+    on many instance types and counts."""
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
+    key = (id(model), id(activations), p_bytes, g_bytes, share)
+    hit = _BLOCKS.get(key)
+    if hit is not None and hit[0] is model and hit[1] is activations:
+        return hit[2]
+    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share)
+    if len(_BLOCKS) >= ACTIVATION_CACHE_SIZE:
+        _BLOCKS.clear()
+    _BLOCKS[key] = (model, activations, blocks)
+    return blocks
+
+
+def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
+                     share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
     facts = _model_facts(model)
     out = []
     for act in activations:  # every block in forward order, then "loss"
@@ -619,5 +637,6 @@ def clear_caches() -> None:
 
     _MODEL_FACTS.clear()
     _ACTIVATIONS.clear()
+    _BLOCKS.clear()
     _PEAKS.clear()
     reserved.clear_caches()
