@@ -232,14 +232,14 @@ class KernelTimes:
     launches: float  # CUDA launches of one micro-step
 
 
-def _gpu_key(gpu: GPU) -> tuple:
+def gpu_key(gpu: GPU) -> tuple:
     """What the timing reads of a GPU (a GPU changed with model_copy but keeping its name is another GPU)."""
     return gpu.name, tuple(sorted(gpu.peak_tflops.items())), gpu.memory_bandwidth_gbs, gpu.sm_count
 
 
 def _peaks(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
     """FLOP/s of each kernel's unit on this GPU, cached per table and GPU."""
-    key = (_gpu_key(gpu), allow_tf32)
+    key = (gpu_key(gpu), allow_tf32)
     hit = table.peaks_cache.get(key)
     if hit is None:
         hit = np.array([peak_for(gpu, d, allow_tf32) for d in table.dtype]) * TFLOP
@@ -253,7 +253,7 @@ def on_cuda_cores(gpu: GPU, dtype: str, allow_tf32: bool) -> bool:
 
 
 def _on_cuda_cores(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
-    key = ("cuda cores", _gpu_key(gpu), allow_tf32)
+    key = ("cuda cores", gpu_key(gpu), allow_tf32)
     hit = table.peaks_cache.get(key)
     if hit is None:
         hit = table.peaks_cache[key] = np.array([on_cuda_cores(gpu, d, allow_tf32) for d in table.dtype])
@@ -263,7 +263,7 @@ def _on_cuda_cores(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray
 def time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> KernelTimes:
     """Roofline time of every kernel of a micro-step at micro-batch b (cached on the table per b, GPU and
     constants: a search times one micro-step on many instance counts)."""
-    key = ("times", b, _gpu_key(gpu), c)
+    key = ("times", b, gpu_key(gpu), c)
     hit = table.peaks_cache.get(key)
     if hit is None:
         if len(table.peaks_cache) >= TIMES_CACHE_SIZE:

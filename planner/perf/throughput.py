@@ -38,6 +38,7 @@ The older keys (compute_s, recompute_s, overhead_s, communication_s, communicati
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -54,11 +55,12 @@ from planner.perf.roofline import (
     KernelTable,
     RooflineConstants,
     by_kind,
+    gpu_key,
     kernel_table,
     time_kernels,
     time_table,
 )
-from planner.spec import DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
+from planner.spec import GPU, DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
 
 GB = 1e9
 TFLOP = 1e12
@@ -230,14 +232,10 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     gpu = instance.gpu
     peak, _ = peak_tflops(instance, config.precision, c)
 
-    times = time_table(table, config.batch_size, gpu, c)
-    gpu_micro = float(times.seconds.sum() + times.gap.sum())
-    cpu_micro = times.launches * c.cpu_dispatch_s
-    micro = max(gpu_micro, cpu_micro) + c.micro_step_overhead_s
+    m = _micro_sums(table, config.batch_size, gpu, c)
+    micro = max(m.gpu_s, m.launches * c.cpu_dispatch_s) + c.micro_step_overhead_s
     # the all-reduce overlaps backward's wall time: GPU time, or the CPU's launches when those are longer
-    back = table.phase != PHASES.index("forward")
-    backward = max(float(times.seconds[back].sum() + times.gap[back].sum()),
-                   float((table.launches * table.count)[back].sum()) * c.cpu_dispatch_s)
+    backward = max(m.backward_gpu_s, m.backward_launches * c.cpu_dispatch_s)
 
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
@@ -246,9 +244,8 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
-    opt_secs, opt_gap, opt_mem, opt_launches = time_kernels(
-        optimizer_kernels(local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl),
-        gpu, c)
+    opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
+        local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
     optimizer_gpu = opt_secs + opt_gap
     optimizer = max(optimizer_gpu, opt_launches * c.cpu_dispatch_s)
     # every GPU waits for the slowest one of the `world` (module docstring)
@@ -258,24 +255,21 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
 
     # model FLOPs (MFU's, no recompute) = forward + backward = (1 + BACKWARD_TO_FORWARD) x forward matmuls,
     # as planner.perf.flops.step_flops counts them
-    fwd = table.phase == PHASES.index("forward")
-    matmul = (table.kind == KINDS.index("gemm")) | (table.kind == KINDS.index("attention"))
-    forward_flops = float((table.at(config.batch_size)[:, 0] * table.count)[fwd & matmul].sum())
-    model_flops = (1 + BACKWARD_TO_FORWARD) * forward_flops
+    model_flops = (1 + BACKWARD_TO_FORWARD) * m.forward_matmul_flops
     samples_per_step = world * config.batch_size * config.grad_accum
     samples_per_s = samples_per_step / step
     mfu = model_flops * config.grad_accum / (peak * TFLOP * step)
-    kinds = {k: config.grad_accum * v for k, v in by_kind(table, times.seconds).items()}
+    kinds = {k: config.grad_accum * v for k, v in m.by_kind.items()}
     kinds["optimizer"] += opt_secs
     kinds["communication"] = exposed_total
     launch_overhead = step - sum(kinds.values())
     breakdown: dict[str, Any] = {
         **kinds,
         "launch_overhead": launch_overhead,
-        "bytes_bound_s": config.grad_accum * float(times.seconds[times.memory_bound].sum()) + opt_mem,
-        "compute_s": config.grad_accum * gpu_micro,
-        "recompute_s": config.grad_accum * float(times.seconds[table.phase == PHASES.index("recompute")].sum()),
-        "overhead_s": config.grad_accum * (micro - gpu_micro),
+        "bytes_bound_s": config.grad_accum * m.memory_bound_s + opt_mem,
+        "compute_s": config.grad_accum * m.gpu_s,
+        "recompute_s": config.grad_accum * m.recompute_s,
+        "overhead_s": config.grad_accum * (micro - m.gpu_s),
         "communication_s": exposed,
         "communication_total_s": comm_total,
         "slowest_gpu_wait_s": slowest_wait,
@@ -289,6 +283,59 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         global_batch_size=samples_per_step,
         breakdown_s=breakdown,
     )
+
+
+@dataclass(frozen=True)
+class _MicroSums:
+    """What a step's time reads of one micro-step's kernel times: sums over the table, the same on every
+    instance count and type of one GPU, so computed once per table, micro-batch, GPU and constants."""
+
+    gpu_s: float  # roofline seconds + launch gaps
+    launches: float
+    backward_gpu_s: float
+    backward_launches: float
+    forward_matmul_flops: float  # at this micro-batch (MFU's model FLOPs)
+    by_kind: dict[str, float]
+    memory_bound_s: float
+    recompute_s: float
+
+
+def _micro_sums(table: KernelTable, b: int, gpu: GPU, c: ThroughputConstants) -> _MicroSums:
+    key = ("sums", b, gpu_key(gpu), c)
+    hit = table.peaks_cache.get(key)
+    if hit is None:
+        times = time_table(table, b, gpu, c)
+        back = table.phase != PHASES.index("forward")
+        fwd = ~back
+        matmul = (table.kind == KINDS.index("gemm")) | (table.kind == KINDS.index("attention"))
+        hit = _MicroSums(
+            gpu_s=float(times.seconds.sum() + times.gap.sum()),
+            launches=times.launches,
+            backward_gpu_s=float(times.seconds[back].sum() + times.gap[back].sum()),
+            backward_launches=float((table.launches * table.count)[back].sum()),
+            forward_matmul_flops=float((table.at(b)[:, 0] * table.count)[fwd & matmul].sum()),
+            by_kind=by_kind(table, times.seconds),
+            memory_bound_s=float(times.seconds[times.memory_bound].sum()),
+            recompute_s=float(times.seconds[table.phase == PHASES.index("recompute")].sum()),
+        )
+        table.peaks_cache[key] = hit  # beside its times (time_table bounds the cache's size)
+    return hit
+
+
+_OPTIMIZER_TIMES: dict[tuple, tuple[float, float, float, float]] = {}
+
+
+def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: str, impl: str, gpu: GPU,
+                     c: ThroughputConstants) -> tuple[float, float, float, float]:
+    """`time_kernels` of the optimizer step's kernels, once per shard size, optimizer, GPU and constants."""
+    key = (n_params, n_tensors, precision, optimizer, impl, gpu_key(gpu), c)
+    hit = _OPTIMIZER_TIMES.get(key)
+    if hit is None:
+        if len(_OPTIMIZER_TIMES) >= 4096:
+            _OPTIMIZER_TIMES.clear()
+        hit = _OPTIMIZER_TIMES[key] = time_kernels(
+            optimizer_kernels(n_params, n_tensors, precision, optimizer, impl), gpu, c)
+    return hit
 
 
 _PARAMS: dict[int, tuple[ModelSpec, int, int]] = {}
