@@ -160,31 +160,31 @@ Ranges = list[tuple[int, int]]  # tensor ids [first, stop) of one or more groups
 
 
 class _Builder:
-    def __init__(self) -> None:
+    """Builds a trace from a table of size tuples (`values`, one per slot: see `_slot_values`); every group
+    records the slot it came from, so a step of the same structure reuses the program (`_STRUCTURES`)."""
+
+    def __init__(self, values: Sequence[tuple[int, ...]]) -> None:
+        self.values = values
         self.sizes: list[int] = []
         self.program: list[tuple[int, int, bool]] = []
         self.group_first: list[int] = []
         self.group_names: list[str] = []
+        self.slots: list[int] = []
         self.marks: list[Mark] = []
         self.n_events = 0
 
-    def alloc(self, name: str, sizes: Sequence[int], suffix: str = "") -> Ranges:
-        """One tensor per positive size, one group named `name + suffix` (see `tensor_name`; joined only when
-        the group is not empty); returns its id range."""
-        first = len(self.sizes)
-        if len(sizes) == 1:  # most groups are one tensor
-            if sizes[0] <= 0:
-                return []
-            self.sizes.append(sizes[0])
-        elif sizes and min(sizes) > 0:
-            self.sizes.extend(sizes)
-        else:
-            self.sizes.extend(n for n in sizes if n > 0)
-        stop = len(self.sizes)
-        if stop == first:
+    def alloc(self, name: str, slot: int, suffix: str = "") -> Ranges:
+        """One tensor per size of `values[slot]` (positive sizes only: see `_slot_values`), one group named
+        `name + suffix` (see `tensor_name`; joined only when the group is not empty); returns its id range."""
+        sizes = self.values[slot]
+        if not sizes:
             return []
+        first = len(self.sizes)
+        self.sizes.extend(sizes)
+        stop = len(self.sizes)
         self.group_first.append(first)
         self.group_names.append(name + suffix if suffix else name)
+        self.slots.append(slot)
         self.n_events += stop - first
         program = self.program
         if program and program[-1][2] and program[-1][1] == first:  # `_extend`, inlined: the hot path
@@ -212,6 +212,7 @@ class _Builder:
         self.sizes.extend(part.sizes)
         self.group_first.extend([g + off for g in part.group_first])
         self.group_names.extend(part.group_names)
+        self.slots.extend(part.slots)
         program = self.program
         rest = part.program
         if rest:
@@ -242,69 +243,110 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     exceeds allocated in steady training. Without it, the states are allocated at load (steady state only).
     The marks (timeline points) are those of the steady step."""
     tensors = tensors or {}
-    t = _Builder()
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
-    for b, d in zip(blocks, bt, strict=True):
-        t.alloc(b.name, split(b.param_bytes, d.params if b.param_bytes == sum(d.params) else ()), ".param")
-    t.alloc("module buffers", (step.module_buffer_bytes,))
-    t.alloc("ddp bucket", buckets(step.ddp_bucket_bytes, bucket_cap_bytes))
+    values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
+    key = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks),
+           tuple(map(len, values)))
+    known = _STRUCTURES.get(key)
+    if known is not None:  # the same groups in the same order: only the sizes differ
+        program, group_first, group_names, marks, permanent, slots = known
+        sizes = tuple(itertools.chain.from_iterable([values[k] for k in slots]))
+        return Trace(sizes, program, group_first, group_names, marks, permanent)
+    trace, slots = _build(step, values, first_step)
+    if len(_STRUCTURES) >= STRUCTURE_CACHE_SIZE:
+        _STRUCTURES.clear()
+    _STRUCTURES[key] = (trace.program, trace.group_first, trace.group_names, trace.marks, trace.permanent, slots)
+    return trace
+
+
+# A step's structure (first step or not, resident gradients, its blocks and checkpointing, how many tensors
+# each slot holds) -> the program, groups and marks of its trace, and the slot of each group. A search over
+# micro-batch sizes meets one structure many times: its trace is then the slots' sizes in that order.
+STRUCTURE_CACHE_SIZE = 1024
+_STRUCTURES: dict[tuple, tuple] = {}
+
+# Slots: each block's row of size tuples, then the step's own.
+(B_PARAMS, B_GATHERED, B_SAVED, B_KEPT, B_CACHE, B_LOGITS, B_FORWARD_TMP, B_RECOMPUTED, B_BACKWARD_TMP, B_GRADS,
+ B_UNSHARDED) = range(11)
+BLOCK_SLOTS = 11
+S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS = range(7)
+
+
+def _one(nbytes: int) -> tuple[int, ...]:
+    """A group of one tensor, or of none when it has no bytes."""
+    return (nbytes,) if nbytes > 0 else ()
+
+
+def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes: Sequence[int],
+                 temp_sizes: Sequence[int], bucket_cap_bytes: int) -> list[tuple[int, ...]]:
+    """Every group's sizes, by slot: block i's B_* at i * BLOCK_SLOTS, then the step's S_* after the blocks.
+    Only tensors that exist: a size of no bytes allocates nothing."""
+    raw: list[tuple[int, ...]] = []
+    for b, d in zip(step.blocks, bt, strict=True):
+        raw += (split(b.param_bytes, d.params if b.param_bytes == sum(d.params) else ()),
+                _one(b.gathered_param_bytes),
+                split(b.saved_bytes, d.saved),
+                split(b.kept_bytes, d.kept),
+                split(b.forward_cache_bytes, d.cache),
+                _one(b.retained_bytes),
+                _one(b.forward_transient_bytes),
+                split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)) if b.checkpointed else (),
+                _one(b.backward_transient_bytes),
+                split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()),
+                _one(b.transient_grad_bytes))
+    raw += (_one(step.module_buffer_bytes), buckets(step.ddp_bucket_bytes, bucket_cap_bytes),
+            _one(step.batch_bytes), _one(step.extra_forward_bytes), _one(step.workspace_bytes),
+            split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes))
+    # tensors of no bytes inside a split (a zero-size parameter) allocate nothing either
+    return [t if len(t) < 2 or min(t) > 0 else tuple(n for n in t if n > 0) for t in raw]
+
+
+def _build(step: timeline.StepMemory, values: list[tuple[int, ...]], first_step: bool) -> tuple[Trace, tuple]:
+    """The trace, group by group (see `step_events`), and the slot of each group."""
+    t = _Builder(values)
+    top = len(step.blocks) * BLOCK_SLOTS
+    for i, b in enumerate(step.blocks):
+        t.alloc(b.name, i * BLOCK_SLOTS + B_PARAMS, ".param")
+    t.alloc("module buffers", top + S_BUFFERS)
+    t.alloc("ddp bucket", top + S_BUCKETS)
     t.mark("load", "after load")
-    states = split(step.optimizer_state_bytes, state_sizes)
-    parts = [_split_block(b, d) for b, d in zip(blocks, bt, strict=True)]
     section = None
     if first_step:
         permanent = t.n_events  # parameters, buffers and buckets live as long as the model
-        section = _blocks_section(step, parts, new_grads=True)
-        _one_step(t, step, parts, states, temp_sizes, first=True, section=section)
+        section = _blocks_section(step, values, new_grads=True)
+        _one_step(t, step, first=True, section=section)
         if step.grads_resident:  # the steady step's backward finds the gradients there: a section of its own
             section = None
     else:
-        t.alloc("optimizer state", states)
+        t.alloc("optimizer state", top + S_STATES)
         permanent = t.n_events  # ... and so do the optimizer states
-    _one_step(t, step, parts, states, temp_sizes, first=not first_step, marks=True, section=section)
-    return t.trace(permanent)
+    _one_step(t, step, first=not first_step, marks=True, section=section)
+    return t.trace(permanent), tuple(t.slots)
 
 
-@dataclass(frozen=True)
-class _Split:
-    """One block's totals split into tensors, computed once for both steps of the trace."""
-
-    saved: tuple[int, ...]
-    kept: tuple[int, ...]
-    cache: tuple[int, ...]
-    recomputed: tuple[int, ...]
-    grads: tuple[int, ...]
-
-
-def _split_block(b: timeline.BlockMemory, d: BlockTensors) -> _Split:
-    return _Split(split(b.saved_bytes, d.saved), split(b.kept_bytes, d.kept), split(b.forward_cache_bytes, d.cache),
-                  split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)) if b.checkpointed else (),
-                  split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()))
-
-
-def _blocks_section(step: timeline.StepMemory, parts: Sequence[_Split],
+def _blocks_section(step: timeline.StepMemory, values: Sequence[tuple[int, ...]],
                     new_grads: bool) -> tuple[_Builder, Ranges, Ranges]:
     """Forward then backward through the blocks (a builder of its own, ids from 0; marks recorded); returns it
     with the ranges of the gradients it allocates and of the outputs the loop keeps (logits), which the step
     frees after it. `new_grads`: backward allocates the gradients (not resident from earlier micro-steps)."""
     blocks = step.blocks
-    t = _Builder()
+    t = _Builder(values)
     alloc, free, mark = t.alloc, t.free, t.mark
     live: list[Ranges] = []
     cache_ids: Ranges = []
     retained: Ranges = []
-    for b, x in zip(blocks, parts, strict=True):
-        name = b.name
-        gathered = alloc(name, (b.gathered_param_bytes,), ".gathered params")
+    for i, b in enumerate(blocks):
+        name, row = b.name, i * BLOCK_SLOTS
+        gathered = alloc(name, row + B_GATHERED, ".gathered params")
         if b.checkpointed:
-            ids = alloc(name, x.kept, ".kept")
+            ids = alloc(name, row + B_KEPT, ".kept")
         else:
-            ids = alloc(name, x.saved, ".saved")
+            ids = alloc(name, row + B_SAVED, ".saved")
         live.append(ids)
-        cache_ids += alloc(name, x.cache, ".autocast cache")
-        retained += alloc(name, (b.retained_bytes,), ".logits")
-        tmp = alloc(name, (b.forward_transient_bytes,), ".forward transient")
+        cache_ids += alloc(name, row + B_CACHE, ".autocast cache")
+        retained += alloc(name, row + B_LOGITS, ".logits")
+        tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient")
         mark("forward", name)
         free(tmp)
         free(gathered)
@@ -312,14 +354,15 @@ def _blocks_section(step: timeline.StepMemory, parts: Sequence[_Split],
     free(cache_ids)
 
     grad_ids: Ranges = []
-    for b, x, ids in zip(reversed(blocks), reversed(parts), reversed(live), strict=True):
-        name = b.name
-        recompute = alloc(name, x.recomputed, ".recomputed") if b.checkpointed else []
-        gathered = alloc(name, (b.gathered_param_bytes,), ".gathered params")
-        tmp = alloc(name, (b.backward_transient_bytes,), ".backward transient")
+    for i in range(len(blocks) - 1, -1, -1):
+        b, ids = blocks[i], live[i]
+        name, row = b.name, i * BLOCK_SLOTS
+        recompute = alloc(name, row + B_RECOMPUTED, ".recomputed") if b.checkpointed else []
+        gathered = alloc(name, row + B_GATHERED, ".gathered params")
+        tmp = alloc(name, row + B_BACKWARD_TMP, ".backward transient")
         if new_grads:
-            grad_ids += alloc(name, x.grads, ".grad")
-        tmp += alloc(name, (b.transient_grad_bytes,), ".unsharded grad")
+            grad_ids += alloc(name, row + B_GRADS, ".grad")
+        tmp += alloc(name, row + B_UNSHARDED, ".unsharded grad")
         mark("backward", name)
         free(tmp)
         free(gathered)
@@ -332,32 +375,32 @@ def _shift(ranges: Ranges, off: int) -> Ranges:
     return [(a + off, b + off) for a, b in ranges]
 
 
-def _one_step(t: _Builder, step: timeline.StepMemory, parts: Sequence[_Split], states: Sequence[int],
-              temp_sizes: Sequence[int], *, first: bool, marks: bool = False,
+def _one_step(t: _Builder, step: timeline.StepMemory, *, first: bool, marks: bool = False,
               section: tuple[_Builder, Ranges, Ranges] | None = None) -> None:
-    """One training step's events; `parts`: each block's tensors (`_split_block`); `first`: the workspace (and
-    resident gradients) appear here; `marks`: record the timeline points (only the steady step); `section`:
-    the blocks' forward and backward when already built (`_blocks_section`)."""
+    """One training step's events; `first`: the workspace (and resident gradients) appear here; `marks`:
+    record the timeline points (only the steady step); `section`: the blocks' forward and backward when
+    already built (`_blocks_section`)."""
     alloc, free = t.alloc, t.free
-    batch = alloc("batch", (step.batch_bytes,))
-    extra = alloc("dataparallel gpu0 extra", (step.extra_forward_bytes,))
+    top = len(step.blocks) * BLOCK_SLOTS
+    batch = alloc("batch", top + S_BATCH)
+    extra = alloc("dataparallel gpu0 extra", top + S_EXTRA)
     if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
-        for b, x in zip(step.blocks, parts, strict=True):
-            alloc(b.name, x.grads, ".grad")
+        for i, b in enumerate(step.blocks):
+            alloc(b.name, i * BLOCK_SLOTS + B_GRADS, ".grad")
     if first:
-        alloc("cublas workspace", (step.workspace_bytes,))
+        alloc("cublas workspace", top + S_WORKSPACE)
 
     new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
     if section is None:
-        section = _blocks_section(step, parts, new_grads)
+        section = _blocks_section(step, t.values, new_grads)
     blocks_part, grads, kept = section
     off = t.emit(blocks_part, marks)
     grad_ids, retained = _shift(grads, off), _shift(kept, off)
     free(extra)
 
     if not marks:  # the first step: Adam's _init_group allocates the states before the update
-        alloc("optimizer state", states)
-    temps = alloc("optimizer temporary", split(step.optimizer_temporary_bytes, temp_sizes))
+        alloc("optimizer state", top + S_STATES)
+    temps = alloc("optimizer temporary", top + S_TEMPS)
     if marks:
         t.mark("optimizer", "optimizer step")
     free(temps)

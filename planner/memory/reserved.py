@@ -145,7 +145,8 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
 
 
 def clear_caches() -> None:
-    """Forget cached traces and replays (benchmarks; tests that change module constants)."""
+    """Forget cached traces, trace structures and replays (benchmarks; tests that change module constants)."""
     _TRACES.clear()
+    events._STRUCTURES.clear()
     _PREFIXES.clear()
     _OPTIMIZER_TENSORS.clear()
