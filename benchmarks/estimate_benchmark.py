@@ -1,9 +1,10 @@
 """Speed of `planner.estimate` with the caching-allocator replay on, against the flat fragmentation (prints).
 
 The target (issues 8, 9): >= 1,000 configurations/s on 2 cores with the allocator and the roofline on. A step
-of BERT-base is ~3,700 allocator events (first + steady step), built as ~200 ranges of tensor ids
-(`events.Trace`) and replayed by the compiled kernel (`replay_kernel`, ~0.1 µs per event) once the process
-has replayed `compiled.COMPILE_AFTER` steps; the kernel is loaded before the clock starts here (its one-off
+of BERT-base is ~3,700 allocator events (first + steady step), laid out as ~200 ranges of tensor ids
+(`events.Trace`; a step whose structure was met before reuses that layout, `events._STRUCTURES`) and replayed
+by the compiled kernel (`replay_kernel`, ~0.1 µs per event) once the process has replayed
+`compiled.COMPILE_AFTER` steps; the kernel is loaded before the clock starts here (its one-off
 load time is printed: a search that switches pays it once). Rows:
 - flat: `runtime={"fragmentation": 0.10}` (no replay; what estimate cost before the allocator model);
 - allocator, Python replay: distinct steps through `allocator.fast_run` (what a single `planner estimate`
@@ -14,7 +15,8 @@ load time is printed: a search that switches pays it once). Rows:
 - allocator, steady step only: `reserved.REPLAY_FIRST_STEP = False` (half the events, less faithful);
 - allocator, distinct steps / search-like on 2 processes: those rows split over two forked workers (what a
   search with two workers gets from 2 cores; wall time of the whole batch).
-Every allocator row starts from cold per-shape caches (`estimate.clear_caches`: activations, traces, replays);
+Every allocator row starts from cold per-shape caches (`estimate.clear_caches`: activations, traces, trace
+structures, replays);
 the roofline's kernel tables (one per model and shape class, batch-free) stay warm from the flat row, as in any
 search over batch sizes.
 Usage: python benchmarks/estimate_benchmark.py [--quick]
