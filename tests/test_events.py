@@ -59,3 +59,27 @@ def test_split_and_buckets():
     assert events.split(0, [1]) == ()
     assert events.buckets(60 * events.MiB, 25 * events.MiB) == (events.MiB, 25 * events.MiB, 25 * events.MiB,
                                                                   9 * events.MiB)
+
+
+@pytest.mark.parametrize("model,kw,instance", CASES)
+def test_a_known_structure_gives_what_a_fresh_build_gives(model, kw, instance):
+    """A step of a structure met before is laid out from the cached program (`events._STRUCTURES`): over
+    micro-batch sizes, with and without the first step, the trace equals a build from scratch, field by
+    field."""
+    from planner.memory import reserved
+
+    shapes = [dict(kw, batch_size=b) for b in (1, 3, 8, 24)]
+    cached, fresh = [], []
+    try:
+        for first in (True, False):
+            reserved.REPLAY_FIRST_STEP = first
+            events._STRUCTURES.clear()
+            cached += [_trace(model, k, instance)[1] for k in shapes]
+            hits = len(shapes) - len(events._STRUCTURES)
+            assert hits > 0  # the cache was used
+            for k in shapes:
+                events._STRUCTURES.clear()
+                fresh.append(_trace(model, k, instance)[1])
+    finally:
+        reserved.REPLAY_FIRST_STEP = True
+    assert cached == fresh

@@ -27,6 +27,11 @@ marks are the steady step's, the timeline's points):
    accumulation they stay, as the timeline's resident gradients).
 Sharded states (ZeRO/FSDP) are one flat tensor per block, as FSDP's FlatParameter and DeepSpeed's
 partitions are.
+
+The trace is compact (`Trace`: each tensor's size by id, tensors allocated in id order, ~200 ranges of ids
+allocated or freed), and its layout depends only on the step's structure (blocks, checkpointing, first step,
+resident gradients, tensors per group): a step whose structure was met before is laid out from it
+(`_STRUCTURES`). Why: a search builds a trace per distinct step; this is ~0.1 ms of a cold estimate, not ~1 ms.
 """
 
 from __future__ import annotations
