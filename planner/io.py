@@ -33,6 +33,16 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def file_version(path: str | Path) -> tuple[str, int, int] | None:
+    """(real path, mtime in ns, size) of what is at `path`, or None when nothing is: the key to cache a parsed
+    file until it changes (prices, calibration: read on every estimate of a search)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # absent, or a path that cannot exist (a NUL, a file as a folder)
+        return None
+    return os.path.realpath(path), st.st_mtime_ns, st.st_size
+
+
 def read_text(path: str | Path, what: str) -> str:
     """The file as UTF-8 text; a missing, unreadable, huge or binary file is a PlannerError naming `what`."""
     p = Path(path)

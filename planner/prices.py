@@ -54,12 +54,10 @@ def cache_path() -> Path:
 def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
     """The refreshed price cache, or None when absent; a cache that is not what `--refresh` writes is an error
     naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
-    p = os.fspath(path) if path is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE)
-    try:
-        st = os.stat(p)  # os.stat on the string: pathlib's objects cost more than the stat, once per estimate
-    except (OSError, ValueError):
-        return None
-    return _read_cache(os.path.realpath(p), st.st_mtime_ns, st.st_size)
+    from planner.io import file_version
+
+    version = file_version(path if path is not None else cache_path())
+    return _read_cache(*version) if version is not None else None
 
 
 @lru_cache(maxsize=8)

@@ -190,12 +190,10 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
     """The calibration JSON, or {} when the file does not exist (a missing file is the normal case). Read and
     checked once per file version (its mtime and size): a search estimates thousands of configurations. The
     dict is shared: callers copy what they change."""
-    p = os.fspath(path) if path is not None else os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH)
-    try:
-        st = os.stat(p)
-    except (OSError, ValueError):  # absent (the normal case), or a path that cannot exist
-        return {}
-    return _read_calibration(os.path.abspath(p), st.st_mtime_ns, st.st_size)
+    from planner.io import file_version
+
+    version = file_version(path if path is not None else calibration_path())
+    return _read_calibration(*version) if version is not None else {}
 
 
 @lru_cache(maxsize=8)
