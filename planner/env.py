@@ -14,7 +14,8 @@ import os
 from planner.errors import PlannerError
 
 # name: (default, lowest, highest, integer). Each default is explained where it is used (planner.spec,
-# planner.search.limits); the highest values keep products of limits far from int64 and float64 overflow.
+# planner.search.limits); the highest values are far above any real job and only bound how far a user may
+# raise a limit (a search's products stay under its recipe's global batch, itself at most 2^53).
 LIMITS: dict[str, tuple[float, float, float, bool]] = {
     "PLANNER_MAX_INSTANCES": (2048, 1, 2**20, True),
     "PLANNER_MAX_GRAD_ACCUM": (2**16, 1, 2**20, True),

@@ -191,21 +191,13 @@ class _Builder:
         self.group_names.append(name + suffix if suffix else name)
         self.slots.append(slot)
         self.n_events += stop - first
-        program = self.program
-        if program and program[-1][2] and program[-1][1] == first:  # `_extend`, inlined: the hot path
-            program[-1] = (program[-1][0], stop, True)
-        else:
-            program.append((first, stop, True))
+        _extend(self.program, first, stop, True)
         return [(first, stop)]
 
     def free(self, ranges: Ranges) -> None:
-        program = self.program
         for first, stop in ranges:
             self.n_events += stop - first
-            if program and not program[-1][2] and program[-1][1] == first:
-                program[-1] = (program[-1][0], stop, False)
-            else:
-                program.append((first, stop, False))
+            _extend(self.program, first, stop, False)
 
     def mark(self, phase: str, label: str) -> None:
         self.marks.append(Mark(phase, label, self.n_events))
@@ -218,14 +210,10 @@ class _Builder:
         self.group_first.extend([g + off for g in part.group_first])
         self.group_names.extend(part.group_names)
         self.slots.extend(part.slots)
-        program = self.program
-        rest = part.program
-        if rest:
-            first, stop, alloc = rest[0]
-            if program and program[-1][2] is alloc and program[-1][1] == first + off:  # continues the last range
-                program[-1] = (program[-1][0], stop + off, alloc)
-                rest = rest[1:]
-            program.extend([(a + off, b + off, k) for a, b, k in rest])
+        if part.program:  # its first range may continue the last one here; the others cannot
+            first, stop, alloc = part.program[0]
+            _extend(self.program, first + off, stop + off, alloc)
+            self.program.extend([(a + off, b + off, k) for a, b, k in part.program[1:]])
         if marks:
             self.marks.extend([Mark(m.phase, m.label, m.index + events_before) for m in part.marks])
         self.n_events += part.n_events
