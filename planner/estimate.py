@@ -483,10 +483,9 @@ def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point
     meets one step on many instance types and counts. Callers copy what they keep (`Point.bytes` is a dict)."""
     hit = _PEAKS.get(step)
     if hit is None:
-        points = timeline.simulate(step)
         if len(_PEAKS) >= ACTIVATION_CACHE_SIZE:
             _PEAKS.clear()
-        hit = _PEAKS[step] = (timeline.phase_peaks(points), timeline.peak(points))
+        hit = _PEAKS[step] = timeline.peaks(step)
     return hit
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.memory import events, timeline
 from planner.spec import TrainConfig
@@ -83,3 +85,22 @@ def test_a_known_structure_gives_what_a_fresh_build_gives(model, kw, instance):
     finally:
         reserved.REPLAY_FIRST_STEP = True
     assert cached == fresh
+
+
+_SMALL = st.integers(0, 3)  # small byte counts: many ties between points, where the first highest must win
+_BLOCK = st.builds(timeline.BlockMemory, name=st.sampled_from(["a", "b", "loss"]), param_bytes=_SMALL,
+                   grad_bytes=_SMALL, gathered_param_bytes=_SMALL, transient_grad_bytes=_SMALL, kept_bytes=_SMALL,
+                   saved_bytes=_SMALL, forward_transient_bytes=_SMALL, backward_transient_bytes=_SMALL,
+                   checkpointed=st.booleans(), forward_cache_bytes=_SMALL, retained_bytes=_SMALL)
+_STEP = st.builds(timeline.StepMemory, blocks=st.lists(_BLOCK, max_size=5).map(tuple), module_buffer_bytes=_SMALL,
+                  ddp_bucket_bytes=_SMALL, workspace_bytes=_SMALL, batch_bytes=_SMALL,
+                  optimizer_state_bytes=_SMALL, optimizer_temporary_bytes=_SMALL, grads_resident=st.booleans(),
+                  extra_forward_bytes=_SMALL)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_STEP)
+def test_peaks_are_the_simulated_points_peaks(step):
+    """`timeline.peaks` (what an estimate uses) picks the same points as the full timeline, ties included."""
+    points = timeline.simulate(step)
+    assert timeline.peaks(step) == (timeline.phase_peaks(points), timeline.peak(points))

@@ -13,6 +13,8 @@ Without Numba (or on a broken install) every replay stays in Python.
 
 from __future__ import annotations
 
+import gc
+
 from planner.memory.allocator import K_LARGE_BUFFER, ReplayResult
 from planner.memory.events import Trace
 
@@ -36,7 +38,17 @@ def _load():
         except (ImportError, OSError):  # no Numba, or an llvmlite whose library does not load: Python replays
             _state["unavailable"] = True
             return None
+        import numpy as np
+
+        one = np.ones(1, np.int64)
+        replay_program(one, one - 1, one, one.astype(np.bool_), -1, -1)  # loads the machine code
         _state["kernel"] = replay_program
+        # Numba, llvmlite and the SciPy they import, and loading the machine code, leave ~1.7 x 10^5 objects
+        # that live as long as the process; every full collection would scan them again (~45 ms each, ~15 %
+        # of a search's estimates). Moved out of the collector's reach, as Python's docs advise for
+        # long-lived objects (`gc.freeze`).
+        gc.collect()
+        gc.freeze()
     return _state["kernel"]
 
 
@@ -70,11 +82,12 @@ def _arrays(trace: Trace):
     out = None
     # every address stays below the sum of the segments: each its request rounded up, plus < 20 MiB
     if not sizes or len(sizes) * (max(sizes) + K_LARGE_BUFFER) < INT64_LIMIT:
-        program = trace.program
-        out = (np.fromiter(sizes, np.int64, len(sizes)),
-               np.array([p[0] for p in program], dtype=np.int64),
-               np.array([p[1] for p in program], dtype=np.int64),
-               np.array([p[2] for p in program], dtype=np.bool_))
+        program = trace.__dict__.get("_program_arrays")  # laid out as arrays already (`events.step_events`)
+        if program is None:
+            program = (np.array([p[0] for p in trace.program], dtype=np.int64),
+                       np.array([p[1] for p in trace.program], dtype=np.int64),
+                       np.array([p[2] for p in trace.program], dtype=np.bool_))
+        out = (np.fromiter(sizes, np.int64, len(sizes)), *program)
     trace.__dict__["_int64_arrays"] = out  # a frozen dataclass: cached the way functools.cached_property does
     return out
 

@@ -42,6 +42,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from planner.memory import timeline
 
@@ -62,9 +63,9 @@ class BlockTensors:
     cache: tuple[int, ...] = ()  # AMP cast cache not saved for backward
 
 
-@dataclass(frozen=True)
-class Mark:
-    """After `index` events the live bytes equal the timeline point `label` of `phase`."""
+class Mark(NamedTuple):
+    """After `index` events the live bytes equal the timeline point `label` of `phase` (a named tuple: a trace
+    of a new step makes ~40, at a third of a frozen dataclass's cost)."""
 
     phase: str
     label: str
@@ -161,67 +162,115 @@ def buckets(total: int, cap_bytes: int, first_bytes: int = DDP_FIRST_BUCKET_BYTE
     return tuple(out)
 
 
-Ranges = list[tuple[int, int]]  # tensor ids [first, stop) of one or more groups
+Refs = list[int]  # the ops (indices in a `_Program`) that allocated some groups: what a later free releases
+
+# What a `_Program` op does: allocate one slot's tensors as one group, free the tensors an earlier op allocated,
+# record a timeline point, nothing (a point of a step whose points are not recorded), or note that every event
+# before it allocates a tensor the step never frees.
+ALLOC, FREE, MARK, NOP, PERMANENT = range(5)
 
 
-class _Builder:
-    """Builds a trace from a table of size tuples (`values`, one per slot: see `_slot_values`); every group
-    records the slot it came from, so a step of the same structure reuses the program (`_STRUCTURES`)."""
+class _Program:
+    """A step's events as ops on slots, before any size is known. Why: the ops depend only on the blocks, their
+    checkpointing, the first step and resident gradients (a handful of combinations per search); the slots'
+    tensor counts then decide every id at once (`_Layout.lay_out`), so a new combination of sizes, parallelism
+    or precision costs no walk through the blocks."""
 
-    def __init__(self, values: Sequence[tuple[int, ...]]) -> None:
-        self.values = values
-        self.sizes: list[int] = []
-        self.program: list[tuple[int, int, bool]] = []
-        self.group_first: list[int] = []
-        self.group_names: list[str] = []
-        self.slots: list[int] = []
-        self.marks: list[Mark] = []
-        self.n_events = 0
+    def __init__(self) -> None:
+        self.kind: list[int] = []
+        self.arg: list[int] = []  # ALLOC: its slot; FREE: the op that allocated; MARK: index into `marks`
+        self.names: list[str] = []  # ALLOC: its group's name (see `tensor_name`); "" otherwise
+        self.marks: list[tuple[str, str]] = []  # (phase, label) per MARK
 
-    def alloc(self, name: str, slot: int, suffix: str = "") -> Ranges:
-        """One tensor per size of `values[slot]` (positive sizes only: see `_slot_values`), one group named
-        `name + suffix` (see `tensor_name`; joined only when the group is not empty); returns its id range."""
-        sizes = self.values[slot]
-        if not sizes:
-            return []
-        first = len(self.sizes)
-        self.sizes.extend(sizes)
-        stop = len(self.sizes)
-        self.group_first.append(first)
-        self.group_names.append(name + suffix if suffix else name)
-        self.slots.append(slot)
-        self.n_events += stop - first
-        _extend(self.program, first, stop, True)
-        return [(first, stop)]
+    def _op(self, kind: int, arg: int, name: str = "") -> None:
+        self.kind.append(kind)
+        self.arg.append(arg)
+        self.names.append(name)
 
-    def free(self, ranges: Ranges) -> None:
-        for first, stop in ranges:
-            self.n_events += stop - first
-            _extend(self.program, first, stop, False)
+    def alloc(self, name: str, slot: int, suffix: str = "") -> Refs:
+        """One group of `values[slot]`'s tensors, named `name + suffix` (none when the slot holds none)."""
+        self._op(ALLOC, slot, name + suffix if suffix else name)
+        return [len(self.kind) - 1]
+
+    def free(self, refs: Refs) -> None:
+        for j in refs:
+            self._op(FREE, j)
 
     def mark(self, phase: str, label: str) -> None:
-        self.marks.append(Mark(phase, label, self.n_events))
+        self._op(MARK, len(self.marks))
+        self.marks.append((phase, label))
 
-    def emit(self, part: _Builder, marks: bool) -> int:
-        """Append `part` (a builder of its own, ids from 0) here, with its marks if `marks`; returns the id
-        offset of its tensors. Why: both steps of a trace run the same blocks, built once (`_blocks_section`)."""
-        off, events_before = len(self.sizes), self.n_events
-        self.sizes.extend(part.sizes)
-        self.group_first.extend([g + off for g in part.group_first])
-        self.group_names.extend(part.group_names)
-        self.slots.extend(part.slots)
-        if part.program:  # its first range may continue the last one here; the others cannot
-            first, stop, alloc = part.program[0]
-            _extend(self.program, first + off, stop + off, alloc)
-            self.program.extend([(a + off, b + off, k) for a, b, k in part.program[1:]])
+    def permanent(self) -> None:
+        self._op(PERMANENT, 0)
+
+    def emit(self, part: _Program, marks: bool) -> int:
+        """Append `part` (a program of its own) here, with its marks if `marks`; returns the offset of its ops.
+        Why: both steps of a trace run the same blocks, recorded once (`_blocks_section`)."""
+        off, marks_before = len(self.kind), len(self.marks)
+        for kind, arg in zip(part.kind, part.arg, strict=True):
+            if kind == FREE:
+                arg += off
+            elif kind == MARK:
+                kind, arg = (MARK, arg + marks_before) if marks else (NOP, 0)
+            self.kind.append(kind)
+            self.arg.append(arg)
+        self.names.extend(part.names)
         if marks:
-            self.marks.extend([Mark(m.phase, m.label, m.index + events_before) for m in part.marks])
-        self.n_events += part.n_events
+            self.marks.extend(part.marks)
         return off
 
-    def trace(self, permanent: int) -> Trace:
-        return Trace(tuple(self.sizes), tuple(self.program), tuple(self.group_first), tuple(self.group_names),
-                     tuple(self.marks), permanent)
+
+class _Layout:
+    """A `_Program` as arrays, ready to lay out a step from its slots' tensor counts."""
+
+    def __init__(self, prog: _Program) -> None:
+        import numpy as np
+
+        kind = np.array(prog.kind, dtype=np.int64)
+        arg = np.array(prog.arg, dtype=np.int64)
+        self.n_ops = len(kind)
+        self.alloc = kind == ALLOC
+        self.alloc_slots = arg[self.alloc]
+        self.free = kind == FREE
+        self.free_refs = arg[self.free]
+        self.acting = self.alloc | self.free
+        self.mark_ops = np.flatnonzero(kind == MARK)
+        marks = [prog.marks[a] for a in arg[self.mark_ops].tolist()]
+        self.mark_phases = [phase for phase, _ in marks]
+        self.mark_labels = [label for _, label in marks]
+        perm = np.flatnonzero(kind == PERMANENT)
+        self.permanent_op = int(perm[0]) if len(perm) else -1
+        self.names = prog.names
+
+    def lay_out(self, lens):
+        """(program, group_first, group_names, marks, permanent, slots, program arrays, event count) of the
+        trace whose slot k holds `lens[k]` tensors (an int64 array): ids in allocation order, empty groups
+        dropped, consecutive ranges of one kind merged (as `_extend` merges them)."""
+        import numpy as np
+
+        n = np.zeros(self.n_ops, np.int64)  # events of each op
+        first = np.zeros(self.n_ops, np.int64)  # first tensor id of each op's range
+        counts = lens[self.alloc_slots]
+        n[self.alloc] = counts
+        first[self.alloc] = np.cumsum(counts) - counts
+        n[self.free] = n[self.free_refs]
+        first[self.free] = first[self.free_refs]
+        before = np.cumsum(n) - n  # events before each op
+        marks = tuple(map(Mark, self.mark_phases, self.mark_labels, before[self.mark_ops].tolist()))
+        permanent = int(before[self.permanent_op]) if self.permanent_op >= 0 else -1
+        live = np.flatnonzero(self.acting & (n > 0))
+        a, b, alloc = first[live], first[live] + n[live], self.alloc[live]
+        cont = np.zeros(len(live), np.bool_)
+        cont[1:] = (alloc[1:] == alloc[:-1]) & (a[1:] == b[:-1])
+        starts = np.flatnonzero(~cont)
+        stops = np.append(starts[1:], len(live)) - 1
+        arrays = (a[starts], b[stops], alloc[starts])
+        program = tuple(zip(*(x.tolist() for x in arrays), strict=True))
+        groups = np.flatnonzero(self.alloc & (n > 0))
+        names = self.names
+        return (program, tuple(first[groups].tolist()), tuple([names[g] for g in groups.tolist()]), marks,
+                permanent, tuple(self.alloc_slots[np.flatnonzero(counts > 0)].tolist()), arrays,
+                int(n[self.acting].sum()))
 
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
@@ -235,28 +284,40 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     in the activations' cached segments, and the next forward needs new segments: the main reason reserved
     exceeds allocated in steady training. Without it, the states are allocated at load (steady state only).
     The marks (timeline points) are those of the steady step."""
+    import numpy as np
+
     tensors = tensors or {}
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
-    key = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks),
-           tuple(map(len, values)))
+    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks))
+    lens = tuple(map(len, values))
+    key = (shape, lens)
     known = _STRUCTURES.get(key)
-    if known is not None:  # the same groups in the same order: only the sizes differ
-        program, group_first, group_names, marks, permanent, slots = known
-        sizes = tuple(itertools.chain.from_iterable([values[k] for k in slots]))
-        return Trace(sizes, program, group_first, group_names, marks, permanent)
-    trace, slots = _build(step, values, first_step)
-    if len(_STRUCTURES) >= STRUCTURE_CACHE_SIZE:
-        _STRUCTURES.clear()
-    _STRUCTURES[key] = (trace.program, trace.group_first, trace.group_names, trace.marks, trace.permanent, slots)
+    if known is None:
+        layout = _LAYOUTS.get(shape)
+        if layout is None:
+            if len(_LAYOUTS) >= STRUCTURE_CACHE_SIZE:
+                _LAYOUTS.clear()
+            layout = _LAYOUTS[shape] = _Layout(_record(step, first_step))
+        known = layout.lay_out(np.array(lens, dtype=np.int64))
+        if len(_STRUCTURES) >= STRUCTURE_CACHE_SIZE:
+            _STRUCTURES.clear()
+        _STRUCTURES[key] = known
+    program, group_first, group_names, marks, permanent, slots, arrays, n_events = known
+    sizes = tuple(itertools.chain.from_iterable([values[k] for k in slots]))
+    trace = Trace(sizes, program, group_first, group_names, marks, permanent)
+    # known already: the program as arrays (for `compiled._arrays`) and the event count (`n_events`)
+    trace.__dict__.update(_program_arrays=arrays, n_events=n_events)
     return trace
 
 
-# A step's structure (first step or not, resident gradients, its blocks and checkpointing, how many tensors
-# each slot holds) -> the program, groups and marks of its trace, and the slot of each group. A search over
-# micro-batch sizes meets one structure many times: its trace is then the slots' sizes in that order.
+# A step's structure (first step or not, resident gradients, its blocks and checkpointing: `_LAYOUTS`, a handful
+# per search) and how many tensors each slot holds (`_STRUCTURES`) -> the program, groups and marks of its trace,
+# and the slot of each group. A search over micro-batch sizes meets one structure many times: its trace is then
+# the slots' sizes in that order.
 STRUCTURE_CACHE_SIZE = 1024
+_LAYOUTS: dict[tuple, _Layout] = {}
 _STRUCTURES: dict[tuple, tuple] = {}
 
 # Slots: each block's row of size tuples, then the step's own.
@@ -295,9 +356,9 @@ def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes:
     return [t if len(t) < 2 or min(t) > 0 else tuple(n for n in t if n > 0) for t in raw]
 
 
-def _build(step: timeline.StepMemory, values: list[tuple[int, ...]], first_step: bool) -> tuple[Trace, tuple]:
-    """The trace, group by group (see `step_events`), and the slot of each group."""
-    t = _Builder(values)
+def _record(step: timeline.StepMemory, first_step: bool) -> _Program:
+    """The step's ops, group by group (see `step_events`); reads only the structure of `step`."""
+    t = _Program()
     top = len(step.blocks) * BLOCK_SLOTS
     for i, b in enumerate(step.blocks):
         t.alloc(b.name, i * BLOCK_SLOTS + B_PARAMS, ".param")
@@ -306,29 +367,28 @@ def _build(step: timeline.StepMemory, values: list[tuple[int, ...]], first_step:
     t.mark("load", "after load")
     section = None
     if first_step:
-        permanent = t.n_events  # parameters, buffers and buckets live as long as the model
-        section = _blocks_section(step, values, new_grads=True)
+        t.permanent()  # parameters, buffers and buckets live as long as the model
+        section = _blocks_section(step, new_grads=True)
         _one_step(t, step, first=True, section=section)
         if step.grads_resident:  # the steady step's backward finds the gradients there: a section of its own
             section = None
     else:
         t.alloc("optimizer state", top + S_STATES)
-        permanent = t.n_events  # ... and so do the optimizer states
+        t.permanent()  # ... and so do the optimizer states
     _one_step(t, step, first=not first_step, marks=True, section=section)
-    return t.trace(permanent), tuple(t.slots)
+    return t
 
 
-def _blocks_section(step: timeline.StepMemory, values: Sequence[tuple[int, ...]],
-                    new_grads: bool) -> tuple[_Builder, Ranges, Ranges]:
-    """Forward then backward through the blocks (a builder of its own, ids from 0; marks recorded); returns it
-    with the ranges of the gradients it allocates and of the outputs the loop keeps (logits), which the step
-    frees after it. `new_grads`: backward allocates the gradients (not resident from earlier micro-steps)."""
+def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Program, Refs, Refs]:
+    """Forward then backward through the blocks (a program of its own; marks recorded); returns it with the
+    ops that allocate the gradients and the outputs the loop keeps (logits), which the step frees after it.
+    `new_grads`: backward allocates the gradients (not resident from earlier micro-steps)."""
     blocks = step.blocks
-    t = _Builder(values)
+    t = _Program()
     alloc, free, mark = t.alloc, t.free, t.mark
-    live: list[Ranges] = []
-    cache_ids: Ranges = []
-    retained: Ranges = []
+    live: list[Refs] = []
+    cache_ids: Refs = []
+    retained: Refs = []
     for i, b in enumerate(blocks):
         name, row = b.name, i * BLOCK_SLOTS
         gathered = alloc(name, row + B_GATHERED, ".gathered params")
@@ -346,7 +406,7 @@ def _blocks_section(step: timeline.StepMemory, values: Sequence[tuple[int, ...]]
     mark("forward", "end of forward")
     free(cache_ids)
 
-    grad_ids: Ranges = []
+    grad_ids: Refs = []
     for i in range(len(blocks) - 1, -1, -1):
         b, ids = blocks[i], live[i]
         name, row = b.name, i * BLOCK_SLOTS
@@ -364,15 +424,15 @@ def _blocks_section(step: timeline.StepMemory, values: Sequence[tuple[int, ...]]
     return t, grad_ids, retained
 
 
-def _shift(ranges: Ranges, off: int) -> Ranges:
-    return [(a + off, b + off) for a, b in ranges]
+def _shift(refs: Refs, off: int) -> Refs:
+    return [j + off for j in refs]
 
 
-def _one_step(t: _Builder, step: timeline.StepMemory, *, first: bool, marks: bool = False,
-              section: tuple[_Builder, Ranges, Ranges] | None = None) -> None:
-    """One training step's events; `first`: the workspace (and resident gradients) appear here; `marks`:
+def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: bool = False,
+              section: tuple[_Program, Refs, Refs] | None = None) -> None:
+    """One training step's ops; `first`: the workspace (and resident gradients) appear here; `marks`:
     record the timeline points (only the steady step); `section`: the blocks' forward and backward when
-    already built (`_blocks_section`)."""
+    already recorded (`_blocks_section`)."""
     alloc, free = t.alloc, t.free
     top = len(step.blocks) * BLOCK_SLOTS
     batch = alloc("batch", top + S_BATCH)
@@ -385,7 +445,7 @@ def _one_step(t: _Builder, step: timeline.StepMemory, *, first: bool, marks: boo
 
     new_grads = not step.grads_resident or not marks  # resident gradients come from the first step
     if section is None:
-        section = _blocks_section(step, t.values, new_grads)
+        section = _blocks_section(step, new_grads)
     blocks_part, grads, kept = section
     off = t.emit(blocks_part, marks)
     grad_ids, retained = _shift(grads, off), _shift(kept, off)
@@ -452,6 +512,11 @@ def live_bytes(trace: Trace) -> list[int]:
 
 MODEL_CACHE_SIZE = 256  # models whose parameter / gradient tensor bytes are kept
 _BLOCK_SHAPES: dict[tuple, tuple] = {}
+# Each block's tensors by model, activation records (one object per shape: `estimate._activations`), dtypes,
+# shares and backend: a search meets one shape under several parallelisms and instance counts. Callers must
+# not change the dicts they get.
+ACTIVATIONS_CACHE_SIZE = 4096
+_BLOCK_TENSORS: dict[tuple, tuple] = {}
 
 
 def model_block_tensors(model, activations, config, parameter_share: float = 1.0,
@@ -467,6 +532,9 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
     key = (id(model), p_bytes, g_bytes, parameter_share == 1, gradient_share == 1)
+    done = _BLOCK_TENSORS.get((*key, id(activations), backend))
+    if done is not None and done[0] is model and done[1] is activations:
+        return done[2]
     hit = _BLOCK_SHAPES.get(key)
     if hit is None or hit[0] is not model:
         shapes = {}
@@ -508,6 +576,10 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
         kept = rounded(act.kept_tensors)
         out[act.block] = BlockTensors(act.block, params, grads, saved, kept,
                                       weights + others if act.checkpointed else others)
+    if isinstance(activations, tuple):  # immutable: safe to key by identity while the cache holds it
+        if len(_BLOCK_TENSORS) >= ACTIVATIONS_CACHE_SIZE:
+            _BLOCK_TENSORS.clear()
+        _BLOCK_TENSORS[(*key, id(activations), backend)] = (model, activations, out)
     return out
 
 

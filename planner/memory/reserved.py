@@ -148,5 +148,7 @@ def clear_caches() -> None:
     """Forget cached traces, trace structures and replays (benchmarks; tests that change module constants)."""
     _TRACES.clear()
     events._STRUCTURES.clear()
+    events._LAYOUTS.clear()
+    events._BLOCK_TENSORS.clear()
     _PREFIXES.clear()
     _OPTIMIZER_TENSORS.clear()

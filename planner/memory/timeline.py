@@ -70,46 +70,66 @@ class Point:
         return sum(self.bytes.values())
 
 
-def _point(phase: str, label: str, **parts: int) -> Point:
-    return Point(phase, label, {c: int(parts.get(c, 0)) for c in CATEGORIES})
+Row = tuple[str, str, int, int, int, int, int, int]  # phase, label, then the bytes of each of CATEGORIES
 
 
-def simulate(step: StepMemory) -> list[Point]:
-    """The step as a sequence of points: after load, during/after each block forward and backward, optimizer."""
+def _rows(step: StepMemory) -> list[Row]:
+    """The step's points as plain rows: after load, during/after each block forward and backward, optimizer."""
     blocks = step.blocks
     params = sum(b.param_bytes for b in blocks)
     grads_total = sum(b.grad_bytes for b in blocks)
     static_buffers = step.module_buffer_bytes + step.ddp_bucket_bytes
-    points = [_point("load", "after load", parameters=params, buffers=static_buffers)]
+    rows: list[Row] = [("load", "after load", params, 0, 0, 0, 0, static_buffers)]
 
     base_buffers = static_buffers + step.workspace_bytes + step.extra_forward_bytes
     grads = grads_total if step.grads_resident else 0
-    common = dict(optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes)
+    states, batch = step.optimizer_state_bytes, step.batch_bytes
 
     kept = cache = 0
     for b in blocks:
         running = (b.kept_bytes if b.checkpointed else b.saved_bytes) + b.forward_cache_bytes + b.retained_bytes
-        points.append(_point("forward", b.name, parameters=params + b.gathered_param_bytes, gradients=grads,
-                             activations=kept + cache + running,
-                             buffers=base_buffers + b.forward_transient_bytes, **common))
+        rows.append(("forward", b.name, params + b.gathered_param_bytes, grads, states, kept + cache + running,
+                     batch, base_buffers + b.forward_transient_bytes))
         kept += b.kept_bytes + b.retained_bytes
         cache += b.forward_cache_bytes
-    points.append(_point("forward", "end of forward", parameters=params, gradients=grads, activations=kept + cache,
-                         buffers=base_buffers, **common))
+    rows.append(("forward", "end of forward", params, grads, states, kept + cache, batch, base_buffers))
 
     for b in reversed(blocks):
         recompute = b.saved_bytes - b.kept_bytes if b.checkpointed else 0
         new_grads = 0 if step.grads_resident else b.grad_bytes
-        points.append(_point("backward", b.name, parameters=params + b.gathered_param_bytes,
-                             gradients=grads + new_grads + b.transient_grad_bytes,
-                             activations=kept + recompute,
-                             buffers=base_buffers + b.backward_transient_bytes, **common))
+        rows.append(("backward", b.name, params + b.gathered_param_bytes,
+                     grads + new_grads + b.transient_grad_bytes, states, kept + recompute, batch,
+                     base_buffers + b.backward_transient_bytes))
         kept -= b.kept_bytes
         grads += new_grads
-    points.append(_point("optimizer", "optimizer step", parameters=params, gradients=grads_total,
-                         optimizer_states=step.optimizer_state_bytes, batch=step.batch_bytes, activations=kept,
-                         buffers=static_buffers + step.workspace_bytes + step.optimizer_temporary_bytes))
-    return points
+    rows.append(("optimizer", "optimizer step", params, grads_total, states, kept, batch,
+                 static_buffers + step.workspace_bytes + step.optimizer_temporary_bytes))
+    return rows
+
+
+def _to_point(row: Row) -> Point:
+    return Point(row[0], row[1], {c: int(n) for c, n in zip(CATEGORIES, row[2:], strict=True)})
+
+
+def simulate(step: StepMemory) -> list[Point]:
+    """The step as a sequence of points: after load, during/after each block forward and backward, optimizer."""
+    return [_to_point(r) for r in _rows(step)]
+
+
+def peaks(step: StepMemory) -> tuple[dict[str, Point], Point]:
+    """`(phase_peaks(simulate(step)), peak(simulate(step)))`, making Points of the peaks only: a search asks
+    this of every new step, and only the peaks are kept."""
+    best: dict[str, tuple[int, Row]] = {}
+    top: tuple[int, Row] | None = None
+    for r in _rows(step):
+        total = r[2] + r[3] + r[4] + r[5] + r[6] + r[7]
+        held = best.get(r[0])
+        if held is None or total > held[0]:
+            best[r[0]] = (total, r)
+        if top is None or total > top[0]:
+            top = (total, r)
+    assert top is not None  # a step has at least its load and optimizer points
+    return {phase: _to_point(r) for phase, (_, r) in best.items()}, _to_point(top[1])
 
 
 def phase_peaks(points: list[Point]) -> dict[str, Point]:
