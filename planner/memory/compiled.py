@@ -78,17 +78,21 @@ def _arrays(trace: Trace):
     hit = trace.__dict__.get("_int64_arrays", False)
     if hit is not False:
         return hit
-    sizes = trace.sizes
+    n = trace.n_tensors
+    try:
+        sizes = np.fromiter(trace.iter_sizes(), np.int64, n)
+    except OverflowError:
+        sizes = None
     out = None
     # every address stays below the sum of the segments: each its request rounded up, plus < 20 MiB
-    if not sizes or len(sizes) * (max(sizes) + K_LARGE_BUFFER) < INT64_LIMIT:
+    if sizes is not None and (not n or n * (int(sizes.max()) + K_LARGE_BUFFER) < INT64_LIMIT):
         program = trace.__dict__.get("_program_arrays")  # laid out as arrays already (`events.step_events`)
         if program is None:
             program = (np.array([p[0] for p in trace.program], dtype=np.int64),
                        np.array([p[1] for p in trace.program], dtype=np.int64),
                        np.array([p[2] for p in trace.program], dtype=np.bool_))
-        out = (np.fromiter(sizes, np.int64, len(sizes)), *program)
-    trace.__dict__["_int64_arrays"] = out  # a frozen dataclass: cached the way functools.cached_property does
+        out = (sizes, *program)
+    trace.__dict__["_int64_arrays"] = out
     return out
 
 

@@ -72,19 +72,72 @@ class Mark(NamedTuple):
     index: int
 
 
-@dataclass(frozen=True)
 class Trace:
     """The step as a compact program: tensor `tid` has `sizes[tid]` bytes and tensors are allocated in id order,
     so the event stream is a few hundred ranges of ids (`program`: start, stop, allocate?) rather than ~4,000
     events. Why: building and replaying the ranges is what keeps an estimate fast (`compiled`); `events` and
-    `names` expand it for whoever wants one entry per event or tensor."""
+    `names` expand it for whoever wants one entry per event or tensor.
 
-    sizes: tuple[int, ...]  # tensor_id -> bytes requested
-    program: tuple[tuple[int, int, bool], ...]  # (first id, stop id, True: allocate / False: free), in order
-    group_first: tuple[int, ...]  # first tensor id of each named group (one `alloc` call), ascending
-    group_names: tuple[str, ...]
-    marks: tuple[Mark, ...]
-    permanent: int = -1  # leading events that allocate tensors never freed (-1: unknown, see permanent_prefix)
+    A trace laid out by `step_events` makes its `sizes` and `program` tuples only when asked: the compiled
+    replay reads the same numbers as arrays, and a search builds a trace per new step."""
+
+    FIELDS = ("sizes", "program", "group_first", "group_names", "marks", "permanent")
+
+    def __init__(self, sizes: Sequence[int], program: Sequence[tuple[int, int, bool]], group_first: Sequence[int],
+                 group_names: Sequence[str], marks: Sequence[Mark], permanent: int = -1) -> None:
+        self.sizes = tuple(sizes)  # tensor_id -> bytes requested
+        self.program = tuple(program)  # (first id, stop id, True: allocate / False: free), in order
+        self.group_first = tuple(group_first)  # first tensor id of each named group (one `alloc` call), ascending
+        self.group_names = tuple(group_names)
+        self.marks = tuple(marks)
+        self.permanent = permanent  # leading events that allocate tensors never freed (-1: unknown)
+
+    @classmethod
+    def _laid_out(cls, values: Sequence[tuple[int, ...]], slots: tuple[int, ...], arrays: tuple,
+                  group_first: tuple[int, ...], group_names: tuple[str, ...], marks: tuple[Mark, ...],
+                  permanent: int, n_events: int) -> Trace:
+        """A trace whose sizes are `values[k]` for k in `slots` and whose program is `arrays` (first ids, stop
+        ids, allocate?), both expanded on first use."""
+        trace = cls.__new__(cls)
+        trace.__dict__.update(_values=values, _slots=slots, _program_arrays=arrays, group_first=group_first,
+                              group_names=group_names, marks=marks, permanent=permanent, n_events=n_events)
+        return trace
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:  # only a laid-out trace gets here (`__init__` sets it)
+        values = self.__dict__["_values"]
+        return tuple(itertools.chain.from_iterable([values[k] for k in self.__dict__["_slots"]]))
+
+    @cached_property
+    def program(self) -> tuple[tuple[int, int, bool], ...]:  # as `sizes`
+        return tuple(zip(*(x.tolist() for x in self.__dict__["_program_arrays"]), strict=True))
+
+    def iter_sizes(self):
+        """The sizes in id order, without making the tuple (the compiled replay copies them into an array)."""
+        if "sizes" in self.__dict__:
+            return iter(self.sizes)
+        values = self.__dict__["_values"]
+        return itertools.chain.from_iterable([values[k] for k in self.__dict__["_slots"]])
+
+    @cached_property
+    def n_tensors(self) -> int:
+        if "sizes" in self.__dict__:
+            return len(self.sizes)
+        values = self.__dict__["_values"]
+        return sum(len(values[k]) for k in self.__dict__["_slots"])
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Trace) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"Trace({self.n_tensors} tensors, {self.n_events} events, {len(self.group_first)} groups, "
+                f"{len(self.marks)} marks, permanent={self.permanent})")
 
     @cached_property
     def n_events(self) -> int:
@@ -105,7 +158,7 @@ class Trace:
     @property
     def names(self) -> tuple[str, ...]:
         """tensor_id -> its group's name."""
-        bounds = (*self.group_first[1:], len(self.sizes))
+        bounds = (*self.group_first[1:], self.n_tensors)
         return tuple(itertools.chain.from_iterable(
             itertools.repeat(name, stop - first) for name, first, stop in zip(self.group_names, self.group_first,
                                                                               bounds, strict=True)))
@@ -243,8 +296,8 @@ class _Layout:
         self.names = prog.names
 
     def lay_out(self, lens):
-        """(program, group_first, group_names, marks, permanent, slots, program arrays, event count) of the
-        trace whose slot k holds `lens[k]` tensors (an int64 array): ids in allocation order, empty groups
+        """(group_first, group_names, marks, permanent, slots, program arrays, event count) of the trace
+        whose slot k holds `lens[k]` tensors (an int64 array): ids in allocation order, empty groups
         dropped, consecutive ranges of one kind merged (as `_extend` merges them)."""
         import numpy as np
 
@@ -265,10 +318,9 @@ class _Layout:
         starts = np.flatnonzero(~cont)
         stops = np.append(starts[1:], len(live)) - 1
         arrays = (a[starts], b[stops], alloc[starts])
-        program = tuple(zip(*(x.tolist() for x in arrays), strict=True))
         groups = np.flatnonzero(self.alloc & (n > 0))
         names = self.names
-        return (program, tuple(first[groups].tolist()), tuple([names[g] for g in groups.tolist()]), marks,
+        return (tuple(first[groups].tolist()), tuple([names[g] for g in groups.tolist()]), marks,
                 permanent, tuple(self.alloc_slots[np.flatnonzero(counts > 0)].tolist()), arrays,
                 int(n[self.acting].sum()))
 
@@ -304,12 +356,8 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
         if len(_STRUCTURES) >= STRUCTURE_CACHE_SIZE:
             _STRUCTURES.clear()
         _STRUCTURES[key] = known
-    program, group_first, group_names, marks, permanent, slots, arrays, n_events = known
-    sizes = tuple(itertools.chain.from_iterable([values[k] for k in slots]))
-    trace = Trace(sizes, program, group_first, group_names, marks, permanent)
-    # known already: the program as arrays (for `compiled._arrays`) and the event count (`n_events`)
-    trace.__dict__.update(_program_arrays=arrays, n_events=n_events)
-    return trace
+    group_first, group_names, marks, permanent, slots, arrays, n_events = known
+    return Trace._laid_out(values, slots, arrays, group_first, group_names, marks, permanent, n_events)
 
 
 # A step's structure (first step or not, resident gradients, its blocks and checkpointing: `_LAYOUTS`, a handful
@@ -476,7 +524,7 @@ def tensor_name(trace: Trace, tid: int) -> str:
     """`group[k]` for the k-th tensor of a group of several, `group` for a single one."""
     g = bisect_right(trace.group_first, tid) - 1
     first = trace.group_first[g]
-    stop = trace.group_first[g + 1] if g + 1 < len(trace.group_first) else len(trace.sizes)
+    stop = trace.group_first[g + 1] if g + 1 < len(trace.group_first) else trace.n_tensors
     name = trace.group_names[g]
     return name if stop - first == 1 else f"{name}[{tid - first}]"
 
