@@ -104,3 +104,22 @@ def test_peaks_are_the_simulated_points_peaks(step):
     """`timeline.peaks` (what an estimate uses) picks the same points as the full timeline, ties included."""
     points = timeline.simulate(step)
     assert timeline.peaks(step) == (timeline.phase_peaks(points), timeline.peak(points))
+
+
+@pytest.mark.parametrize("model,kw,instance", CASES)
+def test_a_laid_out_trace_equals_its_eager_copy(model, kw, instance):
+    """A trace from `step_events` expands its sizes and program on first use; what it reports before that
+    (tensor and event counts, the compiled replay's arrays) is what the expanded tuples say."""
+    import numpy as np
+
+    from planner.memory import compiled
+
+    _, lazy = _trace(model, kw, instance)
+    arrays = compiled._arrays(lazy)  # before any expansion
+    n_tensors, n_events = lazy.n_tensors, lazy.n_events
+    eager = events.Trace(*(getattr(lazy, f) for f in events.Trace.FIELDS))
+    assert eager == lazy and hash(eager) == hash(lazy)
+    assert (n_tensors, n_events) == (len(eager.sizes), sum(b - a for a, b, _ in eager.program))
+    again = compiled._arrays(eager)
+    assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(arrays, again, strict=True))
+    assert repr(lazy) == repr(eager)

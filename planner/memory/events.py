@@ -29,9 +29,12 @@ Sharded states (ZeRO/FSDP) are one flat tensor per block, as FSDP's FlatParamete
 partitions are.
 
 The trace is compact (`Trace`: each tensor's size by id, tensors allocated in id order, ~200 ranges of ids
-allocated or freed), and its layout depends only on the step's structure (blocks, checkpointing, first step,
-resident gradients, tensors per group): a step whose structure was met before is laid out from it
-(`_STRUCTURES`). Why: a search builds a trace per distinct step; this is ~0.1 ms of a cold estimate, not ~1 ms.
+allocated or freed). The steps above are recorded once per shape (blocks, checkpointing, first step, resident
+gradients: `_Program`, `_LAYOUTS`) as ops on slots, each slot a group of tensors (`_slot_values`); how many
+tensors each slot holds then lays out every id at once (`_Layout.lay_out`, cached in `_STRUCTURES`). Why: a
+search builds a trace per distinct step, and most of its steps differ in parallelism, precision or
+accumulation, not in shape: a new step costs ~0.1 ms of slot sizes and one numpy lay-out, not a walk through
+the blocks (~0.4 ms for the multimodal model).
 """
 
 from __future__ import annotations
