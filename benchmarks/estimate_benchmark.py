@@ -102,6 +102,7 @@ def main() -> None:
     del os.environ["PLANNER_COMPILED_REPLAY"]
     clear_caches()
     t0 = time.perf_counter()
+    compiled.FREEZE_ON_LOAD = True  # as in the `planner` command's process (`planner.cli.main`)
     if not compiled.warm():
         print("the compiled replay is not available here (no Numba): the rows below replay in Python")
     compiled.replay(events.Trace.from_events([(0, 1)], ["warm"]))  # the first call loads the compiled code

@@ -97,6 +97,7 @@ def compiled_loaded() -> bool:
     """Load the compiled allocator replay (and run it once: the first call loads the machine code)."""
     from planner.memory import compiled, events
 
+    compiled.FREEZE_ON_LOAD = True  # as in the `planner` command's process (`planner.cli.main`)
     return compiled.warm() and compiled.replay(events.Trace.from_events([(0, 1)], ["warm"])) is not None
 
 

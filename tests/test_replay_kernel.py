@@ -72,6 +72,32 @@ def test_environment_pins_the_policy(fresh_policy, monkeypatch):
     assert compiled.replay(trace) == allocator.fast_run(trace.events)[0]
 
 
+_FREEZE_COUNT_AT_EXIT = ("import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count(), "
+                         "file=sys.stderr)); ")
+
+
+@pytest.mark.parametrize("command", [True, False])
+def test_only_the_command_freezes_the_collector_when_the_kernel_loads(command, tmp_path):
+    """The `planner` command owns its process, so loading the kernel moves what is alive then out of the
+    collector's reach (`compiled._freeze`); a library user's process is left as it is."""
+    import os
+    import subprocess
+    import sys
+
+    if command:
+        run = ("sys.argv = ['planner', 'estimate', '--model', 'bert-base-uncased', '--instance', 'ml.p3.2xlarge', "
+               "'--batch-size', '4', '--seq-len', '128']; from planner.cli.main import main; main()")
+    else:
+        run = ("from planner.estimate import estimate; from planner.spec import TrainConfig; "
+               "estimate('bert-base-uncased', TrainConfig(batch_size=4, seq_len=128), 'ml.p3.2xlarge')")
+    env = os.environ | {"PLANNER_COMPILED_REPLAY": "1"}
+    done = subprocess.run([sys.executable, "-c", _FREEZE_COUNT_AT_EXIT + run], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frozen = int(done.stderr.rsplit("frozen ", 1)[1].split()[0])
+    assert (frozen > 10_000) if command else frozen == 0
+
+
 def test_sizes_beyond_int64_replay_in_python(fresh_policy, monkeypatch):
     """10^20 bytes (an absurd batch) cannot be an int64 address: the kernel declines, Python replays it."""
     monkeypatch.setenv("PLANNER_COMPILED_REPLAY", "1")

@@ -82,6 +82,9 @@ restore_interrupts()  # Ctrl-C was quiet while these modules imported (planner/_
 
 
 def main() -> None:
+    from planner.memory import compiled
+
+    compiled.FREEZE_ON_LOAD = True  # this process is the command's (see `compiled._freeze`)
     app()
 
 

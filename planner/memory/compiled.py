@@ -43,13 +43,24 @@ def _load():
         one = np.ones(1, np.int64)
         replay_program(one, one - 1, one, one.astype(np.bool_), -1, -1)  # loads the machine code
         _state["kernel"] = replay_program
-        # Numba, llvmlite and the SciPy they import, and loading the machine code, leave ~1.7 x 10^5 objects
-        # that live as long as the process; every full collection would scan them again (~45 ms each, ~15 %
-        # of a search's estimates). Moved out of the collector's reach, as Python's docs advise for
-        # long-lived objects (`gc.freeze`).
-        gc.collect()
-        gc.freeze()
+        if FREEZE_ON_LOAD:
+            _freeze()
     return _state["kernel"]
+
+
+# Whether loading the kernel also freezes the objects alive at that moment (`_freeze`): set by the `planner`
+# command, which owns its process; left off for a library user, whose process this module does not own.
+FREEZE_ON_LOAD = False
+
+
+def _freeze() -> None:
+    """Numba, llvmlite and the SciPy they import, and loading the machine code, leave ~1.7 x 10^5 objects that
+    live as long as the process; every full collection would scan them again (~45 ms each, ~15 % of a search's
+    estimates). `gc.freeze` moves every object alive now to the generation collections skip. The trade: one of
+    them that later becomes cyclic garbage is never collected, so it is done once, right after a full
+    collection, in a process the command owns."""
+    gc.collect()
+    gc.freeze()
 
 
 def kernel_ready() -> bool:
