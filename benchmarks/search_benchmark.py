@@ -8,7 +8,8 @@
    the allocator replayed in Python (what a default search of ~100 trials gets: it never loads the compiled
    replay) and with the compiled replay loaded (what a longer search gets once it has replayed
    `planner.memory.compiled.COMPILE_AFTER` steps; its one-off load time is printed). The objective figure
-   is over the points of 5 default searches (seeds 0-4): one cyclic garbage collection can double a 0.1 s run.
+   is over the points of 5 default searches (seeds 0-4), 3 passes (median and range): one cyclic garbage
+   collection can double a 0.1 s run.
 3. Storage: ms to persist one finished trial in the journal file (the default) and in SQLite (WAL).
 4. TPE against the exhaustive optimum on a joint space small enough to enumerate (3 instance types ×
    parallelism × precision × checkpointing × micro-batch × attention × optimizer kernels), over several
@@ -123,35 +124,41 @@ def exhaustive(sweep, fake: bool) -> dict:
             "feasible": len(feasible), "optimum": best, "direction": obj.direction}
 
 
-def objective_rate(sweep, fake: bool, trials: int, seeds: int = 5) -> tuple[float, float]:
-    """(objective calls/s, cache hit fraction) over the points TPE runs of `seeds` seeds propose, each run's
-    points replayed on a fresh objective with cold caches; the rate is all calls over all their time (a single
-    0.1 s run can be doubled by one cyclic garbage collection)."""
+def objective_rate(sweep, fake: bool, trials: int, seeds: int = 5, passes: int = 3) -> tuple[list[float], float]:
+    """(objective calls/s of each pass, cache hit fraction) over the points TPE runs of `seeds` seeds propose:
+    each pass replays every run's points on a fresh objective with cold caches, and its rate is all calls over
+    all their time (a single 0.1 s run can be doubled by one cyclic garbage collection; passes show the spread
+    that remains)."""
     from planner.search.study import run_search
 
-    calls = evaluations = 0
-    elapsed = 0.0
+    runs = []
     for seed in range(seeds):
         with tempfile.TemporaryDirectory() as tmp:
             result = run_search(sweep, trials=trials, results_dir=tmp, estimate_fn=estimate_fn(fake),
                                 write_files=False, seed=seed)
-        obj = objective_for(sweep, fake)
         space = result.run.space
-        points = [space.point(space.decode(t.params)) for t in result.run.trials]
-        if not fake:  # the search above left every step's trace and replay cached
-            from planner.estimate import clear_caches
+        runs.append([space.point(space.decode(t.params)) for t in result.run.trials])
+    rates = []
+    for _ in range(passes):
+        calls = evaluations = 0
+        elapsed = 0.0
+        for points in runs:
+            obj = objective_for(sweep, fake)
+            if not fake:  # an earlier run left every step's trace and replay cached
+                from planner.estimate import clear_caches
 
-            clear_caches()
-            obj.evaluate_point(points[0])  # the model's own facts, once, as a search computes them at its start
-            obj._cache.clear()
-            obj.evaluations = 0
-        start = time.perf_counter()
-        for p in points:
-            obj.evaluate_point(p)
-        elapsed += time.perf_counter() - start
-        calls += len(points)
-        evaluations += obj.evaluations
-    return calls / elapsed, 1 - evaluations / calls
+                clear_caches()
+                obj.evaluate_point(points[0])  # the model's own facts, once, as a search computes them at its start
+                obj._cache.clear()
+                obj.evaluations = 0
+            start = time.perf_counter()
+            for p in points:
+                obj.evaluate_point(p)
+            elapsed += time.perf_counter() - start
+            calls += len(points)
+            evaluations += obj.evaluations
+        rates.append(calls / elapsed)
+    return rates, 1 - evaluations / calls
 
 
 def bench_storage(fake: bool, trials: int) -> dict[str, float]:
@@ -219,9 +226,10 @@ def main() -> None:
         default = exhaustive(DEFAULT_SWEEP, args.fake)
         print(f"[{replay} replay] estimate: {default['estimates_per_s']:,.0f} estimates/s over the "
               f"{default['estimates']} runnable points of the default space ({default['points']} points, no cache)")
-        rate, hits = objective_rate(DEFAULT_SWEEP, args.fake, default_trials(1))
-        print(f"[{replay} replay] objective as the default search calls it: {rate:,.0f} calls/s over 5 searches' "
-              f"points ({hits:.0%} answered by the per-configuration cache; target >= 2,000/s)")
+        rates, hits = objective_rate(DEFAULT_SWEEP, args.fake, default_trials(1))
+        print(f"[{replay} replay] objective as the default search calls it: {statistics.median(rates):,.0f} calls/s "
+              f"over 5 searches' points (median of {len(rates)} passes, {min(rates):,.0f}-{max(rates):,.0f}; "
+              f"{hits:.0%} answered by the per-configuration cache; target >= 2,000/s)")
     del os.environ["PLANNER_COMPILED_REPLAY"]
     storage = bench_storage(args.fake, 100)
     print(f"storage per finished trial: journal file {storage['journal']:.1f} ms, SQLite (WAL) "
