@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     from planner.estimate import clear_caches, estimate
-    from planner.memory import compiled, events, reserved
+    from planner.memory import compiled, reserved
 
     cfgs = list(configs(args.quick))
     estimate(cfgs[0][0], cfgs[0][1], INSTANCES[0])  # warm imports and model caches
@@ -105,7 +105,6 @@ def main() -> None:
     compiled.FREEZE_ON_LOAD = True  # as in the `planner` command's process (`planner.cli.main`)
     if not compiled.warm():
         print("the compiled replay is not available here (no Numba): the rows below replay in Python")
-    compiled.replay(events.Trace.from_events([(0, 1)], ["warm"]))  # the first call loads the compiled code
     print(f"{'(compiled replay loaded in ' + format(time.perf_counter() - t0, '.2f') + ' s, once)':40s}")
     show("allocator, distinct steps (cold cache)", *rate(single))
     clear_caches()
