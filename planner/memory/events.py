@@ -106,10 +106,14 @@ class Trace:
                               group_names=group_names, marks=marks, permanent=permanent, n_events=n_events)
         return trace
 
-    @cached_property
-    def sizes(self) -> tuple[int, ...]:  # only a laid-out trace gets here (`__init__` sets it)
+    def _slot_groups(self) -> list[tuple[int, ...]]:
+        """A laid-out trace's sizes, group by group (`__init__` sets `sizes` on any other trace)."""
         values = self.__dict__["_values"]
-        return tuple(itertools.chain.from_iterable([values[k] for k in self.__dict__["_slots"]]))
+        return [values[k] for k in self.__dict__["_slots"]]
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(itertools.chain.from_iterable(self._slot_groups()))
 
     @cached_property
     def program(self) -> tuple[tuple[int, int, bool], ...]:  # as `sizes`
@@ -119,15 +123,13 @@ class Trace:
         """The sizes in id order, without making the tuple (the compiled replay copies them into an array)."""
         if "sizes" in self.__dict__:
             return iter(self.sizes)
-        values = self.__dict__["_values"]
-        return itertools.chain.from_iterable([values[k] for k in self.__dict__["_slots"]])
+        return itertools.chain.from_iterable(self._slot_groups())
 
     @cached_property
     def n_tensors(self) -> int:
         if "sizes" in self.__dict__:
             return len(self.sizes)
-        values = self.__dict__["_values"]
-        return sum(len(values[k]) for k in self.__dict__["_slots"])
+        return sum(map(len, self._slot_groups()))
 
     def _key(self) -> tuple:
         return tuple(getattr(self, f) for f in self.FIELDS)
@@ -289,7 +291,6 @@ class _Layout:
         self.alloc_slots = arg[self.alloc]
         self.free = kind == FREE
         self.free_refs = arg[self.free]
-        self.acting = self.alloc | self.free
         self.mark_ops = np.flatnonzero(kind == MARK)
         marks = [prog.marks[a] for a in arg[self.mark_ops].tolist()]
         self.mark_phases = [phase for phase, _ in marks]
@@ -304,7 +305,7 @@ class _Layout:
         dropped, consecutive ranges of one kind merged (as `_extend` merges them)."""
         import numpy as np
 
-        n = np.zeros(self.n_ops, np.int64)  # events of each op
+        n = np.zeros(self.n_ops, np.int64)  # events of each op: only ALLOC and FREE ops have any
         first = np.zeros(self.n_ops, np.int64)  # first tensor id of each op's range
         counts = lens[self.alloc_slots]
         n[self.alloc] = counts
@@ -314,7 +315,7 @@ class _Layout:
         before = np.cumsum(n) - n  # events before each op
         marks = tuple(map(Mark, self.mark_phases, self.mark_labels, before[self.mark_ops].tolist()))
         permanent = int(before[self.permanent_op]) if self.permanent_op >= 0 else -1
-        live = np.flatnonzero(self.acting & (n > 0))
+        live = np.flatnonzero(n)
         a, b, alloc = first[live], first[live] + n[live], self.alloc[live]
         cont = np.zeros(len(live), np.bool_)
         cont[1:] = (alloc[1:] == alloc[:-1]) & (a[1:] == b[:-1])
@@ -324,8 +325,7 @@ class _Layout:
         groups = np.flatnonzero(self.alloc & (n > 0))
         names = self.names
         return (tuple(first[groups].tolist()), tuple([names[g] for g in groups.tolist()]), marks,
-                permanent, tuple(self.alloc_slots[np.flatnonzero(counts > 0)].tolist()), arrays,
-                int(n[self.acting].sum()))
+                permanent, tuple(self.alloc_slots[counts > 0].tolist()), arrays, int(n.sum()))
 
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
@@ -363,10 +363,10 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     return Trace._laid_out(values, slots, arrays, group_first, group_names, marks, permanent, n_events)
 
 
-# A step's structure (first step or not, resident gradients, its blocks and checkpointing: `_LAYOUTS`, a handful
-# per search) and how many tensors each slot holds (`_STRUCTURES`) -> the program, groups and marks of its trace,
-# and the slot of each group. A search over micro-batch sizes meets one structure many times: its trace is then
-# the slots' sizes in that order.
+# A step's shape (first step or not, resident gradients, its blocks and checkpointing) -> its recorded ops as
+# arrays (`_LAYOUTS`, a handful per search); the shape and how many tensors each slot holds -> what
+# `_Layout.lay_out` makes of it (`_STRUCTURES`: groups, marks, the program as arrays, the slot of each group). A
+# search over micro-batch sizes meets one structure many times: its trace is then the slots' sizes in that order.
 STRUCTURE_CACHE_SIZE = 1024
 _LAYOUTS: dict[tuple, _Layout] = {}
 _STRUCTURES: dict[tuple, tuple] = {}
@@ -583,7 +583,8 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
     key = (id(model), p_bytes, g_bytes, parameter_share == 1, gradient_share == 1)
-    done = _BLOCK_TENSORS.get((*key, id(activations), backend))
+    done_key = (*key, id(activations), backend)
+    done = _BLOCK_TENSORS.get(done_key)
     if done is not None and done[0] is model and done[1] is activations:
         return done[2]
     hit = _BLOCK_SHAPES.get(key)
@@ -630,7 +631,7 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
     if isinstance(activations, tuple):  # immutable: safe to key by identity while the cache holds it
         if len(_BLOCK_TENSORS) >= ACTIVATIONS_CACHE_SIZE:
             _BLOCK_TENSORS.clear()
-        _BLOCK_TENSORS[(*key, id(activations), backend)] = (model, activations, out)
+        _BLOCK_TENSORS[done_key] = (model, activations, out)
     return out
 
 
