@@ -3,7 +3,7 @@
 The target (issues 8, 9): >= 1,000 configurations/s on 2 cores with the allocator and the roofline on. A step
 of BERT-base is ~3,700 allocator events (first + steady step), laid out as ~200 ranges of tensor ids
 (`events.Trace`; laid out from the ops recorded once per shape, `events._LAYOUTS`, `events._STRUCTURES`) and replayed
-by the compiled kernel (`replay_kernel`, ~0.1 µs per event) once the process has replayed
+by the compiled kernel (`replay_kernel`, ~30 ns per event) once the process has replayed
 `compiled.COMPILE_AFTER` steps; the kernel is loaded before the clock starts here (its one-off
 load time is printed: a search that switches pays it once). Rows:
 - flat: `runtime={"fragmentation": 0.10}` (no replay; what estimate cost before the allocator model);

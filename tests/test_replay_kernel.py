@@ -98,6 +98,24 @@ def test_only_the_command_freezes_the_collector_when_the_kernel_loads(command, t
     assert (frozen > 10_000) if command else frozen == 0
 
 
+def test_a_kernel_that_fails_to_load_leaves_replays_in_python(fresh_policy, monkeypatch):
+    """A Numba cache that cannot be read back (seen: one written by the same file imported under another module
+    name) or a compiler failure raises at the first call; the estimate must not: Python replays the same."""
+    import sys
+    import types
+
+    def broken(*args):
+        raise ModuleNotFoundError("No module named '<dynamic>'")
+
+    monkeypatch.setitem(sys.modules, "planner.memory.replay_kernel", types.SimpleNamespace(replay_program=broken))
+    monkeypatch.setitem(compiled._state, "unavailable", False)
+    monkeypatch.setenv("PLANNER_COMPILED_REPLAY", "1")
+    trace = _bert_trace()
+    assert compiled.replay(trace) is None and not compiled.warm()
+    assert fresh_policy["unavailable"] and fresh_policy["kernel"] is None
+    assert reserved._replay(trace, None, False) == allocator.fast_run(trace.events)[0]
+
+
 def test_sizes_beyond_int64_replay_in_python(fresh_policy, monkeypatch):
     """10^20 bytes (an absurd batch) cannot be an int64 address: the kernel declines, Python replays it."""
     monkeypatch.setenv("PLANNER_COMPILED_REPLAY", "1")

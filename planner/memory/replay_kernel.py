@@ -1,7 +1,7 @@
 """`allocator.fast_run`'s rules compiled with Numba, on a compact `events.Trace` (ranges of tensor ids).
 
 Why: a search replays one step per distinct configuration, ~4,000 events each (~12,000 for a 7B model); in
-CPython that is ~1 µs per event (3-5 ms a step), here ~0.1 µs. Only `planner.memory.compiled` imports this
+CPython that is ~1 µs per event (3-5 ms a step), here ~30 ns. Only `planner.memory.compiled` imports this
 module (importing Numba and loading the compiled code takes ~0.6 s, so it is done only when enough replays are
 coming).
 
@@ -60,69 +60,6 @@ def _lowest_bit(x):
 
 
 @njit(cache=True)
-def _push(head, nonempty, fnext, fprev, b_size, pool, block):
-    """Cache a free block (at the head of its class's list)."""
-    c = _size_class(b_size[block])
-    h = head[pool, c]
-    fnext[block] = h
-    fprev[block] = -1
-    if h >= 0:
-        fprev[h] = block
-    else:
-        nonempty[pool, c >> 5] |= 1 << (c & 31)
-    head[pool, c] = block
-
-
-@njit(cache=True)
-def _unlink(head, nonempty, fnext, fprev, b_size, pool, block):
-    """Take a block off its class's list (before its size changes: the size names the class)."""
-    p = fprev[block]
-    n = fnext[block]
-    if p >= 0:
-        fnext[p] = n
-    else:
-        c = _size_class(b_size[block])
-        head[pool, c] = n
-        if n < 0:
-            nonempty[pool, c >> 5] &= ~(1 << (c & 31))
-    if n >= 0:
-        fprev[n] = p
-
-
-@njit(cache=True)
-def _best_fit(head, nonempty, fnext, b_size, b_addr, pool, size):
-    """The free block of the smallest (size, address) with size >= `size`, or -1."""
-    c = _size_class(size)
-    best = -1
-    b = head[pool, c]
-    while b >= 0:
-        s = b_size[b]
-        if s >= size and (best < 0 or s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best])):
-            best = b
-        b = fnext[b]
-    if best >= 0:
-        return best
-    # the next non-empty class: its smallest block (every block there is larger than the request)
-    c += 1
-    word = c >> 5
-    bits = nonempty[pool, word] & ~((1 << (c & 31)) - 1) if word < nonempty.shape[1] else 0
-    while bits == 0:
-        word += 1
-        if word >= nonempty.shape[1]:
-            return -1
-        bits = nonempty[pool, word]
-    b = head[pool, word * 32 + _lowest_bit(bits)]
-    best = b
-    b = fnext[b]
-    while b >= 0:
-        s = b_size[b]
-        if s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best]):
-            best = b
-        b = fnext[b]
-    return best
-
-
-@njit(cache=True)
 def replay_program(sizes, starts, stops, allocs, capacity, max_split):
     """The replay of a compact trace: `sizes[tid]`; ranges [starts[k], stops[k]) allocated or freed in order
     (`allocs[k]`). `capacity` < 0: unlimited; `max_split` < 0: no max_split_size. Returns int64[RESULT_FIELDS]
@@ -138,13 +75,74 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
     fnext = np.empty(max_blocks, np.int64)
     fprev = np.empty(max_blocks, np.int64)
     head = np.full((2, N_CLASSES), -1, np.int64)
-    nonempty = np.zeros((2, (N_CLASSES + 31) // 32), np.int64)  # a bit per class with a free block
+    n_words = (N_CLASSES + 31) // 32
+    nonempty = np.zeros((2, n_words), np.int64)  # a bit per class with a free block
     n_blocks = 0
     seg_first = np.empty(n_tensors + 1, np.int64)  # a segment's first block (it keeps its id: merges go left)
     seg_size = np.empty(n_tensors + 1, np.int64)
     seg_alive = np.zeros(n_tensors + 1, np.bool_)
     n_segs = 0
     alive_segs = 0
+
+    # The free lists' helpers are closures over the state: Numba inlines them, where functions taking the
+    # arrays as arguments pay a reference count per array per call (~4x slower per event, measured).
+    def push(pool, block):
+        """Cache a free block (at the head of its class's list)."""
+        c = _size_class(b_size[block])
+        h = head[pool, c]
+        fnext[block] = h
+        fprev[block] = -1
+        if h >= 0:
+            fprev[h] = block
+        else:
+            nonempty[pool, c >> 5] |= 1 << (c & 31)
+        head[pool, c] = block
+
+    def unlink(pool, block):
+        """Take a block off its class's list (before its size changes: the size names the class)."""
+        p = fprev[block]
+        n = fnext[block]
+        if p >= 0:
+            fnext[p] = n
+        else:
+            c = _size_class(b_size[block])
+            head[pool, c] = n
+            if n < 0:
+                nonempty[pool, c >> 5] &= ~(1 << (c & 31))
+        if n >= 0:
+            fprev[n] = p
+
+    def best_fit(pool, size):
+        """The free block of the smallest (size, address) with size >= `size`, or -1."""
+        c = _size_class(size)
+        best = -1
+        b = head[pool, c]
+        while b >= 0:
+            s = b_size[b]
+            if s >= size and (best < 0 or s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best])):
+                best = b
+            b = fnext[b]
+        if best >= 0:
+            return best
+        # the next non-empty class: its smallest block (every block there is larger than the request)
+        c += 1
+        word = c >> 5
+        bits = nonempty[pool, word] & ~((1 << (c & 31)) - 1) if word < n_words else 0
+        while bits == 0:
+            word += 1
+            if word >= n_words:
+                return -1
+            bits = nonempty[pool, word]
+        b = head[pool, word * 32 + _lowest_bit(bits)]
+        best = b
+        b = fnext[b]
+        while b >= 0:
+            s = b_size[b]
+            if s < b_size[best] or (s == b_size[best] and b_addr[b] < b_addr[best]):
+                best = b
+            b = fnext[b]
+        return best
+
     live = np.full(n_tensors, -1, np.int64)
     next_addr = 0
     allocated = 0
@@ -170,14 +168,14 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                 prev = b_prev[b]
                 nxt = b_next[b]
                 if prev >= 0 and b_free[prev]:
-                    _unlink(head, nonempty, fnext, fprev, b_size, pool, prev)
+                    unlink(pool, prev)
                     b_size[prev] += b_size[b]
                     b_next[prev] = nxt
                     if nxt >= 0:
                         b_prev[nxt] = prev
                     b = prev
                 if nxt >= 0 and b_free[nxt]:
-                    _unlink(head, nonempty, fnext, fprev, b_size, pool, nxt)
+                    unlink(pool, nxt)
                     b_free[nxt] = False
                     b_size[b] += b_size[nxt]
                     after = b_next[nxt]
@@ -185,20 +183,20 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                     if after >= 0:
                         b_prev[after] = b
                 b_free[b] = True
-                _push(head, nonempty, fnext, fprev, b_size, pool, b)
+                push(pool, b)
                 continue
             nbytes = sizes[tid]
             size = (nbytes + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE * K_MIN_BLOCK_SIZE  # round_size
             small = size <= K_SMALL_SIZE
             pool = 0 if small else 1
-            block = _best_fit(head, nonempty, fnext, b_size, b_addr, pool, size)  # get_free_block
+            block = best_fit(pool, size)  # get_free_block
             if block >= 0:
                 bsize = b_size[block]
                 if max_split >= 0 and not small and (
                         (size < max_split <= bsize) or (size >= max_split and bsize >= size + K_LARGE_BUFFER)):
                     block = -1
                 else:
-                    _unlink(head, nonempty, fnext, fprev, b_size, pool, block)
+                    unlink(pool, block)
                     b_free[block] = False
             grow = 0
             if block < 0:  # alloc_block: a new segment (get_allocation_size), the OOM retry over capacity
@@ -214,7 +212,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                         if seg_alive[s]:
                             f = seg_first[s]
                             if b_free[f] and b_next[f] < 0:
-                                _unlink(head, nonempty, fnext, fprev, b_size, b_pool[f], f)
+                                unlink(b_pool[f], f)
                                 b_free[f] = False
                                 seg_alive[s] = False
                                 alive_segs -= 1
@@ -254,7 +252,7 @@ def replay_program(sizes, starts, stops, allocs, capacity, max_split):
                 b_next[block] = r
                 b_size[block] = size
                 b_free[r] = True
-                _push(head, nonempty, fnext, fprev, b_size, pool, r)
+                push(pool, r)
             allocated += b_size[block]
             live[tid] = block
             if allocated > peak_alloc:

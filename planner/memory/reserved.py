@@ -3,7 +3,7 @@
 
 Why a cache: a search evaluates many configurations that share one step (they differ in instance count,
 price, spot...), and a replay costs milliseconds in pure Python (~1 µs per event, `allocator.fast_run`;
-~0.1 µs once the process uses the compiled kernel, `compiled`), building the trace ~0.3 ms. The key is
+~0.03 µs once the process uses the compiled kernel, `compiled`), building the trace ~0.3 ms. The key is
 everything the trace depends on (the model object, `TRACE_FIELDS` of the config, the step's block bytes, the
 shares); the replays hang on the cached trace, so a hit hashes no event list. The replay runs
 without a capacity first (cacheable across GPUs of one family), and again with the capacity only when the
