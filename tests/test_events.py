@@ -108,8 +108,9 @@ def test_peaks_are_the_simulated_points_peaks(step):
 
 @pytest.mark.parametrize("model,kw,instance", CASES)
 def test_a_laid_out_trace_equals_its_eager_copy(model, kw, instance):
-    """A trace from `step_events` expands its sizes and program on first use; what it reports before that
-    (tensor and event counts, the compiled replay's arrays) is what the expanded tuples say."""
+    """A trace from `step_events` expands its sizes, program, groups and marks on first use; what it reports
+    before that (tensor and event counts, the compiled replay's arrays, tensor names) is what the expanded
+    tuples say."""
     import numpy as np
 
     from planner.memory import compiled
@@ -117,7 +118,10 @@ def test_a_laid_out_trace_equals_its_eager_copy(model, kw, instance):
     _, lazy = _trace(model, kw, instance)
     arrays = compiled._arrays(lazy)  # before any expansion
     n_tensors, n_events = lazy.n_tensors, lazy.n_events
+    names = [events.tensor_name(lazy, tid) for tid in range(n_tensors)]
+    assert set(lazy.__dict__).isdisjoint(events.Trace.FIELDS[:-1])  # nothing expanded yet
     eager = events.Trace(*(getattr(lazy, f) for f in events.Trace.FIELDS))
+    assert names == [events.tensor_name(eager, tid) for tid in range(n_tensors)]
     assert eager == lazy and hash(eager) == hash(lazy)
     assert (n_tensors, n_events) == (len(eager.sizes), sum(b - a for a, b, _ in eager.program))
     again = compiled._arrays(eager)

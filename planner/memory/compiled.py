@@ -101,7 +101,8 @@ def _arrays(trace: Trace):
     out = None
     # every address stays below the sum of the segments: each its request rounded up, plus < 20 MiB
     if sizes is not None and (not n or n * (int(sizes.max()) + K_LARGE_BUFFER) < INT64_LIMIT):
-        program = trace.__dict__.get("_program_arrays")  # laid out as arrays already (`events.step_events`)
+        laid = trace.__dict__.get("_laid")  # laid out as arrays already (`events.step_events`)
+        program = laid.arrays if laid is not None else None
         if program is None:
             program = (np.array([p[0] for p in trace.program], dtype=np.int64),
                        np.array([p[1] for p in trace.program], dtype=np.int64),

@@ -81,8 +81,9 @@ class Trace:
     events. Why: building and replaying the ranges is what keeps an estimate fast (`compiled`); `events` and
     `names` expand it for whoever wants one entry per event or tensor.
 
-    A trace laid out by `step_events` makes its `sizes` and `program` tuples only when asked: the compiled
-    replay reads the same numbers as arrays, and a search builds a trace per new step."""
+    A trace laid out by `step_events` makes its tuples (`sizes`, `program`, the groups, the marks) only when
+    asked: the compiled replay reads the same numbers as arrays, the peak tensor's name is found in them
+    (`group_of`), and a search builds a trace per new step."""
 
     FIELDS = ("sizes", "program", "group_first", "group_names", "marks", "permanent")
 
@@ -96,20 +97,18 @@ class Trace:
         self.permanent = permanent  # leading events that allocate tensors never freed (-1: unknown)
 
     @classmethod
-    def _laid_out(cls, values: Sequence[tuple[int, ...]], slots: tuple[int, ...], arrays: tuple,
-                  group_first: tuple[int, ...], group_names: tuple[str, ...], marks: tuple[Mark, ...],
-                  permanent: int, n_events: int) -> Trace:
-        """A trace whose sizes are `values[k]` for k in `slots` and whose program is `arrays` (first ids, stop
-        ids, allocate?), both expanded on first use."""
+    def _laid_out(cls, values: Sequence[tuple[int, ...]], laid: _Laid) -> Trace:
+        """A trace whose sizes are `values[k]` for k in `laid.slots`, as `_Layout.lay_out` placed them: its
+        tuples (sizes, program, groups, marks) are made on first use."""
         trace = cls.__new__(cls)
-        trace.__dict__.update(_values=values, _slots=slots, _program_arrays=arrays, group_first=group_first,
-                              group_names=group_names, marks=marks, permanent=permanent, n_events=n_events)
+        trace.__dict__.update(_values=values, _laid=laid, permanent=laid.permanent, n_tensors=laid.n_tensors,
+                              n_events=laid.n_events)
         return trace
 
     def _slot_groups(self) -> list[tuple[int, ...]]:
         """A laid-out trace's sizes, group by group (`__init__` sets `sizes` on any other trace)."""
         values = self.__dict__["_values"]
-        return [values[k] for k in self.__dict__["_slots"]]
+        return [values[k] for k in self.__dict__["_laid"].slots]
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:
@@ -117,7 +116,22 @@ class Trace:
 
     @cached_property
     def program(self) -> tuple[tuple[int, int, bool], ...]:  # as `sizes`
-        return tuple(zip(*(x.tolist() for x in self.__dict__["_program_arrays"]), strict=True))
+        return tuple(zip(*(x.tolist() for x in self.__dict__["_laid"].arrays), strict=True))
+
+    @cached_property
+    def group_first(self) -> tuple[int, ...]:  # as `sizes`
+        return tuple(self.__dict__["_laid"].group_first.tolist())
+
+    @cached_property
+    def group_names(self) -> tuple[str, ...]:  # as `sizes`
+        laid = self.__dict__["_laid"]
+        names = laid.layout.names
+        return tuple([names[op] for op in laid.group_ops.tolist()])
+
+    @cached_property
+    def marks(self) -> tuple[Mark, ...]:  # as `sizes`
+        laid = self.__dict__["_laid"]
+        return tuple(map(Mark, laid.layout.mark_phases, laid.layout.mark_labels, laid.mark_index.tolist()))
 
     def iter_sizes(self):
         """The sizes in id order, without making the tuple (the compiled replay copies them into an array)."""
@@ -127,9 +141,18 @@ class Trace:
 
     @cached_property
     def n_tensors(self) -> int:
-        if "sizes" in self.__dict__:
-            return len(self.sizes)
-        return sum(map(len, self._slot_groups()))
+        return len(self.sizes)
+
+    def group_of(self, tid: int) -> tuple[str, int, int]:
+        """(name, first id, stop id) of the group tensor `tid` belongs to."""
+        laid = self.__dict__.get("_laid")
+        if laid is not None and "group_first" not in self.__dict__:  # without making the groups' tuples
+            g = int(laid.group_first.searchsorted(tid, "right")) - 1
+            stop = int(laid.group_first[g + 1]) if g + 1 < len(laid.group_first) else self.n_tensors
+            return laid.layout.names[int(laid.group_ops[g])], int(laid.group_first[g]), stop
+        g = bisect_right(self.group_first, tid) - 1
+        stop = self.group_first[g + 1] if g + 1 < len(self.group_first) else self.n_tensors
+        return self.group_names[g], self.group_first[g], stop
 
     def _key(self) -> tuple:
         return tuple(getattr(self, f) for f in self.FIELDS)
@@ -299,33 +322,48 @@ class _Layout:
         self.permanent_op = int(perm[0]) if len(perm) else -1
         self.names = prog.names
 
-    def lay_out(self, lens):
-        """(group_first, group_names, marks, permanent, slots, program arrays, event count) of the trace
-        whose slot k holds `lens[k]` tensors (an int64 array): ids in allocation order, empty groups
-        dropped, consecutive ranges of one kind merged (as `_extend` merges them)."""
+    def lay_out(self, lens) -> _Laid:
+        """The trace whose slot k holds `lens[k]` tensors (an int64 array): ids in allocation order, empty
+        groups dropped, consecutive ranges of one kind merged (as `_extend` merges them)."""
         import numpy as np
 
         n = np.zeros(self.n_ops, np.int64)  # events of each op: only ALLOC and FREE ops have any
         first = np.zeros(self.n_ops, np.int64)  # first tensor id of each op's range
         counts = lens[self.alloc_slots]
         n[self.alloc] = counts
-        first[self.alloc] = np.cumsum(counts) - counts
+        starts_of = np.cumsum(counts)
+        n_tensors = int(starts_of[-1]) if len(starts_of) else 0
+        first[self.alloc] = starts_of - counts
         n[self.free] = n[self.free_refs]
         first[self.free] = first[self.free_refs]
         before = np.cumsum(n) - n  # events before each op
-        marks = tuple(map(Mark, self.mark_phases, self.mark_labels, before[self.mark_ops].tolist()))
-        permanent = int(before[self.permanent_op]) if self.permanent_op >= 0 else -1
         live = np.flatnonzero(n)
         a, b, alloc = first[live], first[live] + n[live], self.alloc[live]
         cont = np.zeros(len(live), np.bool_)
         cont[1:] = (alloc[1:] == alloc[:-1]) & (a[1:] == b[:-1])
         starts = np.flatnonzero(~cont)
         stops = np.append(starts[1:], len(live)) - 1
-        arrays = (a[starts], b[stops], alloc[starts])
         groups = np.flatnonzero(self.alloc & (n > 0))
-        names = self.names
-        return (tuple(first[groups].tolist()), tuple([names[g] for g in groups.tolist()]), marks,
-                permanent, tuple(self.alloc_slots[counts > 0].tolist()), arrays, int(n.sum()))
+        return _Laid(self, self.alloc_slots[counts > 0].tolist(), (a[starts], b[stops], alloc[starts]), n_tensors,
+                     int(before[-1] + n[-1]) if self.n_ops else 0,
+                     int(before[self.permanent_op]) if self.permanent_op >= 0 else -1,
+                     first[groups], groups, before[self.mark_ops])
+
+
+class _Laid(NamedTuple):
+    """What `_Layout.lay_out` makes of a shape and its slots' tensor counts: what a replay reads, and numpy
+    arrays that a trace turns into its tuples only when asked (a search replays ~40 new steps and reads the
+    groups and marks of none)."""
+
+    layout: _Layout  # the ops' names, mark phases and labels
+    slots: list[int]  # the slot of each group, in allocation order
+    arrays: tuple  # the program: first ids, stop ids, allocate?
+    n_tensors: int
+    n_events: int
+    permanent: int  # leading events that allocate tensors never freed
+    group_first: object  # int64 array: first tensor id of each group
+    group_ops: object  # int64 array: the op that allocates each group (its name)
+    mark_index: object  # int64 array: events before each mark
 
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
@@ -359,8 +397,7 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
         if len(_STRUCTURES) >= STRUCTURE_CACHE_SIZE:
             _STRUCTURES.clear()
         _STRUCTURES[key] = known
-    group_first, group_names, marks, permanent, slots, arrays, n_events = known
-    return Trace._laid_out(values, slots, arrays, group_first, group_names, marks, permanent, n_events)
+    return Trace._laid_out(values, known)
 
 
 # A step's shape (first step or not, resident gradients, its blocks and checkpointing) -> its recorded ops as
@@ -525,10 +562,7 @@ def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
 
 def tensor_name(trace: Trace, tid: int) -> str:
     """`group[k]` for the k-th tensor of a group of several, `group` for a single one."""
-    g = bisect_right(trace.group_first, tid) - 1
-    first = trace.group_first[g]
-    stop = trace.group_first[g + 1] if g + 1 < len(trace.group_first) else trace.n_tensors
-    name = trace.group_names[g]
+    name, first, stop = trace.group_of(tid)
     return name if stop - first == 1 else f"{name}[{tid - first}]"
 
 
