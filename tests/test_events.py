@@ -55,6 +55,25 @@ def test_trace_is_per_tensor_and_balanced(model, kw, instance):
     assert all(not trace.names[t].startswith(("batch", "loss")) for t in never_freed)
 
 
+def test_tensors_of_no_bytes_allocate_nothing():
+    """A zero-size parameter (and its gradient and optimizer states) is no allocation in the trace: an event of
+    0 bytes would read as a free. The block totals, and so the live bytes, are unchanged."""
+    prep, _ = _trace(*CASES[0])
+    first = prep.step.blocks[0]
+    tensors = events.model_block_tensors(prep.spec, prep.activations, prep.cfg)
+    t = tensors[first.name]
+    with_zero = events.BlockTensors(t.name, (*t.params, 0), (0, *t.grads), t.saved, t.kept, t.cache)
+    assert with_zero.params == t.params and with_zero.grads == t.grads
+    from planner.memory.reserved import _optimizer_tensors
+
+    states, temps = _optimizer_tensors(prep.spec, prep.cfg, 4, 1.0)
+    assert sum(states) == prep.step.optimizer_state_bytes  # so the states split into these tensors
+    trace = events.step_events(prep.step, tensors | {first.name: with_zero}, state_sizes=(*states, 0),
+                               temp_sizes=(0, *temps))
+    assert all(n > 0 for n in trace.sizes)
+    assert events.live_bytes(trace) == [p.total for p in timeline.simulate(prep.step)]
+
+
 def test_split_and_buckets():
     assert events.split(10, [3, 3]) == (3, 3, 4)
     assert events.split(10, [6, 6]) == (10,)

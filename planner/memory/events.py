@@ -65,6 +65,14 @@ class BlockTensors:
     kept: tuple[int, ...] = ()  # what a checkpointed block keeps (its inputs)
     cache: tuple[int, ...] = ()  # AMP cast cache not saved for backward
 
+    def __post_init__(self) -> None:
+        """A tensor of no bytes (a zero-size parameter) allocates nothing: dropped here, once per block, so
+        that no trace built from these tuples has to look for them."""
+        for f in ("params", "grads", "saved", "kept", "cache"):
+            sizes = getattr(self, f)
+            if sizes and min(sizes) <= 0:
+                object.__setattr__(self, f, _positive(sizes))
+
 
 class Mark(NamedTuple):
     """After `index` events the live bytes equal the timeline point `label` of `phase` (a named tuple: a trace
@@ -380,6 +388,7 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     import numpy as np
 
     tensors = tensors or {}
+    state_sizes, temp_sizes = _positive(state_sizes), _positive(temp_sizes)
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
@@ -415,6 +424,12 @@ BLOCK_SLOTS = 11
 S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS = range(7)
 
 
+def _positive(sizes: Sequence[int]) -> tuple[int, ...]:
+    """`sizes` without the tensors of no bytes (a zero-size parameter's), which allocate nothing."""
+    sizes = tuple(sizes)
+    return sizes if not sizes or min(sizes) > 0 else tuple(n for n in sizes if n > 0)
+
+
 def _one(nbytes: int) -> tuple[int, ...]:
     """A group of one tensor, or of none when it has no bytes."""
     return (nbytes,) if nbytes > 0 else ()
@@ -440,8 +455,7 @@ def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes:
     raw += (_one(step.module_buffer_bytes), buckets(step.ddp_bucket_bytes, bucket_cap_bytes),
             _one(step.batch_bytes), _one(step.extra_forward_bytes), _one(step.workspace_bytes),
             split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes))
-    # tensors of no bytes inside a split (a zero-size parameter) allocate nothing either
-    return [t if len(t) < 2 or min(t) > 0 else tuple(n for n in t if n > 0) for t in raw]
+    return raw  # no size is <= 0: `_one` and `split` make none, BlockTensors and the optimizer's hold none
 
 
 def _record(step: timeline.StepMemory, first_step: bool) -> _Program:
