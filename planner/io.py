@@ -34,13 +34,14 @@ def _reject_constant(name: str) -> float:
 
 
 def file_version(path: str | Path) -> tuple[str, int, int] | None:
-    """(real path, mtime in ns, size) of what is at `path`, or None when nothing is: the key to cache a parsed
+    """(absolute path, mtime in ns, size) of what is at `path`, or None when nothing is: the key to cache a parsed
     file until it changes (prices, calibration: read on every estimate of a search)."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):  # absent, or a path that cannot exist (a NUL, a file as a folder)
         return None
-    return os.path.realpath(path), st.st_mtime_ns, st.st_size
+    # the absolute path, not the real one: resolving links costs a system call per folder, on every estimate
+    return os.path.abspath(path), st.st_mtime_ns, st.st_size
 
 
 def read_text(path: str | Path, what: str) -> str:

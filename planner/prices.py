@@ -56,7 +56,7 @@ def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
     naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
     from planner.io import file_version
 
-    version = file_version(path if path is not None else cache_path())
+    version = file_version(path if path is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE))
     return _read_cache(*version) if version is not None else None
 
 

@@ -129,6 +129,10 @@ class InputSpec(Frozen):
     labels: Literal["class", "tokens", "none"] = "class"  # int64 per sample, or per token for LMs
 
 
+# id(ModelSpec.components) -> (that tuple, its transformer layers): the tuple is kept, so its id stays its own.
+_TRANSFORMERS: dict[int, tuple[tuple, tuple]] = {}
+
+
 class ModelSpec(Frozen):
     name: str
     components: tuple[Component, ...]
@@ -139,8 +143,16 @@ class ModelSpec(Frozen):
     source: dict[str, Any] = Field(default_factory=dict)
 
     @property
-    def transformers(self) -> list[TransformerSpec]:
-        return [layer for c in self.components for layer in c.layers if isinstance(layer, TransformerSpec)]
+    def transformers(self) -> tuple[TransformerSpec, ...]:
+        """The transformer layers, in order: found once per `components` (an estimate reads them several times,
+        and a search makes thousands; a copy with other components finds its own)."""
+        hit = _TRANSFORMERS.get(id(self.components))
+        if hit is None or hit[0] is not self.components:
+            if len(_TRANSFORMERS) >= 256:
+                _TRANSFORMERS.clear()
+            hit = _TRANSFORMERS[id(self.components)] = (self.components, tuple(
+                layer for c in self.components for layer in c.layers if isinstance(layer, TransformerSpec)))
+        return hit[1]
 
     @property
     def max_positions(self) -> int | None:

@@ -73,4 +73,4 @@ def test_gradient_shapes_are_the_tensors_that_get_a_grad(case):
     data = spec.model_dump(mode="json")
     model = modeling.build_model(data)
     modeling.loss_of(model, modeling.make_batch(data, 2, 8, "cpu")).backward()
-    assert model_gradient_tensor_shapes(spec) == [tuple(p.shape) for p in model.parameters() if p.grad is not None]
+    assert list(model_gradient_tensor_shapes(spec)) == [tuple(p.shape) for p in model.parameters() if p.grad is not None]

@@ -192,7 +192,7 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
     dict is shared: callers copy what they change."""
     from planner.io import file_version
 
-    version = file_version(path if path is not None else calibration_path())
+    version = file_version(path if path is not None else os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH))
     return _read_calibration(*version) if version is not None else {}
 
 

@@ -40,8 +40,12 @@ def transformer_blocks(component: str, spec: TransformerSpec) -> list[Block]:
     return blocks
 
 
-def model_blocks(model: ModelSpec) -> list[Block]:
-    """Blocks in forward order; backward visits them in reverse."""
+def model_blocks(model: ModelSpec) -> tuple[Block, ...]:
+    """Blocks in forward order; backward visits them in reverse. Made once per `components` (an estimate walks
+    them several times: activations, FLOPs, parameter counts; a copy with other components gets its own)."""
+    hit = _BLOCKS.get(id(model.components))
+    if hit is not None and hit[0] is model.components:
+        return hit[1]
     blocks: list[Block] = []
     for component in model.components:
         for i, layer in enumerate(component.layers):
@@ -50,4 +54,11 @@ def model_blocks(model: ModelSpec) -> list[Block]:
             else:
                 role: Role = "dense" if isinstance(layer, DenseSpec) else "batchnorm"
                 blocks.append(Block(f"{component.name}.{i}.{layer.kind}", component.name, role, layer, i))
-    return blocks
+    if len(_BLOCKS) >= 256:
+        _BLOCKS.clear()
+    _BLOCKS[id(model.components)] = (model.components, tuple(blocks))
+    return _BLOCKS[id(model.components)][1]
+
+
+# id(ModelSpec.components) -> (that tuple, its blocks): the tuple is kept, so its id stays its own.
+_BLOCKS: dict[int, tuple[tuple, tuple[Block, ...]]] = {}
