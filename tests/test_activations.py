@@ -310,3 +310,19 @@ def test_checkpointing_keeps_layer_inputs_and_recomputes_casts():
     assert not any(b.checkpointed for b in blocks if ".layer." not in b.block)
     assert act.saved_activation_bytes(spec, cfg, "cuda", padded=False) == sum(b.kept_total_bytes for b in blocks)
     assert blocks[-1].block == "loss"
+
+
+def test_identical_layers_share_one_record_renamed():
+    """Layers of one spec (other than the first) get the first one's record under their own name: every field
+    equal to a full `dataclasses.replace` copy, the tensors included (they are not compared by `==`)."""
+    import dataclasses
+
+    from planner.models.catalog import cached_model
+
+    blocks = act.activation_blocks(cached_model("bert-base-uncased"), TrainConfig(batch_size=2, seq_len=64,
+                                                                                   precision="amp-fp16"))
+    layers = [b for b in blocks if ".layer." in b.block]
+    assert len(layers) == 12 and len({b.block for b in layers}) == 12
+    for b in layers[2:]:
+        full = dataclasses.replace(layers[1], block=b.block)
+        assert all(getattr(b, f.name) == getattr(full, f.name) for f in dataclasses.fields(full))

@@ -68,10 +68,9 @@ class BlockTensors:
     def __post_init__(self) -> None:
         """A tensor of no bytes (a zero-size parameter) allocates nothing: dropped here, once per block, so
         that no trace built from these tuples has to look for them."""
-        for f in ("params", "grads", "saved", "kept", "cache"):
-            sizes = getattr(self, f)
-            if sizes and min(sizes) <= 0:
-                object.__setattr__(self, f, _positive(sizes))
+        if min(self.params + self.grads + self.saved + self.kept + self.cache, default=1) <= 0:
+            for f in ("params", "grads", "saved", "kept", "cache"):
+                object.__setattr__(self, f, _positive(getattr(self, f)))
 
 
 class Mark(NamedTuple):
@@ -624,7 +623,6 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
     `planner.models.params` shapes (unsharded only: a shard is one flat tensor), saved activations and AMP
     casts from `activations.BlockActivations` records, each rounded like the CUDA allocator rounds."""
     from planner.memory import model_states
-    from planner.memory.activations import alloc_bytes
     from planner.models.blocks import model_blocks
     from planner.models.params import block_gradient_tensor_shapes, block_tensor_shapes, tied_gradient
 
@@ -657,7 +655,31 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
             _BLOCK_SHAPES.clear()
         hit = _BLOCK_SHAPES[key] = (model, shapes)
     shapes = hit[1]
-    memo: dict[int, tuple] = {}  # identical layers share their records' tuples: round each tuple once
+    out = {}
+    for block, (saved, kept, cache) in _rounded_activations(activations, backend).items():
+        params, grads = shapes.get(block, ((), ()))
+        out[block] = BlockTensors(block, params, grads, saved, kept, cache)
+    if isinstance(activations, tuple):  # immutable: safe to key by identity while the cache holds it
+        if len(_BLOCK_TENSORS) >= ACTIVATIONS_CACHE_SIZE:
+            _BLOCK_TENSORS.clear()
+        _BLOCK_TENSORS[done_key] = (model, activations, out)
+    return out
+
+
+_ROUNDED: dict[tuple, tuple] = {}  # (id(activations), backend) -> (activations, `_rounded_activations`)
+
+
+def _rounded_activations(activations, backend: str) -> dict[str, tuple]:
+    """Per block: (saved, kept, cast cache not saved for backward), each tensor's bytes rounded like the CUDA
+    allocator rounds them. Cached per activation records: a search meets one shape under
+    several parallelisms, whose parameter and gradient tensors differ but whose activations do not."""
+    from planner.memory.activations import alloc_bytes
+
+    key = (id(activations), backend)
+    hit = _ROUNDED.get(key)
+    if hit is not None and hit[0] is activations:
+        return hit[1]
+    memo: dict[tuple, tuple[int, ...]] = {}  # identical layers share their records' tuples: round each once
 
     def rounded(tensors: tuple, weight: bool | None = None) -> tuple[int, ...]:
         key = (id(tensors), weight)
@@ -667,20 +689,17 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
                                     if weight is None or t.name.startswith("weight") is weight)
         return got
 
-    out = {}
+    rows = {}
     for act in activations:
-        params, grads = shapes.get(act.block, ((), ()))
         weights = rounded(act.cache_tensors, True)
         others = rounded(act.cache_tensors, False)
-        saved = rounded(act.tensors) + weights
-        kept = rounded(act.kept_tensors)
-        out[act.block] = BlockTensors(act.block, params, grads, saved, kept,
-                                      weights + others if act.checkpointed else others)
+        rows[act.block] = (rounded(act.tensors) + weights, rounded(act.kept_tensors),
+                           weights + others if act.checkpointed else others)
     if isinstance(activations, tuple):  # immutable: safe to key by identity while the cache holds it
-        if len(_BLOCK_TENSORS) >= ACTIVATIONS_CACHE_SIZE:
-            _BLOCK_TENSORS.clear()
-        _BLOCK_TENSORS[done_key] = (model, activations, out)
-    return out
+        if len(_ROUNDED) >= ACTIVATIONS_CACHE_SIZE:
+            _ROUNDED.clear()
+        _ROUNDED[key] = (activations, rows)
+    return rows
 
 
 def optimizer_tensor_sizes(shapes, config, param_bytes: int, share: float = 1.0) -> tuple[tuple[int, ...],

@@ -150,5 +150,6 @@ def clear_caches() -> None:
     events._STRUCTURES.clear()
     events._LAYOUTS.clear()
     events._BLOCK_TENSORS.clear()
+    events._ROUNDED.clear()
     _PREFIXES.clear()
     _OPTIMIZER_TENSORS.clear()
