@@ -277,6 +277,11 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
     return cfg, rt, _StackView(st, ctx, given, tuple(frag_range))
 
 
+# (GPU, model's transformer layers, attention, calibration) -> the runtime constants and what the default stack
+# decides (`_with_stack`): the same for every estimate of a search on one GPU, so made once (all immutable).
+_RUNTIME: dict[tuple, tuple] = {}
+
+
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
     from planner.memory.runtime import (
@@ -289,11 +294,23 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     inst = _resolve_instance(instance)
     cfg = parallel.resolve_parallelism(config, inst)
     calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
-    if isinstance(runtime, RuntimeConstants):
-        rt = runtime
+    families = [t.family for t in spec.transformers]
+    key = (id(inst.gpu), *families, cfg.attention, id(calibration))
+    hit = _RUNTIME.get(key) if stack is None and runtime is None else None
+    if hit is not None and hit[0] is inst.gpu and hit[1] is calibration:
+        rt, view, attention = hit[2]
+        if attention != cfg.attention:
+            cfg = cfg.model_copy(update={"attention": attention})
     else:
-        rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
-    cfg, rt, view = _with_stack([t.family for t in spec.transformers], cfg, inst, stack, runtime, calibration, rt)
+        if isinstance(runtime, RuntimeConstants):
+            rt = runtime
+        else:
+            rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
+        cfg, rt, view = _with_stack(families, cfg, inst, stack, runtime, calibration, rt)
+        if stack is None and runtime is None:
+            if len(_RUNTIME) >= ACTIVATION_CACHE_SIZE:
+                _RUNTIME.clear()
+            _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
     check_supported(spec, cfg, inst)
     world = parallel.world_size(cfg, inst)
     share = parallel.sharding(cfg, world)
@@ -638,4 +655,5 @@ def clear_caches() -> None:
     _ACTIVATIONS.clear()
     _BLOCKS.clear()
     _PEAKS.clear()
+    _RUNTIME.clear()
     reserved.clear_caches()

@@ -40,3 +40,20 @@ def test_a_rewritten_calibration_file_is_read_again(tmp_path, monkeypatch):
     path.write_text(json.dumps({"families": {"V100": {"throughput_scale": 0.25}}}))
     os.utime(path, ns=(1, 1))  # a different version even on a coarse clock
     assert runtime.load_calibration()["families"]["V100"]["throughput_scale"] == 0.25
+
+
+def test_an_estimate_follows_a_rewritten_calibration_file(tmp_path, monkeypatch):
+    """What an estimate derives from the calibration (runtime constants, the context band) is kept per file
+    version, not per process: the next estimate after a rewrite uses the new file."""
+    import os
+
+    cfg = TrainConfig(batch_size=8, seq_len=128)
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(path))
+    contexts = []
+    for i, mib in enumerate((700, 900)):
+        path.write_text(json.dumps({"families": {"V100": {"cuda_context_bytes": mib * 2**20}}}))
+        os.utime(path, ns=(i + 1, i + 1))  # a different version even on a coarse clock
+        contexts += [planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge").memory_bytes.cuda_context
+                     for _ in range(2)]
+    assert contexts == [700 * 2**20] * 2 + [900 * 2**20] * 2

@@ -193,7 +193,10 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
     from planner.io import file_version
 
     version = file_version(path if path is not None else os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH))
-    return _read_calibration(*version) if version is not None else {}
+    return _read_calibration(*version) if version is not None else _NO_CALIBRATION
+
+
+_NO_CALIBRATION: dict[str, Any] = {}  # shared like a file's dict (callers copy what they change)
 
 
 @lru_cache(maxsize=8)

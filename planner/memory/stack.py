@@ -183,7 +183,19 @@ def parse_alloc_conf(conf: str | None, torch: str | None = None) -> dict[str, st
 
 def default_stack(gpu: GPU) -> SoftwareStack:
     """The DLC `probe launch` picks for this GPU (the newest whose PyTorch has its kernels) + the newest
-    transformers (jobs/requirements.txt installs it)."""
+    transformers (jobs/requirements.txt installs it). Made once per GPU family and compute capability (every
+    estimate asks; the stack is immutable)."""
+    key = (gpu.family, tuple(gpu.compute_capability))
+    hit = _DEFAULT_STACKS.get(key)
+    if hit is None:
+        hit = _DEFAULT_STACKS[key] = _default_stack(gpu)
+    return hit
+
+
+_DEFAULT_STACKS: dict[tuple, SoftwareStack] = {}  # a few GPU families
+
+
+def _default_stack(gpu: GPU) -> SoftwareStack:
     from planner.aws.images import PYTORCH_TRAINING_IMAGES
 
     tf = table()["transformers"]["default"]
