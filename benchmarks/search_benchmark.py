@@ -98,7 +98,6 @@ def compiled_loaded() -> bool:
     """Load the compiled allocator replay (loading runs it once, which loads its machine code)."""
     from planner.memory import compiled
 
-    compiled.FREEZE_ON_LOAD = True  # as in the `planner` command's process (`planner.cli.main`)
     return compiled.warm()
 
 
@@ -201,7 +200,10 @@ def main() -> None:
     parser.add_argument("--fake", action="store_true", help="toy estimate: time the machinery alone")
     parser.add_argument("--no-cli", action="store_true")
     args = parser.parse_args()
+    from planner.cli.main import claim_process
     from planner.search.study import default_trials
+
+    claim_process()  # time what the `planner` command runs: its process, tuned as the command tunes it
     from planner.search.sweep import DEFAULT_SWEEP
 
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; estimate: "

@@ -81,10 +81,27 @@ for module in (estimate_cmd, models_cmd, catalog_cmd, search_cmd, prices_cmd, pr
 restore_interrupts()  # Ctrl-C was quiet while these modules imported (planner/_startup.py); now KeyboardInterrupt
 
 
-def main() -> None:
+# The collector's youngest generation is collected after this many net allocations (Python's default: 700).
+# An estimate makes ~10^4 short-lived objects that reference counting frees anyway; at 700 a search collects
+# a few times per estimate and walks whatever happens to be alive each time (~4 % of its estimates' time,
+# benchmarks/search_benchmark.py); cyclic garbage waits a little longer to be freed.
+GC_FIRST_GENERATION = 10_000
+
+
+def claim_process() -> None:
+    """What the `planner` command does to the process it owns, and a library user's process never gets: the
+    collector runs less often, and loading the compiled replay freezes what is alive (`compiled._freeze`).
+    Benchmarks call it too, to time what the command runs."""
+    import gc
+
     from planner.memory import compiled
 
-    compiled.FREEZE_ON_LOAD = True  # this process is the command's (see `compiled._freeze`)
+    compiled.FREEZE_ON_LOAD = True
+    gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])
+
+
+def main() -> None:
+    claim_process()
     app()
 
 
