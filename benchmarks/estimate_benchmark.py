@@ -1,7 +1,7 @@
 """Speed of `planner.estimate` with the caching-allocator replay on, against the flat fragmentation (prints).
 
 The target (issues 8, 9): >= 1,000 configurations/s on 2 cores with the allocator and the roofline on. A step
-of BERT-base is ~3,700 allocator events (first + steady step), laid out as ~200 ranges of tensor ids
+of BERT-base is ~3,750 allocator events (first + steady step), laid out as ~200 ranges of tensor ids
 (`events.Trace`; laid out from the ops recorded once per shape, `events._LAYOUTS`, `events._STRUCTURES`) and replayed
 by the compiled kernel (`replay_kernel`, ~30 ns per event) once the process has replayed
 `compiled.COMPILE_AFTER` steps; the kernel is loaded before the clock starts here (its one-off
@@ -18,7 +18,8 @@ load time is printed: a search that switches pays it once). Rows:
 Every allocator row starts from cold per-shape caches (`estimate.clear_caches`: activations, traces, trace
 structures, replays);
 the roofline's kernel tables (one per model and shape class, batch-free) stay warm from the flat row, as in any
-search over batch sizes.
+search over batch sizes. The process is tuned as the `planner` command tunes its own
+(`planner.cli.main.claim_process`: the collector's thresholds, the objects frozen when the compiled replay loads).
 Usage: python benchmarks/estimate_benchmark.py [--quick]
 """
 

@@ -15,6 +15,9 @@
    parallelism × precision × checkpointing × micro-batch × attention × optimizer kernels), over several
    seeds with the default trial budget: how many seeds reach >= 99 % of the optimum (target: 9 of 10).
 
+The process is tuned as the `planner` command tunes its own (`planner.cli.main.claim_process`: the collector's
+thresholds, the objects frozen when the compiled replay loads), so the figures are what the command runs.
+
 Usage: python benchmarks/search_benchmark.py [--seeds 10] [--no-cli] [--fake]
 (--fake uses the toy estimate of tests/search_fixtures.py, to time the machinery alone).
 """
