@@ -295,7 +295,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     cfg = parallel.resolve_parallelism(config, inst)
     calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     families = [t.family for t in spec.transformers]
-    key = (id(inst.gpu), *families, cfg.attention, id(calibration))
+    key = (id(inst.gpu), tuple(families), cfg.attention, id(calibration))
     hit = _RUNTIME.get(key) if stack is None and runtime is None else None
     if hit is not None and hit[0] is inst.gpu and hit[1] is calibration:
         rt, view, attention = hit[2]

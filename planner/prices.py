@@ -48,7 +48,12 @@ def lookup(name: str, cache: Mapping[str, Any] | None) -> tuple[float | None, st
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get(CACHE_ENV, DEFAULT_CACHE))
+    return Path(_cache_location())
+
+
+def _cache_location() -> str | Path:
+    """`cache_path` without making a Path (every estimate looks for the cache)."""
+    return os.environ.get(CACHE_ENV, DEFAULT_CACHE)
 
 
 def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
@@ -56,7 +61,7 @@ def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
     naming the file (a corrupt cache must not be silently replaced by other prices, nor reach `--json`)."""
     from planner.io import file_version
 
-    version = file_version(path if path is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE))
+    version = file_version(path if path is not None else _cache_location())
     return _read_cache(*version) if version is not None else None
 
 

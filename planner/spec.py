@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from planner import env
+from planner.identity_cache import per_object
 
 Precision = Literal["fp32", "amp-fp16", "amp-bf16", "fp16", "bf16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16")
@@ -129,8 +130,11 @@ class InputSpec(Frozen):
     labels: Literal["class", "tokens", "none"] = "class"  # int64 per sample, or per token for LMs
 
 
-# id(ModelSpec.components) -> (that tuple, its transformer layers): the tuple is kept, so its id stays its own.
-_TRANSFORMERS: dict[int, tuple[tuple, tuple]] = {}
+_TRANSFORMERS: dict[int, tuple] = {}  # ModelSpec.components -> its transformer layers (`per_object`)
+
+
+def _transformer_layers(components: tuple[Component, ...]) -> tuple[TransformerSpec, ...]:
+    return tuple(layer for c in components for layer in c.layers if isinstance(layer, TransformerSpec))
 
 
 class ModelSpec(Frozen):
@@ -145,14 +149,8 @@ class ModelSpec(Frozen):
     @property
     def transformers(self) -> tuple[TransformerSpec, ...]:
         """The transformer layers, in order: found once per `components` (an estimate reads them several times,
-        and a search makes thousands; a copy with other components finds its own)."""
-        hit = _TRANSFORMERS.get(id(self.components))
-        if hit is None or hit[0] is not self.components:
-            if len(_TRANSFORMERS) >= 256:
-                _TRANSFORMERS.clear()
-            hit = _TRANSFORMERS[id(self.components)] = (self.components, tuple(
-                layer for c in self.components for layer in c.layers if isinstance(layer, TransformerSpec)))
-        return hit[1]
+        and a search makes thousands)."""
+        return per_object(_TRANSFORMERS, self.components, _transformer_layers)
 
     @property
     def max_positions(self) -> int | None:

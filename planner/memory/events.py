@@ -45,7 +45,10 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from planner.memory import timeline
 
@@ -338,9 +341,7 @@ class _Layout:
         first = np.zeros(self.n_ops, np.int64)  # first tensor id of each op's range
         counts = lens[self.alloc_slots]
         n[self.alloc] = counts
-        starts_of = np.cumsum(counts)
-        n_tensors = int(starts_of[-1]) if len(starts_of) else 0
-        first[self.alloc] = starts_of - counts
+        first[self.alloc] = np.cumsum(counts) - counts
         n[self.free] = n[self.free_refs]
         first[self.free] = first[self.free_refs]
         before = np.cumsum(n) - n  # events before each op
@@ -351,9 +352,8 @@ class _Layout:
         starts = np.flatnonzero(~cont)
         stops = np.append(starts[1:], len(live)) - 1
         groups = np.flatnonzero(self.alloc & (n > 0))
-        return _Laid(self, self.alloc_slots[counts > 0].tolist(), (a[starts], b[stops], alloc[starts]), n_tensors,
-                     int(before[-1] + n[-1]) if self.n_ops else 0,
-                     int(before[self.permanent_op]) if self.permanent_op >= 0 else -1,
+        return _Laid(self, self.alloc_slots[counts > 0].tolist(), (a[starts], b[stops], alloc[starts]),
+                     int(counts.sum()), int(n.sum()), int(before[self.permanent_op]) if self.permanent_op >= 0 else -1,
                      first[groups], groups, before[self.mark_ops])
 
 
@@ -368,9 +368,9 @@ class _Laid(NamedTuple):
     n_tensors: int
     n_events: int
     permanent: int  # leading events that allocate tensors never freed
-    group_first: object  # int64 array: first tensor id of each group
-    group_ops: object  # int64 array: the op that allocates each group (its name)
-    mark_index: object  # int64 array: events before each mark
+    group_first: np.ndarray  # first tensor id of each group (int64)
+    group_ops: np.ndarray  # the op that allocates each group, so its name (int64)
+    mark_index: np.ndarray  # events before each mark (int64)
 
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,

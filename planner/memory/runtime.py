@@ -183,7 +183,12 @@ def nccl_bytes(constants: RuntimeConstants, world_size: int) -> int:
 
 
 def calibration_path() -> Path:
-    return Path(os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH))
+    return Path(_calibration_location())
+
+
+def _calibration_location() -> str | Path:
+    """`calibration_path` without making a Path (every estimate looks for the file)."""
+    return os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH)
 
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
@@ -192,7 +197,7 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
     dict is shared: callers copy what they change."""
     from planner.io import file_version
 
-    version = file_version(path if path is not None else os.environ.get(CALIBRATION_ENV, DEFAULT_CALIBRATION_PATH))
+    version = file_version(path if path is not None else _calibration_location())
     return _read_calibration(*version) if version is not None else _NO_CALIBRATION
 
 

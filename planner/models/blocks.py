@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.identity_cache import per_object
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
 Role = Literal["embeddings", "layer", "final_norm", "pooler", "head", "dense", "batchnorm"]
@@ -42,23 +43,20 @@ def transformer_blocks(component: str, spec: TransformerSpec) -> list[Block]:
 
 def model_blocks(model: ModelSpec) -> tuple[Block, ...]:
     """Blocks in forward order; backward visits them in reverse. Made once per `components` (an estimate walks
-    them several times: activations, FLOPs, parameter counts; a copy with other components gets its own)."""
-    hit = _BLOCKS.get(id(model.components))
-    if hit is not None and hit[0] is model.components:
-        return hit[1]
+    them several times: activations, FLOPs, parameter counts)."""
+    return per_object(_BLOCKS, model.components, _blocks)
+
+
+_BLOCKS: dict[int, tuple] = {}  # ModelSpec.components -> its blocks (`per_object`)
+
+
+def _blocks(components: tuple) -> tuple[Block, ...]:
     blocks: list[Block] = []
-    for component in model.components:
+    for component in components:
         for i, layer in enumerate(component.layers):
             if isinstance(layer, TransformerSpec):
                 blocks += transformer_blocks(component.name, layer)
             else:
                 role: Role = "dense" if isinstance(layer, DenseSpec) else "batchnorm"
                 blocks.append(Block(f"{component.name}.{i}.{layer.kind}", component.name, role, layer, i))
-    if len(_BLOCKS) >= 256:
-        _BLOCKS.clear()
-    _BLOCKS[id(model.components)] = (model.components, tuple(blocks))
-    return _BLOCKS[id(model.components)][1]
-
-
-# id(ModelSpec.components) -> (that tuple, its blocks): the tuple is kept, so its id stays its own.
-_BLOCKS: dict[int, tuple[tuple, tuple[Block, ...]]] = {}
+    return tuple(blocks)

@@ -9,6 +9,7 @@ d = h/a head size, i intermediate size, L labels.
 
 from __future__ import annotations
 
+from planner.identity_cache import per_object
 from planner.models.blocks import Block, model_blocks
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
@@ -344,17 +345,11 @@ def block_gradient_tensor_shapes(block: Block) -> list[Shape]:
 def model_gradient_tensor_shapes(model: ModelSpec) -> tuple[Shape, ...]:
     """Shapes of the parameter tensors that receive a gradient, in `module.parameters()` order; found once per
     `components` (~0.1 ms for the multimodal model; a search's new optimizer settings each read them)."""
-    hit = _GRADIENT_SHAPES.get(id(model.components))
-    if hit is None or hit[0] is not model.components:
-        if len(_GRADIENT_SHAPES) >= 256:
-            _GRADIENT_SHAPES.clear()
-        hit = _GRADIENT_SHAPES[id(model.components)] = (model.components, tuple(
-            shape for block in model_blocks(model) for shape in block_gradient_tensor_shapes(block)))
-    return hit[1]
+    return per_object(_GRADIENT_SHAPES, model, lambda m: tuple(
+        shape for block in model_blocks(m) for shape in block_gradient_tensor_shapes(block)))
 
 
-# id(ModelSpec.components) -> (that tuple, its gradient shapes): the tuple is kept, so its id stays its own.
-_GRADIENT_SHAPES: dict[int, tuple[tuple, tuple[Shape, ...]]] = {}
+_GRADIENT_SHAPES: dict[int, tuple] = {}  # ModelSpec -> its gradient shapes (`per_object`)
 
 
 def tied_gradient(model: ModelSpec) -> tuple[str, str, Shape] | None:
