@@ -46,6 +46,7 @@ import numpy as np
 from pydantic import Field
 
 from planner.errors import PlannerError
+from planner.identity_cache import per_object
 from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
@@ -323,6 +324,7 @@ def _micro_sums(table: KernelTable, b: int, gpu: GPU, c: ThroughputConstants) ->
 
 
 _OPTIMIZER_TIMES: dict[tuple, tuple[float, float, float, float]] = {}
+OPTIMIZER_TIMES_CACHE_SIZE = 4096  # (shard size, optimizer, GPU) timings kept: a search meets a few dozen
 
 
 def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: str, impl: str, gpu: GPU,
@@ -331,26 +333,20 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
     key = (n_params, n_tensors, precision, optimizer, impl, gpu_key(gpu), c)
     hit = _OPTIMIZER_TIMES.get(key)
     if hit is None:
-        if len(_OPTIMIZER_TIMES) >= 4096:
+        if len(_OPTIMIZER_TIMES) >= OPTIMIZER_TIMES_CACHE_SIZE:
             _OPTIMIZER_TIMES.clear()
         hit = _OPTIMIZER_TIMES[key] = time_kernels(
             optimizer_kernels(n_params, n_tensors, precision, optimizer, impl), gpu, c)
     return hit
 
 
-_PARAMS: dict[int, tuple[ModelSpec, int, int]] = {}
+_PARAMS: dict[int, tuple] = {}  # ModelSpec -> (parameters, parameter tensors) (`per_object`)
 
 
 def parameter_counts(model: ModelSpec) -> tuple[int, int]:
-    """(parameters, parameter tensors) of a model, cached per model object."""
-    hit = _PARAMS.get(id(model))
-    if hit is None or hit[0] is not model:
-        n_tensors = sum(parameter_tensors(b) for b in model_blocks(model))
-        hit = (model, count_parameters(model)["total"], n_tensors)
-        if len(_PARAMS) > 256:
-            _PARAMS.clear()
-        _PARAMS[id(model)] = hit
-    return hit[1], hit[2]
+    """(parameters, parameter tensors) of a model, once per model object."""
+    return per_object(_PARAMS, model, lambda m: (count_parameters(m)["total"],
+                                                 sum(parameter_tensors(b) for b in model_blocks(m))))
 
 
 def collective_seconds(k: Kernel, instance: Instance, n_inst: int, c: ThroughputConstants) -> float:
