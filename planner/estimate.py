@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.identity_cache import per_object
 from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
 from planner.memory import stack as sw
@@ -70,7 +71,6 @@ class _ModelFacts:
     """What depends on the model alone (parameter counts, buffers, gradient shapes), computed once per model:
     a search evaluates thousands of configurations of a few models."""
 
-    spec: ModelSpec  # kept alive so that its id stays its own while cached
     counts: dict[str, int]
     buffer_bytes: int
     gradient_shapes: tuple
@@ -81,14 +81,14 @@ class _ModelFacts:
     optimizer: dict  # (optimizer, impl, param bytes, share) -> (state bytes, temporary bytes)
 
 
-_MODEL_FACTS: dict[int, _ModelFacts] = {}
-MODEL_FACTS_CACHE_SIZE = 256  # models kept (a catalog is a few dozen)
+_MODEL_FACTS: dict[int, tuple] = {}  # ModelSpec -> its _ModelFacts (`identity_cache.per_object`)
 
 
 def _model_facts(spec: ModelSpec) -> _ModelFacts:
-    facts = _MODEL_FACTS.get(id(spec))
-    if facts is not None and facts.spec is spec:
-        return facts
+    return per_object(_MODEL_FACTS, spec, _make_model_facts)
+
+
+def _make_model_facts(spec: ModelSpec) -> _ModelFacts:
     from planner.models.params import (
         count_buffers_bytes,
         count_parameters,
@@ -97,8 +97,6 @@ def _model_facts(spec: ModelSpec) -> _ModelFacts:
         tied_gradient,
     )
 
-    if len(_MODEL_FACTS) >= MODEL_FACTS_CACHE_SIZE:
-        _MODEL_FACTS.clear()
     by_block = parameters_by_block(spec)
     gradients = dict(by_block)
     tied = tied_gradient(spec)
@@ -106,10 +104,8 @@ def _model_facts(spec: ModelSpec) -> _ModelFacts:
         emb, head, shape = tied
         gradients[emb] = gradients.get(emb, 0) - math.prod(shape)
         gradients[head] = gradients.get(head, 0) + math.prod(shape)
-    facts = _ModelFacts(spec, count_parameters(spec), count_buffers_bytes(spec),
-                        tuple(model_gradient_tensor_shapes(spec)), by_block, gradients, {})
-    _MODEL_FACTS[id(spec)] = facts
-    return facts
+    return _ModelFacts(count_parameters(spec), count_buffers_bytes(spec), model_gradient_tensor_shapes(spec),
+                       by_block, gradients, {})
 
 
 def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: float) -> tuple[int, int]:
