@@ -205,9 +205,9 @@ def main() -> None:
     args = parser.parse_args()
     from planner.cli.main import claim_process
     from planner.search.study import default_trials
+    from planner.search.sweep import DEFAULT_SWEEP
 
     claim_process()  # time what the `planner` command runs: its process, tuned as the command tunes it
-    from planner.search.sweep import DEFAULT_SWEEP
 
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; estimate: "
           f"{'fake' if args.fake else 'planner.estimate'}")

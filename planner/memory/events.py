@@ -410,11 +410,11 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
 
 # A step's shape (first step or not, resident gradients, its blocks and checkpointing) -> its recorded ops as
 # arrays (`_LAYOUTS`, a handful per search); the shape and how many tensors each slot holds -> what
-# `_Layout.lay_out` makes of it (`_STRUCTURES`: groups, marks, the program as arrays, the slot of each group). A
-# search over micro-batch sizes meets one structure many times: its trace is then the slots' sizes in that order.
+# `_Layout.lay_out` makes of it (`_STRUCTURES`: a `_Laid`). A search over micro-batch sizes meets one structure
+# many times: its trace is then the slots' sizes in that order.
 STRUCTURE_CACHE_SIZE = 1024
 _LAYOUTS: dict[tuple, _Layout] = {}
-_STRUCTURES: dict[tuple, tuple] = {}
+_STRUCTURES: dict[tuple, _Laid] = {}
 
 # Slots: each block's row of size tuples, then the step's own.
 (B_PARAMS, B_GATHERED, B_SAVED, B_KEPT, B_CACHE, B_LOGITS, B_FORWARD_TMP, B_RECOMPUTED, B_BACKWARD_TMP, B_GRADS,
