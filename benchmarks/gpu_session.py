@@ -1,0 +1,676 @@
+"""Real GPU readings in one short call: training steps, launch profiles, varying-length runs, LoRA/QLoRA and
+models outside the catalog, measured with plain PyTorch loops (not with the planner's own code).
+
+    python benchmarks/gpu_session.py prepare --out .gpu/specs.json   # here: model specs and configs
+    python benchmarks/gpu_session.py run --specs .gpu/specs.json --out DIR [--quick] [--device cpu]
+
+`prepare` needs the planner (it writes each catalog model's spec as the probe job receives it). `run` needs
+only torch and transformers (plus peft, and bitsandbytes for QLoRA), so it runs on a bare GPU machine; it
+imports `jobs/modeling.py` to build exactly the models the probe job builds. Every section runs in its own
+forked process (a fresh caching allocator, and an OOM or crash in one section cannot spoil another) and
+appends JSON lines to its own file in DIR:
+
+* steps.jsonl: one training step per row, measured as ../shared/gpu-readings/*/README.md describes (model
+  built on the GPU in fp32; per phase of steps 1 and 2: max_memory_allocated, max_memory_reserved, allocated,
+  reserved, device used; bytes packed by saved_tensors_hooks in step 1; median wall time of timed steps).
+* launch.jsonl: torch.profiler over small steps: kernels launched, GPU-busy time, ATen calls per step.
+* runs.jsonl: many steps whose batches vary in length (seeded uniform draw), and the same run at a fixed
+  maximum length, with the default allocator and with expandable segments; every step's length and peaks.
+* lora.jsonl: LoRA (peft) on a 16-bit base and QLoRA (bitsandbytes NF4, double quantization) steps.
+* traced.jsonl: models outside the catalog (Hugging Face configs), with the tracer's batch convention.
+* env.json, log.txt.
+
+`--device cpu` runs tiny shapes of every section on the CPU (no memory figures): a check of the script itself
+before it spends GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "jobs"))
+
+# ----------------------------------------------------------------------------------------- what to measure
+STEP_ROWS: list[dict[str, Any]] = (
+    [{"group": "core", "model": "bert-base-uncased", "b": b, "s": s, "precision": p}
+     for s in (128, 512) for b in (8, 32) for p in ("fp32", "amp-bf16", "amp-fp16")]
+    + [{"group": "core", "model": "gpt2", "b": b, "s": 1024, "precision": p} for b in (8, 32)
+       for p in ("fp32", "amp-bf16")]
+    + [{"group": "core", "model": "multimodal-bert", "b": 32, "s": 512, "precision": p}
+       for p in ("fp32", "amp-fp16", "amp-bf16")]
+    + [{"group": "tf32", "model": m, "b": b, "s": s, "precision": "fp32", "tf32": True}
+       for m, b, s in (("bert-base-uncased", 32, 512), ("gpt2", 8, 1024), ("multimodal-bert", 32, 512),
+                       ("bert-base-uncased", 8, 128))]
+    + [{"group": "ckpt", "model": "bert-base-uncased", "b": 32, "s": 512, "precision": "amp-bf16", "ckpt": True},
+       {"group": "kernel", "model": "gpt2", "b": 8, "s": 1024, "precision": "amp-bf16", "attention": "eager"},
+       {"group": "optimizer", "model": "bert-base-uncased", "b": 32, "s": 512, "precision": "amp-bf16",
+        "optimizer_impl": "fused"}]
+)
+LAUNCH_ROWS = [{"model": "bert-base-uncased", "b": 8, "s": 128, "precision": p} for p in ("amp-bf16", "fp32")] + [
+    {"model": "gpt2", "b": 8, "s": 256, "precision": "amp-bf16"}]
+# Varying-length runs: (model, micro-batch, precision, min, max, step of the length grid, steps).
+RUNS = [("bert-base-uncased", 32, "amp-bf16", 64, 512, 8, 40), ("gpt2", 16, "fp32", 128, 1024, 8, 40)]
+FIXED_RUN_STEPS = 6
+LORA_ROWS = [
+    {"name": "lora", "model": "llama-2-7b", "b": 1, "s": 512, "r": 16, "alpha": 32, "base": "bf16", "ckpt": False},
+    {"name": "lora", "model": "llama-2-7b", "b": 4, "s": 512, "r": 16, "alpha": 32, "base": "bf16", "ckpt": True},
+    {"name": "lora", "model": "llama-2-7b", "b": 4, "s": 512, "r": 64, "alpha": 16, "base": "bf16", "ckpt": True,
+     "targets": "all-linear"},
+    {"name": "qlora", "model": "llama-2-7b", "b": 1, "s": 512, "r": 16, "alpha": 32, "base": "nf4", "ckpt": True},
+    {"name": "qlora", "model": "llama-2-7b", "b": 4, "s": 512, "r": 16, "alpha": 32, "base": "nf4", "ckpt": True},
+]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TRACED_ROWS = [{"model": m, "b": b, "s": 512, "precision": p}
+               for m, b in (("t5-base", 16), ("bart-base", 16), ("pythia-410m", 8), ("opt-350m", 8),
+                            ("qwen2-0.5b", 8))
+               for p in ("amp-bf16", "fp32")]
+
+# Hugging Face configs of the models outside the catalog: the architecture keys of each hub config.json
+# (t5-base, facebook/bart-base, EleutherAI/pythia-410m, facebook/opt-350m, Qwen/Qwen2-0.5B). The readings
+# and the planner's predictions use these same files (committed beside the readings).
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "t5-base": {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 768,
+                "d_ff": 3072, "d_kv": 64, "num_heads": 12, "num_layers": 12, "num_decoder_layers": 12,
+                "vocab_size": 32128, "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+                "dropout_rate": 0.1, "feed_forward_proj": "relu", "layer_norm_epsilon": 1e-6,
+                "tie_word_embeddings": True, "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1,
+                "is_encoder_decoder": True},
+    "bart-base": {"model_type": "bart", "architectures": ["BartForConditionalGeneration"], "d_model": 768,
+                  "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 12,
+                  "decoder_attention_heads": 12, "encoder_ffn_dim": 3072, "decoder_ffn_dim": 3072,
+                  "vocab_size": 50265, "max_position_embeddings": 1024, "activation_function": "gelu",
+                  "dropout": 0.1, "attention_dropout": 0.1, "activation_dropout": 0.1, "scale_embedding": False,
+                  "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 2,
+                  "is_encoder_decoder": True, "tie_word_embeddings": True},
+    "pythia-410m": {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 1024,
+                    "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+                    "vocab_size": 50304, "rotary_pct": 0.25, "rotary_emb_base": 10000,
+                    "max_position_embeddings": 2048, "use_parallel_residual": True, "hidden_act": "gelu",
+                    "layer_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
+                    "attention_dropout": 0.0, "hidden_dropout": 0.0},
+    "opt-350m": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 1024,
+                 "ffn_dim": 4096, "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50272,
+                 "word_embed_proj_dim": 512, "do_layer_norm_before": False, "max_position_embeddings": 2048,
+                 "activation_function": "relu", "dropout": 0.1, "attention_dropout": 0.0,
+                 "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2, "enable_bias": True},
+    "qwen2-0.5b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896,
+                   "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                   "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768,
+                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                   "tie_word_embeddings": True, "attention_dropout": 0.0, "bos_token_id": 151643,
+                   "eos_token_id": 151643},
+}
+TINY = {"b": 2, "s": 32}  # --device cpu: every row at this shape
+TINY_HF = {"t5-base": {"num_layers": 2, "num_decoder_layers": 2}, "bart-base": {"encoder_layers": 1,
+           "decoder_layers": 1}, "pythia-410m": {"num_hidden_layers": 2}, "opt-350m": {"num_hidden_layers": 2},
+           "qwen2-0.5b": {"num_hidden_layers": 2}}
+
+
+# ----------------------------------------------------------------------------------------- prepare (here)
+def prepare(out: Path) -> None:
+    """Catalog model specs as the probe job receives them (ModelSpec JSON), and the HF configs."""
+    sys.path.insert(0, str(ROOT))
+    from planner.models.catalog import get_model
+
+    names = sorted({r["model"] for r in STEP_ROWS + LAUNCH_ROWS + LORA_ROWS} | {r[0] for r in RUNS})
+    specs = {n: get_model(n).model_dump(mode="json") for n in names}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"specs": specs, "hf_configs": HF_CONFIGS}))
+    print(f"wrote {out}: {', '.join(names)} + {', '.join(HF_CONFIGS)}")
+
+
+# ----------------------------------------------------------------------------------------- measuring
+class Meter:
+    """Memory readings of one device (all None on the CPU)."""
+
+    def __init__(self, torch: Any, device: Any):
+        self.torch, self.device = torch, device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        self.sync()
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def read(self) -> dict[str, Any]:
+        self.sync()
+        if not self.cuda:
+            return {}
+        c = self.torch.cuda
+        free, total = c.mem_get_info()
+        return {"max_alloc": int(c.max_memory_allocated()), "max_res": int(c.max_memory_reserved()),
+                "alloc": int(c.memory_allocated()), "res": int(c.memory_reserved()), "used": int(total - free)}
+
+    def used(self) -> int | None:
+        if not self.cuda:
+            return None
+        free, total = self.torch.cuda.mem_get_info()
+        return int(total - free)
+
+
+def autocast(torch: Any, device: Any, precision: str) -> Any:
+    if precision == "amp-bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "amp-fp16":
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def make_optimizer(torch: Any, params: Any, impl: str) -> Any:
+    kwargs = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[impl]
+    return torch.optim.AdamW(params, lr=1e-5, **kwargs)
+
+
+def tensor_key(t: Any) -> tuple[int, int] | None:
+    try:
+        s = t.untyped_storage()
+        return (s.data_ptr(), s.nbytes())
+    except Exception:  # noqa: BLE001 - a tensor without a storage (views of wrapped tensors): not counted
+        return None
+
+
+class SavedBytes:
+    """Bytes of distinct storages packed by saved_tensors_hooks (with / without parameter storages)."""
+
+    def __init__(self, torch: Any, model: Any):
+        self.torch = torch
+        self.params = {tensor_key(p) for p in model.parameters()}
+        self.seen: set = set()
+        self.all = self.nonparam = 0
+
+    def pack(self, t: Any) -> Any:
+        key = tensor_key(t)
+        if key is not None and key not in self.seen:
+            self.seen.add(key)
+            self.all += key[1]
+            if key not in self.params:
+                self.nonparam += key[1]
+        return t
+
+    def hooks(self) -> Any:
+        return self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+    import modeling
+
+    return modeling.loss_of(model, batch)
+
+
+def train_step(torch: Any, model: Any, opt: Any, batch: dict, precision: str, device: Any, scaler: Any,
+               meter: Meter | None = None, saved: SavedBytes | None = None) -> dict[str, Any]:
+    """One step, phase by phase; `out` is held until the step ends (as a training loop holds it)."""
+    rows: dict[str, Any] = {}
+    if meter:
+        meter.reset()
+    with autocast(torch, device, precision), (saved.hooks() if saved else contextlib.nullcontext()):
+        out = loss_fn(model, batch)
+    if meter:
+        rows["forward"] = meter.read()
+        meter.reset()
+    (scaler.scale(out) if scaler else out).backward()
+    if meter:
+        rows["backward"] = meter.read()
+        meter.reset()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    if meter:
+        rows["optimizer"] = meter.read()
+    del out
+    return rows
+
+
+def clear(torch: Any) -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):
+            torch._C._cuda_clearCublasWorkspaces()
+
+
+def timed(torch: Any, fn: Any, n: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- models
+def build_catalog(spec: dict, attention: str, ckpt: bool, device: Any) -> Any:
+    import modeling
+
+    return modeling.build_model(spec, attention, device=device, checkpointing=ckpt)
+
+
+def catalog_batch(spec: dict, b: int, s: int, device: Any) -> dict:
+    import modeling
+
+    return modeling.make_batch(spec, b, s, device=device)
+
+
+def hf_build(config: dict, attention: str, device: Any) -> Any:
+    import transformers
+    from transformers import AutoConfig
+
+    cfg = dict(config)
+    model_type = cfg.pop("model_type")
+    cfg["use_cache"] = False
+    conf = AutoConfig.for_model(model_type, attn_implementation=attention, **cfg)
+    cls = getattr(transformers, conf.architectures[0])
+    with torch_device(device):
+        return cls(conf).train(), conf
+
+
+def torch_device(device: Any) -> Any:
+    import torch
+
+    return torch.device(device)
+
+
+def hf_batch(conf: Any, b: int, s: int, device: Any) -> dict:
+    """planner/program/hf.py's batch: token ids, a mask with one padded position, token labels."""
+    import torch
+
+    vocab = int(conf.vocab_size)
+    batch = {"input_ids": torch.randint(0, vocab, (b, s), device=device)}
+    mask = torch.ones(b, s, dtype=torch.int64, device=device)
+    if b > 1 and s > 1:
+        mask[-1, -1] = 0
+    batch["attention_mask"] = mask
+    batch["labels"] = torch.randint(0, vocab, (b, s), device=device)
+    return batch
+
+
+# ----------------------------------------------------------------------------------------- sections
+def measure_row(torch: Any, device: Any, row: dict, build: Any, batch_of: Any, timed_steps: int) -> dict:
+    """The shared readings' method for one configuration."""
+    meter = Meter(torch, device)
+    precision = row["precision"]
+    torch.backends.cuda.matmul.allow_tf32 = bool(row.get("tf32"))
+    torch.backends.cudnn.allow_tf32 = bool(row.get("tf32"))
+    clear(torch)
+    out: dict[str, Any] = dict(row)
+    out["base_used"] = meter.used()
+    meter.reset()
+    model = build()
+    out["load"] = meter.read()
+    out["params"] = sum(p.numel() for p in model.parameters())
+    batch = batch_of()
+    out["batch_bytes"] = sum(t.numel() * t.element_size() for t in batch.values() if hasattr(t, "numel"))
+    opt = make_optimizer(torch, model.parameters(), row.get("optimizer_impl", "foreach"))
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if precision == "amp-fp16" and meter.cuda else None
+    saved = None if row.get("ckpt") else SavedBytes(torch, model)
+    out["step1"] = train_step(torch, model, opt, batch, precision, device, scaler, meter, saved)
+    if saved:
+        out["saved_bytes_all"], out["saved_bytes_nonparam"] = saved.all, saved.nonparam
+    out["step2"] = train_step(torch, model, opt, batch, precision, device, scaler, meter)
+    times = timed(torch, lambda: train_step(torch, model, opt, batch, precision, device, scaler), timed_steps)
+    out["step_times_s"] = times
+    out["step_time_s"] = statistics.median(times)
+    out["samples_per_s"] = row["b"] / out["step_time_s"]
+    model = opt = batch = scaler = None  # free before the next row
+    clear(torch)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return out
+
+
+def section_steps(ctx: dict) -> None:
+    torch, device, specs = ctx["torch"], ctx["device"], ctx["specs"]
+    for row in ctx["rows"](STEP_ROWS):
+        spec = specs[row["model"]]
+        attention = row.get("attention", "sdpa")
+        row = {**row, "attention": attention, "ckpt": bool(row.get("ckpt")),
+               "optimizer_impl": row.get("optimizer_impl", "foreach"), "tf32": bool(row.get("tf32"))}
+        ctx["emit"](guarded(torch, row, lambda r=row, sp=spec, a=attention: measure_row(
+            torch, device, r, lambda: build_catalog(sp, a, r["ckpt"], device),
+            lambda: catalog_batch(sp, r["b"], r["s"], device), ctx["timed_steps"])))
+
+
+def section_traced(ctx: dict) -> None:
+    torch, device = ctx["torch"], ctx["device"]
+    for row in ctx["rows"](TRACED_ROWS):
+        config = {**HF_CONFIGS[row["model"]], **(TINY_HF[row["model"]] if ctx["tiny"] else {})}
+        holder: dict[str, Any] = {}
+
+        def build(c=config, h=holder):
+            model, h["conf"] = hf_build(c, "sdpa", device)
+            return model
+
+        row = {**row, "attention": "sdpa", "hf_config": config}
+        ctx["emit"](guarded(torch, row, lambda r=row, bld=build, h=holder: measure_row(
+            torch, device, r, bld, lambda: hf_batch(h["conf"], r["b"], r["s"], device), ctx["timed_steps"])))
+
+
+def section_launch(ctx: dict) -> None:
+    """Where a small step's time goes: kernels, GPU-busy time and ATen calls per step (torch.profiler)."""
+    torch, device, specs = ctx["torch"], ctx["device"], ctx["specs"]
+    from torch.profiler import ProfilerActivity, profile
+
+    for row in ctx["rows"](LAUNCH_ROWS):
+        def run(r=row):
+            spec = specs[r["model"]]
+            model = build_catalog(spec, "sdpa", False, device)
+            batch = catalog_batch(spec, r["b"], r["s"], device)
+            opt = make_optimizer(torch, model.parameters(), "foreach")
+            scaler = None
+            step = lambda: train_step(torch, model, opt, batch, r["precision"], device, scaler)  # noqa: E731
+            wall = statistics.median(timed(torch, step, 10, warmup=3))
+            steps = 5
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                for _ in range(steps):
+                    step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            kernels = busy_us = aten = 0
+            for e in prof.key_averages():
+                if "CUDA" in str(getattr(e, "device_type", "")):
+                    kernels += e.count
+                    busy_us += (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                                or 0)
+                elif e.key.startswith("aten::"):
+                    aten += e.count
+            busy = busy_us / 1e6
+            out = {**r, "wall_step_s": wall, "kernels_per_step": kernels / steps,
+                   "gpu_busy_s_per_step": busy / steps, "aten_calls_per_step": aten / steps}
+            model = opt = batch = None  # free before the next row
+            clear(torch)
+            return out
+        ctx["emit"](guarded(torch, row, run))
+
+
+def draw_lengths(lo: int, hi: int, step: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    grid = list(range(lo, hi + 1, step))
+    return [rng.choice(grid) for _ in range(n)]
+
+
+def one_run(ctx: dict, model_name: str, b: int, precision: str, lengths: list[int], kind: str,
+            alloc_conf: str) -> dict:
+    torch, device, spec = ctx["torch"], ctx["device"], ctx["specs"][model_name]
+    meter = Meter(torch, device)
+    model = build_catalog(spec, "sdpa", False, device)
+    opt = make_optimizer(torch, model.parameters(), "foreach")
+    steps = []
+    for i, s in enumerate(lengths):
+        batch = catalog_batch(spec, b, s, device)
+        meter.reset()
+        t0 = time.perf_counter()
+        train_step(torch, model, opt, batch, precision, device, None)
+        reading = meter.read()
+        steps.append({"step": i + 1, "len": s, "time_s": time.perf_counter() - t0, **reading})
+        del batch
+    peak_res = max((r.get("max_res", 0) for r in steps), default=0)
+    peak_alloc = max((r.get("max_alloc", 0) for r in steps), default=0)
+    out = {"model": model_name, "b": b, "precision": precision, "kind": kind, "alloc_conf": alloc_conf,
+           "lengths": lengths, "steps": steps, "peak_reserved": peak_res, "peak_allocated": peak_alloc,
+           "peak_used": max((r.get("used", 0) for r in steps), default=0)}
+    del model, opt
+    return out
+
+
+def section_runs(ctx: dict) -> None:
+    """Each run in its own process: the allocator setting must be fixed before CUDA starts."""
+    for model_name, b, precision, lo, hi, step, n in RUNS:
+        if ctx["tiny"]:
+            b, lo, hi, n = 2, 8, 32, 4
+        lengths = draw_lengths(lo, hi, step, n, seed=0)
+        for alloc_conf in ("", "expandable_segments:True"):
+            for kind, lens in (("varied", lengths), ("fixed", [hi] * (FIXED_RUN_STEPS if not ctx["tiny"] else 2))):
+                row = {"model": model_name, "b": b, "precision": precision, "kind": kind, "alloc_conf": alloc_conf}
+                ctx["fork"](f"run {model_name} {kind} {alloc_conf or 'default'}", "runs.jsonl", row,
+                            lambda c, m=model_name, bb=b, p=precision, ls=lens, k=kind, a=alloc_conf:
+                            one_run(c, m, bb, p, ls, k, a), alloc_conf)
+
+
+def lora_row(ctx: dict, row: dict) -> dict:
+    torch, device, spec = ctx["torch"], ctx["device"], ctx["specs"][row["model"]]
+    import peft
+
+    meter = Meter(torch, device)
+    if ctx["tiny"]:
+        spec = json.loads(json.dumps(spec))
+        layer = spec["components"][0]["layers"][0]
+        layer["hf_config"].update({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+                                   "num_attention_heads": 4, "num_key_value_heads": 4})
+    meter.reset()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_catalog(spec, "sdpa", False, device)
+    finally:
+        torch.set_default_dtype(old)
+    out: dict[str, Any] = dict(row)
+    out["load_bf16"] = meter.read()
+    if row["base"] == "nf4":
+        out["quantized_linears"] = quantize_nf4(torch, model, device)
+        model.is_loaded_in_4bit = True
+        clear(torch)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=row["ckpt"],
+                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif row["ckpt"]:
+        import modeling
+
+        modeling.enable_checkpointing(model)
+        model.enable_input_require_grads()
+    targets = row.get("targets") or LORA_TARGETS
+    config = peft.LoraConfig(r=row["r"], lora_alpha=row["alpha"], lora_dropout=0.05, bias="none",
+                             task_type="CAUSAL_LM", target_modules=targets)
+    model = peft.get_peft_model(model, config)
+    trainable, total = model.get_nb_trainable_parameters()
+    out.update(trainable=int(trainable), total=int(total),
+               param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+               trainable_dtypes=sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}))
+    clear(torch)
+    meter.reset()
+    out["load"] = meter.read()
+    batch = catalog_batch(spec, row["b"], row["s"], device)
+    opt = make_optimizer(torch, [p for p in model.parameters() if p.requires_grad], "foreach")
+    saved = None if row["ckpt"] else SavedBytes(torch, model)
+    out["step1"] = train_step(torch, model, opt, batch, "amp-bf16", device, None, meter, saved)
+    if saved:
+        out["saved_bytes_all"], out["saved_bytes_nonparam"] = saved.all, saved.nonparam
+    out["step2"] = train_step(torch, model, opt, batch, "amp-bf16", device, None, meter)
+    times = timed(torch, lambda: train_step(torch, model, opt, batch, "amp-bf16", device, None), 3, warmup=1)
+    out["step_times_s"], out["step_time_s"] = times, statistics.median(times)
+    return out
+
+
+def quantize_nf4(torch: Any, model: Any, device: Any) -> int:
+    """Every nn.Linear of the decoder layers (not the LM head) as bitsandbytes NF4 with double quantization,
+    computing in bf16: what `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16)` loads."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for _name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and child_name != "lm_head":
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                        compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                        device="meta")
+                new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                               quant_type="nf4", blocksize=64).to(device)
+                if child.bias is not None:
+                    new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, child_name, new)
+                del child
+                count += 1
+    return count
+
+
+def section_lora(ctx: dict) -> None:
+    for row in LORA_ROWS:
+        if ctx["tiny"]:
+            row = {**row, "b": 1, "s": 16}
+        ctx["fork"](f"{row['name']} r{row['r']} b{row['b']}", "lora.jsonl", row,
+                    lambda c, r=row: lora_row(c, r), "")
+
+
+# ----------------------------------------------------------------------------------------- plumbing
+def guarded(torch: Any, row: dict, fn: Any) -> dict:
+    """A row's result, or its OOM / error as the result."""
+    try:
+        return {"status": "ok", **fn()}
+    except Exception as exc:  # noqa: BLE001 - every failure is a reading
+        oom = isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(exc)
+        clear(torch)
+        return {**row, "status": "oom" if oom else "error", "error": f"{type(exc).__name__}: {exc}"[:400],
+                "trace": "" if oom else traceback.format_exc()[-1500:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--out", default=".gpu/specs.json")
+    r = sub.add_parser("run")
+    r.add_argument("--specs", default=".gpu/specs.json")
+    r.add_argument("--out", required=True)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--sections", default="runs,lora,steps,launch,traced")
+    r.add_argument("--timed-steps", type=int, default=6)
+    r.add_argument("--budget-s", type=float, default=420.0, help="skip what is left after this many seconds")
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        prepare(Path(args.out))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    logf = open(out / "log.txt", "a", buffering=1)  # noqa: SIM115 - kept open for the whole run
+
+    def log(msg: str) -> None:
+        line = f"[{time.monotonic() - start:6.1f}s] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+
+    import torch  # CUDA is not touched in this process before the forked sections
+
+    data = json.loads(Path(args.specs).read_text())
+    tiny = args.device == "cpu"
+    device = torch.device(args.device)
+
+    def rows(table: list[dict]) -> list[dict]:
+        return [{**row, **TINY} for row in table] if tiny else table
+
+    def emit_to(name: str) -> Any:
+        def emit(obj: dict) -> None:
+            with open(out / name, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+            log(f"{name}: {obj.get('model')} {obj.get('status', '')} "
+                f"{obj.get('error', '') or obj.get('step_time_s', '')}")
+        return emit
+
+    ctx: dict[str, Any] = {"torch": torch, "device": device, "specs": data["specs"], "tiny": tiny, "rows": rows,
+                           "timed_steps": 2 if tiny else args.timed_steps}
+
+    def fork(label: str, file: str, row: dict, fn: Any, alloc_conf: str) -> None:
+        """Run fn(ctx) in a child process with its own allocator setting; its result is one line."""
+        if time.monotonic() - start > args.budget_s:
+            log(f"skipped (budget): {label}")
+            return
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 0
+            try:
+                if alloc_conf:
+                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+                emit_to(file)(guarded(torch, row, lambda: fn(ctx)))
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            log(f"{label}: child exited with status {status}")
+
+    ctx["fork"] = fork
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    from importlib import metadata
+
+    for mod in ("transformers", "peft", "bitsandbytes"):  # not imported here: bitsandbytes would start CUDA
+        try:
+            env[mod] = metadata.version(mod)
+        except metadata.PackageNotFoundError:
+            env[mod] = "unavailable"
+    env["sections"] = args.sections
+    log(f"versions: {env}")
+
+    def env_section(c: dict) -> dict:
+        if device.type != "cuda":
+            return {"device": "cpu"}
+        props = torch.cuda.get_device_properties(0)
+        torch.zeros(1, device=device)
+        free, total = torch.cuda.mem_get_info()
+        info = {"gpu": props.name, "total_memory": int(props.total_memory), "sm": props.multi_processor_count,
+                "cc": f"{props.major}.{props.minor}", "used_after_init": int(total - free)}
+        with contextlib.suppress(Exception):
+            import subprocess
+
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+        return info
+
+    def write_env(c: dict) -> dict:
+        info = {**env, **env_section(c)}
+        (out / "env.json").write_text(json.dumps(info, indent=1))
+        return info
+
+    fork("env", "env.jsonl", {}, write_env, "")
+    with contextlib.suppress(FileNotFoundError):
+        (out / "env.jsonl").unlink()
+    sections = {"runs": section_runs, "lora": section_lora}
+    in_child = {"steps": ("steps.jsonl", section_steps), "launch": ("launch.jsonl", section_launch),
+                "traced": ("traced.jsonl", section_traced)}
+    for name in args.sections.split(","):
+        log(f"section {name}")
+        if name in sections:
+            sections[name](ctx)
+        elif name in in_child:
+            file, fn = in_child[name]
+            ctx_emit = emit_to(file)
+
+            def whole(c, f=fn, e=ctx_emit):
+                f({**c, "emit": lambda obj: e(obj) if time.monotonic() - start < args.budget_s + 60 else None})
+                return {"section": "done"}
+            fork(name, "sections.jsonl", {"section": name}, whole, "")
+    with contextlib.suppress(FileNotFoundError):
+        (out / "sections.jsonl").unlink()
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
