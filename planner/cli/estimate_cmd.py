@@ -258,8 +258,8 @@ def register(app: typer.Typer) -> None:
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss)
         if json_out:
-            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
-                              enumerate(steps)], indent=2))
+            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines), "figures": s.figures}
+                              for i, s in enumerate(steps)], indent=2))
             return
         from rich.padding import Padding
         from rich.text import Text

@@ -291,6 +291,17 @@ def gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     return True
 
 
+def dropped_reason(field: str, global_batch_size: int | None) -> str:
+    """Why `resolve_space` left a field's default values out, in words (the same rules as there)."""
+    if field == "batch_sizes":
+        return f"above the global batch {global_batch_size:,}" if global_batch_size else "too large"
+    if field == "seq_lens":
+        return "longer than the model's positions"
+    if field == "attentions":
+        return "no GPU here has FlashAttention: sm80 or later"
+    return "no GPU here runs them"
+
+
 def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance | list[Instance], *,
                   min_seq_len: int | None = None, fixed: dict[str, Any] | None = None,
                   global_batch_size: int | None = None) -> SearchSpace:
