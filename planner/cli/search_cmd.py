@@ -87,11 +87,13 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     if stack:
         updates["stack"] = stack
     space = dict(space)
+    seq_flag = "--seq-len"
     if space.get("seq_lens") is not None and "seq_len" not in recipe:
         recipe["seq_len"] = space.pop("seq_lens")
+        seq_flag = "--seq-lens"  # the older spelling: errors name the flag the user typed
     space.pop("seq_lens", None)
     if "seq_len" in recipe:
-        recipe["seq_len"] = _seq_lens(recipe["seq_len"])
+        recipe["seq_len"] = _seq_lens(recipe["seq_len"], seq_flag)
     constraints = dict(constraints)
     if constraints.get("global_batch_tolerance"):  # the older tolerant form: accumulation is searched
         gbs = constraints.get("global_batch_size") or base.recipe.global_batch_size
@@ -127,13 +129,13 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     return merged
 
 
-def _seq_lens(text: Any) -> int | tuple[int, ...]:
+def _seq_lens(text: Any, flag: str = "--seq-len") -> int | tuple[int, ...]:
     """--seq-len 512 or 256,512 (a list is explored; the best is reported at the longest)."""
     from planner.search.space import parse_flag_list
 
     if isinstance(text, int):
         return text
-    values = parse_flag_list("seq_lens", str(text), "--seq-len")
+    values = parse_flag_list("seq_lens", str(text), flag)
     assert values is not None
     return values[0] if len(values) == 1 else values
 

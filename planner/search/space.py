@@ -256,7 +256,7 @@ def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tu
             if value <= 0:
                 raise PlannerError(flag, item, "positive integers, e.g. 1,2,4,8")
             if value > high:
-                raise PlannerError(flag, item, f"integers from 1 to {high:,} (planner.search.limits)")
+                raise PlannerError(flag, item, f"integers from 1 to {high:,}")
             out.append(value)
         return tuple(out)
     if field == "checkpointing":

@@ -137,7 +137,6 @@ def _journal_lock(path: Path) -> Any:
 
 def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
     """An Optuna storage; errors (bad URL, server down, missing driver) name --storage."""
-    import optuna
 
     if spec.kind == "journal":
         path = Path(spec.target)
@@ -145,8 +144,36 @@ def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
             raise PlannerError("--storage", spec.target, "a journal file in an existing folder")
         from optuna.storages.journal import JournalStorage
 
-        return JournalStorage(_journal_backend(path))
+        try:  # replays every record: a cut or foreign file fails here, before anything is written
+            return JournalStorage(_journal_backend(path))
+        except OSError:
+            raise
+        except Exception as exc:  # json's, Optuna's KeyError/ValueError on a record it cannot apply, bytes
+            raise PlannerError(f"journal {path}", _first_line(exc),
+                               "an Optuna journal whose every line is a whole record (was it cut short or "
+                               "edited?); restore it, or move it away to start the study afresh") from None
     url = spec.target
+    lock = spec.file.with_name(spec.file.name + ".study-lock") if spec.file is not None else None
+    lock_existed = lock is not None and lock.exists()
+    try:
+        return _open_rdb(url, spec)
+    except BaseException:
+        if lock is not None and not lock_existed:  # ours, made for this attempt: leave no empty lock file
+            with contextlib.suppress(OSError):
+                lock.unlink()
+        raise
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception as a short value for a one-line error."""
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _open_rdb(url: str, spec: StorageSpec) -> Any:
+    """Optuna's RDBStorage for `url`, retried while workers race to create its tables."""
+    import optuna
+
     for attempt in range(STORAGE_ATTEMPTS):
         try:
             with StudyLock.for_file(spec.file):  # SQLite: one creator at a time

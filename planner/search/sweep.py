@@ -231,7 +231,9 @@ def _validation_error(source: str, exc: ValidationError) -> PlannerError:
 def parse_sweep(data: Any, source: str = "sweep") -> Sweep:
     """A Sweep from parsed YAML; errors name `source` and the field."""
     if not isinstance(data, dict):
-        raise PlannerError(f"{source}: (document)", type(data).__name__, "a YAML mapping of sweep fields")
+        what = {type(None): "(empty)", list: "(a list)", str: "(a single text value)"}.get(type(data), type(data).__name__)
+        raise PlannerError(source, what, "a YAML mapping of sweep fields (name:, model:, instance:, "
+                           "recipe:, space:, ...; see sweeps/)")
     try:
         sweep = Sweep.model_validate(data)
     except ValidationError as exc:
@@ -295,6 +297,9 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
     class (`planner.program.sources`). User code is imported here, so a bad reference fails before any trial."""
     if not sweep.traced():
         from planner.models.catalog import cached_model
+        from planner.models.user_module import refuse_inputs_unless_own
+
+        refuse_inputs_unless_own(sweep.model, sweep.inputs, sweep.loss)
 
         return cached_model(sweep.model, sweep.model_options)
     from planner.models.user_module import is_reference, load_function
@@ -307,9 +312,10 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
         load_function(sweep.inputs, "--inputs")
         if sweep.loss is not None:
             load_function(sweep.loss, "--loss")
-    elif sweep.inputs is not None or sweep.loss is not None:
-        raise PlannerError("--inputs", sweep.inputs or sweep.loss, f"left out for {sweep.model} (a config.json "
-                           "makes its own inputs and loss)")
+    else:
+        from planner.models.user_module import refuse_inputs_unless_own
+
+        refuse_inputs_unless_own(sweep.model, sweep.inputs, sweep.loss)
     return sweep.model
 
 
