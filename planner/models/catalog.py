@@ -113,6 +113,9 @@ def get_model(name_or_path: str, **options: Any) -> ModelSpec:
         config = _transformer_config(catalog_config(name), options, name)
         source: dict[str, Any] = {"catalog": name, "options": dict(options)}
         return hf_config.spec_from_hf_config(config, name=name, source=source)
+    if name_or_path.endswith(".py") or ".py:" in name_or_path:  # not a reference (is_reference): no function
+        raise PlannerError("--model", name_or_path, "FILE.py:FUNCTION for a model of your own, naming the "
+                           "function that returns your nn.Module, e.g. examples/multimodal_bert.py:build")
     if _is_path(name_or_path):
         raw = hf_config.load_config_file(name_or_path)
         config = _transformer_config(raw, options, name_or_path)

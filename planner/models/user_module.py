@@ -60,7 +60,9 @@ def _import(path: Path, flag: str, ref: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
         del sys.modules[name]
-        raise PlannerError(flag, ref, f"importing {path} raised {last_line(exc)}") from None
+        hint = (f" (install {exc.name} in this Python)" if isinstance(exc, ModuleNotFoundError) and exc.name
+                else "")
+        raise PlannerError(flag, ref, f"importing {path} raised {last_line(exc)}{hint}") from None
     return module
 
 

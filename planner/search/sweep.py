@@ -303,7 +303,9 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
 
         return cached_model(sweep.model, sweep.model_options)
     from planner.models.user_module import is_reference, load_function
+    from planner.program.sources import require_tracing_libraries
 
+    require_tracing_libraries(sweep.model)  # before the user's file is imported: all that is missing, once
     if is_reference(sweep.model):
         if sweep.inputs is None:
             raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
