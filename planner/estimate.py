@@ -585,8 +585,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
-    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput from the traced ops "
-             "(planner.program.speed)", *full.notes, *_notes(None, cfg)]
+    notes = ["traced on CPU fake tensors, mapped to what CUDA does; throughput from the traced ops",
+             *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from planner.search.study import SearchInterrupted, SearchResult
     from planner.search.sweep import Sweep
 
-HELP_SPACE = "Comma-separated values to search (default: see planner/search/space.py)."
+HELP_SPACE = "Comma-separated values to search."
 
 
 def _slug(text: str) -> str:

@@ -103,7 +103,7 @@ def default_runtime(gpu: GPU) -> dict[str, Any]:
         "cublas_workspace_bytes": cublas_workspace_bytes(gpu.compute_capability),
         "nccl_bytes_per_peer": NCCL_CHANNELS.get(fam, NCCL_CHANNELS_DEFAULT) * NCCL_BYTES_PER_CHANNEL_PEER,
         "fragmentation": FRAGMENTATION.get(fam, FRAGMENTATION_DEFAULT),
-        "source": f"defaults for {fam} (planner.memory.runtime)",
+        "source": f"the planner's defaults for {fam}",
     }
 
 

@@ -81,7 +81,7 @@ def _int_option(options: dict[str, Any], key: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PlannerError(key, value, f"an integer >= {minimum}")
     if value > hf_config.MAX_DIM:  # the same bound as a config.json size: absurd sizes answer at once
-        raise PlannerError(key, value, f"an integer <= {hf_config.MAX_DIM:,} (planner.models.hf_config.MAX_DIM)")
+        raise PlannerError(key, value, f"an integer <= {hf_config.MAX_DIM:,}")
     return value
 
 

@@ -127,8 +127,7 @@ def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
         if out is not None:
             from dataclasses import replace
 
-            return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b} "
-                                       "(planner.program.scale)"))
+            return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b}"))
     return direct(*args[:-2], config_json, *args[-2:])
 
 
