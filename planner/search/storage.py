@@ -144,14 +144,13 @@ def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
             raise PlannerError("--storage", spec.target, "a journal file in an existing folder")
         from optuna.storages.journal import JournalStorage
 
+        _check_journal_end(path)
         try:  # replays every record: a cut or foreign file fails here, before anything is written
             return JournalStorage(_journal_backend(path))
         except OSError:
             raise
         except Exception as exc:  # json's, Optuna's KeyError/ValueError on a record it cannot apply, bytes
-            raise PlannerError(f"journal {path}", _first_line(exc),
-                               "an Optuna journal whose every line is a whole record (was it cut short or "
-                               "edited?); restore it, or move it away to start the study afresh") from None
+            raise PlannerError(f"journal {path}", _first_line(exc), JOURNAL_DAMAGED) from None
     url = spec.target
     lock = spec.file.with_name(spec.file.name + ".study-lock") if spec.file is not None else None
     lock_existed = lock is not None and lock.exists()
@@ -162,6 +161,30 @@ def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
             with contextlib.suppress(OSError):
                 lock.unlink()
         raise
+
+
+JOURNAL_DAMAGED = ("an Optuna journal whose every line is a whole record (was it cut short or edited?); restore "
+                   "it, or move it away to start the study afresh")
+
+
+def _check_journal_end(path: Path) -> None:
+    """A journal whose last record has no line end was cut (every record is written whole, in one write(2),
+    by `_journal_backend`). Optuna would skip that line and append after it, welding the next record onto it
+    and damaging the file for good; so refuse before anything is written. A writer of another worker may be
+    mid-write: look twice, a moment apart."""
+    for attempt in range(2):
+        try:
+            with path.open("rb") as f:
+                if f.seek(0, 2) == 0:
+                    return
+                f.seek(-1, 2)
+                if f.read(1) == b"\n":
+                    return
+        except FileNotFoundError:
+            return
+        if attempt == 0:
+            time.sleep(0.2)
+    raise PlannerError(f"journal {path}", "its last record has no line end", JOURNAL_DAMAGED)
 
 
 def _first_line(exc: BaseException) -> str:
