@@ -196,3 +196,29 @@ def test_no_internal_module_path_reaches_the_user():
         texts.append(out + err)
     found = [m for t in texts for m in re.findall(r"planner[./][a-z_]+[\w./]*|jobs/[\w.]+", t)]
     assert not found, found
+
+
+def test_trials_are_bounded_on_the_flag_in_a_sweep_and_in_python(tmp_path):
+    """Found beyond the issue's list: --trials 10^20 with TPE never ended (the budget is never reached)."""
+    from planner.errors import PlannerError
+    from planner.search.limits import MAX_TRIALS
+    from planner.search.study import run_search
+
+    code, _, err = invoke(["search", "--trials", str(10 * MAX_TRIALS), "--results-dir", str(tmp_path)])
+    assert_one_line_error(code, err, "--trials")
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(f"search: {{trials: {10 * MAX_TRIALS}}}\n")
+    code, _, err = invoke(["search", "--sweep", str(sweep), "--results-dir", str(tmp_path)])
+    assert_one_line_error(code, err, "search.trials")
+    with pytest.raises(PlannerError, match="--trials"):
+        run_search(trials=10 * MAX_TRIALS, results_dir=tmp_path)
+    assert not any(tmp_path.glob("*/journal.log"))
+
+
+@pytest.mark.parametrize("storage", ["sqlite:///", "sqlite:///:memory:", "journal:", "sqlite:////tmp"])
+def test_storage_that_would_keep_nothing_is_refused(tmp_path, storage):
+    """Found beyond the issue's list: `sqlite:///` was a ValueError traceback, `:memory:` ran and kept nothing."""
+    code, _, err = invoke(["search", *SMALL_SEARCH, "--trials", "1", "--storage", storage,
+                           "--results-dir", str(tmp_path / "r")])
+    assert_one_line_error(code, err, "--storage", "a file to keep the trials in")
+    assert not (tmp_path / "r").exists()

@@ -33,6 +33,7 @@ from planner.search.limits import (
     MAX_GLOBAL_BATCH,
     MAX_SEARCH_INSTANCES,
     MAX_SEED,
+    MAX_TRIALS,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -414,7 +415,7 @@ def register(app: typer.Typer) -> None:
         loss: LossOpt = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
-            min=1, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
+            min=1, max=MAX_TRIALS, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
                         "further instance type; grid: the whole grid).")] = None,
         sampler: Annotated[str | None, typer.Option(help="tpe (default; grid when the space has no more points than --trials), grid (exhaustive) or random.")] = None,
         seed: Annotated[int | None, typer.Option(

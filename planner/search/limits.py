@@ -32,5 +32,10 @@ MAX_DATASET_SIZE = SPEC_MAX_DATASET_SIZE  # planner.spec.MAX_DATASET_SIZE: the s
 # (2^53 samples × 10^6 epochs is ~10^22 samples, a finite float). Override: $PLANNER_MAX_EPOCHS.
 MAX_EPOCHS = float(env.limit("PLANNER_MAX_EPOCHS"))
 
+# Finished trials wanted in one study. ASSUMPTION: 10^7, far above any search (the default is 100; a whole
+# grid of every dimension is ~10^5); at ~2,000 trials/s it is still hours, not forever (a TPE search never
+# ends on its own below its budget).
+MAX_TRIALS = 10**7
+
 # Instances per job: the estimate's own limit (planner.spec.MAX_INSTANCES, $PLANNER_MAX_INSTANCES).
 MAX_SEARCH_INSTANCES = MAX_INSTANCES

@@ -67,13 +67,22 @@ def parse_storage(text: str | None, default_file: Path) -> StorageSpec:
     if text is None:
         return StorageSpec("journal", str(default_file))
     if text.startswith("journal:"):
-        return StorageSpec("journal", text[len("journal:"):])
-    if "://" not in text and text.endswith(JOURNAL_SUFFIXES):
-        return StorageSpec("journal", text)
-    if "://" not in text:
+        spec = StorageSpec("journal", text[len("journal:"):])
+    elif "://" not in text and text.endswith(JOURNAL_SUFFIXES):
+        spec = StorageSpec("journal", text)
+    elif "://" not in text:
         raise PlannerError("--storage", text, "an Optuna RDB URL (sqlite:///x.db, postgresql://user@host/db) or a "
                            f"journal file ending in {', '.join(JOURNAL_SUFFIXES)}")
-    return StorageSpec("rdb", text)
+    else:
+        spec = StorageSpec("rdb", text)
+    file = spec.file
+    # A storage is where trials outlive the command: an empty path (`sqlite:///`), a folder or SQLite's
+    # in-memory database would open, run every trial and keep none of them.
+    if file is not None and (not str(file).strip() or str(file) in (".", ":memory:") or file.name == ""
+                             or file.is_dir()):
+        raise PlannerError("--storage", text, "a file to keep the trials in, e.g. sqlite:///results/x.db or "
+                           "results/x/journal.log (not a folder, nothing, or :memory:)")
+    return spec
 
 
 class _FlockLock:

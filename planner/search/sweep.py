@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlannerError
 from planner.search.limits import (
@@ -40,6 +40,7 @@ from planner.search.limits import (
     MAX_GLOBAL_BATCH,
     MAX_SEED,
     MAX_SPACE_VALUE,
+    MAX_TRIALS,
 )
 from planner.search.space import SpaceSpec
 
@@ -129,7 +130,7 @@ class ObjectiveSpec(_Strict):
 
 
 class SearchOptions(_Strict):
-    trials: PositiveInt | None = None  # None: DEFAULT_TRIALS for tpe/random, the whole grid for grid
+    trials: Annotated[int, Field(ge=1, le=MAX_TRIALS)] | None = None  # None: DEFAULT_TRIALS for tpe/random, the whole grid for grid
     sampler: Sampler | None = None  # None: tpe, or grid when the space has no more points than trials
     seed: int = Field(0, ge=0, le=MAX_SEED)
 
