@@ -18,7 +18,6 @@ from planner.spec import (
     DenseSpec,
     Estimate,
     ModelSpec,
-    RuntimeConstants,
     TrainConfig,
     TransformerSpec,
 )
@@ -412,14 +411,16 @@ def _assumption_lines(spec: ModelSpec, est: Estimate, model_options: dict[str, A
             f"{est.runtime.source}."]
 
 
-def _same_runtime(est: Estimate) -> RuntimeConstants | dict[str, Any]:
-    """The runtime of `est` for a re-run of another configuration, so that its figures are those `estimate`
-    gives that configuration: the whole RuntimeConstants only where `est` used a flat fragmentation (given or
-    calibrated; no allocator replay), since passing them switches the replay off; else only the CUDA context,
-    which a --cuda-context-mib may have set."""
-    if est.allocator is None:
-        return est.runtime
-    return {"cuda_context_bytes": est.runtime.cuda_context_bytes}
+def _same_runtime(est: Estimate) -> dict[str, Any] | None:
+    """The runtime overrides of `est` (--cuda-context-mib, --fragmentation) for a re-run of another
+    configuration, so that its figures are those `estimate` gives that configuration with the same flags.
+    Not `est.runtime` itself: whole RuntimeConstants count as given, which switches the allocator replay off
+    and narrows the band (explain's DataParallel column said 4.74 GiB where `estimate --parallelism dp` says
+    4.56)."""
+    from planner.memory.runtime import FIELDS, overridden_fields
+
+    given = overridden_fields(est.runtime)
+    return {k: v for k, v in given.items() if k in FIELDS} or None
 
 
 def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,

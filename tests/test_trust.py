@@ -88,3 +88,24 @@ def test_default_job_on_other_instance_types_is_not_named_after_p3():
                   objective={}, search={})
     assert resolve_name(build_sweep(instance="all", **kwargs), None).startswith("multimodal-bert-all-")
     assert resolve_name(build_sweep(instance=None, **kwargs), None).startswith("multimodal-bert-p3-p3.16xlarge-")
+
+
+def test_explain_re_runs_keep_the_users_overrides_and_nothing_more():
+    """The DataParallel column and the fixes re-estimate other configurations with the overrides the user gave
+    (--cuda-context-mib), not the whole runtime (which switched the allocator replay off: 4.74 vs 4.56 GiB)."""
+    from planner.explain import _same_runtime
+    from planner.hardware import get_instance
+
+    cfg = TrainConfig(batch_size=8, seq_len=512)
+    plain = estimate("multimodal-bert", cfg, get_instance("ml.p3.16xlarge"))
+    assert _same_runtime(plain) is None
+    given = estimate("multimodal-bert", cfg, "ml.p3.16xlarge", runtime={"cuda_context_bytes": 500 * 2**20})
+    assert _same_runtime(given) == {"cuda_context_bytes": 500 * 2**20}
+    from planner.explain import explain
+
+    steps = explain(given, "multimodal-bert", requested_parallelism="auto")
+    side = next(s for s in steps if "side by side" in s.title)
+    dp = estimate("multimodal-bert", cfg.model_copy(update={"parallelism": "dp"}), "ml.p3.16xlarge",
+                  runtime={"cuda_context_bytes": 500 * 2**20})
+    assert side.figures["dp"]["memory_bytes"] == dp.memory_bytes.model_dump()
+    assert dp.allocator is not None  # the replay, as `estimate` runs it

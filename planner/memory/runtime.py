@@ -166,11 +166,24 @@ def runtime_constants(gpu: GPU, overrides: Mapping[str, Any] | None = None,
     if overrides:
         _check_overrides(overrides)
         values.update(overrides)
-        values["source"] += f"; overridden: {', '.join(sorted(overrides))}"
+        values["source"] += f"{OVERRIDDEN}{', '.join(sorted(overrides))}"
     values["cuda_context_bytes"] = int(values["cuda_context_bytes"])
     values["cublas_workspace_bytes"] = int(values["cublas_workspace_bytes"])
     values["nccl_bytes_per_peer"] = int(values["nccl_bytes_per_peer"])
     return RuntimeConstants(**values)
+
+
+OVERRIDDEN = "; overridden: "  # how runtime_constants marks the fields a caller set, in `source`
+
+
+def overridden_fields(constants: RuntimeConstants) -> dict[str, Any]:
+    """The fields of `constants` a caller overrode (--cuda-context-mib, --fragmentation), with their values, read
+    back from the mark `runtime_constants` leaves in `source`: what another configuration's estimate needs to
+    get the same answer `estimate` gives it with the same flags."""
+    _, mark, names = constants.source.rpartition(OVERRIDDEN)
+    if not mark:
+        return {}
+    return {name: getattr(constants, name) for name in names.split(";")[0].split(", ") if name in FIELDS}
 
 
 def nccl_bytes(constants: RuntimeConstants, world_size: int) -> int:
