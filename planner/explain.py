@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from planner.errors import PlannerError
 from planner.memory.model_states import parameter_dtype_bytes
 from planner.models.blocks import model_blocks
@@ -328,7 +330,7 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
         try:
             alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options,
                            runtime=_same_runtime(est), stack=est.stack, **(extra or {}))
-        except PlannerError:
+        except (PlannerError, ValidationError):  # a fix past a limit (grad-accum > 65,536) is no fix
             continue
         if alt.fits:
             found.append((label, alt))
@@ -432,7 +434,7 @@ def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[
     try:
         dp = estimate(model, est.config.model_copy(update={"parallelism": "dp"}), est.instance,
                       runtime=_same_runtime(est), model_options=model_options, stack=est.stack, **(extra or {}))
-    except PlannerError:
+    except (PlannerError, ValidationError):  # no such configuration: no column
         return []
     if figures is not None:
         figures.update({"ddp": _estimate_figures(est), "dp": _estimate_figures(dp)})
@@ -634,7 +636,7 @@ def _amp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, A
     try:
         alt = estimate(model, est.config.model_copy(update={"precision": amp}), est.instance,
                        model_options=model_options, runtime=_same_runtime(est), stack=est.stack, **(extra or {}))
-    except PlannerError:
+    except (PlannerError, ValidationError):  # no such configuration: no advice
         return ()
     if alt.throughput is None or alt.throughput.samples_per_s <= est.throughput.samples_per_s:
         return ()
