@@ -53,3 +53,12 @@ def test_help_fits_80_columns_and_names_every_flag_whole(path, cmd, columns):
               if (re.search(r"\w-$", a) and b.strip()[:1].isalnum())
               or (re.search(r"\d,?$", a) and b.strip()[:1].isdigit())]
     assert not broken, broken
+
+
+@pytest.mark.parametrize("path", [[], ["probe"]])
+def test_a_group_without_a_command_prints_its_help(path):
+    """`planner` and `planner probe` alone show the same plain help as --help (rich's error box printed nothing
+    once the rich help was off)."""
+    alone = CliRunner().invoke(app, path, env={"COLUMNS": "80"})
+    helped = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+    assert "Commands:" in alone.output and alone.output.strip() == helped.output.strip()

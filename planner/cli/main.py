@@ -38,10 +38,11 @@ class OneLineErrors(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.NoArgsIsHelpError as exc:
-            from typer import rich_utils
-
-            rich_utils.rich_format_error(exc)
+        except click.NoArgsIsHelpError as exc:  # `planner`, `planner probe`: the help, plain like --help
+            try:
+                print(exc.ctx.get_help() if exc.ctx is not None else exc.format_message(), flush=True)
+            except BrokenPipeError:  # `planner | head`
+                _silence_stdout()
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
