@@ -382,11 +382,13 @@ def estimate(
     workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
     whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     """
-    from planner.models.user_module import is_reference
+    from planner.models.user_module import is_reference, refuse_inputs_unless_own
     from planner.program.sources import is_traced_config, require_tracing_libraries
+    from planner.spec import MAX_DATASET_SIZE
 
-    if dataset_size is not None and dataset_size < 1:
-        raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
+    if dataset_size is not None and not 1 <= dataset_size <= MAX_DATASET_SIZE:
+        raise PlannerError("--dataset-size", dataset_size, f"an integer >= 1 and <= {MAX_DATASET_SIZE:,} (2^53)")
+    refuse_inputs_unless_own(model, inputs, loss)
     if is_reference(model) or is_traced_config(model):
         require_tracing_libraries(str(model))
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
@@ -583,8 +585,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
-    notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput from the traced ops "
-             "(planner.program.speed)", *full.notes, *_notes(None, cfg)]
+    notes = ["traced on CPU fake tensors, mapped to what CUDA does; throughput from the traced ops",
+             *full.notes, *_notes(None, cfg)]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")

@@ -7,13 +7,22 @@ what the rule is, what is right, and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import ValidationError
 
 from planner.errors import PlannerError
 from planner.memory.model_states import parameter_dtype_bytes
 from planner.models.blocks import model_blocks
-from planner.spec import BatchNormSpec, DenseSpec, Estimate, ModelSpec, TrainConfig, TransformerSpec
+from planner.spec import (
+    BatchNormSpec,
+    DenseSpec,
+    Estimate,
+    ModelSpec,
+    TrainConfig,
+    TransformerSpec,
+)
 from planner.units import fmt_bytes, fmt_count
 
 
@@ -21,6 +30,9 @@ from planner.units import fmt_bytes, fmt_count
 class Step:
     title: str
     lines: tuple[str, ...]
+    # The numbers the lines state, as fields (bytes, counts, samples/s), for `explain --json` readers who
+    # should not parse prose; keys follow `estimate --json`.
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
 def _layer_formula(layer: DenseSpec | BatchNormSpec) -> str:
@@ -192,7 +204,7 @@ def where_states_live(est: Estimate) -> str:
 def _state_lines(est: Estimate) -> list[str]:
     m, cfg = est.memory_bytes, est.config
     where = where_states_live(est)
-    what = OPTIMIZER_STATES.get(cfg.optimizer, "see planner/memory/optimizer.py")
+    what = OPTIMIZER_STATES.get(cfg.optimizer, "the states this optimizer keeps")
     return [f"Gradients: {fmt_bytes(m.gradients)} {where}. They have the parameters' dtype and, with gradient "
             "accumulation, stay allocated across micro-steps.",
             f"Optimizer states ({cfg.optimizer}: {what}): {fmt_bytes(m.optimizer_states)} {where}, allocated at "
@@ -317,8 +329,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
     for label, change in tries:
         try:
             alt = estimate(model, TrainConfig(**(cfg.model_dump() | change)), inst, model_options=model_options,
-                           stack=est.stack, **(extra or {}))
-        except PlannerError:
+                           runtime=_same_runtime(est), stack=est.stack, **(extra or {}))
+        except (PlannerError, ValidationError):  # a fix past a limit (grad-accum > 65,536) is no fix
             continue
         if alt.fits:
             found.append((label, alt))
@@ -333,7 +345,8 @@ def _largest_fitting_batch(model, est: Estimate, model_options, extra: dict[str,
     hi = lo
     while True:
         alt = estimate(model, cfg.model_copy(update={"batch_size": hi * 2}), est.instance,
-                       model_options=model_options, with_throughput=False, stack=est.stack, **(extra or {}))
+                       model_options=model_options, with_throughput=False, stack=est.stack,
+                       runtime=_same_runtime(est), **(extra or {}))
         if not alt.fits or hi > 4096:
             break
         hi *= 2
@@ -341,15 +354,17 @@ def _largest_fitting_batch(model, est: Estimate, model_options, extra: dict[str,
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if estimate(model, cfg.model_copy(update={"batch_size": mid}), est.instance, model_options=model_options,
-                    with_throughput=False, stack=est.stack, **(extra or {})).fits:
+                    with_throughput=False, stack=est.stack, runtime=_same_runtime(est), **(extra or {})).fits:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: dict[str, Any] | None = None
-                   ) -> list[str]:
+def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: dict[str, Any] | None = None,
+                   found: list[dict[str, Any]] | None = None) -> list[str]:
+    """The verdict in words; the fixes that fit are also appended to `found`, as figures."""
+    found = [] if found is None else found
     m = est.memory_bytes
     if est.fits:
         lines = [f"FITS: {fmt_bytes(m.peak_device)} of {fmt_bytes(est.gpu_memory_bytes)} at the peak "
@@ -358,6 +373,7 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: 
         if est.headroom_bytes < 0.05 * est.gpu_memory_bytes:
             lines.append("Headroom is under 5%: fragmentation or a longer batch can still OOM; leave a margin.")
         best = _largest_fitting_batch(model, est, model_options, extra)
+        found.append({"largest_fitting_batch_size": best})
         if best:
             lines.append(f"The largest micro-batch that fits with these settings: {best}.")
         return lines
@@ -375,6 +391,9 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: 
         speed = f", {alt.throughput.samples_per_s:,.1f} samples/s" if alt.throughput else ""
         lines.append(f"fits with {label}: peak {fmt_bytes(alt.memory_bytes.peak_device)}, headroom "
                      f"{fmt_bytes(alt.headroom_bytes)}{speed}")
+        found.append({"change": label, "config": alt.config.model_dump(mode="json"),
+                      "peak_device_bytes": alt.memory_bytes.peak_device, "headroom_bytes": alt.headroom_bytes,
+                      "samples_per_s": alt.throughput.samples_per_s if alt.throughput else None})
     return lines
 
 
@@ -394,16 +413,31 @@ def _assumption_lines(spec: ModelSpec, est: Estimate, model_options: dict[str, A
             f"{est.runtime.source}."]
 
 
+def _same_runtime(est: Estimate) -> dict[str, Any] | None:
+    """The runtime overrides of `est` (--cuda-context-mib, --fragmentation) for a re-run of another
+    configuration, so that its figures are those `estimate` gives that configuration with the same flags.
+    Not `est.runtime` itself: whole RuntimeConstants count as given, which switches the allocator replay off
+    and narrows the band (explain's DataParallel column said 4.74 GiB where `estimate --parallelism dp` says
+    4.56)."""
+    from planner.memory.runtime import FIELDS, overridden_fields
+
+    given = overridden_fields(est.runtime)
+    return {k: v for k, v in given.items() if k in FIELDS} or None
+
+
 def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
-                     extra: dict[str, Any] | None = None) -> list[str]:
-    """`auto` picks DDP; the question users ask is often about nn.DataParallel: answer both, side by side."""
+                     extra: dict[str, Any] | None = None, figures: dict[str, Any] | None = None) -> list[str]:
+    """`auto` picks DDP; the question users ask is often about nn.DataParallel: answer both, side by side
+    (the DataParallel column's figures also go into `figures`)."""
     from planner.estimate import estimate
 
     try:
         dp = estimate(model, est.config.model_copy(update={"parallelism": "dp"}), est.instance,
-                      runtime=est.runtime, model_options=model_options, stack=est.stack, **(extra or {}))
-    except PlannerError:
+                      runtime=_same_runtime(est), model_options=model_options, stack=est.stack, **(extra or {}))
+    except (PlannerError, ValidationError):  # no such configuration: no column
         return []
+    if figures is not None:
+        figures.update({"ddp": _estimate_figures(est), "dp": _estimate_figures(dp)})
     rows = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer states", "optimizer_states"),
             ("activations", "activations"), ("input batch", "batch"), ("temporaries and buffers", "buffers"),
             ("peak on the device", "peak_device")]
@@ -420,6 +454,43 @@ def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[
         lines.append(f"{'samples/s (job)':<26}{est.throughput.samples_per_s:>12,.1f}"
                      f"{dp.throughput.samples_per_s:>14,.1f}")
     return lines
+
+
+def _estimate_figures(est: Estimate) -> dict[str, Any]:
+    """The headline numbers of one estimate, under the keys of `estimate --json`."""
+    tp = est.throughput
+    return {"memory_bytes": est.memory_bytes.model_dump(), "verdict": est.verdict, "fits": est.fits,
+            "peak_device_low_bytes": est.peak_device_low_bytes, "peak_device_high_bytes": est.peak_device_high_bytes,
+            "headroom_bytes": est.headroom_bytes,
+            "samples_per_s": tp.samples_per_s if tp else None}
+
+
+def _figures(est: Estimate) -> list[dict[str, Any]]:
+    """The numbers of each step, in the order of `explain`'s steps (the side-by-side and verdict steps fill
+    theirs as they compute them)."""
+    j = est.to_json()
+    m = j["memory_bytes"]
+    tp = j.get("throughput") or {}
+    return [
+        {"config": j["config"], "world_size": est.world_size, "instance": est.instance, "stack": j.get("stack")},
+        {"gpus_per_instance": None, "gpu_memory_bytes": est.gpu_memory_bytes, "cuda_context_bytes": m["cuda_context"],
+         "nccl_bytes": m["nccl"], "usable_memory_bytes": est.usable_memory_bytes},
+        {"parallelism": est.config.parallelism, "parameters_bytes": m["parameters"], "gradients_bytes": m["gradients"],
+         "optimizer_states_bytes": m["optimizer_states"]},
+        {"parameters": dict(est.parameters)},
+        {"parameters_bytes": m["parameters"]},
+        {"gradients_bytes": m["gradients"], "optimizer_states_bytes": m["optimizer_states"]},
+        {"activations_bytes": m["activations"]},
+        {"batch_bytes": m["batch"]},
+        {"phases": j["phases"], "peak_phase": est.peak_phase, "peak_allocated_bytes": m["peak_allocated"]},
+        {"memory_bytes": m, "peak_device_low_bytes": est.peak_device_low_bytes,
+         "peak_device_high_bytes": est.peak_device_high_bytes, "band": j.get("band")},
+        {"verdict": est.verdict, "fits": est.fits, "peak_device_bytes": m["peak_device"],
+         "peak_device_low_bytes": est.peak_device_low_bytes, "peak_device_high_bytes": est.peak_device_high_bytes,
+         "gpu_memory_bytes": est.gpu_memory_bytes, "headroom_bytes": est.headroom_bytes, "peak_phase": est.peak_phase,
+         "samples_per_s": tp.get("samples_per_s"), "step_time_s": tp.get("step_time_s"), "mfu": tp.get("mfu"),
+         "breakdown_s": tp.get("breakdown_s")},
+    ]
 
 
 def explain(est: Estimate, model: ModelSpec | str | None = None,
@@ -446,9 +517,19 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
     rt = est.runtime
     both = (requested_parallelism == "auto" and est.config.parallelism == "ddp" and est.config.instances == 1
             and est.world_size > 1)
+    figures = _figures(est)
+    figures[1]["gpus_per_instance"] = inst.gpus
+    side: dict[str, Any] = {}
     side_by_side = [Step("DDP, which auto chose, and nn.DataParallel side by side",
-                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options, extra)))] if both else []
-    return [
+                         tuple(_ddp_vs_dp_lines(model or est.model, est, model_options, extra, side)), side)
+                    ] if both else []
+    fixes: list[dict[str, Any]] = []
+    verdict_lines = tuple(_verdict_lines(model or est.model, est, model_options, extra, fixes))
+    if fixes and "largest_fitting_batch_size" in fixes[0]:
+        figures[-1].update(fixes.pop())
+    else:
+        figures[-1]["fixes"] = fixes
+    steps = [
         Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
         Step(f"Memory of each GPU on {inst.name}", (
             f"{inst.gpus} × {g.name}, {fmt_bytes(g.memory_bytes)} nominal, {fmt_bytes(est.gpu_memory_bytes)} as the "
@@ -468,8 +549,13 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
         Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
-        Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options, extra)) + _speed_bound_lines(est)),
+        Step("Verdict", verdict_lines + _speed_bound_lines(est)
+             + _amp_lines(model or est.model, est, model_options, extra, figures[-1])),
     ]
+    plain = [s for s in steps if all(s is not x for x in side_by_side)]
+    for step, numbers in zip(plain, figures, strict=True):
+        step.figures.update(numbers)
+    return steps
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:
@@ -533,6 +619,34 @@ def _beyond_tensors_lines(est: Estimate) -> list[str]:
                  f"{est.verdict.upper()}. Your tensors are exact; the band is the sum of these terms' ranges. "
                  "A probe run on the GPU and `planner calibrate` narrow it for this GPU family.")
     return lines
+
+
+def _amp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] | None,
+               extra: dict[str, Any] | None, figures: dict[str, Any]) -> tuple[str, ...]:
+    """An fp32 step on a GPU with 16-bit tensor cores: say what AMP would give, by the planner's own
+    estimate of the same configuration in AMP (on a V100 about 4x the samples/s), since a faster GPU is the
+    costly answer and AMP the cheap one."""
+    from planner.estimate import estimate
+    from planner.hardware import get_instance
+
+    gpu = get_instance(est.instance).gpu
+    if est.config.precision != "fp32" or est.throughput is None or not {"fp16", "bf16"} & set(gpu.peak_tflops):
+        return ()
+    amp = "amp-bf16" if gpu.bf16 else "amp-fp16"
+    try:
+        alt = estimate(model, est.config.model_copy(update={"precision": amp}), est.instance,
+                       model_options=model_options, runtime=_same_runtime(est), stack=est.stack, **(extra or {}))
+    except (PlannerError, ValidationError):  # no such configuration: no advice
+        return ()
+    if alt.throughput is None or alt.throughput.samples_per_s <= est.throughput.samples_per_s:
+        return ()
+    gain = alt.throughput.samples_per_s / est.throughput.samples_per_s
+    figures["amp"] = {"precision": amp, "samples_per_s": alt.throughput.samples_per_s, "speedup": gain,
+                      "peak_device_bytes": alt.memory_bytes.peak_device, "verdict": alt.verdict}
+    return (f"AMP: this step is fp32, and {gpu.name} has 16-bit tensor cores; --precision {amp} runs its "
+            f"matmuls there: {alt.throughput.samples_per_s:,.1f} samples/s instead of "
+            f"{est.throughput.samples_per_s:,.1f} ({gain:.1f}x), peak {fmt_bytes(alt.memory_bytes.peak_device)} "
+            f"({alt.verdict}).",)
 
 
 def _speed_bound_lines(est: Estimate) -> tuple[str, ...]:

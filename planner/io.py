@@ -146,12 +146,16 @@ def number(value: Any, field: str, *, low: float | None = None, high: float | No
 
 def _range_text(low: float | None, high: float | None, integer: bool, low_open: bool) -> str:
     kind = "an integer" if integer else "a finite number"
+
+    def show(x: float) -> str:  # 274,877,906,944 rather than 2.74878e+11 where the bound is whole
+        return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
+
     if low is not None and high is not None:
-        return f"{kind} {'>' if low_open else '>='} {low:g} and <= {high:g}"
+        return f"{kind} {'>' if low_open else '>='} {show(low)} and <= {show(high)}"
     if low is not None:
-        return f"{kind} {'>' if low_open else '>='} {low:g}"
+        return f"{kind} {'>' if low_open else '>='} {show(low)}"
     if high is not None:
-        return f"{kind} <= {high:g}"
+        return f"{kind} <= {show(high)}"
     return kind
 
 

@@ -46,6 +46,15 @@ MAX_INSTANCES = int(env.limit("PLANNER_MAX_INSTANCES"))
 # computed with 100-digit byte counts.
 MAX_BATCH = 2**31 - 1
 
+# Micro-steps per optimizer step. ASSUMPTION: 65,536; it keeps micro-batch × accumulation × GPUs below 2^63
+# (2^31 · 2^16 · 2^14 = 2^61), the int64 columns of a search's trials table. One limit for every command
+# (estimate, explain, probe and search). Override: $PLANNER_MAX_GRAD_ACCUM.
+MAX_GRAD_ACCUM = int(env.limit("PLANNER_MAX_GRAD_ACCUM"))
+
+# Samples per epoch: integers that a float64 holds exactly (2^53, IEEE 754), since the trials table and
+# `--json` carry them as numbers. One limit for estimate's and search's --dataset-size.
+MAX_DATASET_SIZE = 2**53
+
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                                     "uint8": 1}
 
@@ -165,14 +174,14 @@ class TrainConfig(Frozen):
     """One training configuration, per GPU. `batch_size` is the micro-batch on one GPU."""
 
     batch_size: int = Field(ge=1, le=MAX_BATCH)  # see MAX_BATCH
-    seq_len: PositiveInt
+    seq_len: int = Field(ge=1, le=MAX_BATCH)  # tokens per sample: the same int32 bound as a micro-batch
     precision: Precision = "fp32"
     optimizer: OptimizerName = "adamw"
     optimizer_impl: OptimizerImpl = "foreach"
     parallelism: Parallelism = "auto"
     checkpointing: bool = False
     attention: Attention = "auto"
-    grad_accum: PositiveInt = 1
+    grad_accum: int = Field(1, ge=1, le=MAX_GRAD_ACCUM)  # see MAX_GRAD_ACCUM
     instances: int = Field(1, ge=1, le=MAX_INSTANCES)  # SageMaker InstanceCount; see MAX_INSTANCES
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = Field(25.0, gt=0)

@@ -6,10 +6,18 @@ GIB = 1024**3
 MIB = 1024**2
 
 
+# Units above GiB, so that an absurd configuration (a micro-batch of 10^9) prints "3.16 EiB", short enough for
+# a table cell, rather than "3646102906.68 GiB" folded mid-digit; beyond YiB the figure gets separators.
+LARGE_UNITS = (("YiB", 2**80), ("ZiB", 2**70), ("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40))
+
+
 def fmt_bytes(n: float) -> str:
     """Binary units, as nvidia-smi and torch.cuda report them."""
     sign = "-" if n < 0 else ""
     n = abs(n)
+    for unit, size in LARGE_UNITS:
+        if n >= size:
+            return f"{sign}{n / size:,.2f} {unit}"
     if n >= GIB:
         return f"{sign}{n / GIB:.2f} GiB"
     if n >= MIB:

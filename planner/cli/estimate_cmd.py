@@ -113,7 +113,9 @@ def print_estimate(est: Estimate) -> None:
     keys = ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers")
     heads = ("params", "grads", "optim", "activ", "batch", PHASE_LABELS["buffers"])
     print_table(console, "Peak allocated by phase",
-                [Col("phase", whole=True)] + [Col(h, "right", min=9) for h in heads] + [Col("total", "right", min=9)],
+                # byte figures are never split across lines: one record per phase when they cannot sit side by side
+                [Col("phase", whole=True)] + [Col(h, "right", whole=True) for h in heads]
+                + [Col("total", "right", whole=True)],
                 [[ph.phase, *(fmt_bytes(ph.detail.get(k, 0)) for k in keys), fmt_bytes(ph.allocated)]
                  for ph in est.phases],
                 caption=phase_moment_note(est))
@@ -123,7 +125,7 @@ def print_estimate(est: Estimate) -> None:
     if est.throughput:
         t = est.throughput
         console.print(f"Throughput: {t.samples_per_s:,.1f} samples/s, {t.tokens_per_s:,.0f} tokens/s, "
-                      f"step {t.step_time_s * 1000:,.1f} ms, MFU {t.mfu:.0%}, global batch {t.global_batch_size}")
+                      f"step {t.step_time_s * 1000:,.1f} ms, MFU {t.mfu:.0%}, global batch {t.global_batch_size:,}")
     if est.cost:
         c = est.cost
         line = f"Cost: ${c.price_per_hour:,.2f}/hour, ${c.usd_per_million_samples:,.2f} per million samples"
@@ -258,8 +260,8 @@ def register(app: typer.Typer) -> None:
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss)
         if json_out:
-            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
-                              enumerate(steps)], indent=2))
+            print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines), "figures": s.figures}
+                              for i, s in enumerate(steps)], indent=2))
             return
         from rich.padding import Padding
         from rich.text import Text

@@ -25,6 +25,7 @@ from planner.cli import (
     report_cmd,
     search_cmd,
 )
+from planner.cli.help_text import keep_words_whole
 
 
 class OneLineErrors(TyperGroup):
@@ -37,10 +38,11 @@ class OneLineErrors(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.NoArgsIsHelpError as exc:
-            from typer import rich_utils
-
-            rich_utils.rich_format_error(exc)
+        except click.NoArgsIsHelpError as exc:  # `planner`, `planner probe`: the help, plain like --help
+            try:
+                print(exc.ctx.get_help() if exc.ctx is not None else exc.format_message(), flush=True)
+            except BrokenPipeError:  # `planner | head`
+                _silence_stdout()
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
             where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
@@ -65,6 +67,12 @@ def _silence_stdout() -> None:
         pass
 
 
+# Help as plain text (click's formatter), at most 80 columns: rich's help panels cut long flag names to fit
+# their columns (`--global-batch-si…`) and draw boxes that break when piped; the plain layout puts a long
+# flag's help on the next line instead and never cuts a word or a number.
+HELP_SETTINGS = {"max_content_width": 80}
+keep_words_whole()
+
 app = typer.Typer(
     name="planner",
     cls=OneLineErrors,
@@ -72,6 +80,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings=HELP_SETTINGS,
 )
 
 for module in (estimate_cmd, models_cmd, catalog_cmd, search_cmd, prices_cmd, probe_cmd, report_cmd):

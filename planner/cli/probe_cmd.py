@@ -225,7 +225,8 @@ def _selected_jobs(study: str | None, job: list[str] | None) -> dict[str, dict[s
 
 def register(app: typer.Typer) -> None:
     probe = typer.Typer(help="Measure real memory and speed: run the probe job here or on SageMaker.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None,  # plain help, as planner.cli.main says
+                        context_settings={"max_content_width": 80})
     app.add_typer(probe, name="probe")
 
     @probe.command("run")

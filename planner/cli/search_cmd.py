@@ -33,13 +33,14 @@ from planner.search.limits import (
     MAX_GLOBAL_BATCH,
     MAX_SEARCH_INSTANCES,
     MAX_SEED,
+    MAX_TRIALS,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     from planner.search.study import SearchInterrupted, SearchResult
     from planner.search.sweep import Sweep
 
-HELP_SPACE = "Comma-separated values to search (default: see planner/search/space.py)."
+HELP_SPACE = "Comma-separated values to search."
 
 
 def _slug(text: str) -> str:
@@ -71,6 +72,8 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
         updates["inputs"] = updates["loss"] = None  # and so do its inputs and loss
         if sweep_file is None:
             updates["name"] = _slug(model)
+    elif sweep_file is None and instance is not None and instance != base.instance:
+        updates["name"] = _slug(base.model)  # the default's name says p3: not for other instance types
     for key, value in (("inputs", inputs), ("loss", loss)):
         if value is not None:
             updates[key] = value
@@ -85,11 +88,13 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     if stack:
         updates["stack"] = stack
     space = dict(space)
+    seq_flag = "--seq-len"
     if space.get("seq_lens") is not None and "seq_len" not in recipe:
         recipe["seq_len"] = space.pop("seq_lens")
+        seq_flag = "--seq-lens"  # the older spelling: errors name the flag the user typed
     space.pop("seq_lens", None)
     if "seq_len" in recipe:
-        recipe["seq_len"] = _seq_lens(recipe["seq_len"])
+        recipe["seq_len"] = _seq_lens(recipe["seq_len"], seq_flag)
     constraints = dict(constraints)
     if constraints.get("global_batch_tolerance"):  # the older tolerant form: accumulation is searched
         gbs = constraints.get("global_batch_size") or base.recipe.global_batch_size
@@ -125,13 +130,13 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     return merged
 
 
-def _seq_lens(text: Any) -> int | tuple[int, ...]:
+def _seq_lens(text: Any, flag: str = "--seq-len") -> int | tuple[int, ...]:
     """--seq-len 512 or 256,512 (a list is explored; the best is reported at the longest)."""
     from planner.search.space import parse_flag_list
 
     if isinstance(text, int):
         return text
-    values = parse_flag_list("seq_lens", str(text), "--seq-len")
+    values = parse_flag_list("seq_lens", str(text), flag)
     assert values is not None
     return values[0] if len(values) == 1 else values
 
@@ -225,8 +230,12 @@ def print_result(result: SearchResult, top: int) -> None:
     if fixed:
         console.print("fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), highlight=False)
     if run.space.dropped:
-        dropped = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in run.space.dropped.items())
-        console.print(f"left out of the default space (no GPU here runs them): {dropped}", highlight=False)
+        from planner.search.space import dropped_reason
+
+        dropped = "; ".join(f"{k.replace('_', ' ')} {', '.join(map(str, v))} "
+                            f"({dropped_reason(k, run.space.global_batch_size)})"
+                            for k, v in run.space.dropped.items())
+        console.print(f"left out of the default space: {dropped}", highlight=False)
     if n_feasible == 0:
         return
     cost_col, time_col = cost_column(frame), time_column(frame)
@@ -244,14 +253,15 @@ def print_result(result: SearchResult, top: int) -> None:
         console.print(
             f"      {_num(b['samples_per_s'], ',.1f')} samples/s; {_num(b[time_col])} h and "
             f"{_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per million samples'} at "
-            f"{_num(b['price_per_hour'], prefix='$')}/h; peak {_num(b['peak_device_high_gib'])} of "
-            f"{_num(b['gpu_memory_gib'])} GiB ({b['verdict']})", highlight=False)
+            f"{_num(b['price_per_hour'], prefix='$')}/h; peak {_num(b['peak_device_gib'])} of "
+            f"{_num(b['gpu_memory_gib'])} GiB ({b['verdict']}; band's high end "
+            f"{_num(b['peak_device_high_gib'])})", highlight=False)
     heads = ["#"] + (["instance"] if multi else []) + ["configuration", "peak GiB", "samples/s", time_head,
                                                        cost_head]
     table = _table(f"Top {top} configurations (micro x accum x GPUs)", heads)
     for i, (_, row) in enumerate(top_k(frame, top, result.direction).iterrows(), 1):
         table.add_row(str(i), *([_instance_text(row)] if multi else []), _config_text(row, shown),
-                      _num(row["peak_device_high_gib"]), _num(row["samples_per_s"], ",.1f"), _num(row[time_col]),
+                      _num(row["peak_device_gib"]), _num(row["samples_per_s"], ",.1f"), _num(row[time_col]),
                       _num(row[cost_col], prefix="$"))
     console.print(table)
     if len(types) > 1:
@@ -283,6 +293,19 @@ def print_result(result: SearchResult, top: int) -> None:
             table.add_row(_int(row["seq_len"]), *([_instance_text(row)] if multi else []), _config_text(row, shown),
                           _num(row["samples_per_s"], ",.1f"), _num(row[cost_col], prefix="$"))
         console.print(table)
+
+
+def files_lines(result: SearchResult) -> list[str]:
+    """Where the results went, in lines that fit 80 columns with the default study names: the folder on one
+    line (a path is never broken), its files on the next; the storage by name when it sits in that folder."""
+    names = [p.name for p in result.files.values()]
+    storage = str(result.storage)
+    folder = Path(result.results_dir)
+    inside = Path(storage).parent.resolve() == folder.resolve() if "://" not in storage else False
+    lines = [f"results: {folder}/", "  " + ", ".join(names) + (f", {Path(storage).name} (the study)" if inside else "")]
+    if not inside:
+        lines.append(f"storage: {storage}")
+    return lines
 
 
 def interrupted_message(stop: SearchInterrupted) -> str:
@@ -392,7 +415,7 @@ def register(app: typer.Typer) -> None:
         loss: LossOpt = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
-            min=1, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
+            min=1, max=MAX_TRIALS, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
                         "further instance type; grid: the whole grid).")] = None,
         sampler: Annotated[str | None, typer.Option(help="tpe (default; grid when the space has no more points than --trials), grid (exhaustive) or random.")] = None,
         seed: Annotated[int | None, typer.Option(
@@ -497,9 +520,8 @@ def register(app: typer.Typer) -> None:
         else:
             print_result(result, top)
             if result.files:
-                names = ", ".join(p.name for p in result.files.values())
-                console.print(f"results: {result.results_dir}/ ({names})", highlight=False, soft_wrap=True)
-                console.print(f"storage: {result.storage}", highlight=False, soft_wrap=True)
+                for line in files_lines(result):
+                    console.print(line, highlight=False, soft_wrap=True)
         if result.all_infeasible:
             err_console.print(f"[bold red]error:[/] {infeasible_message(result)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)

@@ -11,6 +11,7 @@ Calibration file format (per family, any subset of the RuntimeConstants fields):
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from functools import lru_cache
@@ -102,7 +103,7 @@ def default_runtime(gpu: GPU) -> dict[str, Any]:
         "cublas_workspace_bytes": cublas_workspace_bytes(gpu.compute_capability),
         "nccl_bytes_per_peer": NCCL_CHANNELS.get(fam, NCCL_CHANNELS_DEFAULT) * NCCL_BYTES_PER_CHANNEL_PEER,
         "fragmentation": FRAGMENTATION.get(fam, FRAGMENTATION_DEFAULT),
-        "source": f"defaults for {fam} (planner.memory.runtime)",
+        "source": f"the planner's defaults for {fam}",
     }
 
 
@@ -165,11 +166,24 @@ def runtime_constants(gpu: GPU, overrides: Mapping[str, Any] | None = None,
     if overrides:
         _check_overrides(overrides)
         values.update(overrides)
-        values["source"] += f"; overridden: {', '.join(sorted(overrides))}"
+        values["source"] += f"{OVERRIDDEN}{', '.join(sorted(overrides))}"
     values["cuda_context_bytes"] = int(values["cuda_context_bytes"])
     values["cublas_workspace_bytes"] = int(values["cublas_workspace_bytes"])
     values["nccl_bytes_per_peer"] = int(values["nccl_bytes_per_peer"])
     return RuntimeConstants(**values)
+
+
+OVERRIDDEN = "; overridden: "  # how runtime_constants marks the fields a caller set, in `source`
+
+
+def overridden_fields(constants: RuntimeConstants) -> dict[str, Any]:
+    """The fields of `constants` a caller overrode (--cuda-context-mib, --fragmentation), with their values, read
+    back from the mark `runtime_constants` leaves in `source`: what another configuration's estimate needs to
+    get the same answer `estimate` gives it with the same flags."""
+    _, mark, names = constants.source.rpartition(OVERRIDDEN)
+    if not mark:
+        return {}
+    return {name: getattr(constants, name) for name in names.split(";")[0].split(", ") if name in FIELDS}
 
 
 def nccl_bytes(constants: RuntimeConstants, world_size: int) -> int:
@@ -212,4 +226,32 @@ def _read_calibration(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
     families = data.get("families", {})
     if not isinstance(families, dict) or not all(isinstance(v, dict) for v in families.values()):
         raise PlannerError(f"{path}: families", families, 'an object {"V100": {"fragmentation": 0.07, ...}, ...}')
+    for family, entry in families.items():
+        _check_calibration_entry(entry, f"calibration file {path}: families.{family}")
     return data
+
+
+# Fields `planner calibrate` writes besides the RuntimeConstants ones (planner.probes.calibrate.fit), and what
+# each may hold: every one is read somewhere, so a word where a number belongs is an error naming the file.
+MAX_THROUGHPUT_SCALE = 100.0  # measured/predicted speed; far outside anything a probe can show
+
+
+def _check_calibration_entry(entry: Mapping[str, Any], where: str) -> None:
+    """One family of the calibration file, every field checked once when the file is read."""
+    from planner.io import number
+
+    check_values({k: v for k, v in entry.items() if k in FIELDS and v is not None}, where)
+    if entry.get("throughput_scale") is not None:
+        number(entry["throughput_scale"], f"{where}.throughput_scale", low=0, high=MAX_THROUGHPUT_SCALE,
+               low_open=True)
+    if entry.get("module_loading") not in (None, "lazy", "eager"):
+        raise PlannerError(f"{where}.module_loading", entry["module_loading"], "lazy, eager or null")
+    for key in ("context_range", "fragmentation_range"):
+        value = entry.get(key)
+        if value is not None and (not isinstance(value, list) or len(value) != 2 or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                for v in value)):
+            raise PlannerError(f"{where}.{key}", value, "[min, max], two finite numbers >= 0, or null")
+    for key in ("n", "n_context", "n_throughput"):
+        if entry.get(key) is not None:
+            number(entry[key], f"{where}.{key}", low=0, high=2**53, integer=True)

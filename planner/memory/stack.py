@@ -82,7 +82,7 @@ def check_torch(value: str) -> str:
     rows = _torch_rows()
     if v not in rows:
         near = _closest(v, list(rows))
-        raise PlannerError("--torch-version", value, f"a torch version in planner/data/stacks.json "
+        raise PlannerError("--torch-version", value, f"a torch version the planner knows "
                            f"({fmt(min(rows))} to {fmt(max(rows))}); closest known: {fmt(near)}")
     return fmt(v)
 
@@ -106,7 +106,7 @@ def check_transformers(value: str) -> str:
     v = parse_version("--transformers-version", value)
     known = known_transformers()
     if v not in known:
-        raise PlannerError("--transformers-version", value, f"a transformers version in planner/data/stacks.json "
+        raise PlannerError("--transformers-version", value, f"a transformers version the planner knows "
                            f"({fmt(min(known))} to {fmt(max(known))}); closest known: {fmt(_closest(v, known))}")
     return fmt(v)
 
@@ -207,11 +207,10 @@ def _default_stack(gpu: GPU) -> SoftwareStack:
             cuda = f"{digits[:-1]}.{digits[-1]}"
             return SoftwareStack(torch=torch, cuda=cuda, transformers=tf, given=False,
                                  source=f"default: the AWS PyTorch DLC that `probe launch` uses for {gpu.family} "
-                                        f"({img.tag}, see planner/aws/images.py); transformers {tf}, the newest "
-                                        "the probe job installs (jobs/requirements.txt)")
+                                        f"({img.tag}); transformers {tf}, the newest the probe job installs")
     last = table()["torch"][-1]
     return SoftwareStack(torch=last["version"], cuda=last["cuda"][-1], transformers=tf, given=False,
-                         source="default: newest torch in planner/data/stacks.json (no DLC supports this GPU)")
+                         source="default: the newest torch the planner knows (no AWS DLC supports this GPU)")
 
 
 def resolve_stack(stack: SoftwareStack | dict[str, Any] | None, gpu: GPU) -> SoftwareStack:

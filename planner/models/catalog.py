@@ -81,7 +81,7 @@ def _int_option(options: dict[str, Any], key: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PlannerError(key, value, f"an integer >= {minimum}")
     if value > hf_config.MAX_DIM:  # the same bound as a config.json size: absurd sizes answer at once
-        raise PlannerError(key, value, f"an integer <= {hf_config.MAX_DIM:,} (planner.models.hf_config.MAX_DIM)")
+        raise PlannerError(key, value, f"an integer <= {hf_config.MAX_DIM:,}")
     return value
 
 
@@ -113,6 +113,9 @@ def get_model(name_or_path: str, **options: Any) -> ModelSpec:
         config = _transformer_config(catalog_config(name), options, name)
         source: dict[str, Any] = {"catalog": name, "options": dict(options)}
         return hf_config.spec_from_hf_config(config, name=name, source=source)
+    if name_or_path.endswith(".py") or ".py:" in name_or_path:  # not a reference (is_reference): no function
+        raise PlannerError("--model", name_or_path, "FILE.py:FUNCTION for a model of your own, naming the "
+                           "function that returns your nn.Module, e.g. examples/multimodal_bert.py:build")
     if _is_path(name_or_path):
         raw = hf_config.load_config_file(name_or_path)
         config = _transformer_config(raw, options, name_or_path)

@@ -89,9 +89,9 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None, *, minimum: 
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise PlannerError(f"{FIELD}:{key}", value, f"an integer >= {minimum}")
-    limit, name = (MAX_LAYERS, "MAX_LAYERS") if key in LAYER_KEYS else (MAX_DIM, "MAX_DIM")
+    limit = MAX_LAYERS if key in LAYER_KEYS else MAX_DIM
     if value > limit:
-        raise PlannerError(f"{FIELD}:{key}", value, f"an integer <= {limit:,} (planner.models.hf_config.{name})")
+        raise PlannerError(f"{FIELD}:{key}", value, f"an integer <= {limit:,}")
     return value
 
 

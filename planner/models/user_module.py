@@ -29,6 +29,18 @@ def is_reference(value: object) -> bool:
     return isinstance(value, str) and REFERENCE.match(value) is not None
 
 
+def refuse_inputs_unless_own(model: object, inputs: str | None, loss: str | None) -> None:
+    """--inputs and --loss belong to a model of your own (`FILE.py:build`); the planner makes the batch and
+    loss of a catalog model or a config.json itself, so either one given there would be silently unused."""
+    if is_reference(model):
+        return
+    for flag, value in (("--inputs", inputs), ("--loss", loss)):
+        if value is not None:
+            raise PlannerError(flag, value, f"left out for --model {model}: only a model of your own "
+                               "(--model FILE.py:build) takes it; the planner makes the batch and loss of "
+                               "catalog models and config.json files itself")
+
+
 def last_line(exc: BaseException) -> str:
     """The exception's last line, as Python prints it (`ValueError: bad width`)."""
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -48,7 +60,9 @@ def _import(path: Path, flag: str, ref: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
         del sys.modules[name]
-        raise PlannerError(flag, ref, f"importing {path} raised {last_line(exc)}") from None
+        hint = (f" (install {exc.name} in this Python)" if isinstance(exc, ModuleNotFoundError) and exc.name
+                else "")
+        raise PlannerError(flag, ref, f"importing {path} raised {last_line(exc)}{hint}") from None
     return module
 
 

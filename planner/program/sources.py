@@ -64,18 +64,29 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
                       flash_ok=flash_ok, name=label or path, source=path, enable_checkpointing=_checkpointing_for)
 
 
+# What tracing a model needs, said once and up front: PyTorch runs the step on fake tensors, and transformers
+# builds config.json models and is what most own models (and examples/) import. The README says the same.
+TRACING_LIBRARIES = ("torch", "transformers")
+
+
 def require_tracing_libraries(model: str) -> None:
-    """Tracing runs the model on fake tensors, so it needs PyTorch (and transformers for a config.json);
-    without them the answer is one line naming --model, not an ImportError traceback."""
-    needed = ["torch"] + ([] if ".py:" in model else ["transformers"])
-    for name in needed:
-        try:
-            __import__(name)
-        except ImportError:
-            how = ("pip install torch --index-url https://download.pytorch.org/whl/cpu" if name == "torch"
-                   else "pip install transformers")
-            raise PlannerError("--model", model, f"a model this Python can trace, which needs {name} ({how}); "
-                               "catalog models and the configs of hf_config's families need neither") from None
+    """A model of your own (`FILE.py:build`) or a traced config.json needs torch and transformers; without
+    them the answer is one line naming --model and everything missing, not an ImportError traceback (and
+    not torch now, transformers on the next try)."""
+    import importlib.util
+
+    missing = [name for name in TRACING_LIBRARIES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    how = []
+    if "torch" in missing:
+        how.append("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    if "transformers" in missing:
+        how.append("pip install transformers")
+    raise PlannerError("--model", model, f"a model this Python can trace: your own models and config.json "
+                       f"files outside the catalog's families are traced with torch and transformers, and "
+                       f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing "
+                       f"({'; '.join(how)}); catalog models need neither")
 
 
 def is_traced_config(model: object) -> bool:
@@ -116,8 +127,7 @@ def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
         if out is not None:
             from dataclasses import replace
 
-            return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b} "
-                                       "(planner.program.scale)"))
+            return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b}"))
     return direct(*args[:-2], config_json, *args[-2:])
 
 

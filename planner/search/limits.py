@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from planner import env
 from planner.spec import MAX_BATCH, MAX_INSTANCES
+from planner.spec import MAX_DATASET_SIZE as SPEC_MAX_DATASET_SIZE
+from planner.spec import MAX_GRAD_ACCUM as SPEC_MAX_GRAD_ACCUM
 
 # Sampler seeds: numpy's RandomState (which Optuna's samplers use) takes seeds in [0, 2^32 - 1]
 # (numpy.random.RandomState docs); each further worker adds its number (planner.search.study), so half
@@ -18,18 +20,22 @@ MAX_SEED = 2**31 - 1
 # (planner.spec.MAX_BATCH); the model's own limits (positions) reject far smaller values later.
 MAX_SPACE_VALUE = MAX_BATCH
 
-# Micro-steps per optimizer step. ASSUMPTION: 65,536; it keeps micro-batch × accumulation × GPUs below 2^63
-# (2^31 · 2^16 · 2^14 = 2^61), the int64 columns of the trials table. Override: $PLANNER_MAX_GRAD_ACCUM.
-MAX_GRAD_ACCUM = int(env.limit("PLANNER_MAX_GRAD_ACCUM"))
+# Micro-steps per optimizer step: the estimate's own limit (planner.spec.MAX_GRAD_ACCUM, $PLANNER_MAX_GRAD_ACCUM).
+MAX_GRAD_ACCUM = SPEC_MAX_GRAD_ACCUM
 
 # Samples per optimizer step and per epoch: integers that a float64 holds exactly (2^53, IEEE 754), since
 # the trials table and `--json` carry them as numbers.
 MAX_GLOBAL_BATCH = 2**53
-MAX_DATASET_SIZE = 2**53
+MAX_DATASET_SIZE = SPEC_MAX_DATASET_SIZE  # planner.spec.MAX_DATASET_SIZE: the same for estimate
 
 # Passes over the dataset. ASSUMPTION: 10^6, far above any training recipe; keeps hours and $ per job finite
 # (2^53 samples × 10^6 epochs is ~10^22 samples, a finite float). Override: $PLANNER_MAX_EPOCHS.
 MAX_EPOCHS = float(env.limit("PLANNER_MAX_EPOCHS"))
+
+# Finished trials wanted in one study. ASSUMPTION: 10^7, far above any search (the default is 100; a whole
+# grid of every dimension is ~10^5); at ~2,000 trials/s it is still hours, not forever (a TPE search never
+# ends on its own below its budget).
+MAX_TRIALS = 10**7
 
 # Instances per job: the estimate's own limit (planner.spec.MAX_INSTANCES, $PLANNER_MAX_INSTANCES).
 MAX_SEARCH_INSTANCES = MAX_INSTANCES

@@ -256,7 +256,7 @@ def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tu
             if value <= 0:
                 raise PlannerError(flag, item, "positive integers, e.g. 1,2,4,8")
             if value > high:
-                raise PlannerError(flag, item, f"integers from 1 to {high:,} (planner.search.limits)")
+                raise PlannerError(flag, item, f"integers from 1 to {high:,}")
             out.append(value)
         return tuple(out)
     if field == "checkpointing":
@@ -289,6 +289,17 @@ def gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
     if dimension == "attention":
         return gpu.flash_attention or value != "flash"
     return True
+
+
+def dropped_reason(field: str, global_batch_size: int | None) -> str:
+    """Why `resolve_space` left a field's default values out, in words (the same rules as there)."""
+    if field == "batch_sizes":
+        return f"above the global batch {global_batch_size:,}" if global_batch_size else "too large"
+    if field == "seq_lens":
+        return "longer than the model's positions"
+    if field == "attentions":
+        return "no GPU here has FlashAttention: sm80 or later"
+    return "no GPU here runs them"
 
 
 def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance | list[Instance], *,

@@ -67,13 +67,22 @@ def parse_storage(text: str | None, default_file: Path) -> StorageSpec:
     if text is None:
         return StorageSpec("journal", str(default_file))
     if text.startswith("journal:"):
-        return StorageSpec("journal", text[len("journal:"):])
-    if "://" not in text and text.endswith(JOURNAL_SUFFIXES):
-        return StorageSpec("journal", text)
-    if "://" not in text:
+        spec = StorageSpec("journal", text[len("journal:"):])
+    elif "://" not in text and text.endswith(JOURNAL_SUFFIXES):
+        spec = StorageSpec("journal", text)
+    elif "://" not in text:
         raise PlannerError("--storage", text, "an Optuna RDB URL (sqlite:///x.db, postgresql://user@host/db) or a "
                            f"journal file ending in {', '.join(JOURNAL_SUFFIXES)}")
-    return StorageSpec("rdb", text)
+    else:
+        spec = StorageSpec("rdb", text)
+    file = spec.file
+    # A storage is where trials outlive the command: an empty path (`sqlite:///`), a folder or SQLite's
+    # in-memory database would open, run every trial and keep none of them.
+    if file is not None and (not str(file).strip() or str(file) in (".", ":memory:") or file.name == ""
+                             or file.is_dir()):
+        raise PlannerError("--storage", text, "a file to keep the trials in, e.g. sqlite:///results/x.db or "
+                           "results/x/journal.log (not a folder, nothing, or :memory:)")
+    return spec
 
 
 class _FlockLock:
@@ -137,7 +146,6 @@ def _journal_lock(path: Path) -> Any:
 
 def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
     """An Optuna storage; errors (bad URL, server down, missing driver) name --storage."""
-    import optuna
 
     if spec.kind == "journal":
         path = Path(spec.target)
@@ -145,8 +153,59 @@ def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
             raise PlannerError("--storage", spec.target, "a journal file in an existing folder")
         from optuna.storages.journal import JournalStorage
 
-        return JournalStorage(_journal_backend(path))
+        _check_journal_end(path)
+        try:  # replays every record: a cut or foreign file fails here, before anything is written
+            return JournalStorage(_journal_backend(path))
+        except OSError:
+            raise
+        except Exception as exc:  # json's, Optuna's KeyError/ValueError on a record it cannot apply, bytes
+            raise PlannerError(f"journal {path}", _first_line(exc), JOURNAL_DAMAGED) from None
     url = spec.target
+    lock = spec.file.with_name(spec.file.name + ".study-lock") if spec.file is not None else None
+    lock_existed = lock is not None and lock.exists()
+    try:
+        return _open_rdb(url, spec)
+    except BaseException:
+        if lock is not None and not lock_existed:  # ours, made for this attempt: leave no empty lock file
+            with contextlib.suppress(OSError):
+                lock.unlink()
+        raise
+
+
+JOURNAL_DAMAGED = ("an Optuna journal whose every line is a whole record (was it cut short or edited?); restore "
+                   "it, or move it away to start the study afresh")
+
+
+def _check_journal_end(path: Path) -> None:
+    """A journal whose last record has no line end was cut (every record is written whole, in one write(2),
+    by `_journal_backend`). Optuna would skip that line and append after it, welding the next record onto it
+    and damaging the file for good; so refuse before anything is written. A writer of another worker may be
+    mid-write: look twice, a moment apart."""
+    for attempt in range(2):
+        try:
+            with path.open("rb") as f:
+                if f.seek(0, 2) == 0:
+                    return
+                f.seek(-1, 2)
+                if f.read(1) == b"\n":
+                    return
+        except FileNotFoundError:
+            return
+        if attempt == 0:
+            time.sleep(0.2)
+    raise PlannerError(f"journal {path}", "its last record has no line end", JOURNAL_DAMAGED)
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception as a short value for a one-line error."""
+    text = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _open_rdb(url: str, spec: StorageSpec) -> Any:
+    """Optuna's RDBStorage for `url`, retried while workers race to create its tables."""
+    import optuna
+
     for attempt in range(STORAGE_ATTEMPTS):
         try:
             with StudyLock.for_file(spec.file):  # SQLite: one creator at a time

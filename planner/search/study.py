@@ -501,8 +501,10 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     sampler = sampler or sweep.search.sampler
     seed = sweep.search.seed if seed is None else seed
     trials = trials or sweep.search.trials
-    if trials is not None and trials <= 0:
-        raise PlannerError("--trials", trials, "a positive integer")
+    from planner.search.limits import MAX_TRIALS
+
+    if trials is not None and not 1 <= trials <= MAX_TRIALS:
+        raise PlannerError("--trials", trials, f"an integer >= 1 and <= {MAX_TRIALS:,}")
     name = resolve_name(sweep, study)
     results_dir = Path(results_dir)
     sweep_model(sweep)  # a bad model fails before any storage is created

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlannerError
 from planner.search.limits import (
@@ -40,6 +40,7 @@ from planner.search.limits import (
     MAX_GLOBAL_BATCH,
     MAX_SEED,
     MAX_SPACE_VALUE,
+    MAX_TRIALS,
 )
 from planner.search.space import SpaceSpec
 
@@ -129,7 +130,7 @@ class ObjectiveSpec(_Strict):
 
 
 class SearchOptions(_Strict):
-    trials: PositiveInt | None = None  # None: DEFAULT_TRIALS for tpe/random, the whole grid for grid
+    trials: Annotated[int, Field(ge=1, le=MAX_TRIALS)] | None = None  # None: DEFAULT_TRIALS for tpe/random, the whole grid for grid
     sampler: Sampler | None = None  # None: tpe, or grid when the space has no more points than trials
     seed: int = Field(0, ge=0, le=MAX_SEED)
 
@@ -231,7 +232,9 @@ def _validation_error(source: str, exc: ValidationError) -> PlannerError:
 def parse_sweep(data: Any, source: str = "sweep") -> Sweep:
     """A Sweep from parsed YAML; errors name `source` and the field."""
     if not isinstance(data, dict):
-        raise PlannerError(f"{source}: (document)", type(data).__name__, "a YAML mapping of sweep fields")
+        what = {type(None): "(empty)", list: "(a list)", str: "(a single text value)"}.get(type(data), type(data).__name__)
+        raise PlannerError(source, what, "a YAML mapping of sweep fields (name:, model:, instance:, "
+                           "recipe:, space:, ...; see sweeps/)")
     try:
         sweep = Sweep.model_validate(data)
     except ValidationError as exc:
@@ -295,10 +298,15 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
     class (`planner.program.sources`). User code is imported here, so a bad reference fails before any trial."""
     if not sweep.traced():
         from planner.models.catalog import cached_model
+        from planner.models.user_module import refuse_inputs_unless_own
+
+        refuse_inputs_unless_own(sweep.model, sweep.inputs, sweep.loss)
 
         return cached_model(sweep.model, sweep.model_options)
     from planner.models.user_module import is_reference, load_function
+    from planner.program.sources import require_tracing_libraries
 
+    require_tracing_libraries(sweep.model)  # before the user's file is imported: all that is missing, once
     if is_reference(sweep.model):
         if sweep.inputs is None:
             raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
@@ -307,9 +315,10 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
         load_function(sweep.inputs, "--inputs")
         if sweep.loss is not None:
             load_function(sweep.loss, "--loss")
-    elif sweep.inputs is not None or sweep.loss is not None:
-        raise PlannerError("--inputs", sweep.inputs or sweep.loss, f"left out for {sweep.model} (a config.json "
-                           "makes its own inputs and loss)")
+    else:
+        from planner.models.user_module import refuse_inputs_unless_own
+
+        refuse_inputs_unless_own(sweep.model, sweep.inputs, sweep.loss)
     return sweep.model
 
 
