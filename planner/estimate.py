@@ -340,7 +340,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
-                     scale, spec.name, tuple(_notes(spec, cfg)), view.stack, view.context, view.given,
+                     scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions), view.stack, view.context, view.given,
                      view.fragmentation_range)
 
 
@@ -584,7 +584,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, CUDA-mapped (planner.program); throughput from the traced ops "
-             "(planner.program.speed)", *full.notes, *_notes(None, cfg)]
+             "(planner.program.speed)", *full.notes, *_notes(None, cfg), *inst.gpu.assumptions, *inst.assumptions]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
