@@ -316,6 +316,11 @@ class Cost(Frozen):
     epochs: float | None = None
     hours_per_job: float | None = None
     usd_per_job: float | None = None
+    # Where and when the instance price is from (issue 22); stale: older than 180 days or before a known
+    # price change (planner.prices.is_stale); None when the user gave the price.
+    price_region: str = ""
+    price_date: str = ""
+    price_stale: bool | None = None
 
 
 class AllocatorReplay(Frozen):
