@@ -340,7 +340,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     )
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
-                     scale, spec.name, tuple(_notes(spec, cfg)), view.stack, view.context, view.given,
+                     scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions), view.stack, view.context, view.given,
                      view.fragmentation_range)
 
 
@@ -367,6 +367,7 @@ def estimate(
     inputs: str | None = None,
     loss: str | None = None,
     stack: SoftwareStack | dict[str, Any] | None = None,
+    region: str | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
@@ -381,6 +382,7 @@ def estimate(
     transformers, alloc_conf; None = the DLC `probe launch` would use): it decides the CUDA context, the
     workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
     whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
+    `region`: where the instance is priced (None: us-east-1); no price there leaves the cost out.
     """
     from planner.models.user_module import is_reference, refuse_inputs_unless_own
     from planner.program.sources import is_traced_config, require_tracing_libraries
@@ -394,11 +396,11 @@ def estimate(
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
     else:
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
-    return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend)
+    return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend, region)
 
 
 def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughput: bool,
-            expandable_segments: bool, backend: str) -> Estimate:
+            expandable_segments: bool, backend: str, region: str | None = None) -> Estimate:
     """The verdict, phases, speed and cost from the prepared step (analytic or traced)."""
     from planner.memory.reserved import replay_step
     from planner.memory.runtime import nccl_bytes
@@ -461,7 +463,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
 
     throughput = cost = None
     if with_throughput and (spec is not None or prep.traced is not None):
-        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced)
+        throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced,
+                                            region)
 
     return Estimate(
         model=prep.name,
@@ -586,7 +589,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, mapped to what CUDA does; throughput from the traced ops",
-             *full.notes, *_notes(None, cfg)]
+             *full.notes, *_notes(None, cfg), *inst.gpu.assumptions, *inst.assumptions]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
@@ -600,7 +603,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
 
 
 def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
-                    scale: float | None, traced: Any = None):
+                    scale: float | None, traced: Any = None, region: str | None = None):
     """Throughput (the analytic kernel list, or a traced model's own ops), and cost at the instance's price
     (the refreshed cache when present, else the embedded table; `predict_cost` records which, with its date)."""
     from planner.perf.cost import predict_cost
@@ -613,7 +616,8 @@ def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, da
     else:
         throughput = _calibrated(predict_throughput(spec, cfg, inst), scale)
     try:
-        cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot)
+        cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot,
+                            region=region)
     except PlannerError as exc:  # no price known for this instance type; a corrupt prices cache stays an error
         if exc.field != "--instance":
             raise

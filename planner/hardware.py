@@ -42,8 +42,30 @@ def instance_table() -> dict[str, dict[str, Any]]:
     return _load("instances.json")["instances"]
 
 
+def _with_assumed(record: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The record with each unpublished (null) figure taken from its "assumed" entry, and one line per
+    figure so taken. gpus.json keeps the published figure null (never invented); the value an estimate
+    needs lives beside it under "assumed" ({"peak_tflops.bf16": {"value": 500, "why": "..."}}), so every
+    estimate on this GPU can say which value it assumed."""
+    assumed = record.get("assumed") or {}
+    out = dict(record)
+    out["peak_tflops"] = dict(record.get("peak_tflops") or {})
+    lines: list[str] = []
+    for path, entry in assumed.items():
+        head, _, key = path.partition(".")
+        holder = out[head] if key else out
+        name = key or head
+        if holder.get(name) is None:
+            holder[name] = entry["value"]
+            lines.append(f"{record['name']}: {path} = {entry['value']} assumed ({entry['why']})")
+    out["peak_tflops"] = {k: v for k, v in out["peak_tflops"].items() if v is not None}
+    return out, tuple(lines)
+
+
 def _gpu_from_record(record: dict[str, Any]) -> GPU:
+    record, assumptions = _with_assumed(record)
     reported = record.get("reported_memory_mib")
+    runtime = record.get("runtime") or {}
     return GPU(
         name=record["name"],
         family=record["family"],
@@ -58,8 +80,12 @@ def _gpu_from_record(record: dict[str, Any]) -> GPU:
         sm_count=record.get("sm_count"),
         boost_clock_mhz=record.get("boost_clock_mhz"),
         l2_mib=record.get("l2_mib"),
-        nvlink_gbs=record.get("nvlink_gbs", 0.0),
+        nvlink_gbs=record.get("nvlink_gbs") or 0.0,
         pcie_gbs=record.get("pcie_gbs"),
+        cuda_context_mib=runtime.get("cuda_context_mib"),
+        nccl_channels=runtime.get("nccl_channels"),
+        runtime_source=runtime.get("source", ""),
+        assumptions=assumptions,
     )
 
 
@@ -68,14 +94,32 @@ def _gpus() -> dict[str, GPU]:
     return {key: _gpu_from_record(rec) for key, rec in gpu_table().items()}
 
 
+def _instance_with_assumed(name: str, rec: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The row with each null figure it has an "assumed" value for filled in, and one line per figure."""
+    out = dict(rec)
+    lines = []
+    for key, entry in (rec.get("assumed") or {}).items():
+        if out.get(key) is None:
+            out[key] = entry["value"]
+            lines.append(f"{name}: {key} = {entry['value']} assumed ({entry['why']})")
+    return out, tuple(lines)
+
+
 @cache
 def _instances() -> dict[str, Instance]:
     gpus = _gpus()
-    fields = set(Instance.model_fields) - {"name", "gpu"}
+    fields = set(Instance.model_fields) - {"name", "gpu", "assumptions"}
     out: dict[str, Instance] = {}
-    for name, rec in instance_table().items():
-        out[name] = Instance(name=name, gpu=gpus[rec["gpu"]], **{k: v for k, v in rec.items() if k in fields})
+    for name, raw in instance_table().items():
+        rec, assumed = _instance_with_assumed(name, raw)
+        out[name] = Instance(name=name, gpu=gpus[rec["gpu"]], assumptions=assumed,
+                             **{k: v for k, v in rec.items() if k in fields})
     return out
+
+
+def unsupported_instances() -> dict[str, dict[str, Any]]:
+    """SageMaker GPU training types the planner does not model, each with its GPU and the reason."""
+    return _load("instances.json").get("unsupported", {})
 
 
 def list_instances(gpu: str | None = None) -> list[str]:
@@ -99,6 +143,11 @@ def get_instance(name: str) -> Instance:
     table = _instances()
     key = normalize_instance_name(name)
     if key not in table:
+        gone = unsupported_instances().get(key)
+        if gone is not None:
+            from planner.errors import PlannerError
+
+            raise PlannerError("--instance", name, f"a supported instance type; {key} is not: {gone['reason']}")
         raise unknown("--instance", name, list(table))
     return table[key]
 

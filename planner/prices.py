@@ -27,6 +27,38 @@ API_SOURCE = "AWS Price List API (AmazonSageMaker, component Training, On-Demand
 MAX_PRICE_PER_HOUR = 10_000.0
 
 
+STALE_AFTER_DAYS = 180
+# Known price changes: a price dated before one of these, for an instance of these families, is stale whatever
+# its age (planner/data/instances.json "price_changes", each with its source).
+
+
+def price_changes() -> list[dict[str, Any]]:
+    from planner.hardware import _load
+
+    return list(_load("instances.json").get("price_changes", []))
+
+
+def _month(date: str) -> str:
+    """"2024-12", "2024-12-01" or "2024-12-01T00:00:00Z" -> "2024-12" ("" when absent)."""
+    return str(date or "")[:7]
+
+
+def is_stale(name: str, date: str, today: str | None = None) -> bool:
+    """True when the price is older than STALE_AFTER_DAYS, undated, or predates a known price change of its
+    family (planner/data/instances.json price_changes)."""
+    import datetime as _dt
+
+    if not date:
+        return True
+    when = _dt.date.fromisoformat(_month(date) + "-01") if len(str(date)) < 10 else \
+        _dt.date.fromisoformat(str(date)[:10])
+    now = _dt.date.fromisoformat(today) if today else _dt.date.today()
+    if (now - when).days > STALE_AFTER_DAYS:
+        return True
+    family = normalize_instance_name(name).rsplit(".", 1)[0]
+    return any(family in change["families"] and _month(date) < change["date"] for change in price_changes())
+
+
 def embedded_prices() -> dict[str, dict[str, Any]]:
     """{instance: {price, date, source, region}} from planner/data/instances.json."""
     return {name: {"price": rec.get("price_per_hour"), "date": rec.get("price_date", ""),
@@ -34,16 +66,60 @@ def embedded_prices() -> dict[str, dict[str, Any]]:
             for name, rec in instance_table().items()}
 
 
-def lookup(name: str, cache: Mapping[str, Any] | None) -> tuple[float | None, str, str]:
-    """(price, date, source) for an instance (pure): the cache's entry when it has one, else the embedded one."""
+def embedded_regions() -> list[str]:
+    """Regions the embedded table prices (only us-east-1 today)."""
+    return sorted({rec.get("price_region", DEFAULT_REGION) for rec in instance_table().values()})
+
+
+def cache_regions(cache: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """{region: {"fetched", "source", "prices"}} of a cache in either layout: one region per file (what
+    `--refresh` wrote before) or {"regions": {...}} (one entry per refreshed region)."""
+    if not cache:
+        return {}
+    if isinstance(cache.get("regions"), Mapping):
+        return dict(cache["regions"])
+    region = cache.get("region") or DEFAULT_REGION
+    return {region: {"fetched": cache.get("fetched", ""), "source": cache.get("source", API_SOURCE),
+                     "prices": cache.get("prices", {})}}
+
+
+def priced_regions(cache: Mapping[str, Any] | None) -> list[str]:
+    """Every region with prices: the embedded table's and the refreshed cache's."""
+    return sorted(set(embedded_regions()) | set(cache_regions(cache)))
+
+
+def check_region(region: str, cache: Mapping[str, Any] | None) -> str:
+    """`region` if prices exist for it; else bad input: an unknown name lists the AWS regions, a known region
+    without prices says how to get them."""
+    from planner.aws.images import DLC_ACCOUNTS
+    from planner.errors import PlannerError
+
+    key = str(region).strip().lower()
+    priced = priced_regions(cache)
+    if key in priced:
+        return key
+    if key not in DLC_ACCOUNTS:
+        raise unknown("--region", region, sorted(set(DLC_ACCOUNTS) | set(priced)))
+    raise PlannerError("--region", region, f"a region with prices ({', '.join(priced)}); no prices for this region: "
+                       f"run `planner prices --refresh --region {key}`")
+
+
+def lookup(name: str, cache: Mapping[str, Any] | None,
+           region: str = DEFAULT_REGION) -> tuple[float | None, str, str]:
+    """(price, date, source) for an instance in `region` (pure): the cache's entry for that region when it has
+    one, else the embedded row when it prices that region, else (None, "", why). Never another region's."""
     key = normalize_instance_name(name)
-    if cache and key in cache.get("prices", {}):
-        region = cache.get("region", "")
-        return float(cache["prices"][key]), str(cache.get("fetched", "")), f"{cache.get('source', API_SOURCE)}, {region}"
+    cached = cache_regions(cache).get(region)
+    if cached and key in cached.get("prices", {}):
+        return float(cached["prices"][key]), str(cached.get("fetched", "")), \
+            f"{cached.get('source', API_SOURCE)}, {region}"
     rec = instance_table().get(key)  # the embedded row (embedded_prices() for all of them)
     if rec is None:
-        known = list(instance_table()) + list((cache or {}).get("prices", {}))
+        known = list(instance_table()) + list((cached or {}).get("prices", {}))
         raise unknown("--instance", name, known)
+    if rec.get("price_region", DEFAULT_REGION) != region:
+        return None, "", f"no price for {key} in {region} (not in the refreshed cache; the embedded table " \
+                         f"prices {rec.get('price_region', DEFAULT_REGION)} only)"
     return rec.get("price_per_hour"), rec.get("price_date", ""), rec.get("price_source", "")
 
 
@@ -75,14 +151,20 @@ def _read_cache(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
     p = Path(path)
     what = f"prices cache (${CACHE_ENV}; delete it or run `planner prices --refresh`)"
     data = read_json(p, what)
-    prices = data.get("prices")
-    if not isinstance(prices, dict):
-        raise PlannerError(f"{p}: prices", prices, 'an object {"ml.p3.2xlarge": 3.825, ...}')
-    for name, usd in prices.items():
-        number(usd, f"{p}: prices.{name}", low=0, high=MAX_PRICE_PER_HOUR, low_open=True)
+    regions = data.get("regions") if "regions" in data else {"": data}
+    if not isinstance(regions, dict) or not all(isinstance(r, dict) for r in regions.values()):
+        raise PlannerError(f"{p}: regions", regions, 'an object {"us-east-1": {"prices": {...}}, ...}')
+    for region, entry in regions.items():
+        prices = entry.get("prices")
+        where = f"{p}: " + (f"regions.{region}.prices" if region else "prices")
+        if not isinstance(prices, dict):
+            raise PlannerError(where, prices, 'an object {"ml.p3.2xlarge": 3.825, ...}')
+        for name, usd in prices.items():
+            number(usd, f"{where}.{name}", low=0, high=MAX_PRICE_PER_HOUR, low_open=True)
     return data
 
 
-def price_per_hour(instance_name: str) -> tuple[float | None, str, str]:
-    """(USD per instance-hour, date, source): the refreshed cache when it lists the instance, else embedded."""
-    return lookup(instance_name, load_cache())
+def price_per_hour(instance_name: str, region: str = DEFAULT_REGION) -> tuple[float | None, str, str]:
+    """(USD per instance-hour, date, source) in `region`: the refreshed cache when it lists the instance there,
+    else the embedded row when it prices that region, else None with the reason as source."""
+    return lookup(instance_name, load_cache(), region)

@@ -213,14 +213,21 @@ class GPU(Frozen):
     l2_mib: float | None = None
     nvlink_gbs: float = 0.0  # total NVLink bandwidth per GPU, both directions (0: none)
     pcie_gbs: float | None = None  # host link, both directions
+    # Runtime defaults of this GPU as data (gpus.json "runtime"); None: the module-wide default applies.
+    cuda_context_mib: int | None = None  # lazy-loading CUDA context of a training process
+    nccl_channels: int | None = None  # channels NCCL typically opens for a ring all-reduce
+    runtime_source: str = ""
+    # Figures the datasheet does not publish that an estimate still needs: "ASSUMPTION ..." lines naming
+    # the value used (gpus.json "assumed"), repeated in every estimate on this GPU.
+    assumptions: tuple[str, ...] = ()
 
 
 class Instance(Frozen):
     name: str
     gpu: GPU
     gpus: PositiveInt
-    vcpus: int
-    memory_gib: float
+    vcpus: int | None  # None: not published for this size (instances.json says why)
+    memory_gib: float | None  # host memory; None: not published
     interconnect: str  # e.g. "NVLink 300 GB/s", "PCIe Gen3"
     allreduce_bandwidth_gbs: float  # achievable bus bandwidth of a ring all-reduce inside the instance
     network_gbps: float  # between instances
@@ -228,6 +235,9 @@ class Instance(Frozen):
     price_region: str = "us-east-1"
     price_date: str = ""
     price_source: str = ""
+    cpu_model: str | None = None
+    # "ASSUMPTION ..." lines for the figures instances.json does not source but the model needs ("assumed").
+    assumptions: tuple[str, ...] = ()
 
 
 class SoftwareStack(Frozen):
@@ -315,6 +325,11 @@ class Cost(Frozen):
     epochs: float | None = None
     hours_per_job: float | None = None
     usd_per_job: float | None = None
+    # Where and when the instance price is from (issue 22); stale: older than 180 days or before a known
+    # price change (planner.prices.is_stale); None when the user gave the price.
+    price_region: str = ""
+    price_date: str = ""
+    price_stale: bool | None = None
 
 
 class AllocatorReplay(Frozen):

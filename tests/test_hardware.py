@@ -34,12 +34,13 @@ def test_json_files_are_valid_and_complete():
     assert set(REQUIRED_INSTANCES) <= set(instances)
 
 
-def test_every_instance_is_an_instance_with_a_dated_sourced_price():
+def test_every_instance_is_an_instance_with_a_dated_sourced_price_or_a_reason():
     for name in hardware.list_instances():
         inst = hardware.get_instance(name)
         assert isinstance(inst, Instance)
-        assert inst.price_per_hour and inst.price_per_hour > 0, name
-        assert inst.price_date and inst.price_source, name
+        assert inst.price_source, name  # a URL and date, or why there is no price
+        if inst.price_per_hour is not None:
+            assert inst.price_per_hour > 0 and inst.price_date, name
         assert inst.price_region == "us-east-1"
         # One-GPU instances have no intra-instance all-reduce; multi-GPU ones must have a bandwidth.
         assert (inst.allreduce_bandwidth_gbs > 0) == (inst.gpus > 1), name
@@ -77,7 +78,9 @@ def test_memory_is_nominal_gib_and_driver_reports_less():
     assert v100.memory_bytes == 16 * 2**30
     for key in hardware.list_gpus():
         gpu = hardware.get_gpu(key)
-        assert gpu.reported_memory_bytes is not None
+        if gpu.reported_memory_bytes is None:  # not published: the row says so
+            assert "nvidia-smi" in hardware.gpu_table()[key]["notes"], key
+            continue
         # the driver's total is a little under the nominal size (ECC, firmware reservations)
         assert 0.93 * gpu.memory_bytes < gpu.reported_memory_bytes <= gpu.memory_bytes, key
     assert hardware.get_instance("ml.p3dn.24xlarge").gpu.memory_bytes == 32 * 2**30

@@ -130,8 +130,56 @@ def test_cli_prices_table_and_json(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert {r["instance"] for r in rows} >= {"ml.p3.16xlarge", "ml.p5.48xlarge"}
-    assert all(r["usd_per_hour"] and r["date"] and r["source"] for r in rows)
-    assert runner.invoke(app, ["prices"]).exit_code == 0
+    for r in rows:  # a price with its region, date, source and staleness, or none with the reason
+        assert r["region"] == "us-east-1" and r["source"], r
+        assert (r["usd_per_hour"] is None) == (r["stale"] is None), r
+        if r["usd_per_hour"] is not None:
+            assert r["usd_per_hour"] > 0 and r["date"], r
+    by_name = {r["instance"]: r for r in rows}
+    assert by_name["ml.p3.16xlarge"]["stale"] and by_name["ml.p5e.48xlarge"]["usd_per_hour"] is None
+    table = runner.invoke(app, ["prices"])
+    assert table.exit_code == 0 and "planner prices --refresh --region us-east-1" in table.output
+
+
+def test_stale_rule_age_and_known_price_changes():
+    from planner.prices import is_stale
+
+    assert is_stale("ml.g5.xlarge", "2024-12", today="2026-11-26")  # older than 180 days
+    assert not is_stale("ml.g5.xlarge", "2026-10-01", today="2026-11-26")
+    assert not is_stale("ml.p5.48xlarge", "2025-07", today="2025-08-01")  # after the June 2025 cut
+    assert is_stale("ml.p5.48xlarge", "2025-05", today="2025-08-01")  # before it, though young
+    assert not is_stale("ml.g5.xlarge", "2025-05", today="2025-08-01")  # the cut was P4/P5 only
+    assert is_stale("ml.g5.xlarge", "")
+
+
+def test_regions_are_honoured_never_copied(tmp_path, monkeypatch):
+    cache = tmp_path / "prices.json"
+    monkeypatch.setenv(pricing.CACHE_ENV, str(cache))
+    unknown_region = runner.invoke(app, ["prices", "--region", "mars-1"])
+    assert unknown_region.exit_code == 2 and "us-east-1" not in unknown_region.output.split("allowed:")[0]
+    unpriced = runner.invoke(app, ["prices", "--region", "eu-west-1", "--json"])
+    assert unpriced.exit_code == 2 and "no prices for this region" in unpriced.output
+    for cmd in (["estimate", "--model", "bert-base-uncased", "--instance", "ml.g5.xlarge"],
+                ["explain", "--model", "bert-base-uncased", "--instance", "ml.g5.xlarge"]):
+        assert runner.invoke(app, [*cmd, "--region", "mars-1"]).exit_code == 2
+    # A refreshed region: its own prices; a type it lacks has none (not us-east-1's).
+    import datetime as dt
+
+    today = dt.date.today().isoformat() + "T00:00:00Z"  # fresh whenever the test runs
+    pricing.write_cache({"ml.g5.xlarge": 1.6}, "eu-west-1", cache, fetched=today)
+    pricing.write_cache({"ml.g5.xlarge": 1.4}, "us-east-1", cache, fetched=today)
+    rows = {r["instance"]: r for r in json.loads(runner.invoke(app, ["prices", "--region", "eu-west-1",
+                                                                        "--json"]).output)}
+    assert rows["ml.g5.xlarge"]["usd_per_hour"] == 1.6 and rows["ml.g5.xlarge"]["region"] == "eu-west-1"
+    assert rows["ml.p3.2xlarge"]["usd_per_hour"] is None and "eu-west-1" in rows["ml.p3.2xlarge"]["note"]
+    assert pricing.price_per_hour("ml.g5.xlarge", "us-east-1")[0] == 1.4  # both regions kept
+    est = json.loads(runner.invoke(app, ["estimate", "--model", "bert-base-uncased", "--instance", "ml.g5.xlarge",
+                                         "--region", "eu-west-1", "--json"]).output)
+    assert est["cost"]["price_region"] == "eu-west-1" and est["cost"]["price_stale"] is False
+    assert est["cost"]["price_per_hour"] == 1.6
+    none = json.loads(runner.invoke(app, ["estimate", "--model", "bert-base-uncased", "--instance",
+                                          "ml.p3.2xlarge", "--region", "eu-west-1", "--json"]).output)
+    assert none["cost"] is None
 
 
 def test_cli_refresh_success_and_errors(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from planner.cli.main import app
 from planner.errors import PlannerError
 from planner.estimate import estimate
-from planner.hardware import get_instance
+from planner.hardware import get_gpu, get_instance
 from planner.memory import stack as sw
 from planner.spec import FAMILIES, SoftwareStack, TrainConfig
 
@@ -213,7 +213,9 @@ def test_bad_alloc_conf_names_flag_and_value(conf, torch, needle):
     (["--torch-version", "banana"], ["--torch-version", "banana", "MAJOR.MINOR"]),
     (["--torch-version", "0.4"], ["--torch-version", "0.4", "closest known: 1.2"]),
     (["--torch-version", "2.40"], ["--torch-version", "closest known: 2.15"]),
-    (["--torch-version", "1.12", "--cuda-version", "11.7"], ["--cuda-version", "11.7", "closest known: 11.6"]),
+    # a pair that cannot exist: torch 1.12 predates CUDA 12 (11.7, which no pip build has, is accepted with a note)
+    (["--torch-version", "1.12", "--cuda-version", "12.1"], ["--cuda-version", "12.1", "closest known: 11.6"]),
+    (["--torch-version", "2.8", "--cuda-version", "12.7"], ["--cuda-version", "no such CUDA release"]),
     (["--transformers-version", "1.2"], ["--transformers-version", "1.2", "closest known: 2.0"]),
     (["--transformers-version", "3.9"], ["--transformers-version", "3.9", "closest known: 3.5"]),
     (["--transformers-version", "4.x"], ["--transformers-version", "4.x"]),
@@ -316,3 +318,26 @@ def test_old_stack_keeps_the_gradients_through_forward_and_backward():
     assert fwd_old.detail["gradients"] == grads > 0 and fwd_new.detail["gradients"] == 0
     gain = old.memory_bytes.peak_allocated - new.memory_bytes.peak_allocated
     assert 0 < gain <= grads
+
+
+# ---- pairs pip never shipped (issue 22): containers, conda ---------------------------------------------------
+
+
+def test_a_container_pair_is_accepted_and_says_which_container():
+    stack = sw.resolve_stack({"torch": "1.7", "cuda": "11.1"}, get_gpu("V100"))
+    assert (stack.torch, stack.cuda) == ("1.7", "11.1")
+    assert "NGC pytorch:20.10-py3" in stack.source
+    assert sw.lazy_loading(stack) is False  # CUDA 11.1 < 11.7: eager module loading, whatever the build
+
+
+def test_an_unlisted_minor_gets_the_nearest_listed_behaviour_with_a_note():
+    stack = sw.resolve_stack({"torch": "1.12", "cuda": "11.7"}, get_gpu("A100"))
+    assert "nearest listed build, CUDA 11.6" in stack.source
+    assert sw.cuda_note("2.8", "12.9") == ""  # a pip build needs no note
+
+
+def test_cli_accepts_torch_1_7_with_cuda_11_1_with_a_note():
+    r = runner.invoke(app, ["estimate", "-m", "bert-base-uncased", "-i", "ml.p3.2xlarge", "-b", "8", "-s", "128",
+                            "--torch-version", "1.7", "--cuda-version", "11.1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "NGC pytorch:20.10-py3" in json.loads(r.stdout)["stack"]["source"]

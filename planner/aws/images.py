@@ -95,15 +95,6 @@ PYTORCH_TRAINING_IMAGES: tuple[DlcImage, ...] = (
              source="DLC 2.6-gpu-sagemaker.yml; torch cu126 wheels: 5.0;6.0;7.0;7.5;8.0;8.6;9.0"),
 )
 
-# Compute capability per SageMaker instance family, used when the hardware catalog is not importable.
-# (NVIDIA CUDA GPUs page: V100 7.0, T4 7.5, A100 8.0, A10G 8.6, L4/L40S 8.9, H100/H200 9.0, B200 10.0.)
-FAMILY_CC: dict[str, Arch] = {
-    "ml.p3": (7, 0), "ml.p3dn": (7, 0), "ml.g4dn": (7, 5), "ml.p4d": (8, 0), "ml.p4de": (8, 0),
-    "ml.g5": (8, 6), "ml.g6": (8, 9), "ml.g6e": (8, 9), "ml.p5": (9, 0), "ml.p5e": (9, 0), "ml.p5en": (9, 0),
-    "ml.p6-b200": (10, 0),
-}
-
-
 def registry(region: str) -> str:
     if region not in DLC_ACCOUNTS:
         raise unknown("--region", region, sorted(DLC_ACCOUNTS))
@@ -112,21 +103,11 @@ def registry(region: str) -> str:
 
 
 def compute_capability(instance_type: str) -> Arch:
-    """From the hardware catalog when available, else from the instance family table above."""
-    try:
-        from planner.hardware import get_instance  # type: ignore[import-not-found]
+    """The instance's GPU compute capability, from the hardware catalog (planner/data/gpus.json): a new GPU
+    is a data row there, not a table here. An unknown instance is bad input naming the known ones."""
+    from planner.hardware import get_instance
 
-        return tuple(get_instance(instance_type).gpu.compute_capability)  # type: ignore[return-value]
-    except ImportError:
-        pass
-    except PlannerError:
-        raise
-    except Exception:  # noqa: BLE001 - a catalog still being written must not block launching
-        pass
-    family = instance_type.rsplit(".", 1)[0]
-    if family not in FAMILY_CC:
-        raise unknown("--instance", instance_type, [f"{f}.*" for f in FAMILY_CC])
-    return FAMILY_CC[family]
+    return tuple(get_instance(instance_type).gpu.compute_capability)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

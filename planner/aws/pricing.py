@@ -132,12 +132,21 @@ def fetch_prices(region: str = DEFAULT_REGION, client: Any = None) -> dict[str, 
 
 def write_cache(prices: Mapping[str, float], region: str, path: str | Path | None = None,
                 fetched: str | None = None) -> Path:
-    """Write the cache atomically (temporary file + rename), so a failure never leaves half a file."""
+    """Write `region`'s prices into the cache atomically (temporary file + rename), so a failure never leaves
+    half a file; the other regions already refreshed stay ({"regions": {region: {...}}})."""
+    from planner.prices import cache_regions
+
     p = Path(path) if path is not None else cache_path()
-    data = {"fetched": fetched or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "region": region,
-            "source": API_SOURCE, "prices": dict(sorted(prices.items()))}
+    regions = cache_regions(load_cache(p)) if p.exists() else {}
+    regions[region] = {"fetched": fetched or _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                       "source": f"{API_SOURCE}: pricing.get_products(ServiceCode={SERVICE_CODE}, "
+                                 f"regionCode={region}, component={COMPONENT})",
+                       "prices": dict(sorted(prices.items()))}
     from planner.io import write_json
 
+    # The refreshed region also at the top ("fetched", "region", "source", "prices": the one-region layout
+    # earlier versions wrote and read); "regions" holds every region refreshed so far.
+    data = {**regions[region], "region": region, "regions": dict(sorted(regions.items()))}
     return write_json(p, data, "prices cache", indent=1)
 
 

@@ -35,6 +35,7 @@ from planner.cli.common import (
     stack_from_flags,
 )
 from planner.cli.options import build_config
+from planner.cli.prices_cmd import PriceRegionOpt
 from planner.io import dumps_json
 from planner.spec import Estimate
 from planner.units import fmt_bytes
@@ -57,14 +58,16 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
                  spot: bool = False, inputs: str | None = None, loss: str | None = None,
-                 stack: dict[str, str] | None = None, tf32: bool = False) -> Estimate:
+                 stack: dict[str, str] | None = None, tf32: bool = False, region: str = "us-east-1") -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
     from planner.io import number
     from planner.memory.runtime import MAX_FRAGMENTATION, MAX_RUNTIME_BYTES
+    from planner.prices import check_region, load_cache
 
     inst = get_instance(instance)
+    region = check_region(region, load_cache())
     config = build_config(instance_gpus=inst.gpus, batch_size=batch_size, global_batch_size=global_batch_size,
                           seq_len=seq_len, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                           parallelism=parallelism, checkpointing=checkpointing, attention=attention,
@@ -77,7 +80,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     if fragmentation is not None:
         overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack)
+                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack, region=region)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -132,6 +135,12 @@ def print_estimate(est: Estimate) -> None:
         if c.usd_per_epoch is not None:
             line += f", ${c.usd_per_epoch:,.2f} and {c.hours_per_epoch:,.2f} h per epoch"
         console.print(line)
+        if c.price_stale:
+            from planner.cli.prices_cmd import stale_line
+
+            console.print(stale_line(c.price_region, 1), highlight=False)
+    elif est.throughput:
+        console.print(f"Cost: no price for {est.instance} (see `planner prices`)", highlight=False)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/]")
 
@@ -191,6 +200,7 @@ def register(app: typer.Typer) -> None:
         fragmentation: FragOpt = None,
         dataset_size: DatasetOpt = None,
         spot: SpotOpt = False,
+        region: PriceRegionOpt = "us-east-1",
         tf32: Tf32Opt = False,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
@@ -208,7 +218,8 @@ def register(app: typer.Typer) -> None:
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
                            spot, inputs, loss,
-                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32)
+                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32,
+                           region)
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -239,6 +250,7 @@ def register(app: typer.Typer) -> None:
         model_option: ModelOptionOpt = None,
         gradient_as_bucket_view: BucketViewOpt = False,
         tf32: Tf32Opt = False,
+        region: PriceRegionOpt = "us-east-1",
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -256,7 +268,7 @@ def register(app: typer.Typer) -> None:
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-                           tf32=tf32)
+                           tf32=tf32, region=region)
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss)
         if json_out:

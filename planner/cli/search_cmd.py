@@ -55,7 +55,8 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
                 instance: str | None, nodes: int | None, space: dict[str, str | None],
                 constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
                 recipe: dict[str, Any] | None = None, max_instances: int | None = None,
-                stack: dict[str, str] | None = None, inputs: str | None = None, loss: str | None = None) -> Sweep:
+                stack: dict[str, str] | None = None, inputs: str | None = None, loss: str | None = None,
+                region: str | None = None) -> Sweep:
     """The sweep file (or the built-in default) with the flags that were given laid over it.
 
     The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
@@ -87,6 +88,10 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
     recipe = {k: v for k, v in (recipe or {}).items() if v is not None}
     if stack:
         updates["stack"] = stack
+    if region is not None:
+        from planner.prices import check_region, load_cache
+
+        updates["region"] = check_region(region, load_cache())
     space = dict(space)
     seq_flag = "--seq-len"
     if space.get("seq_lens") is not None and "seq_len" not in recipe:
@@ -413,6 +418,8 @@ def register(app: typer.Typer) -> None:
             "--model-option", "-o", help="Model option KEY=VALUE (repeatable).")] = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
+        region: Annotated[str | None, typer.Option(
+            "--region", help="Region whose SageMaker prices the cost uses (default: the sweep's, us-east-1).")] = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
             min=1, max=MAX_TRIALS, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
@@ -499,7 +506,7 @@ def register(app: typer.Typer) -> None:
             recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
             max_instances=max_instances,
             stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-            inputs=inputs, loss=loss,
+            inputs=inputs, loss=loss, region=region,
         )
         check_writable_dir(results_dir, "--results-dir")  # before any trial: the result files go there
         quiet_interrupted_trials()

@@ -32,10 +32,9 @@ KiB = 1 << 10
 # ("~300MB", CUDA >= 11.7 lazy loading) and #109888 ("around 400MB"). A training step loads more kernels than
 # one tensor op (cuBLAS/cuBLASLt GEMMs, cuDNN, fused optimizer, NCCL), and the per-SM reservation grows with
 # the SM count (V100 80, T4 40, A100 108, H100 132), hence the larger figures on newer/bigger parts.
-# ASSUMPTION: the per-family split is an estimate to be replaced by `planner calibrate`.
-CUDA_CONTEXT_MIB: dict[str, int] = {
-    "V100": 400, "T4": 400, "A10G": 450, "L4": 450, "L40S": 450, "A100": 500, "H100": 550, "H200": 550,
-}
+# ASSUMPTION: the per-GPU figures are estimates to be replaced by `planner calibrate`. They are data: each row of
+# planner/data/gpus.json carries "runtime": {"cuda_context_mib", "nccl_channels", "source"} (GPU.cuda_context_mib);
+# a GPU without them gets the defaults below.
 CUDA_CONTEXT_DEFAULT_MIB = 500
 
 # ---- cuBLAS workspaces ---------------------------------------------------------------------------
@@ -64,10 +63,9 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
 # of channels (S. Jeaugey, NVIDIA/nccl #864/#986: more channels to reach NVLink bandwidth, few on PCIe).
 # A ring connects each rank to 2 peers (previous, next); see nccl_bytes().
 NCCL_BYTES_PER_CHANNEL_PEER = 10 * MiB
-# ASSUMPTION: typical channel counts NCCL picks for a ring all-reduce on these topologies.
-NCCL_CHANNELS: dict[str, int] = {
-    "V100": 8, "T4": 2, "A10G": 4, "L4": 4, "L40S": 4, "A100": 16, "H100": 16, "H200": 16,
-}
+# ASSUMPTION: the channel count NCCL picks for a ring all-reduce on the GPU's topology, per GPU row of
+# planner/data/gpus.json ("runtime": {"nccl_channels"}: 2 on T4, 4 on PCIe parts, 8 on V100, 16 on NVSwitch parts);
+# this default for a row without one.
 NCCL_CHANNELS_DEFAULT = 8
 NCCL_RING_PEERS = 2
 
@@ -96,12 +94,14 @@ DEFAULT_CALIBRATION_PATH = Path("results") / "calibration.json"
 
 
 def default_runtime(gpu: GPU) -> dict[str, Any]:
-    """The documented defaults for this GPU's family, as a dict of RuntimeConstants fields."""
+    """The documented defaults for this GPU (its gpus.json "runtime" row), as a dict of RuntimeConstants fields."""
     fam = gpu.family
+    context_mib = gpu.cuda_context_mib if gpu.cuda_context_mib is not None else CUDA_CONTEXT_DEFAULT_MIB
+    channels = gpu.nccl_channels if gpu.nccl_channels is not None else NCCL_CHANNELS_DEFAULT
     return {
-        "cuda_context_bytes": CUDA_CONTEXT_MIB.get(fam, CUDA_CONTEXT_DEFAULT_MIB) * MiB,
+        "cuda_context_bytes": context_mib * MiB,
         "cublas_workspace_bytes": cublas_workspace_bytes(gpu.compute_capability),
-        "nccl_bytes_per_peer": NCCL_CHANNELS.get(fam, NCCL_CHANNELS_DEFAULT) * NCCL_BYTES_PER_CHANNEL_PEER,
+        "nccl_bytes_per_peer": channels * NCCL_BYTES_PER_CHANNEL_PEER,
         "fragmentation": FRAGMENTATION.get(fam, FRAGMENTATION_DEFAULT),
         "source": f"the planner's defaults for {fam}",
     }

@@ -87,14 +87,52 @@ def check_torch(value: str) -> str:
     return fmt(v)
 
 
+def container_builds(torch: str) -> dict[Version, str]:
+    """CUDA versions that NGC / AWS DLC containers pair with this torch (stacks.json ngc, dlc): {cuda: which}."""
+    t = table()
+    want = parse_version("torch", torch)
+    out: dict[Version, str] = {}
+    for kind, label in (("ngc", "NGC pytorch:{}-py3"), ("dlc", "AWS DLC pytorch-training:{}")):
+        for tag, row in t.get(kind, {}).get("containers", {}).items():
+            if parse_version("stacks.json torch", row["torch"]) == want:
+                out[parse_version("stacks.json cuda", row["cuda"])] = label.format(tag)
+    return out
+
+
+def _pip_builds(torch: str) -> list[Version]:
+    return [parse_version("stacks.json cuda", c) for c in _torch_rows()[parse_version("torch", torch)]["cuda"]]
+
+
 def check_cuda(torch: str, value: str) -> str:
-    """A CUDA version torch `torch` was built for."""
+    """A CUDA version torch `torch` can run with: a pip build, a container's pair (NGC, AWS DLC), or any CUDA
+    release of the same major as a listed build (see cuda_note); refused only when the pair cannot exist."""
     v = parse_version("--cuda-version", value)
-    builds = [parse_version("stacks.json cuda", c) for c in _torch_rows()[parse_version("torch", torch)]["cuda"]]
-    if v not in builds:
+    builds = _pip_builds(torch)
+    if v in builds or v in container_builds(torch):
+        return fmt(v)
+    releases = [parse_version("stacks.json cuda", c) for c in table()["cuda_releases"]["versions"]]
+    majors = {b[0] for b in builds} | {b[0] for b in container_builds(torch)}
+    if v not in releases or v[0] not in majors:
+        why = "no such CUDA release" if v not in releases else f"torch {torch} was built for CUDA " \
+              f"{'/'.join(str(m) for m in sorted(majors))}.x only"
         raise PlannerError("--cuda-version", value, f"a CUDA build of torch {torch}: "
-                           f"{', '.join(fmt(b) for b in builds)}; closest known: {fmt(_closest(v, builds))}")
+                           f"{', '.join(fmt(b) for b in builds)} (or a CUDA {'/'.join(str(m) for m in sorted(majors))}"
+                           f".x release; {why}); closest known: {fmt(_closest(v, builds))}")
     return fmt(v)
+
+
+def cuda_note(torch: str, cuda: str) -> str:
+    """Why a torch/CUDA pair is accepted when pip never shipped it ("" for a pip build)."""
+    v = parse_version("cuda", cuda)
+    builds = _pip_builds(torch)
+    if v in builds:
+        return ""
+    container = container_builds(torch).get(v)
+    if container:
+        return f"CUDA {cuda} for torch {torch}: the {container} build (stacks.json)"
+    near = _closest(v, builds)
+    return (f"CUDA {cuda} is not a listed build of torch {torch} ({', '.join(fmt(b) for b in builds)}); "
+            f"behaviour of the nearest listed build, CUDA {fmt(near)}, assumed (a container or conda build)")
 
 
 def known_transformers() -> list[Version]:
@@ -238,6 +276,8 @@ def resolve_stack(stack: SoftwareStack | dict[str, Any] | None, gpu: GPU) -> Sof
     if "cuda" in asked:
         cuda = check_cuda(torch, asked["cuda"])
         why.append(f"CUDA {cuda} (given)")
+        if cuda_note(torch, cuda):
+            why.append(cuda_note(torch, cuda))
     elif torch == base.torch:
         cuda = base.cuda
         why.append(f"CUDA {cuda} (DLC default)")

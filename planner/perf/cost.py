@@ -24,27 +24,32 @@ SECONDS_PER_HOUR = 3600.0
 DEFAULT_SPOT_DISCOUNT = 0.70
 
 
-def _instance_price(instance: Instance) -> tuple[float | None, str]:
-    """(USD per instance-hour, source) from the pricing module, falling back to the Instance itself."""
+def _instance_price(instance: Instance, region: str | None = None) -> tuple[float | None, str, str]:
+    """(USD per instance-hour, date, source) in `region` (None: us-east-1) from the pricing module, falling back to
+    the Instance itself only in the region its own price is for (never another region's price)."""
+    from planner.prices import DEFAULT_REGION
+
+    where = region or DEFAULT_REGION
     try:
         from planner.prices import price_per_hour
 
-        price, date, source = price_per_hour(instance.name)
+        price, date, source = price_per_hour(instance.name, where)
         if price is not None:
-            return price, f"{source} ({date})" if date else source
+            return price, date, f"{source} ({date})" if date else source
     except PlannerError as exc:
         if exc.field != "--instance":  # an instance the price table lacks falls back; a corrupt cache is an error
             raise
-    if instance.price_per_hour is not None:
-        return instance.price_per_hour, f"{instance.price_source} ({instance.price_date})"
-    return None, ""
+    if instance.price_per_hour is not None and instance.price_region == where:
+        return instance.price_per_hour, instance.price_date, f"{instance.price_source} ({instance.price_date})"
+    return None, "", ""
 
 
 def predict_cost(throughput: Throughput, instance: Instance, *, instances: int = 1, dataset_size: int | None = None,
                  spot: bool = False, spot_discount: float | None = None,
-                 price_per_hour: float | None = None, epochs: float | None = None) -> Cost:
-    """Cost of the job; `price_per_hour` (per instance, on-demand) overrides the known price; `epochs`
-    passes over `dataset_size` make the job (None: one epoch)."""
+                 price_per_hour: float | None = None, epochs: float | None = None,
+                 region: str | None = None) -> Cost:
+    """Cost of the job; `price_per_hour` (per instance, on-demand) overrides the known price in `region`
+    (None: us-east-1); `epochs` passes over `dataset_size` make the job (None: one epoch)."""
     if instances < 1:
         raise PlannerError("--instances", instances, "an integer >= 1")
     if dataset_size is not None and dataset_size < 1:
@@ -55,11 +60,12 @@ def predict_cost(throughput: Throughput, instance: Instance, *, instances: int =
     if price_per_hour is not None:
         if price_per_hour <= 0:
             raise PlannerError("--price-per-hour", price_per_hour, "a positive USD amount")
-        unit, source = price_per_hour, "given by the user"
+        unit, source, date = price_per_hour, "given by the user", ""
     else:
-        found, source = _instance_price(instance)
+        found, date, source = _instance_price(instance, region)
         if found is None:
-            raise PlannerError("--instance", instance.name, "an instance with a known price, or --price-per-hour")
+            raise PlannerError("--instance", instance.name, "an instance with a known price"
+                               f"{' in ' + region if region else ''}, or --price-per-hour")
         unit = found
     job_price = unit * instances * ((1.0 - discount) if spot else 1.0)
     if spot:
@@ -70,8 +76,12 @@ def predict_cost(throughput: Throughput, instance: Instance, *, instances: int =
     if dataset_size is not None and rate > 0:
         hours = dataset_size / rate / SECONDS_PER_HOUR
         usd = hours * job_price
+    from planner.prices import DEFAULT_REGION, is_stale
+
+    stale = None if price_per_hour is not None else is_stale(instance.name, date)
     cost = Cost(price_per_hour=job_price, spot=spot, usd_per_million_samples=per_million, dataset_size=dataset_size,
-                hours_per_epoch=hours, usd_per_epoch=usd, price_source=source)
+                hours_per_epoch=hours, usd_per_epoch=usd, price_source=source, price_region=region or DEFAULT_REGION,
+                price_date=date, price_stale=stale)
     return per_job(cost, 1.0 if epochs is None else epochs)
 
 

@@ -144,6 +144,7 @@ class Sweep(_Strict):
     inputs: str | None = None
     loss: str | None = None
     instance: str | tuple[str, ...] = "ml.p3.16xlarge"
+    region: str = "us-east-1"  # where the instances are priced (planner.prices)
     recipe: Recipe = Recipe()
     stack: StackSpec = StackSpec()
     fixed: dict[str, Any] = Field(default_factory=dict)
@@ -184,9 +185,11 @@ class Sweep(_Strict):
         return self.space if lens is None else self.space.model_copy(update={"seq_lens": lens})
 
     def estimate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments every estimate of this sweep gets (beyond the configuration): the stack."""
+        """Keyword arguments every estimate of this sweep gets (beyond the configuration): the stack, the region."""
         stack = self.stack.given()
         out: dict[str, Any] = {"stack": stack} if stack else {}
+        if self.region != "us-east-1":
+            out["region"] = self.region
         if self.traced():  # estimate() builds and traces it itself, once per shape class
             out |= {"model_options": dict(self.model_options), "inputs": self.inputs, "loss": self.loss}
         return out
