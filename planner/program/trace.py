@@ -669,7 +669,9 @@ def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int
 def _block_order(op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...], retained: dict[str, int],
                  forward_end: int, backward_end: int) -> list[str]:
     """Blocks in the order the step memory walks them: forward order, except that the blocks backward
-    reaches take their places in the reverse of the order backward reaches them.
+    reaches take their places in the reverse of the order backward last reaches them (where their
+    gradients are complete and their activations freed: a model's embeddings and pooler share a block,
+    whose backward ends at the embeddings).
 
     Why: a block's backward runs when autograd reaches it, and the timeline frees its activations and counts
     its backward temporaries there. First forward appearance alone misplaces a block whose ops run at
@@ -684,13 +686,12 @@ def _block_order(op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...], ret
     for b in [*(s.block for s in saved), *retained]:
         if b not in order:
             order.append(b)
-    reached: list[str] = []
+    last: dict[str, int] = {}
     for i in range(forward_end, backward_end):
-        b = op_blocks[i]
-        if b in order and b not in reached:
-            reached.append(b)
-    slots = [i for i, b in enumerate(order) if b in reached]
-    for i, b in zip(slots, reversed(reached), strict=True):
+        if op_blocks[i] in order:
+            last[op_blocks[i]] = i
+    slots = [i for i, b in enumerate(order) if b in last]
+    for i, b in zip(slots, sorted(last, key=last.__getitem__, reverse=True), strict=True):
         order[i] = b
     return order
 
