@@ -12,7 +12,7 @@ from planner import hardware
 from planner.errors import PlannerError
 from planner.memory import runtime
 
-SHARED_H200 = Path(__file__).resolve().parents[2] / "shared" / "gpu-readings" / "h200-2026-11-26" / "env.json"
+SHARED_H200 = Path(__file__).resolve().parents[1] / "results" / "validation" / "h200" / "shared-2026-11-26" / "env.json"
 
 
 def _api_gpu_types() -> list[str]:

@@ -195,7 +195,8 @@ def autocast_fp32_op(op: str, backend: Backend) -> bool:
     return op in (cuda if backend == "cuda" else cpu)
 
 
-def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: int) -> str:
+def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: int,
+                mask_requires_grad: bool = False) -> str:
     """Which kernel `F.scaled_dot_product_attention` runs in training: "math", "cpu_flash", "flash",
     "efficient".
 
@@ -205,9 +206,15 @@ def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: 
     (any dtype, additive bias, dropout). attention="flash" means FlashAttention-2: always the flash kernel
     (HF's FA2 path unpads instead of masking). Where a recent torch prefers cuDNN attention (sm90+), that
     kernel saves the same q, k, v, output and fp32 row statistics as flash, so the flash formula applies.
+
+    A mask that requires grad (T5's learned position bias, `create_position_bias_mask` in transformers'
+    sdpa_attention.py) runs the math path on CUDA (`sdpa_math_for_mask_grad`). The fused choice is made
+    before anything else, so this holds for attention="flash" too: HF's FA2 cannot take a bias at all.
     """
     if ctx.backend == "cpu":
         return "math" if dropout_p > 0 else "cpu_flash"
+    if masked and mask_requires_grad and sdpa_math_for_mask_grad(ctx.backend):
+        return "math"
     if ctx.attention == "flash":
         return "flash"
     if not masked and dtype != F32 and ctx.flash_ok and head_dim <= FLASH_MAX_HEAD_DIM:
@@ -215,10 +222,26 @@ def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: 
     return "efficient"
 
 
+def sdpa_math_for_mask_grad(backend: Backend) -> bool:
+    """Whether SDPA runs its math path when the additive mask requires grad.
+
+    CUDA: measured on an H200, torch 2.11 (shared readings h200-2026-11-26, traced-memory-sites.txt): in
+    T5-base fp32, the 24 calls whose mask carries the learned position bias (encoder and decoder
+    self-attention) hold exactly the math path's saved tensors at line 158 of sdpa_attention.py (scaled q
+    and k, softmax, dropout mask, dropped probabilities and the folded v, 504 MiB each at b16 s512), while
+    the 12 cross-attention calls, whose zero bias needs no grad, hold only the memory-efficient output and
+    logsumexp. cuDNN refuses such a mask by source (sdp_utils_cpp.h `check_attn_mask_shape`:
+    `if (attn_mask.value().requires_grad()) return false;`). CPU: its flash kernel refuses it the same way.
+    """
+    return True
+
+
 def math_sdpa_dtype(dtype: str, backend: Backend) -> str:
-    """Compute dtype of SDPA's math fallback: on CPU it upcasts 16-bit q/k/v to fp32 (measured); our CUDA
-    predictions never take the math path."""
-    return F32 if backend == "cpu" and dtype != F32 else dtype
+    """Compute dtype of SDPA's math path: it upcasts 16-bit q/k/v to fp32 on both devices (attention.cpp
+    `_scaled_dot_product_attention_math`: `query_.to(at::kFloat)` unless
+    `allowFP16BF16ReductionMathSDP()`, off by default; the same composite runs on CPU and CUDA; measured on
+    CPU, and the H200 T5 readings hold fp32 softmax and probabilities under AMP bf16)."""
+    return F32 if dtype != F32 else dtype
 
 
 def attention_lse(kernel: str, ctx: Ctx, heads: int) -> Saved:

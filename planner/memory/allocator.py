@@ -401,6 +401,34 @@ def run_reference(events: Sequence[Event], *, capacity_bytes: int | None = None,
                         a.oom, expandable_segments), snap
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One segment the allocator holds (what `torch.cuda.memory_snapshot()` lists per segment)."""
+
+    size: int  # bytes reserved from the driver (mapped bytes under expandable segments)
+    allocated: int  # bytes of its blocks handed out
+    small: bool  # the small pool (requests <= 1 MiB)
+
+
+def segments_after(events: Sequence[Event], *, expandable_segments: bool = False) -> list[Segment]:
+    """Every segment held after all `events` (frees included), by the reference model: the layout a
+    `torch.cuda.memory_snapshot()` taken at the same point shows (tests compare it with the shared
+    Llama-2-7B reading). A report of the state, no rule of its own: the replays need no twin of it."""
+    bound = sum(n for _, n in events) + len(events) * K_LARGE_BUFFER + (1 << 50)
+    a = CachingAllocator(None, expandable_segments, None, max(ADDR_BITS, bound.bit_length() + 1))
+    live: dict[int, _Block] = {}
+    for tid, nbytes in events:
+        if nbytes:
+            live[tid] = a.malloc(nbytes)[0]
+        else:
+            a.free(live.pop(tid))
+    used: dict[int, int] = {}
+    for b in live.values():
+        used[b.seg] = used.get(b.seg, 0) + b.size
+    pool = {b.seg: b.small for b in (*live.values(), *a.free_at.values())}
+    return [Segment(size, used.get(seg, 0), pool.get(seg, False)) for seg, size in sorted(a.segments.items())]
+
+
 def _last_alloc(events: Sequence[Event]) -> int:
     for i in range(len(events) - 1, -1, -1):
         if events[i][1]:

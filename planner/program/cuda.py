@@ -92,10 +92,16 @@ def allocation_bytes(nbytes: int, backend: Backend) -> int:
 
 
 def sdpa_kernel(backend: Backend, attention: str, flash_ok: bool, dtype: str, dropout_p: float, masked: bool,
-                head_dim: int) -> str:
-    """The SDPA kernel the device would pick (`rules.sdpa_kernel`): math, cpu_flash, flash or efficient."""
+                head_dim: int, mask_requires_grad: bool = False) -> str:
+    """The SDPA kernel the device would pick (`rules.sdpa_kernel`): math, cpu_flash, flash or efficient.
+    A mask that requires grad takes the math path (`rules.sdpa_math_for_mask_grad`)."""
     ctx = rules.Ctx(1, 1, "fp32", attention, backend, masked, flash_ok)
-    return rules.sdpa_kernel(ctx, dtype, dropout_p, masked, head_dim)
+    return rules.sdpa_kernel(ctx, dtype, dropout_p, masked, head_dim, mask_requires_grad)
+
+
+def sdpa_math_dtype(dtype: str, backend: Backend) -> str:
+    """The dtype SDPA's math path computes in (`rules.math_sdpa_dtype`: fp32 for 16-bit inputs)."""
+    return rules.math_sdpa_dtype(dtype, backend)
 
 
 # Python entry points of the ops CUDA autocast runs in fp32 and CPU autocast does not (`rules.autocast_fp32_op`):

@@ -396,7 +396,8 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
               attention: str, flash_ok: bool):
     """SDPA through the CUDA kernel's own op. Bool masks become an additive bias in the query dtype
     (attention.cpp `convert_boolean_attn_mask`); the memory-efficient kernel pads its last dim to 8
-    (`preprocess_mask`, EFFICIENT_BIAS_ALIGN)."""
+    (`preprocess_mask`, EFFICIENT_BIAS_ALIGN). A mask that requires grad runs the math composite
+    (`cuda.sdpa_kernel`), which saves fp32 s² probabilities per call."""
     from planner.memory.activations import EFFICIENT_BIAS_ALIGN
 
     if torch.is_autocast_enabled("cpu"):
@@ -413,7 +414,15 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
     kernel = cuda.sdpa_kernel("cuda", attention, flash_ok, dtype_name(query.dtype), dropout_p,
-                              attn_mask is not None, query.shape[-1])
+                              attn_mask is not None, query.shape[-1],
+                              attn_mask is not None and attn_mask.requires_grad)
+    if kernel == "math":
+        # the composite ATen runs on both devices (it upcasts 16-bit inputs itself: cuda.sdpa_math_dtype);
+        # bool masks are converted first, as attention.cpp does before calling it
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+        return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p,
+                                                                 is_causal, scale=scale)[0]
     if kernel == "flash":
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                   False, scale=scale)[0]
@@ -657,6 +666,36 @@ def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int
     return out
 
 
+def _block_order(op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...], retained: dict[str, int],
+                 forward_end: int, backward_end: int) -> list[str]:
+    """Blocks in the order the step memory walks them: forward order, except that the blocks backward
+    reaches take their places in the reverse of the order backward last reaches them (where their
+    gradients are complete and their activations freed: a model's embeddings and pooler share a block,
+    whose backward ends at the embeddings).
+
+    Why: a block's backward runs when autograd reaches it, and the timeline frees its activations and counts
+    its backward temporaries there. First forward appearance alone misplaces a block whose ops run at
+    both ends of the forward: a Hugging Face encoder-decoder's root shifts the labels first and computes the
+    logits bias and the loss last (BART, T5), so ordering it first put the loss's backward (the vocabulary-
+    sized fp32 gradients) after every layer's activations were freed: BART-base at b16 s512 amp-bf16 was
+    1.6 GiB under its measured peak (h200-2026-11-26 traced-memory-sites.txt)."""
+    order: list[str] = []
+    for i in range(forward_end):
+        if op_blocks[i] not in order:
+            order.append(op_blocks[i])
+    for b in [*(s.block for s in saved), *retained]:
+        if b not in order:
+            order.append(b)
+    last: dict[str, int] = {}
+    for i in range(forward_end, backward_end):
+        if op_blocks[i] in order:
+            last[op_blocks[i]] = i
+    slots = [i for i, b in enumerate(order) if b in last]
+    for i, b in zip(slots, sorted(last, key=last.__getitem__, reverse=True), strict=True):
+        order[i] = b
+    return order
+
+
 def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...],
                  parameters: dict[str, int], retained: dict[str, int], forward_end: int, backward_end: int,
                  backend: Backend, retained_ids: frozenset[int]) -> tuple[TracedBlock, ...]:
@@ -668,13 +707,7 @@ def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], s
     counting them in a backward transient too counted the logits twice (+n·V·4 bytes in every backward block
     after the head; +2 MB per layer for gpt2-tiny at 4x128). They are subtracted only while alive, so the blocks
     before the head keep their own temporaries."""
-    order: list[str] = []
-    for i in range(forward_end):
-        if op_blocks[i] not in order:
-            order.append(op_blocks[i])
-    for b in [*(s.block for s in saved), *retained]:
-        if b not in order:
-            order.append(b)
+    order = _block_order(op_blocks, saved, retained, forward_end, backward_end)
     if LOSS_BLOCK in order:
         order.remove(LOSS_BLOCK)
     order.append(LOSS_BLOCK)
