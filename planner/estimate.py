@@ -367,6 +367,7 @@ def estimate(
     inputs: str | None = None,
     loss: str | None = None,
     stack: SoftwareStack | dict[str, Any] | None = None,
+    run: Any = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
@@ -381,6 +382,8 @@ def estimate(
     transformers, alloc_conf; None = the DLC `probe launch` would use): it decides the CUDA context, the
     workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
     whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
+    `run`: a `planner.run.simulate.RunRequest` (--lengths): the run of varying lengths replayed step after
+    step; `run` then holds its peaks and the verdict follows them (`planner.run.simulate.apply_run`).
     """
     from planner.models.user_module import is_reference
     from planner.program.sources import is_traced_config, require_tracing_libraries
@@ -388,11 +391,21 @@ def estimate(
     if dataset_size is not None and dataset_size < 1:
         raise PlannerError("--dataset-size", dataset_size, "an integer >= 1")
     if is_reference(model) or is_traced_config(model):
+        if run is not None:
+            raise PlannerError("--lengths", run.lengths.text, "runs of varying length for catalog models and "
+                               "config.json files of the modelled families (a traced module is one step)")
         require_tracing_libraries(str(model))
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
     else:
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
-    return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend)
+    est = _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend)
+    if run is None:
+        return est
+    from planner.run.simulate import StepsAt, apply_run
+
+    return apply_run(est, prep, run, StepsAt(prep, runtime, backend, model_options, stack),
+                     expandable=expandable_segments or prep.stack.expandable_segments,
+                     with_throughput=with_throughput, dataset_size=dataset_size, spot=spot)
 
 
 def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughput: bool,
