@@ -424,8 +424,9 @@ def _ddp_vs_dp_lines(model: ModelSpec | str, est: Estimate, model_options: dict[
 
 def explain(est: Estimate, model: ModelSpec | str | None = None,
             model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None,
-            inputs: str | None = None, loss: str | None = None) -> list[Step]:
+            inputs: str | None = None, loss: str | None = None, run: Any = None) -> list[Step]:
     """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel).
+    `run`: the `planner.run.simulate.RunRequest` behind `est.run` (its step weighs the run's fixes).
     A traced model (`file.py:build` with `inputs`/`loss`, or a config.json outside the families) explains
     its components, activations and batch from the trace (`planner.explain_traced`)."""
     from planner.estimate import _resolve_model
@@ -468,8 +469,18 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
         Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
+        *_run_step(model or est.model, est, run, model_options, extra),
         Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options, extra)) + _speed_bound_lines(est)),
     ]
+
+
+def _run_step(model, est: Estimate, run: Any, model_options, extra) -> list[Step]:
+    """The run of varying lengths (`planner.run.explain_run`), when there is one."""
+    if est.run is None or run is None:
+        return []
+    from planner.run import explain_run
+
+    return [Step("A run of varying lengths", tuple(explain_run.lines(model, est, run, model_options, extra)))]
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:

@@ -264,13 +264,14 @@ def register(app: typer.Typer) -> None:
 
         if batch_size is None and global_batch_size is None:
             batch_size = 8
+        run = run_request(lengths, padding, run_steps, run_seed)
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-                           tf32=tf32, run=run_request(lengths, padding, run_steps, run_seed))
+                           tf32=tf32, run=run)
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
-                        inputs=inputs, loss=loss)
+                        inputs=inputs, loss=loss, run=run)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines)} for i, s in
                               enumerate(steps)], indent=2))
