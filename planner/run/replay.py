@@ -22,8 +22,11 @@ import numpy as np
 
 from planner.memory import allocator, compiled, events
 
-# A run replays in Python below this many events (~1 µs each): loading the compiled kernel costs ~0.6 s.
-COMPILE_RUN_EVENTS = 500_000
+# Runs replay in Python until this process has replayed this many run events (~1 µs each), then switch to
+# the compiled kernel (loading it costs ~0.6 s, ~600,000 events' worth): one `planner estimate` of a
+# 40-step BERT-base run (~70,000 events) stays in Python, a search over runs switches.
+COMPILE_RUN_EVENTS = 600_000
+_python_events = [0]
 
 
 @dataclass(frozen=True)
@@ -163,11 +166,13 @@ def replay(program: RunProgram, *, capacity_bytes: int | None = None, expandable
     if not expandable_segments and program.sizes.dtype != object:
         use = compiled_ok
         if use is None:
-            use = compiled.kernel_ready() or (program.n_events >= COMPILE_RUN_EVENTS and compiled.warm())
+            use = compiled.kernel_ready() or (_python_events[0] + program.n_events >= COMPILE_RUN_EVENTS
+                                              and compiled.warm())
         if use:
             fast = compiled.replay_arrays(program.sizes, program.starts, program.stops, program.allocs,
                                           capacity_bytes=capacity_bytes)
             if fast is not None:
                 return fast
+    _python_events[0] += program.n_events
     return allocator.run(program.events(), capacity_bytes=capacity_bytes,
                          expandable_segments=expandable_segments)[0]

@@ -141,13 +141,30 @@ def _steps_for(at: StepsAt, req: RunRequest, batch_size: int, seq_len: int,
     n = req.steps or DEFAULT_MIN_STEPS
     while True:
         p = plan(req, batch_size, seq_len, n)
-        program = rr.lay_out(_sections(at, p.padded))
-        r = rr.replay(program, expandable_segments=expandable)
+        program, r = _replayed(at, p.padded, expandable)
         peak_step = program.step_of_event(r.peak_event) if r.peak_event >= 0 else 0
         converged = peak_step < n // 2
         if req.steps or converged or n >= DEFAULT_MAX_STEPS:
             return _Run(p, program, r, converged)
         n = min(2 * n, DEFAULT_MAX_STEPS)
+
+
+def _replayed(at: StepsAt, padded: tuple[int, ...], expandable: bool):
+    """(the run's program, its replay), kept on the first step's trace: a search meets one run on many
+    instance types and counts of one GPU, and the traces already stand for everything but the lengths."""
+    trace = at.trace(padded[0])
+    runs = trace.__dict__.setdefault("_runs", {})
+    key = (padded, expandable)
+    hit = runs.get(key)
+    if hit is None:
+        program = rr.lay_out(_sections(at, padded))
+        if len(runs) >= RUNS_PER_TRACE:
+            runs.clear()
+        hit = runs[key] = (program, rr.replay(program, expandable_segments=expandable))
+    return hit
+
+
+RUNS_PER_TRACE = 8  # runs kept per first-step trace (a run's program holds ~40 bytes per event)
 
 
 def _sections(at: StepsAt, padded: tuple[int, ...]) -> list[rr.Section]:
