@@ -42,8 +42,9 @@ def run_lines(est: Estimate) -> list[str]:
     steps = f"{r.steps} steps" + ("" if r.steps_converged else " (peak still moving: raise --run-steps)")
     lines = [f"Run: {r.lengths}, {steps}, mean length {r.mean_length:,.0f}, longest {r.longest}",
              f"  peak reserved {fmt_bytes(r.peak_reserved_bytes)} at step {r.peak_step} (length "
-             f"{r.peak_step_length}), {fmt_bytes(r.growth_bytes)} ({r.growth_ratio:+.0%}) over one step at "
-             f"--seq-len {est.config.seq_len}",
+             f"{r.peak_step_length}),",
+             f"  {fmt_bytes(r.growth_bytes)} ({r.growth_ratio:+.0%}) over one step at --seq-len "
+             f"{est.config.seq_len}",
              f"  peak allocated {fmt_bytes(r.peak_allocated_bytes)}, on the device "
              f"{fmt_bytes(r.peak_device_bytes)}"]
     if r.padding_waste is not None:
