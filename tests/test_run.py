@@ -252,3 +252,33 @@ def test_run_flags_bad_input_exit_2_one_line(tmp_path):
         res = runner.invoke(app, ["estimate", "--model", "bert-base-uncased", *args])
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (args, res.output)
+
+
+# ---- search
+
+
+def test_a_recipe_with_lengths_makes_the_memory_constraint_the_runs_peak():
+    from planner.search.objective import Objective
+    from planner.search.space import SpaceSpec, resolve_space
+    from planner.search.sweep import parse_sweep
+
+    plain = parse_sweep({"model": "bert-base-uncased", "instance": "ml.g5.xlarge",
+                         "recipe": {"seq_len": 512}})
+    assert "lengths" not in plain.definition()["recipe"]  # older sweeps keep their definition
+    sweep = parse_sweep({"model": "bert-base-uncased", "instance": "ml.g5.xlarge",
+                         "recipe": {"seq_len": 512, "lengths": "uniform:64-512:8", "run_steps": 30}})
+    kwargs = sweep.estimate_kwargs()
+    assert kwargs["run"].steps == 30 and sweep.fingerprint() != plain.fingerprint()
+    inst = get_instance("ml.g5.xlarge")
+    space = resolve_space(SpaceSpec(batch_sizes=(16,), seq_lens=(512,), precisions=("amp-bf16",)),
+                          "bert-base-uncased", inst)
+    config = space.config({"batch_size": 16, "seq_len": 512, "precision": "amp-bf16", "grad_accum": 1})
+    run = Objective("bert-base-uncased", inst, space, estimate_kwargs=kwargs).evaluate(config)
+    step = Objective("bert-base-uncased", inst, space).evaluate(config)
+    mem = run.attrs["memory_bytes"]
+    assert mem["peak_device"] == run.attrs["run"]["peak_device_bytes"] > step.attrs["memory_bytes"]["peak_device"]
+    assert mem["peak_device_high"] > step.attrs["memory_bytes"]["peak_device_high"]
+    with pytest.raises(PlannerError) as exc:
+        parse_sweep({"model": "bert-base-uncased", "instance": "ml.g5.xlarge",
+                     "recipe": {"lengths": "uniform:9-3"}}, source="s.yaml")
+    assert "recipe.lengths" in exc.value.field
