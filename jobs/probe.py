@@ -202,6 +202,9 @@ class Plan:
     bucket_cap_mb: float = 25.0
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
     extra: dict[str, Any] = field(default_factory=dict)
+    # A run of varying lengths: step k's batch is padded to step_lengths[k] (one step per entry; warmup_steps
+    # of them untimed). Empty: warmup_steps + measure_steps steps at seq_len.
+    step_lengths: tuple[int, ...] = ()
 
     @property
     def distributed(self) -> bool:
@@ -236,7 +239,18 @@ def make_plan(request: dict[str, Any]) -> Plan:
         gradient_as_bucket_view=bool(cfg.get("gradient_as_bucket_view", False)),
         bucket_cap_mb=float(cfg.get("bucket_cap_mb", 25.0)),
         tf32=bool(cfg.get("tf32", False)),
+        step_lengths=_step_lengths(request.get("step_lengths"), int(cfg["seq_len"])),
     )
+
+
+def _step_lengths(value: Any, seq_len: int) -> tuple[int, ...]:
+    """The request's per-step lengths: integers 1..seq_len (a bad list stops the job before any step)."""
+    if not value:
+        return ()
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= seq_len for n in value):
+        raise ValueError(f"step_lengths: a list of integers 1..{seq_len} (seq_len), got {str(value)[:80]}")
+    return tuple(value)
 
 
 # ------------------------------------------------------------------------------------- recorder
@@ -710,10 +724,15 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
                          "optimizer_state_bytes": None, "saved_tensor_bytes": None, "saved_tensor_count": None}
 
     # ---- steps --------------------------------------------------------------------------------
-    total_steps = plan.warmup_steps + plan.measure_steps
+    total_steps = len(plan.step_lengths) or plan.warmup_steps + plan.measure_steps
     step_times: list[float] = []
     states_step = None
+    if plan.step_lengths:  # a run of varying lengths: each step's batch made at its length, freed after it
+        del batch
+        result["step_lengths"] = list(plan.step_lengths)
     for step in range(total_steps):
+        if plan.step_lengths:
+            batch = _cast_batch(modeling.make_batch(spec, per_process_batch, plan.step_lengths[step], dev), plan)
         t_step = time.perf_counter()
         for micro in range(plan.grad_accum):
             last_micro = micro == plan.grad_accum - 1
@@ -733,7 +752,8 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
                     if loss.dim() > 0:  # DataParallel gathers one loss per replica
                         loss = loss.mean()
                     loss = loss / plan.grad_accum
-                rec.end("forward", step, micro, loss=float(loss.detach().float().item()))
+                rec.end("forward", step, micro, loss=float(loss.detach().float().item()),
+                        **({"seq_len": plan.step_lengths[step]} if plan.step_lengths else {}))
                 if counter is not None:
                     result["tensors"].update(saved_tensor_bytes=counter.bytes, saved_tensor_count=counter.count)
                 ctx.phase = "backward"
@@ -758,6 +778,8 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
             states_step = step
             on_dev, host = optimizer_state_bytes(optimizer, dev)
             result["tensors"].update(optimizer_state_bytes=on_dev, optimizer_state_host_bytes=host)
+        if plan.step_lengths:
+            del batch
         rec.sync()
         step_times.append(time.perf_counter() - t_step)
     result["step_times_s"] = step_times
@@ -820,11 +842,19 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
     times = result.get("step_times_s") or []
     s["first_step_time_s"] = times[0] if times else None
     steady = times[plan.warmup_steps:] or times[1:] or times
-    s["step_time_s"] = statistics.median(steady) if steady else None
+    # a run of varying lengths: the mean step (its steps differ by design); fixed length: the median
+    average = statistics.mean if result.get("step_lengths") else statistics.median
+    s["step_time_s"] = average(steady) if steady else None
     samples = plan.batch_size * plan.grad_accum * plan.world_size
+    lengths = result.get("step_lengths") or []
+    steady_lengths = lengths[plan.warmup_steps:] or lengths
+    mean_length = statistics.mean(steady_lengths) if steady_lengths else plan.seq_len
+    if lengths:  # a run: the padded length of each step and the step that reached the reserved peak
+        s["step_lengths"] = lengths
+        s["run_peak_reserved"] = s["peak_reserved"]
     if s["step_time_s"]:
         s["samples_per_s"] = samples / s["step_time_s"]
-        s["tokens_per_s"] = s["samples_per_s"] * plan.seq_len
+        s["tokens_per_s"] = s["samples_per_s"] * mean_length
     else:
         s["samples_per_s"] = s["tokens_per_s"] = None
     s["global_batch_size"] = samples

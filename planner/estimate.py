@@ -368,6 +368,7 @@ def estimate(
     loss: str | None = None,
     stack: SoftwareStack | dict[str, Any] | None = None,
     region: str | None = None,
+    run: Any = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
@@ -383,6 +384,8 @@ def estimate(
     workspaces, `config.attention` "auto" and expandable segments. `verdict` comes from the band of the
     whole-device peak (`planner.memory.band`): `fits` only when its high end is under the GPU's memory.
     `region`: where the instance is priced (None: us-east-1); no price there leaves the cost out.
+    `run`: a `planner.run.simulate.RunRequest` (--lengths): the run of varying lengths replayed step after
+    step; `run` then holds its peaks and the verdict follows them (`planner.run.simulate.apply_run`).
     """
     from planner.models.user_module import is_reference, refuse_inputs_unless_own
     from planner.program.sources import is_traced_config, require_tracing_libraries
@@ -392,11 +395,21 @@ def estimate(
         raise PlannerError("--dataset-size", dataset_size, f"an integer >= 1 and <= {MAX_DATASET_SIZE:,} (2^53)")
     refuse_inputs_unless_own(model, inputs, loss)
     if is_reference(model) or is_traced_config(model):
+        if run is not None:
+            raise PlannerError("--lengths", run.lengths.text, "runs of varying length for catalog models and "
+                               "config.json files of the modelled families (a traced module is one step)")
         require_tracing_libraries(str(model))
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
     else:
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
-    return _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend, region)
+    est = _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend, region)
+    if run is None:
+        return est
+    from planner.run.simulate import StepsAt, apply_run
+
+    return apply_run(est, prep, run, StepsAt(prep, runtime, backend, model_options, stack),
+                     expandable=expandable_segments or prep.stack.expandable_segments,
+                     with_throughput=with_throughput, dataset_size=dataset_size, spot=spot)
 
 
 def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughput: bool,

@@ -495,8 +495,9 @@ def _figures(est: Estimate) -> list[dict[str, Any]]:
 
 def explain(est: Estimate, model: ModelSpec | str | None = None,
             model_options: dict[str, Any] | None = None, requested_parallelism: str | None = None,
-            inputs: str | None = None, loss: str | None = None) -> list[Step]:
+            inputs: str | None = None, loss: str | None = None, run: Any = None) -> list[Step]:
     """The steps; `requested_parallelism` is what the user asked for (`auto` adds DDP vs DataParallel).
+    `run`: the `planner.run.simulate.RunRequest` behind `est.run` (its step weighs the run's fixes).
     A traced model (`file.py:build` with `inputs`/`loss`, or a config.json outside the families) explains
     its components, activations and batch from the trace (`planner.explain_traced`)."""
     from planner.estimate import _resolve_model
@@ -529,6 +530,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         figures[-1].update(fixes.pop())
     else:
         figures[-1]["fixes"] = fixes
+    run_step = _run_step(model or est.model, est, run, model_options, extra)
     steps = [
         Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
         Step(f"Memory of each GPU on {inst.name}", (
@@ -549,13 +551,24 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
         Step("Total by phase of one step", tuple(_phase_lines(est))),
         Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
+        *run_step,
         Step("Verdict", verdict_lines + _speed_bound_lines(est)
              + _amp_lines(model or est.model, est, model_options, extra, figures[-1])),
     ]
-    plain = [s for s in steps if all(s is not x for x in side_by_side)]
+    plain = [s for s in steps if all(s is not x for x in [*side_by_side, *run_step])]
     for step, numbers in zip(plain, figures, strict=True):
         step.figures.update(numbers)
     return steps
+
+
+def _run_step(model, est: Estimate, run: Any, model_options, extra) -> list[Step]:
+    """The run of varying lengths (`planner.run.explain_run`), when there is one."""
+    if est.run is None or run is None:
+        return []
+    from planner.run import explain_run
+
+    return [Step("A run of varying lengths", tuple(explain_run.lines(model, est, run, model_options, extra)),
+                 {"run": est.run.model_dump(mode="json")})]
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:

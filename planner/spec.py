@@ -348,6 +348,38 @@ class AllocatorReplay(Frozen):
     events: int = 0  # allocations + frees replayed
 
 
+class RunSummary(Frozen):
+    """A training run of batches of varying length through the allocator model, step after step
+    (`planner.run`): what the device holds at the run's peak, not one step's."""
+
+    lengths: str  # the --lengths source as given
+    padding: str  # longest | bucketed | max (a file's batches); "given" for uniform padded lengths
+    seed: int
+    steps: int  # micro-steps simulated
+    steps_converged: bool  # the reserved peak stopped moving (set in the first half of the steps)
+    peak_allocated_bytes: int  # the longest step's allocated peak (exact tensors, as memory_bytes.peak_allocated)
+    peak_reserved_bytes: int  # max_memory_reserved over the run
+    peak_device_bytes: int  # CUDA context + NCCL + peak_reserved_bytes
+    peak_step: int  # 1-based step whose new segment set the reserved peak (0: none)
+    peak_step_length: int  # its padded length
+    peak_allocation: str  # the tensor whose new segment set the reserved peak
+    fixed_peak_reserved_bytes: int  # the one step at --seq-len (memory_bytes.peak_reserved)
+    growth_bytes: int  # peak_reserved_bytes - fixed_peak_reserved_bytes
+    growth_ratio: float  # peak_reserved_bytes / fixed_peak_reserved_bytes - 1
+    longest: int  # the longest padded length in the run
+    mean_length: float  # mean padded length
+    padded_tokens: int  # per GPU over the run
+    real_tokens: int | None = None  # per GPU over the run (None: uniform lengths give padded lengths only)
+    padding_waste: float | None = None  # 1 - real / padded tokens
+    truncated_samples: int = 0  # samples of the length file longer than --seq-len (truncated)
+    oom_retry: bool = False  # the run made the allocator free its cache and retry (capacity reached)
+    oom_after_retry: bool = False  # and still over: the run raises torch.OutOfMemoryError
+    expandable_segments: bool = False
+    events: int = 0  # allocations + frees replayed
+    mean_step_time_s: float | None = None  # optimizer step, each micro-step at its own length
+    real_tokens_per_s: float | None = None  # job-wide, real tokens only
+
+
 class Estimate(Frozen):
     model: str
     instance: str
@@ -372,6 +404,7 @@ class Estimate(Frozen):
     throughput: Throughput | None = None
     cost: Cost | None = None
     notes: tuple[str, ...] = ()
+    run: RunSummary | None = None  # --lengths: the run of varying lengths; the verdict then follows its peak
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

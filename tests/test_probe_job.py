@@ -233,3 +233,17 @@ def test_tf32_reaches_the_probe_and_is_set_either_way(tiny_spec):
     off = probe.run_probe(request(tiny_spec), modeling=modeling, device="cpu")
     assert off["status"] == "ok" and off["applied"]["tf32_matmul"] is False
     assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_a_run_of_step_lengths_is_replayed_in_order(tiny_spec):
+    """`step_lengths`: one step per entry, each batch at its own length (a run of varying lengths)."""
+    lengths = [8, 16, 4, 12]
+    req = request(tiny_spec) | {"step_lengths": lengths}
+    result = probe.run_probe(req, modeling=modeling, device="cpu")
+    assert result["status"] == "ok", result.get("error")
+    assert result["step_lengths"] == lengths and len(result["step_times_s"]) == len(lengths)
+    forward = [r for r in result["phases"] if r["phase"] == "forward"]
+    assert [r["seq_len"] for r in forward] == lengths
+    assert result["summary"]["step_lengths"] == lengths
+    with pytest.raises(ValueError, match="step_lengths"):
+        probe.make_plan(request(tiny_spec) | {"step_lengths": [8, 32]})  # above seq_len 16

@@ -36,6 +36,7 @@ from planner.cli.common import (
 )
 from planner.cli.options import build_config
 from planner.cli.prices_cmd import PriceRegionOpt
+from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
 from planner.io import dumps_json
 from planner.spec import Estimate
 from planner.units import fmt_bytes
@@ -58,7 +59,8 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  gradient_as_bucket_view: bool = False, cuda_context_mib: float | None = None,
                  fragmentation: float | None = None, dataset_size: int | None = None,
                  spot: bool = False, inputs: str | None = None, loss: str | None = None,
-                 stack: dict[str, str] | None = None, tf32: bool = False, region: str = "us-east-1") -> Estimate:
+                 stack: dict[str, str] | None = None, tf32: bool = False, region: str = "us-east-1",
+                 run=None) -> Estimate:
     """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
@@ -80,7 +82,8 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     if fragmentation is not None:
         overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
-                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack, region=region)
+                    dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack, region=region,
+                    run=run)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -123,6 +126,8 @@ def print_estimate(est: Estimate) -> None:
                  for ph in est.phases],
                 caption=phase_moment_note(est))
 
+    for line in run_lines(est):
+        console.print(line, highlight=False)
     for line in verdict_lines(est):
         console.print(line, highlight=False)
     if est.throughput:
@@ -165,12 +170,14 @@ def verdict_lines(est: Estimate) -> list[str]:
 
     m, cap = est.memory_bytes, est.gpu_memory_bytes
     word = {"fits": "[bold green]fits[/]", "tight": "[bold yellow]TIGHT[/]", "oom": "[bold red]OOM[/]"}[est.verdict]
-    lines = [f"Verdict: {word}: peak {fmt_bytes(m.peak_device)} (band {fmt_bytes(est.peak_device_low_bytes)} to "
-             f"{fmt_bytes(est.peak_device_high_bytes)}) of {fmt_bytes(cap)} (peak in {est.peak_phase}), headroom "
+    device = est.run.peak_device_bytes if est.run else m.peak_device
+    where = f"step {est.run.peak_step} of the run" if est.run else est.peak_phase
+    lines = [f"Verdict: {word}: peak {fmt_bytes(device)} (band {fmt_bytes(est.peak_device_low_bytes)} to "
+             f"{fmt_bytes(est.peak_device_high_bytes)}) of {fmt_bytes(cap)} (peak in {where}), headroom "
              f"{fmt_bytes(est.headroom_bytes)}"]
     if est.verdict == "tight" and est.band:
         why = "; ".join(f"{t.name.replace('_', ' ')} {fmt_bytes(t.low)} to {fmt_bytes(t.high)} ({t.basis})"
-                        for t in tight_terms(est.band, m.peak_device, cap)[:3])
+                        for t in tight_terms(est.band, device, cap)[:3])
         lines.append(f"  tight because: {why}")
         lines.append(f"  settle it with a probe on the real GPU: {probe_command(est)}")
         lines.append("  (then `planner calibrate` narrows the band for this GPU family)")
@@ -210,6 +217,10 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
+        lengths: LengthsOpt = None,
+        padding: PaddingOpt = "longest",
+        run_steps: RunStepsOpt = None,
+        run_seed: RunSeedOpt = 0,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         if batch_size is None and global_batch_size is None:
@@ -219,7 +230,7 @@ def register(app: typer.Typer) -> None:
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
                            spot, inputs, loss,
                            stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32,
-                           region)
+                           region, run_request(lengths, padding, run_steps, run_seed))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -258,19 +269,24 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
+        lengths: LengthsOpt = None,
+        padding: PaddingOpt = "longest",
+        run_steps: RunStepsOpt = None,
+        run_seed: RunSeedOpt = 0,
     ) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
         from planner.explain import explain
 
         if batch_size is None and global_batch_size is None:
             batch_size = 8
+        run = run_request(lengths, padding, run_steps, run_seed)
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-                           tf32=tf32, region=region)
+                           tf32=tf32, region=region, run=run)
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
-                        inputs=inputs, loss=loss)
+                        inputs=inputs, loss=loss, run=run)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines), "figures": s.figures}
                               for i, s in enumerate(steps)], indent=2))

@@ -125,6 +125,21 @@ def kernel_replay(trace: Trace, *, capacity_bytes: int | None = None,
     return ReplayResult(*out[:7], bool(out[7]), bool(out[8]), False)
 
 
+def replay_arrays(sizes, starts, stops, allocs, *, capacity_bytes: int | None = None,
+                  max_split_size: int | None = None) -> ReplayResult | None:
+    """A program already as int64 arrays (a run of steps, `planner.run.replay`) through the kernel whatever
+    the policy (loading it); None when Numba is missing or the numbers do not fit in int64."""
+    kernel = _load()
+    if kernel is None or (capacity_bytes or 0) >= INT64_LIMIT or (max_split_size or 0) >= INT64_LIMIT:
+        return None
+    n = len(sizes)
+    if n and n * (int(sizes.max()) + K_LARGE_BUFFER) >= INT64_LIMIT:
+        return None
+    out = kernel(sizes, starts, stops, allocs, -1 if capacity_bytes is None else capacity_bytes,
+                 -1 if max_split_size is None else max_split_size).tolist()
+    return ReplayResult(*out[:7], bool(out[7]), bool(out[8]), False)
+
+
 def replay(trace: Trace, *, capacity_bytes: int | None = None,
            max_split_size: int | None = None) -> ReplayResult | None:
     """The trace's replay through the kernel when the policy has it loaded; None otherwise (the caller replays

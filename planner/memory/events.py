@@ -105,13 +105,15 @@ class Trace:
         self.group_names = tuple(group_names)
         self.marks = tuple(marks)
         self.permanent = permanent  # leading events that allocate tensors never freed (-1: unknown)
+        self.steady = -1  # events before the steady step (`step_events` with first_step; -1: unknown)
 
     @classmethod
     def _laid_out(cls, values: Sequence[tuple[int, ...]], laid: _Laid) -> Trace:
         """A trace whose sizes are `values[k]` for k in `laid.slots`, as `_Layout.lay_out` placed them: its
         tuples (sizes, program, groups, marks) are made on first use."""
         trace = cls.__new__(cls)
-        trace.__dict__.update(_values=values, _laid=laid, permanent=laid.permanent, n_tensors=laid.n_tensors,
+        trace.__dict__.update(_values=values, _laid=laid, permanent=laid.permanent, steady=laid.steady,
+                              n_tensors=laid.n_tensors,
                               n_events=laid.n_events)
         return trace
 
@@ -258,7 +260,7 @@ Refs = list[int]  # the ops (indices in a `_Program`) that allocated some groups
 # What a `_Program` op does: allocate one slot's tensors as one group, free the tensors an earlier op allocated,
 # record a timeline point, nothing (a point of a step whose points are not recorded), or note that every event
 # before it allocates a tensor the step never frees.
-ALLOC, FREE, MARK, NOP, PERMANENT = range(5)
+ALLOC, FREE, MARK, NOP, PERMANENT, STEADY = range(6)
 
 
 class _Program:
@@ -293,6 +295,10 @@ class _Program:
 
     def permanent(self) -> None:
         self._op(PERMANENT, 0)
+
+    def steady(self) -> None:
+        """Note where the steady step begins (a run replays it once per step: `planner.run.replay`)."""
+        self._op(STEADY, 0)
 
     def emit(self, part: _Program, marks: bool) -> int:
         """Append `part` (a program of its own) here, with its marks if `marks`; returns the offset of its ops.
@@ -330,6 +336,8 @@ class _Layout:
         self.mark_labels = [label for _, label in marks]
         perm = np.flatnonzero(kind == PERMANENT)
         self.permanent_op = int(perm[0]) if len(perm) else -1
+        steady = np.flatnonzero(kind == STEADY)
+        self.steady_op = int(steady[0]) if len(steady) else -1
         self.names = prog.names
 
     def lay_out(self, lens) -> _Laid:
@@ -354,7 +362,8 @@ class _Layout:
         groups = np.flatnonzero(self.alloc & (n > 0))
         return _Laid(self, self.alloc_slots[counts > 0].tolist(), (a[starts], b[stops], alloc[starts]),
                      int(counts.sum()), int(n.sum()), int(before[self.permanent_op]) if self.permanent_op >= 0 else -1,
-                     first[groups], groups, before[self.mark_ops])
+                     first[groups], groups, before[self.mark_ops],
+                     int(before[self.steady_op]) if self.steady_op >= 0 else -1)
 
 
 class _Laid(NamedTuple):
@@ -371,6 +380,7 @@ class _Laid(NamedTuple):
     group_first: np.ndarray  # first tensor id of each group (int64)
     group_ops: np.ndarray  # the op that allocates each group, so its name (int64)
     mark_index: np.ndarray  # events before each mark (int64)
+    steady: int = -1  # events before the steady step (-1: a trace without a first step)
 
 
 def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | None = None, *,
@@ -473,6 +483,7 @@ def _record(step: timeline.StepMemory, first_step: bool) -> _Program:
         _one_step(t, step, first=True, section=section)
         if step.grads_resident:  # the steady step's backward finds the gradients there: a section of its own
             section = None
+        t.steady()
     else:
         t.alloc("optimizer state", top + S_STATES)
         t.permanent()  # ... and so do the optimizer states

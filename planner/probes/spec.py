@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,9 @@ class ProbeRequest(BaseModel):
     study: str | None = None
     trial: int | None = None
     model_options: dict[str, Any] = Field(default_factory=dict)
+    # A run of varying lengths (planner.run): each step's padded length, replayed in order by the job (the
+    # same sequence the planner's run replays: `planner.run.simulate.plan`). Empty: every step at seq_len.
+    step_lengths: tuple[Annotated[int, Field(ge=1)], ...] = Field((), max_length=MAX_PROBE_STEPS)
 
     @property
     def request_id(self) -> str:
@@ -52,6 +55,8 @@ class ProbeRequest(BaseModel):
                  "instance": self.instance, "gpus_per_instance": self.gpus_per_instance,
                  "world_size": self.world_size, "warmup_steps": self.warmup_steps,
                  "measure_steps": self.measure_steps, "seed": self.seed, "lr": self.lr}
+        if self.step_lengths:  # only then: the ids of fixed-length requests stay what they were
+            ident["step_lengths"] = list(self.step_lengths)
         blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -133,7 +138,8 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
                  estimate: Any = None, with_estimate: bool = True, study: str | None = None,
                  trial: int | None = None, model_options: dict[str, Any] | None = None,
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, measure_steps: int = DEFAULT_MEASURE_STEPS,
-                 seed: int = 0, inputs: str | None = None, loss: str | None = None) -> ProbeRequest:
+                 seed: int = 0, inputs: str | None = None, loss: str | None = None,
+                 step_lengths: tuple[int, ...] = ()) -> ProbeRequest:
     """A request for one candidate; the estimate (if any) fixes the resolved parallelism.
 
     `model` as `FILE.py:build` is the user's own module: the request carries the source of the files that
@@ -170,7 +176,7 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
                         gpus_per_instance=per_instance, world_size=world, warmup_steps=warmup_steps,
                         measure_steps=measure_steps, seed=seed, estimate=est_json, estimate_error=estimate_error,
                         study=study, trial=trial,
-                        model_options=dict(model_options or {}))
+                        model_options=dict(model_options or {}), step_lengths=tuple(step_lengths))
 
 
 # ------------------------------------------------------------------------ candidates from a study

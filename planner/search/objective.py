@@ -211,7 +211,7 @@ class Objective:
         attrs: dict[str, Any] = {"reason": "; ".join(reasons)} if reasons else {}
         attrs |= {
             "config": est.config.model_dump(mode="json") | {"world_size": est.world_size, "instance": est.instance},
-            "memory_bytes": mem.model_dump() | {"gpu_memory": est.gpu_memory_bytes, "usable": est.usable_memory_bytes,
+            "memory_bytes": mem.model_dump() | _run_peaks(est) | {"gpu_memory": est.gpu_memory_bytes, "usable": est.usable_memory_bytes,
                                                 "headroom": est.headroom_bytes, "limit": limit,
                                                 "peak_phase": est.peak_phase, "verdict": est.verdict,
                                                 "peak_device_low": est.peak_device_low_bytes or mem.peak_device,
@@ -219,6 +219,9 @@ class Objective:
             "throughput": est.throughput.model_dump(exclude={"breakdown_s"}) if est.throughput else {},
             "cost": cost,
         }
+        if est.run is not None:  # the run's peak is what the memory constraint read (the verdict's band)
+            attrs["run"] = est.run.model_dump(include={"steps", "peak_reserved_bytes", "peak_device_bytes",
+                                                       "peak_step", "peak_step_length", "growth_bytes"})
         return Evaluation(values, feasible, "; ".join(reasons), constraints, attrs)
 
     def _job_cost(self, est: Estimate) -> dict[str, Any]:
@@ -240,6 +243,13 @@ class Objective:
             hours = SAMPLES_PER_MILLION / est.throughput.samples_per_s / 3600.0
             usd = cost["usd_per_million_samples"]
         return {"cost": (usd,), "time": (hours,), "pareto": (hours, usd)}[self.target]
+
+
+def _run_peaks(est: Estimate) -> dict[str, int]:
+    """With a run of varying lengths (recipe.lengths) a row's peaks are the run's: what its verdict read."""
+    if est.run is None:
+        return {}
+    return {"peak_reserved": est.run.peak_reserved_bytes, "peak_device": est.run.peak_device_bytes}
 
 
 def global_batch_size(est: Estimate) -> int:

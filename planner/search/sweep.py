@@ -85,6 +85,19 @@ class Recipe(_Strict):
     seq_len: SeqLen | tuple[SeqLen, ...] | None = None  # a list: explored, best at the longest
     dataset_size: DatasetSize | None = None  # samples per epoch
     epochs: float = Field(1.0, gt=0, le=MAX_EPOCHS, allow_inf_nan=False)  # limits: planner.search.limits
+    # A run of varying lengths (planner.run): every estimate's memory constraint is then the run's peak.
+    lengths: str | None = None  # uniform:MIN-MAX[:STEP] or a file of per-sample token lengths
+    padding: str = "longest"  # with a file: longest | bucketed | max
+    run_steps: int | None = None  # None: until the peak stops moving
+    run_seed: int = 0
+
+    def run_request(self):
+        """The run every estimate replays (planner.run.simulate.RunRequest), or None."""
+        if self.lengths is None:
+            return None
+        from planner.run.simulate import request
+
+        return request(self.lengths, padding=self.padding, steps=self.run_steps, seed=self.run_seed)
 
     def seq_lens(self) -> tuple[int, ...] | None:
         if self.seq_len is None:
@@ -190,6 +203,9 @@ class Sweep(_Strict):
         out: dict[str, Any] = {"stack": stack} if stack else {}
         if self.region != "us-east-1":
             out["region"] = self.region
+        run = self.recipe.run_request()
+        if run is not None:
+            out["run"] = run
         if self.traced():  # estimate() builds and traces it itself, once per shape class
             out |= {"model_options": dict(self.model_options), "inputs": self.inputs, "loss": self.loss}
         return out
@@ -206,7 +222,10 @@ class Sweep(_Strict):
         """What decides a trial's value on one instance type: runs with the same definition may share a
         study. The sampler, seed and trial count are left out (they change the path, not the values)."""
         unused = {k for k in ("inputs", "loss") if getattr(self, k) is None}  # older definitions stay equal
-        return self.model_dump(mode="json", exclude={"name", "description", "search", "instance", *unused}) | {
+        no_run = set() if self.recipe.lengths is not None else {"lengths", "padding", "run_steps", "run_seed"}
+        return self.model_dump(mode="json", exclude={"name": True, "description": True, "search": True,
+                                                     "instance": True, **dict.fromkeys(unused, True),
+                                                     "recipe": no_run}) | {
             "instances": self.instance_names(), "target": self.target()}
 
     def fingerprint(self) -> str:
@@ -284,7 +303,8 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
                 resolve_stack(sweep.stack.given(), get_instance(name).gpu)
 
     for field, call in (("model", lambda: sweep_model(sweep)),
-                        ("instance", sweep.instance_names), ("stack", stack)):
+                        ("instance", sweep.instance_names), ("stack", stack),
+                        ("recipe.lengths", sweep.recipe.run_request)):
         try:
             call()
         except PlannerError as exc:
