@@ -1,0 +1,78 @@
+"""Models outside the catalog on a real GPU: the planner's prediction against what the GPU measured.
+
+    python benchmarks/traced_readings.py [--readings results/validation/h200/measured-2026-11-26]
+
+Reads `traced.jsonl` (T5-base, BART-base, Pythia-410M, OPT-350M, Qwen2-0.5B, built from the Hugging Face
+configs each row carries, measured by `benchmarks/gpu_session.py` on one GPU), writes each row's config to a
+`config.json`, traces it with `planner.estimate` as `--model config.json` would on the same GPU's instance type
+(one GPU: `--parallelism single`) and prints allocated and reserved peaks of the steady step, predicted vs
+measured. Nothing is fitted to these readings: they are a held-out check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT = ROOT / "results" / "validation" / "h200" / "measured-2026-11-26"
+INSTANCE_OF_GPU = {"NVIDIA H200": "ml.p5e.48xlarge", "NVIDIA H100 80GB HBM3": "ml.p5.48xlarge"}
+GiB = 1 << 30
+
+
+def measured_peaks(row: dict) -> tuple[int, int]:
+    """(allocated, reserved) peaks of the steady step (step 2), over its phases."""
+    phases = row["step2"].values()
+    return max(p["max_alloc"] for p in phases), max(p["max_res"] for p in phases)
+
+
+def predict(row: dict, instance: str, folder: Path) -> tuple[int, int]:
+    from planner.estimate import estimate
+    from planner.spec import TrainConfig
+
+    path = folder / f"{row['model']}.json"
+    path.write_text(json.dumps(row["hf_config"]))
+    cfg = TrainConfig(batch_size=row["b"], seq_len=row["s"], precision=row["precision"], attention="sdpa",
+                      parallelism="single")
+    est = estimate(str(path), cfg, instance, with_throughput=False)
+    return est.memory_bytes.peak_allocated, est.memory_bytes.peak_reserved
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--readings", type=Path, default=DEFAULT)
+    args = ap.parse_args(argv)
+    env = json.loads((args.readings / "env.json").read_text())
+    instance = INSTANCE_OF_GPU[env["gpu"]]
+    rows = [json.loads(line) for line in (args.readings / "traced.jsonl").read_text().splitlines() if line.strip()]
+    print(f"Models outside the catalog on {env['gpu']} (torch {env['torch']}), predicted as {instance}, one GPU")
+    print(f"{'model':<13}{'prec':>9}{'b':>3} {'alloc GiB':>17} {'err':>7} {'reserved GiB':>17} {'err':>7}")
+    errs_a, errs_r = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            if row.get("status") != "ok":
+                print(f"{row['model']:<13}{row['precision']:>9}{row['b']:>3} {row.get('status')}")
+                continue
+            ma, mr = measured_peaks(row)
+            pa, pr = predict(row, instance, Path(tmp))
+            ea, er = pa / ma - 1, pr / mr - 1
+            errs_a.append(ea)
+            errs_r.append(er)
+            print(f"{row['model']:<13}{row['precision']:>9}{row['b']:>3} {pa / GiB:7.2f} vs {ma / GiB:6.2f} "
+                  f"{ea:+7.1%} {pr / GiB:7.2f} vs {mr / GiB:6.2f} {er:+7.1%}")
+    if errs_a:
+        print(f"allocated: median |error| {statistics.median(abs(e) for e in errs_a):.1%}, "
+              f"range {min(errs_a):+.1%} to {max(errs_a):+.1%}")
+        print(f"reserved:  median |error| {statistics.median(abs(e) for e in errs_r):.1%}, "
+              f"range {min(errs_r):+.1%} to {max(errs_r):+.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
