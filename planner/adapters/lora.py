@@ -156,3 +156,22 @@ def _plan(model: ModelSpec, config: TrainConfig) -> LoraPlan:
     blocks = {b.name: _block(b, linears[b.name], chosen[b.name], config.lora_r, dtype, frozen_bytes)
               for b in model_blocks(model)}
     return LoraPlan(blocks, targets, dtype)
+
+
+def lora_counts(model: ModelSpec, lora: LoraPlan) -> dict[str, int]:
+    """`Estimate.parameters` of a LoRA run: each component's parameters (base + adapters), then "total",
+    "trainable" and "frozen" (total = trainable + frozen, as peft's `get_nb_trainable_parameters` counts)."""
+    out: dict[str, int] = {c.name: 0 for c in model.components}
+    for block in model_blocks(model):
+        b = lora.blocks[block.name]
+        out[block.component] += b.trainable + b.frozen
+    return out | {"total": lora.trainable + lora.frozen, "trainable": lora.trainable, "frozen": lora.frozen}
+
+
+def describe(lora: LoraPlan, config: TrainConfig) -> str:
+    """One line for the notes: rank, targets, how many adapters, the base's storage."""
+    base = {"nf4": "4-bit NF4 (bitsandbytes, double quantization)", "fp32": "fp32", "bf16": "bf16",
+            "fp16": "fp16"}[lora.base_dtype]
+    return (f"LoRA r={config.lora_r}, alpha={alpha(config):g}, dropout={config.lora_dropout:g} on "
+            f"{lora.adapted_modules} modules ({','.join(lora.targets)}); trainable {lora.trainable:,} of "
+            f"{lora.trainable + lora.frozen:,}; frozen base stored {base}, adapters fp32")
