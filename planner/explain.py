@@ -307,6 +307,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
         tries.append((f"mixed precision {amp}", {"precision": amp}))
         if not cfg.checkpointing:
             tries.append((f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))
+    if cfg.lora and cfg.base_dtype != "nf4":
+        tries.append(("a 4-bit base (QLoRA, --base-dtype nf4)", {"base_dtype": "nf4"}))
     if cfg.parallelism == "ddp" and not cfg.gradient_as_bucket_view:
         tries.append(("DDP gradient_as_bucket_view=True", {"gradient_as_bucket_view": True}))
     if est.world_size > 1:
@@ -463,6 +465,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
         Step("Gradients and optimizer states", tuple(_state_lines(est))),
+        *_adapter_step(model or est.model, est, model_options, extra),
         Step('The "computational graph": saved activations',
              tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
@@ -470,6 +473,16 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
         Step("Verdict", tuple(_verdict_lines(model or est.model, est, model_options, extra)) + _speed_bound_lines(est)),
     ]
+
+
+def _adapter_step(model: Any, est: Estimate, model_options: dict[str, Any] | None, extra: dict[str, Any]
+                  ) -> list[Step]:
+    """A LoRA / QLoRA run: where its memory goes, what a change of rank, targets, base or checkpointing does."""
+    if not est.config.lora or extra:
+        return []
+    from planner.adapters.explain import adapter_lines
+
+    return [Step("Adapters on a frozen base (LoRA)", tuple(adapter_lines(model, est, model_options)))]
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:

@@ -272,7 +272,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, fake: bool = True, padded: 
             torch.set_default_dtype(old)
         if transform is not None:
             module = transform(module)
-        wrong = {p.dtype for p in module.parameters() if not p.requires_grad} - {MODEL_DTYPE[precision]}
+        wrong = set() if transform else {p.dtype for p in module.parameters()} - {MODEL_DTYPE[precision]}
         if wrong:
             raise ValueError(f"built parameters in {wrong}, expected {MODEL_DTYPE[precision]}")
         batch = make_batch(spec, config.batch_size, config.seq_len, padded)

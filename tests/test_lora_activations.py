@@ -36,7 +36,9 @@ def _measure_and_predict(family, precision, targets, dropout, **kw):
 
     def with_lora(module):
         """peft's LoRA in place (module names unchanged), adapters cast to fp32 as get_peft_model's
-        autocast_adapter_dtype=True does."""
+        autocast_adapter_dtype=True does; the base first cast to --base-dtype when given."""
+        if cfg.base_dtype == "bf16":
+            module = module.to(torch.bfloat16)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             module = peft.inject_adapter_in_model(peft.LoraConfig(
@@ -57,15 +59,17 @@ CASES = [
     ("llama", "fp32", ("q_proj", "v_proj"), 0.0), ("llama", "fp32", ("all-linear",), 0.0),
     ("llama", "fp32", ("q_proj", "v_proj"), 0.1), ("llama", "amp-bf16", ("q_proj", "v_proj"), 0.0),
     ("llama", "bf16", ("q_proj", "v_proj"), 0.0), ("llama", "amp-bf16", ("all-linear",), 0.1),
-    ("llama", "amp-fp16", ("o_proj", "down_proj"), 0.05),
+    ("llama", "amp-fp16", ("o_proj", "down_proj"), 0.05), ("llama", "amp-bf16", ("q_proj", "v_proj"), 0.1, "bf16"),
     ("gpt2", "fp32", ("c_attn",), 0.0), ("gpt2", "fp32", ("all-linear",), 0.1),
     ("bert", "fp32", ("query", "value"), 0.0), ("bert", "amp-bf16", ("all-linear",), 0.1),
 ]
 
 
-@pytest.mark.parametrize("family,precision,targets,dropout", CASES)
-def test_saved_bytes_match_real_peft(family, precision, targets, dropout):
-    measured, predicted = _measure_and_predict(family, precision, targets, dropout)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_saved_bytes_match_real_peft(case):
+    family, precision, targets, dropout, *base = case
+    measured, predicted = _measure_and_predict(family, precision, targets, dropout,
+                                               **({"base_dtype": base[0]} if base else {}))
     h, tokens = 64, 2 * 16
     if targets == ("o_proj", "down_proj"):
         excess = sum(predicted.values()) - sum(measured.per_block.values())

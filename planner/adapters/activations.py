@@ -92,6 +92,11 @@ def _consumers(group: str, suffixes: tuple[str, ...], modules: list[LinearModule
     return out
 
 
+def base_is_low(config: TrainConfig) -> bool:
+    """A 16-bit base under autocast to that same dtype (--base-dtype bf16 with amp-bf16): no weight casts."""
+    return config.precision.startswith("amp-") and config.base_dtype == config.precision.removeprefix("amp-")
+
+
 def input_requires_grad(config: TrainConfig) -> bool:
     """Whether the embeddings' output requires grad: `enable_input_require_grads`, which QLoRA's
     prepare_model_for_kbit_training and checkpointed PEFT training call."""
@@ -145,6 +150,8 @@ def transform_block(saved: list[Saved], spec: TransformerSpec, modules: list[Lin
             continue
         if first_grad and norm is not None and t.name.startswith(norm):
             continue
+        if t.name.startswith("rotary.") and base_is_low(config):  # Llama's cos/sin come in the model's dtype
+            t = Saved(t.name, t.numel, LOW_DTYPE[config.precision])
         out.append(t)
     done: set[str] = set()
     no_grad: list[LinearModule] = []
@@ -205,15 +212,17 @@ def lora_activations(model: ModelSpec, config: TrainConfig, records: tuple, lora
         else:
             saved, no_grad = transform_block(list(rec.tensors), block.layer, block_linears(block, single),
                                              list(bl.adapted), config, backend, tokens, i == first and not grads_in)
-        quantized = bool(bl.quantized)
+        # no 16-bit weight copies: a 4-bit layer dequantizes instead, a base already in autocast's dtype is used
+        # as it is (autocast casts only what is not)
+        uncast = bool(bl.quantized) or base_is_low(config)
         low = 2 if config.precision.startswith("amp-") else 0
         unsaved_casts = sum(alloc_bytes(m.weight_numel * low, backend) for m in no_grad)  # type: ignore[arg-type]
-        casts = 0 if quantized or before else rec.weight_cast_bytes - unsaved_casts
-        cache = 0 if quantized else rec.autocast_cache_bytes
+        casts = 0 if uncast or before else rec.weight_cast_bytes - unsaved_casts
+        cache = 0 if uncast else rec.autocast_cache_bytes
         dq = dequant_bytes(list(bl.quantized), config)
         kept = rec.kept_tensors if rec.checkpointed else tuple(saved)
         out.append(BlockActivations(
             rec.block, _total(saved, backend), _total(list(kept), backend), casts,
             rec.forward_transient_bytes + dq, rec.backward_transient_bytes + dq, rec.checkpointed,
-            rec.retained_output_bytes, cache, tuple(saved), tuple(kept), () if quantized else rec.cache_tensors))
+            rec.retained_output_bytes, cache, tuple(saved), tuple(kept), () if uncast else rec.cache_tensors))
     return tuple(out)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from planner.adapters import nf4
+from planner.adapters.activations import base_is_low
 from planner.adapters.lora import LoraPlan
 from planner.adapters.targets import LinearModule
 from planner.models.blocks import model_blocks
@@ -26,6 +27,7 @@ from planner.spec import ModelSpec, TrainConfig
 _FROZEN_GRADS = re.compile(r"\.grad_weight$|\.grad_bias$|\.weight\d+\.grad_cast$|\.bias\d+\.grad_cast$")
 _EMBEDDING_GRADS = re.compile(r"^embeddings\.(word|position|token_type)\.backward$")
 _LAYER_WEIGHT_CAST = re.compile(r"\.layer\.\d+\.weight\d+\.cast$")
+_ANY_CAST = re.compile(r"\.(weight|bias)\d+\.cast$")
 
 
 def _trained_head(k: Kernel, lora: LoraPlan) -> bool:
@@ -64,6 +66,8 @@ def lora_kernels(model: ModelSpec, config: TrainConfig, kernels: list[Kernel], s
         if (_FROZEN_GRADS.search(k.name) and not _trained_head(k, lora)) or _EMBEDDING_GRADS.match(k.name):
             continue
         if lora.base_dtype == "nf4" and _LAYER_WEIGHT_CAST.search(k.name):
+            continue
+        if base_is_low(config) and _ANY_CAST.search(k.name):
             continue
         out.append(k)
     for block in model_blocks(model):
