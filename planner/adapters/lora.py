@@ -11,6 +11,9 @@ What peft and transformers do, and so what is counted:
   16-bit for pure 16-bit training). fp32/bf16/fp16 store every frozen parameter in that dtype.
 - nf4 (QLoRA): transformers replaces every Linear/Conv1D except the output embeddings and the module of the
   last parameter (`get_keys_to_not_convert`) by bitsandbytes' Linear4bit (storage: `nf4.weight_bytes`);
+  a sequence-classification head stays unquantized too: transformers' skip key for a biased head is
+  "classifier.bias", which matches no module, and peft's SEQ_CLS cannot train a 4-bit head, so QLoRA
+  classification recipes pass llm_int8_skip_modules=["classifier"] (or "score");
   `prepare_model_for_kbit_training` then casts every other 16-bit parameter (embeddings, norms, biases, the
   head) to fp32.
 Gradients and optimizer states exist only for the trainable parameters (`shapes`).
@@ -109,7 +112,7 @@ def check(config: TrainConfig) -> None:
 def _block(block, modules: list[LinearModule], targets: list[LinearModule], r: int, dtype: str,
            frozen_bytes: int) -> BlockLora:
     own = block_parameters(block)
-    quantized = [m for m in modules if dtype == "nf4" and not m.output and not m.last]
+    quantized = [m for m in modules if dtype == "nf4" and not m.output and not m.last and not m.head]
     head = [m for m in modules if m.head]
     shapes: list[Shape] = []
     for m in targets:
