@@ -168,3 +168,39 @@ def test_lora_bytes_16bit_base(precision, dtype):
     p = plan(spec, _config(lora_r=4, lora_targets=("q_proj", "v_proj"), precision=precision))
     assert sum(b.param_bytes for b in p.blocks.values()) == _device_bytes(model)
     assert all(t.dtype == torch.float32 for t in model.parameters() if t.requires_grad)
+
+
+# ------------------------------------------------------------------------------------------- estimate
+
+
+def test_estimate_counts_only_the_adapters_states():
+    """parameters.trainable/frozen in the Estimate, fp32 gradients and AdamW's two fp32 moments for the
+    adapters only, and the base's bytes as the plan stores them."""
+    from planner.estimate import estimate
+
+    cfg = TrainConfig(batch_size=2, seq_len=256, precision="amp-bf16", lora_r=16, lora_alpha=32,
+                      lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    est = estimate("llama-2-7b", cfg, "ml.g5.2xlarge")
+    p = plan(get_model("llama-2-7b"), cfg)
+    assert est.parameters["trainable"] == p.trainable and est.parameters["frozen"] == p.frozen
+    assert est.parameters["total"] == p.trainable + p.frozen
+    assert est.memory_bytes.gradients == 4 * p.trainable
+    assert est.memory_bytes.optimizer_states == 8 * p.trainable
+    assert est.memory_bytes.parameters == sum(b.param_bytes for b in p.blocks.values())
+    qlora = estimate("llama-2-7b", cfg.model_copy(update={"base_dtype": "nf4"}), "ml.g5.2xlarge")
+    assert qlora.memory_bytes.parameters < est.memory_bytes.parameters / 3
+    assert qlora.memory_bytes.peak_device < est.memory_bytes.peak_device
+
+
+def test_bad_lora_flags_are_one_line_errors():
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+
+    runner = CliRunner()
+    for args, flag in ((["--lora-r", "0"], "--lora-r"), (["--lora-r", "8", "--lora-targets", "q_prj"], "--lora-targets"),
+                       (["--lora-alpha", "16"], "--lora-alpha"), (["--lora-r", "8", "--base-dtype", "nf8"], "--base-dtype"),
+                       (["--lora-r", "8", "--precision", "bf16", "--base-dtype", "fp32"], "--base-dtype")):
+        res = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--instance", "ml.g5.2xlarge", *args])
+        assert res.exit_code == 2, args
+        assert flag in res.output and "Traceback" not in res.output
