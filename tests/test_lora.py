@@ -204,3 +204,21 @@ def test_bad_lora_flags_are_one_line_errors():
         res = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--instance", "ml.g5.2xlarge", *args])
         assert res.exit_code == 2, args
         assert flag in res.output and "Traceback" not in res.output
+
+
+def test_sweep_searches_rank_targets_and_base():
+    """A sweep's LoRA dimensions become TrainConfig fields of each point; a fixed target list is accepted."""
+    from planner.hardware import get_instance
+    from planner.search.space import SpaceSpec, resolve_space
+
+    spec = SpaceSpec(lora_ranks=(8, 64), lora_target_sets=("q_proj,v_proj", "all-linear"), base_dtypes=("nf4",),
+                     batch_sizes=(2,), seq_lens=(512,), precisions=("amp-bf16",))
+    space = resolve_space(spec, get_model("llama-2-7b"), get_instance("ml.g5.2xlarge"))
+    assert {"lora_r", "lora_targets"} <= set(space.searched())
+    cfg = space.config({"instance": "ml.g5.2xlarge", "lora_r": 64, "lora_targets": "q_proj,v_proj"})
+    assert (cfg.lora_r, cfg.lora_targets, cfg.base_dtype) == (64, ("q_proj", "v_proj"), "nf4")
+    fixed = resolve_space(SpaceSpec(batch_sizes=(2,)), get_model("llama-2-7b"), get_instance("ml.g5.2xlarge"),
+                          fixed={"lora_r": 16, "lora_targets": ["all-linear"]})
+    one = fixed.config({"instance": "ml.g5.2xlarge", "seq_len": 512, "precision": "amp-bf16",
+                        "checkpointing": False, "optimizer_impl": "foreach", "attention": "sdpa"})
+    assert (one.lora_r, one.lora_targets) == (16, ("all-linear",))

@@ -53,6 +53,10 @@ def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
     }
     for col in CONFIG_COLUMNS:
         row[col] = config.get(col)
+    if config.get("lora_r") is not None:  # an adapter study: which rank, targets and base each trial had
+        targets = config.get("lora_targets") or ()
+        row |= {"lora_r": config["lora_r"], "base_dtype": config.get("base_dtype", "auto"),
+                "lora_targets": targets if isinstance(targets, str) else ",".join(targets)}
     row["world_size"] = config.get("world_size")
     row["verdict"] = mem.get("verdict")
     row["peak_device_gib"] = mem["peak_device"] / GIB if "peak_device" in mem else math.nan
