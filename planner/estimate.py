@@ -68,8 +68,9 @@ def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Inst
 
     check_lora(config)
     if config.lora and model is None:
-        raise PlannerError("--lora-r", config.lora_r, "catalog models and configs of the six families (bert, "
-                           "roberta, distilbert, gpt2, llama, mistral); traced models have no adapters yet")
+        from planner.adapters.traced import check_traced
+
+        check_traced(config)
 
 
 @dataclass(frozen=True)
@@ -596,7 +597,9 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
     blocks = []
     for b in full.blocks:
-        full_p, full_g = b.parameters * p_bytes, b.parameters * g_bytes
+        # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
+        trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
+        full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
         resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
@@ -608,17 +611,20 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
             retained_bytes=b.retained_bytes))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
+    opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     if cfg.parallelism == "dp":  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
         dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
-        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(total, cfg)),
+        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(full.parameters.get(
+            "trainable", total), cfg)),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=full.batch_bytes,
-        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states),
+        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, opt_bytes,
+                                                                      share.optimizer_states),
         grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
