@@ -17,7 +17,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.search.columns import CONFIG_COLUMNS, cost_column, feasible, time_column, unique_configs
+from planner.search.columns import (
+    CONFIG_COLUMNS,
+    LORA_COLUMNS,
+    cost_column,
+    feasible,
+    time_column,
+    unique_configs,
+)
 from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len, time_vs_cost
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,7 +42,7 @@ BEST_KEYS = ["instance", "instances", "batch_size", "grad_accum", "global_batch_
 SUMMARY_COLUMNS = [*BEST_KEYS, "trial", "value", "attention", "optimizer", "optimizer_impl", "world_size",
                    "verdict", "peak_device_gib", "peak_device_high_gib", "headroom_gib", "gpu_memory_gib",
                    "tokens_per_s", "step_time_s", "mfu", "price_per_hour", "epochs", "usd_per_epoch",
-                   "hours_per_epoch", "usd_per_million_samples"]
+                   "hours_per_epoch", "usd_per_million_samples", *LORA_COLUMNS]  # LoRA's: adapter studies only
 
 
 def _row(run: StudyRun, trial: Any) -> dict[str, Any]:

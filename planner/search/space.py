@@ -82,6 +82,8 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "lora_target_sets": ("",),
     "base_dtypes": ("auto",),
 }
+# The LoRA dimensions' values when a sweep asks for no adapters (TrainConfig's defaults).
+LORA_UNSET: dict[str, Any] = {"lora_r": None, "lora_targets": "", "base_dtype": "auto"}
 # Numeric dimensions, sampled as an index into their sorted values (see SearchSpace.parameters).
 ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum")
 INDEX_SUFFIX = "_index"
@@ -205,7 +207,8 @@ class SearchSpace(BaseModel):
 
     def constants(self) -> dict[str, Any]:
         """Dimensions with one value plus the fixed TrainConfig fields."""
-        out = {dim: vals[0] for dim, vals in self.values().items() if len(vals) == 1}
+        out = {dim: vals[0] for dim, vals in self.values().items() if len(vals) == 1
+               and not (dim in LORA_UNSET and vals[0] == LORA_UNSET[dim])}  # no adapters: nothing to report
         return {**out, **self.fixed}
 
     @property
