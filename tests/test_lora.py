@@ -200,7 +200,8 @@ def test_bad_lora_flags_are_one_line_errors():
     runner = CliRunner()
     for args, flag in ((["--lora-r", "0"], "--lora-r"), (["--lora-r", "8", "--lora-targets", "q_prj"], "--lora-targets"),
                        (["--lora-alpha", "16"], "--lora-alpha"), (["--lora-r", "8", "--base-dtype", "nf8"], "--base-dtype"),
-                       (["--lora-r", "8", "--precision", "bf16", "--base-dtype", "fp32"], "--base-dtype")):
+                       (["--lora-r", "8", "--precision", "bf16", "--base-dtype", "fp32"], "--base-dtype"),
+                       (["--lora-r", "8", "--precision", "bf16", "--base-dtype", "nf4"], "--base-dtype")):
         res = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--instance", "ml.g5.2xlarge", *args])
         assert res.exit_code == 2, args
         assert flag in res.output and "Traceback" not in res.output

@@ -105,6 +105,9 @@ def check(config: TrainConfig) -> None:
         raise PlannerError("--lora-alpha", config.lora_alpha, "a number > 0")
     if config.base_dtype == "fp32" and config.precision in ("bf16", "fp16"):
         raise PlannerError("--base-dtype", "fp32", f"a 16-bit base with --precision {config.precision}")
+    if config.base_dtype == "nf4" and config.precision in ("bf16", "fp16"):
+        raise PlannerError("--base-dtype", "nf4", f"--precision amp-{config.precision} or fp32 (QLoRA trains under "
+                           "autocast: prepare_model_for_kbit_training leaves norms, embeddings and the head fp32)")
     if config.base_dtype in ("bf16", "fp16") and config.precision == "fp32":
         raise PlannerError("--base-dtype", config.base_dtype, "fp32 or nf4 with --precision fp32 (or use AMP)")
 
