@@ -201,6 +201,12 @@ class Plan:
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float = 25.0
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    # LoRA adapters on a frozen base (peft), base_dtype nf4 = QLoRA (bitsandbytes 4-bit); lora_r None: full
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
+    base_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
     # A run of varying lengths: step k's batch is padded to step_lengths[k] (one step per entry; warmup_steps
     # of them untimed). Empty: warmup_steps + measure_steps steps at seq_len.
@@ -240,6 +246,11 @@ def make_plan(request: dict[str, Any]) -> Plan:
         bucket_cap_mb=float(cfg.get("bucket_cap_mb", 25.0)),
         tf32=bool(cfg.get("tf32", False)),
         step_lengths=_step_lengths(request.get("step_lengths"), int(cfg["seq_len"])),
+        lora_r=int(cfg["lora_r"]) if cfg.get("lora_r") else None,
+        lora_alpha=float(cfg["lora_alpha"]) if cfg.get("lora_alpha") is not None else None,
+        lora_targets=tuple(cfg.get("lora_targets") or ()),
+        lora_dropout=float(cfg.get("lora_dropout") or 0.0),
+        base_dtype=cfg.get("base_dtype") or "auto",
     )
 
 
@@ -422,8 +433,94 @@ def build(modeling: Any, spec: dict[str, Any], plan: Plan, device: Any) -> tuple
         model.to(torch.float16 if plan.precision == "fp16" else torch.bfloat16)
     applied["attention"] = apply_attention(model, plan.attention)
     applied["checkpointing"] = apply_checkpointing(model) if plan.checkpointing else []
+    if plan.lora_r:
+        model = apply_lora(model, spec, plan, device, applied)
     model.train()
     return model, applied
+
+
+# ------------------------------------------------------------------------------------- LoRA / QLoRA
+
+
+def ensure_packages(names: list[str]) -> None:
+    """pip-install what a LoRA / QLoRA probe needs and the image lacks (peft; bitsandbytes for nf4)."""
+    import importlib
+    import subprocess
+
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=False)
+        if done.returncode != 0:
+            raise Unsupported(f"LoRA needs {', '.join(missing)}; pip install failed here")
+
+
+def quantize_4bit(model: Any, compute_dtype: Any, device: Any) -> int:
+    """Replace the Linear/Conv1D modules transformers would quantize (all but the output embeddings and the
+    last parameter's module: `get_keys_to_not_convert`) by bitsandbytes Linear4bit, NF4 with double
+    quantization, as `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` does."""
+    import bitsandbytes as bnb  # type: ignore[import-not-found]
+    import torch
+    from transformers.integrations.bitsandbytes import should_convert_module
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    # + the classification heads, as QLoRA classification recipes pass llm_int8_skip_modules (peft's SEQ_CLS
+    # trains the head in full, which a 4-bit head cannot be; planner.adapters.lora says the same)
+    skip = get_keys_to_not_convert(model) + ["classifier", "score"]
+    done = 0
+    for name, sub in list(model.named_modules()):
+        if not isinstance(sub, torch.nn.Linear | Conv1D) or not should_convert_module(name, skip):
+            continue
+        weight = (sub.weight.data.t() if isinstance(sub, Conv1D) else sub.weight.data).to(compute_dtype)
+        new = bnb.nn.Linear4bit(weight.shape[1], weight.shape[0], sub.bias is not None, compute_dtype,
+                                compress_statistics=True, quant_type="nf4")
+        new.weight = bnb.nn.Params4bit(weight.cpu().contiguous(), requires_grad=False, compress_statistics=True,
+                                       quant_type="nf4", blocksize=64)
+        if sub.bias is not None:
+            new.bias = torch.nn.Parameter(sub.bias.data.to(compute_dtype), requires_grad=False)
+        model.set_submodule(name, new.to(device))  # .to(cuda) quantizes (Params4bit._quantize)
+        done += 1
+    return done
+
+
+def apply_lora(model: Any, spec: dict[str, Any], plan: Plan, device: Any, applied: dict[str, Any]) -> Any:
+    """peft LoRA on a frozen base as planner models it: the base in --base-dtype (nf4: 4-bit, then
+    prepare_model_for_kbit_training), adapters fp32 (get_peft_model's autocast_adapter_dtype), task SEQ_CLS
+    for classification heads (the head trains in full), CAUSAL_LM for causal LMs."""
+    import torch
+
+    ensure_packages(["peft"] + (["bitsandbytes"] if plan.base_dtype == "nf4" else []))
+    import peft  # type: ignore[import-not-found]
+
+    low = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16,
+           "fp16": torch.float16}.get(plan.precision, torch.float32)
+    if plan.base_dtype == "nf4":
+        applied["quantized_modules"] = quantize_4bit(model, low, device)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.checkpointing)
+    elif plan.base_dtype in ("bf16", "fp16"):
+        model.to(torch.bfloat16 if plan.base_dtype == "bf16" else torch.float16)
+    head = next((c for layer in _transformer_layers(spec) for c in [layer.get("head")]), None)
+    task = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(head or "")
+    targets: Any = list(plan.lora_targets) or None
+    if plan.lora_targets == ("all-linear",):
+        targets = "all-linear"
+    config = peft.LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha if plan.lora_alpha is not None else 8,
+                             lora_dropout=plan.lora_dropout, target_modules=targets, task_type=task)
+    model = peft.get_peft_model(model, config)
+    trainable, everything = model.get_nb_trainable_parameters()
+    applied["lora"] = {"r": plan.lora_r, "targets": targets, "base_dtype": plan.base_dtype,
+                       "trainable": trainable, "frozen": everything - trainable, "peft": peft.__version__}
+    return model
+
+
+def _transformer_layers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [layer for c in spec.get("components", []) for layer in c.get("layers", [])
+            if layer.get("kind") == "transformer"]
 
 
 # ------------------------------------------------------------------------------------- optimizer

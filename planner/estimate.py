@@ -64,6 +64,13 @@ def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Inst
         raise PlannerError("--seq-len", config.seq_len, f"{model.name} has {limit} positions; use <= {limit}")
     if config.optimizer_impl == "fused" and config.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum"):
         raise PlannerError("--optimizer-impl", "fused", "fused kernels exist for adam, adamw, sgd, sgd-momentum")
+    from planner.adapters.lora import check as check_lora
+
+    check_lora(config)
+    if config.lora and model is None:
+        from planner.adapters.traced import check_traced
+
+        check_traced(config)
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,8 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 
 # What `activations.activation_blocks` reads of a TrainConfig (its `_ctx` and the checkpointing flag):
 # tests/test_estimate_cache.py fails if another field changes its answer.
-ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing")
+ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
+                     "lora_dropout", "base_dtype")
 _ACTIVATIONS: dict[tuple, tuple] = {}
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
 
@@ -138,7 +146,13 @@ def _activations(spec: ModelSpec, cfg: TrainConfig, backend: str, flash_ok: bool
     if hit is None or hit[0] is not spec:
         if len(_ACTIVATIONS) >= ACTIVATION_CACHE_SIZE:
             _ACTIVATIONS.clear()
-        hit = _ACTIVATIONS[key] = (spec, tuple(activation_blocks(spec, cfg, backend=backend, flash_ok=flash_ok)))
+        records = tuple(activation_blocks(spec, cfg, backend=backend, flash_ok=flash_ok))
+        if cfg.lora:  # a frozen base saves less; the adapters add their own (planner.adapters.activations)
+            from planner.adapters.activations import lora_activations
+            from planner.adapters.lora import plan
+
+            records = lora_activations(spec, cfg, records, plan(spec, cfg), backend)
+        hit = _ACTIVATIONS[key] = (spec, records)
     return hit[1]
 
 
@@ -152,24 +166,42 @@ def _block_memory(model: ModelSpec, activations: tuple, config: TrainConfig,
     on many instance types and counts."""
     p_bytes = model_states.parameter_dtype_bytes(config.precision)
     g_bytes = model_states.gradient_dtype_bytes(config.precision)
-    key = (id(model), id(activations), p_bytes, g_bytes, share)
+    lora = _lora_key(config)
+    key = (id(model), id(activations), p_bytes, g_bytes, share, lora)
     hit = _BLOCKS.get(key)
     if hit is not None and hit[0] is model and hit[1] is activations:
         return hit[2]
-    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share)
+    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share, _lora_bytes(model, config))
     if len(_BLOCKS) >= ACTIVATION_CACHE_SIZE:
         _BLOCKS.clear()
     _BLOCKS[key] = (model, activations, blocks)
     return blocks
 
 
+def _lora_key(config: TrainConfig) -> tuple | None:
+    """The TrainConfig fields a LoRA plan reads (None: full fine-tuning)."""
+    return (config.lora_r, config.lora_targets, config.base_dtype) if config.lora else None
+
+
+def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, int]] | None:
+    """Block -> (parameter bytes, gradient bytes) of a LoRA run (planner.adapters.lora); None without one."""
+    if not config.lora:
+        return None
+    from planner.adapters.lora import plan
+
+    return {name: (b.param_bytes, b.grad_bytes) for name, b in plan(model, config).blocks.items()}
+
+
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
-                     share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
+                     share: parallel.Sharding, lora: dict[str, tuple[int, int]] | None = None
+                     ) -> tuple[timeline.BlockMemory, ...]:
     facts = _model_facts(model)
     out = []
     for act in activations:  # every block in forward order, then "loss"
         full_p = facts.by_block.get(act.block, 0) * p_bytes
         full_g = facts.gradients_by_block.get(act.block, 0) * g_bytes
+        if lora is not None:
+            full_p, full_g = lora.get(act.block, (0, 0))
         resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
         # ZeRO-3/FSDP all-gathers a unit's full parameters while it runs (and prefetches the next one).
         gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0
@@ -324,7 +356,16 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
     # optimizers keep states only for tensors with a .grad (facts.gradient_shapes)
-    states, opt_temp = _optimizer_bytes(facts, cfg, p_bytes, share.optimizer_states)
+    if cfg.lora:  # only the adapters train (planner.adapters.lora): their fp32 gradients and states
+        from planner.adapters.lora import ADAPTER_BYTES, lora_counts, plan
+
+        lora = plan(spec, cfg)
+        counts = lora_counts(spec, lora)
+        full_grad_bytes = lora.trainable * ADAPTER_BYTES
+        states = optimizer.optimizer_state_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
+        opt_temp = optimizer.optimizer_temporary_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
+    else:
+        states, opt_temp = _optimizer_bytes(facts, cfg, p_bytes, share.optimizer_states)
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
@@ -574,7 +615,9 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
     blocks = []
     for b in full.blocks:
-        full_p, full_g = b.parameters * p_bytes, b.parameters * g_bytes
+        # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
+        trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
+        full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
         resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
@@ -586,17 +629,20 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
             retained_bytes=b.retained_bytes))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
+    opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     if cfg.parallelism == "dp":  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
         dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
-        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(total, cfg)),
+        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(full.parameters.get(
+            "trainable", total), cfg)),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=full.batch_bytes,
-        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
-        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states),
+        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, opt_bytes,
+                                                                      share.optimizer_states),
         grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
@@ -659,6 +705,13 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
                      "faster and balanced")
     if spec is not None and cfg.checkpointing and not spec.transformers:
         notes.append("checkpointing applies to transformer layers; this model has none")
+    if spec is not None and cfg.lora:
+        from planner.adapters.lora import describe, plan
+
+        notes.append(describe(plan(spec, cfg), cfg))
+        if cfg.base_dtype == "nf4" and not cfg.checkpointing:
+            notes.append("QLoRA: peft's prepare_model_for_kbit_training turns gradient checkpointing on by "
+                         "default; this estimate has it off (--checkpointing to match)")
     return notes
 
 

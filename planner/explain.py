@@ -74,6 +74,8 @@ def _precision_lines(est: Estimate) -> list[str]:
     total = est.parameters["total"]
     lines = [f"{'component':<16}{'parameters':>14}{'fp32 (4 B)':>14}{'fp16/bf16 (2 B)':>18}"]
     for name, n in est.parameters.items():
+        if name in ("trainable", "frozen"):  # an adapter run's split of the total: its own step says more
+            continue
         lines.append(f"{name:<16}{n:>14,}{fmt_bytes(4 * n):>14}{fmt_bytes(2 * n):>18}")
     p = est.config.precision
     if p.startswith("amp"):
@@ -319,6 +321,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
         tries.append((f"mixed precision {amp}", {"precision": amp}))
         if not cfg.checkpointing:
             tries.append((f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))
+    if cfg.lora and cfg.base_dtype != "nf4":
+        tries.append(("a 4-bit base (QLoRA, --base-dtype nf4)", {"base_dtype": "nf4"}))
     if cfg.parallelism == "ddp" and not cfg.gradient_as_bucket_view:
         tries.append(("DDP gradient_as_bucket_view=True", {"gradient_as_bucket_view": True}))
     if est.world_size > 1:
@@ -546,6 +550,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
         Step("Gradients and optimizer states", tuple(_state_lines(est))),
+        *_adapter_step(model or est.model, est, model_options, extra),
         Step('The "computational graph": saved activations',
              tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
@@ -569,6 +574,16 @@ def _run_step(model, est: Estimate, run: Any, model_options, extra) -> list[Step
 
     return [Step("A run of varying lengths", tuple(explain_run.lines(model, est, run, model_options, extra)),
                  {"run": est.run.model_dump(mode="json")})]
+
+
+def _adapter_step(model: Any, est: Estimate, model_options: dict[str, Any] | None, extra: dict[str, Any]
+                  ) -> list[Step]:
+    """A LoRA / QLoRA run: where its memory goes, what a change of rank, targets, base or checkpointing does."""
+    if not est.config.lora or extra:
+        return []
+    from planner.adapters.explain import adapter_lines
+
+    return [Step("Adapters on a frozen base (LoRA)", tuple(adapter_lines(model, est, model_options)))]
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:

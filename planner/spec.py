@@ -34,6 +34,11 @@ Backend = Literal["cuda", "cpu"]
 # The OOM verdict with its uncertainty band: "fits" only when even the high end of the whole-device peak is
 # under the GPU's memory, "oom" only when even the low end is over it, "tight" in between.
 Verdict = Literal["fits", "tight", "oom"]
+# How the frozen base of a LoRA run is stored (planner.adapters): "auto" = the dtype --precision implies
+# (fp32 for fp32 and AMP, 16-bit for pure 16-bit), as transformers loads it; "nf4" = QLoRA (bitsandbytes 4-bit
+# NormalFloat with double quantization, computing in the precision's 16-bit dtype).
+BaseDtype = Literal["auto", "fp32", "bf16", "fp16", "nf4"]
+BASE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "nf4")
 
 # Instances in one training job. SageMaker's per-account quotas (Service Quotas, "ml.<type> for training job
 # usage") are adjustable and the API itself sets no maximum (botocore sagemaker-2017-07-24 TrainingInstanceCount:
@@ -188,6 +193,18 @@ class TrainConfig(Frozen):
     # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 = True; NGC containers and
     # HF's --tf32 turn it on; PyTorch's own default is off). Only Ampere and later have TF32.
     tf32: bool = False
+    # LoRA adapters on a frozen base (planner.adapters): lora_r None trains every parameter (no adapters).
+    # Defaults follow peft's LoraConfig: lora_alpha = 8, dropout 0, targets () = peft's default per model type.
+    lora_r: int | None = Field(None, ge=1)
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    base_dtype: BaseDtype = "auto"
+
+    @property
+    def lora(self) -> bool:
+        """Adapters on a frozen base (LoRA, or QLoRA with base_dtype nf4)."""
+        return self.lora_r is not None
 
 
 # --------------------------------------------------------------------------------------- hardware

@@ -248,8 +248,10 @@ def _module_tracker(module: torch.nn.Module) -> Iterator[tuple[list[str], set[st
 
 
 def measure(spec: ModelSpec, config: TrainConfig, *, fake: bool = True, padded: bool = True,
-            keep_tensors: bool = True) -> Measurement:
-    """Bytes autograd saves during one training forward + loss of `spec` under `config` (CPU kernels)."""
+            keep_tensors: bool = True, transform: Any = None) -> Measurement:
+    """Bytes autograd saves during one training forward + loss of `spec` under `config` (CPU kernels).
+
+    `transform(module)` returns the module to run instead (a LoRA run: peft's `get_peft_model` around it)."""
     from jobs.modeling import build_model, loss_of
 
     if fake and not padded and any(t.family in ("gpt2", "llama", "mistral") for t in spec.transformers):
@@ -268,7 +270,9 @@ def measure(spec: ModelSpec, config: TrainConfig, *, fake: bool = True, padded: 
             module = build_model(spec.model_dump(mode="json"), attention, checkpointing=config.checkpointing)
         finally:
             torch.set_default_dtype(old)
-        wrong = {p.dtype for p in module.parameters()} - {MODEL_DTYPE[precision]}
+        if transform is not None:
+            module = transform(module)
+        wrong = set() if transform else {p.dtype for p in module.parameters()} - {MODEL_DTYPE[precision]}
         if wrong:
             raise ValueError(f"built parameters in {wrong}, expected {MODEL_DTYPE[precision]}")
         batch = make_batch(spec, config.batch_size, config.seq_len, padded)

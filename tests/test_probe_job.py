@@ -247,3 +247,22 @@ def test_a_run_of_step_lengths_is_replayed_in_order(tiny_spec):
     assert result["summary"]["step_lengths"] == lengths
     with pytest.raises(ValueError, match="step_lengths"):
         probe.make_plan(request(tiny_spec) | {"step_lengths": [8, 32]})  # above seq_len 16
+
+
+@pytest.mark.parametrize("base", ["auto", "nf4"])
+def test_lora_probe_runs_peft_and_counts_as_planned(tiny_spec, base):
+    """The probe job puts peft's LoRA (and, for nf4, bitsandbytes 4-bit layers) on the model as the planner
+    models it: the trainable and frozen counts it reports are the plan's, and it trains only the adapters."""
+    pytest.importorskip("peft")
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from planner.adapters.lora import plan
+
+    cfg = dict(lora_r=4, lora_targets=("query", "value"), base_dtype=base)
+    result = probe.run_probe(request(tiny_spec, **cfg), modeling=modeling, device="cpu")
+    assert result["status"] == "ok", result.get("message")
+    lora = plan(tiny_spec, TrainConfig(batch_size=2, seq_len=16, **cfg))
+    assert (result["applied"]["lora"]["trainable"], result["applied"]["lora"]["frozen"]) == (lora.trainable,
+                                                                                             lora.frozen)
+    # AdamW's two fp32 moments per adapter element; on a CPU its 0-dim fp32 `step` per tensor lives there too
+    assert result["tensors"]["optimizer_state_bytes"] == 8 * lora.trainable + 4 * len(lora.shapes)

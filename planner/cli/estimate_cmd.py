@@ -34,6 +34,15 @@ from planner.cli.common import (
     parse_model_options,
     stack_from_flags,
 )
+from planner.cli.lora_opts import (
+    BaseDtypeOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraROpt,
+    LoraTargetsOpt,
+    lora_fields,
+    lora_flags,
+)
 from planner.cli.options import build_config
 from planner.cli.prices_cmd import PriceRegionOpt
 from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
@@ -60,8 +69,9 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                  fragmentation: float | None = None, dataset_size: int | None = None,
                  spot: bool = False, inputs: str | None = None, loss: str | None = None,
                  stack: dict[str, str] | None = None, tf32: bool = False, region: str = "us-east-1",
-                 run=None) -> Estimate:
-    """Flags in, Estimate out: the one path shared by estimate, explain and probe."""
+                 run=None, lora: dict[str, Any] | None = None) -> Estimate:
+    """Flags in, Estimate out: the one path shared by estimate, explain and probe (`lora`: the TrainConfig
+    fields of the LoRA flags, `lora_opts.lora_fields`)."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
     from planner.io import number
@@ -74,7 +84,7 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                           seq_len=seq_len, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                           parallelism=parallelism, checkpointing=checkpointing, attention=attention,
                           grad_accum=grad_accum, instances=instances,
-                          gradient_as_bucket_view=gradient_as_bucket_view, tf32=tf32)
+                          gradient_as_bucket_view=gradient_as_bucket_view, tf32=tf32, **(lora or {}))
     overrides: dict[str, Any] = {}
     if cuda_context_mib is not None:
         number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
@@ -161,7 +171,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if cfg.parallelism not in ("single", "auto"):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts)
+    return " ".join(parts + lora_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -209,6 +219,11 @@ def register(app: typer.Typer) -> None:
         spot: SpotOpt = False,
         region: PriceRegionOpt = "us-east-1",
         tf32: Tf32Opt = False,
+        lora_r: LoraROpt = None,
+        lora_alpha: LoraAlphaOpt = None,
+        lora_targets: LoraTargetsOpt = None,
+        lora_dropout: LoraDropoutOpt = 0.0,
+        base_dtype: BaseDtypeOpt = "auto",
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -230,7 +245,8 @@ def register(app: typer.Typer) -> None:
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
                            spot, inputs, loss,
                            stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32,
-                           region, run_request(lengths, padding, run_steps, run_seed))
+                           region, run_request(lengths, padding, run_steps, run_seed),
+                           lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -262,6 +278,11 @@ def register(app: typer.Typer) -> None:
         gradient_as_bucket_view: BucketViewOpt = False,
         tf32: Tf32Opt = False,
         region: PriceRegionOpt = "us-east-1",
+        lora_r: LoraROpt = None,
+        lora_alpha: LoraAlphaOpt = None,
+        lora_targets: LoraTargetsOpt = None,
+        lora_dropout: LoraDropoutOpt = 0.0,
+        base_dtype: BaseDtypeOpt = "auto",
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -284,7 +305,8 @@ def register(app: typer.Typer) -> None:
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-                           tf32=tf32, region=region, run=run)
+                           tf32=tf32, region=region, run=run,
+                           lora=lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype))
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss, run=run)
         if json_out:

@@ -39,6 +39,7 @@ from planner.cli.common import (
     handles_errors,
     parse_model_options,
 )
+from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
 from planner.errors import PlannerError
 from planner.io import dumps_json
 
@@ -94,8 +95,12 @@ CONFIG_FLAGS = ("batch_size", "seq_len", "precision", "optimizer", "optimizer_im
 
 
 def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
-    """The configuration flags of a command's arguments (`locals()` at its start)."""
-    return {k: flags[k] for k in CONFIG_FLAGS}
+    """The configuration flags of a command's arguments (`locals()` at its start), LoRA's included."""
+    from planner.cli.lora_opts import lora_fields
+
+    return {k: flags[k] for k in CONFIG_FLAGS} | lora_fields(
+        flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
+        flags.get("base_dtype") or "auto")
 
 
 def check_torch() -> None:
@@ -248,6 +253,11 @@ def register(app: typer.Typer) -> None:
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         tf32: Tf32Opt = False,
+        lora_r: LoraROpt = None,
+        lora_alpha: LoraAlphaOpt = None,
+        lora_targets: LoraTargetsOpt = None,
+        lora_dropout: LoraDropoutOpt = 0.0,
+        base_dtype: BaseDtypeOpt = "auto",
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
@@ -314,6 +324,11 @@ def register(app: typer.Typer) -> None:
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
         tf32: Tf32Opt = False,
+        lora_r: LoraROpt = None,
+        lora_alpha: LoraAlphaOpt = None,
+        lora_targets: LoraTargetsOpt = None,
+        lora_dropout: LoraDropoutOpt = 0.0,
+        base_dtype: BaseDtypeOpt = "auto",
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,

@@ -173,6 +173,11 @@ def _config_text(row: Any, shown: set[str]) -> str:
             parts.append(str(row[dim]))
     if "checkpointing" in shown:
         parts.append("ckpt" if row["checkpointing"] else "no-ckpt")
+    if "lora_r" in shown:
+        parts.append(f"r{_int(row.get('lora_r'))}")
+    for dim in ("lora_targets", "base_dtype"):
+        if dim in shown:
+            parts.append(str(row.get(dim) or "default"))
     return " ".join(parts)
 
 

@@ -26,7 +26,7 @@ REPLAY_FIRST_STEP = True
 # What the trace reads of a TrainConfig besides the step's block bytes: the activation records' fields
 # (estimate.ACTIVATION_FIELDS), the parameter dtype, the optimizer's tensors, the DDP bucket size.
 TRACE_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "optimizer", "optimizer_impl",
-                "bucket_cap_mb")
+                "bucket_cap_mb", "lora_r", "lora_targets", "lora_dropout", "base_dtype")
 
 
 class _Entry:
@@ -83,13 +83,19 @@ def _optimizer_tensors(spec: ModelSpec, cfg: TrainConfig, p_bytes: int, share: f
     """`events.optimizer_tensor_sizes`, once per model and optimizer (of `cfg` it reads only these two)."""
     from planner.models.params import model_gradient_tensor_shapes
 
-    key = (id(spec), cfg.optimizer, cfg.optimizer_impl, p_bytes, share)
+    lora = (cfg.lora_r, cfg.lora_targets) if cfg.lora else None
+    key = (id(spec), cfg.optimizer, cfg.optimizer_impl, p_bytes, share, lora)
     hit = _OPTIMIZER_TENSORS.get(key)
     if hit is None or hit[0] is not spec:
         if len(_OPTIMIZER_TENSORS) >= REPLAY_CACHE_SIZE:
             _OPTIMIZER_TENSORS.clear()
-        hit = _OPTIMIZER_TENSORS[key] = (spec, events.optimizer_tensor_sizes(
-            model_gradient_tensor_shapes(spec), cfg, p_bytes, share))
+        if cfg.lora:  # only the fp32 adapters have optimizer states (planner.adapters.lora)
+            from planner.adapters.lora import ADAPTER_BYTES, plan
+
+            shapes, p_bytes = plan(spec, cfg).shapes, ADAPTER_BYTES
+        else:
+            shapes = model_gradient_tensor_shapes(spec)
+        hit = _OPTIMIZER_TENSORS[key] = (spec, events.optimizer_tensor_sizes(shapes, cfg, p_bytes, share))
     return hit[1]
 
 

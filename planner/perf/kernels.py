@@ -631,4 +631,9 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
     if model.loss != "none" and model.transformers and model.loss != "multimodal":
         fwd = loss(model.transformers[-1], sh)
         out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
+    if config.lora:  # a frozen base, adapters, a 4-bit base (planner.adapters.speed)
+        from planner.adapters.lora import plan
+        from planner.adapters.speed import lora_kernels
+
+        return lora_kernels(model, config, _fold(out), sh, plan(model, config))
     return _fold(out)

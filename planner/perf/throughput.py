@@ -214,6 +214,11 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
         c = c.model_copy(update={"allow_tf32": True})
     table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention)
     n_params, n_tensors = parameter_counts(model)
+    if config.lora:  # only the adapters have gradients to reduce and an optimizer step
+        from planner.adapters.lora import plan
+
+        lora = plan(model, config)
+        n_params, n_tensors = lora.trainable, len(lora.shapes)
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance, c)
 
 

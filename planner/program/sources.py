@@ -40,9 +40,11 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
         raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
                            f"function) for --model {ref}")
     config = TrainConfig.model_validate_json(config_json)
+    from planner.adapters.traced import with_adapters
     from planner.program.trace import trace_step
 
-    return trace_step(user_module.model_builder(ref, json.loads(options_json)), user_module.batch_maker(inputs, json.loads(options_json)),
+    build = with_adapters(user_module.model_builder(ref, json.loads(options_json)), config)
+    return trace_step(build, user_module.batch_maker(inputs, json.loads(options_json)),
                       config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
                       flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
                       enable_checkpointing=_checkpointing_for)
@@ -58,9 +60,11 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
     config = TrainConfig.model_validate_json(config_json)
     hf_config = hf.hf_config_object(load_config_file(path), path, config.attention, json.loads(options_json))
     label = Path(path).stem if Path(path).stem != "config" else Path(path).parent.name
+    from planner.adapters.traced import with_adapters
     from planner.program.trace import trace_step
 
-    return trace_step(hf.builder(hf_config, path), hf.batch_maker(hf_config, path), config, backend=backend,  # type: ignore[arg-type]
+    return trace_step(with_adapters(hf.builder(hf_config, path), config), hf.batch_maker(hf_config, path), config,
+                      backend=backend,  # type: ignore[arg-type]
                       flash_ok=flash_ok, name=label or path, source=path, enable_checkpointing=_checkpointing_for)
 
 

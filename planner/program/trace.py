@@ -121,6 +121,8 @@ class StepTrace:
     notes: tuple[str, ...] = ()
     op_blocks: tuple[str, ...] = field(default=(), repr=False)  # the block each op ran for (`_Recorder.block`)
     block_parameters: dict[str, int] = field(default_factory=dict, repr=False)  # parameters per block
+    # parameters with requires_grad per block, only when some are frozen (LoRA: planner.adapters.traced)
+    block_trainable: dict[str, int] = field(default_factory=dict, repr=False)
     retained_storages: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # (block, storage) of outputs
 
     @property
@@ -556,6 +558,14 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                 block = block_of(owner, rec.repeats)
                 block_params[block] = block_params.get(block, 0) + p.numel()
             parameters["total"] = sum(p.numel() for _, p in named)
+            block_trainable: dict[str, int] = {}
+            if any(not p.requires_grad for _, p in named):  # adapters on a frozen base
+                for pname, p in named:
+                    if p.requires_grad:
+                        block = block_of(pname.rsplit(".", 1)[0] if "." in pname else "", rec.repeats)
+                        block_trainable[block] = block_trainable.get(block, 0) + p.numel()
+                parameters["trainable"] = sum(block_trainable.values())
+                parameters["frozen"] = parameters["total"] - parameters["trainable"]
             buffers = {storage_key(b): b for b in module.buffers()}
             for b in buffers.values():
                 rec.register(b, "buffer")
@@ -644,7 +654,7 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                      parameter_dtype_bytes=pbytes, buffer_bytes=buffer_bytes, batch_bytes=batch_bytes,
                      blocks=blocks, saved=tuple(saved.values()), ops=tuple(rec.ops), events=events,
                      checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes),
-                     op_blocks=tuple(rec.op_block), block_parameters=block_params,
+                     op_blocks=tuple(rec.op_block), block_parameters=block_params, block_trainable=block_trainable,
                      retained_storages=tuple(retained_storages))
 
 

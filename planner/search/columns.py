@@ -12,11 +12,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CONFIG_COLUMNS = ("instance", "instances", "batch_size", "seq_len", "precision", "checkpointing", "grad_accum",
                   "optimizer", "optimizer_impl", "attention", "parallelism")
+# Added to a study's rows only when it trains adapters (planner.adapters); targets as one "a,b" string.
+LORA_COLUMNS = ("lora_r", "lora_targets", "base_dtype")
 
 
 def unique_configs(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (instance, configuration): TPE evaluates a good point of a discrete space many times."""
-    keys = [c for c in CONFIG_COLUMNS if c in frame.columns]
+    keys = [c for c in (*CONFIG_COLUMNS, *LORA_COLUMNS) if c in frame.columns]
     return frame.drop_duplicates(subset=keys, keep="first")
 
 

@@ -17,7 +17,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.search.columns import CONFIG_COLUMNS, cost_column, feasible, time_column, unique_configs
+from planner.search.columns import (
+    CONFIG_COLUMNS,
+    LORA_COLUMNS,
+    cost_column,
+    feasible,
+    time_column,
+    unique_configs,
+)
 from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len, time_vs_cost
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,7 +42,7 @@ BEST_KEYS = ["instance", "instances", "batch_size", "grad_accum", "global_batch_
 SUMMARY_COLUMNS = [*BEST_KEYS, "trial", "value", "attention", "optimizer", "optimizer_impl", "world_size",
                    "verdict", "peak_device_gib", "peak_device_high_gib", "headroom_gib", "gpu_memory_gib",
                    "tokens_per_s", "step_time_s", "mfu", "price_per_hour", "epochs", "usd_per_epoch",
-                   "hours_per_epoch", "usd_per_million_samples"]
+                   "hours_per_epoch", "usd_per_million_samples", *LORA_COLUMNS]  # LoRA's: adapter studies only
 
 
 def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
@@ -53,6 +60,10 @@ def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
     }
     for col in CONFIG_COLUMNS:
         row[col] = config.get(col)
+    if config.get("lora_r") is not None:  # an adapter study: which rank, targets and base each trial had
+        targets = config.get("lora_targets") or ()
+        row |= {"lora_r": config["lora_r"], "base_dtype": config.get("base_dtype", "auto"),
+                "lora_targets": targets if isinstance(targets, str) else ",".join(targets)}
     row["world_size"] = config.get("world_size")
     row["verdict"] = mem.get("verdict")
     row["peak_device_gib"] = mem["peak_device"] / GIB if "peak_device" in mem else math.nan

@@ -28,6 +28,7 @@ from planner.spec import (
     PARALLELISMS,
     PRECISIONS,
     Attention,
+    BaseDtype,
     Instance,
     ModelSpec,
     OptimizerImpl,
@@ -51,6 +52,11 @@ DIMENSIONS: dict[str, str] = {
     "optimizer_impl": "optimizer_impls",
     "attention": "attentions",
     "parallelism": "parallelisms",
+    # LoRA / QLoRA (planner.adapters), searched where a sweep lists several; a target set is one string,
+    # "q_proj,v_proj" or "all-linear" ("" = peft's default for the model type)
+    "lora_r": "lora_ranks",
+    "lora_targets": "lora_target_sets",
+    "base_dtype": "base_dtypes",
 }
 # Flag of each SpaceSpec field, so an error names what the user typed.
 FLAGS: dict[str, str] = {field: "--" + field.replace("_", "-") for field in DIMENSIONS.values()}
@@ -72,14 +78,19 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "optimizer_impls": ("foreach", "fused"),
     "attentions": ("sdpa", "flash"),
     "parallelisms": ("ddp", "zero1", "zero2", "zero3", "fsdp", "dp"),
+    "lora_ranks": (None,),  # full fine-tuning unless a sweep asks for adapters
+    "lora_target_sets": ("",),
+    "base_dtypes": ("auto",),
 }
+# The LoRA dimensions' values when a sweep asks for no adapters (TrainConfig's defaults).
+LORA_UNSET: dict[str, Any] = {"lora_r": None, "lora_targets": "", "base_dtype": "auto"}
 # Numeric dimensions, sampled as an index into their sorted values (see SearchSpace.parameters).
 ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum")
 INDEX_SUFFIX = "_index"
 # TrainConfig fields a sweep may fix besides the dimensions (e.g. gradient_as_bucket_view: true).
 FIXABLE: tuple[str, ...] = tuple(f for f in TrainConfig.model_fields if f not in DIMENSIONS)
 # `fixed.instances` (and `--instances N`) stays accepted: it fixes the instance-count dimension.
-FIXED_DIMENSIONS: tuple[str, ...] = ("instances",)
+FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype")
 
 
 def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -103,6 +114,9 @@ class SpaceSpec(BaseModel):
     optimizer_impls: tuple[OptimizerImpl, ...] | None = None
     attentions: tuple[Attention, ...] | None = None
     parallelisms: tuple[Parallelism, ...] | None = None
+    lora_ranks: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
+    lora_target_sets: tuple[str, ...] | None = None
+    base_dtypes: tuple[BaseDtype, ...] | None = None
 
     @field_validator("*")
     @classmethod
@@ -148,6 +162,9 @@ class SearchSpace(BaseModel):
     optimizer_impls: tuple[OptimizerImpl, ...]
     attentions: tuple[Attention, ...]
     parallelisms: tuple[Parallelism, ...]
+    lora_ranks: tuple[PositiveInt | None, ...] = (None,)
+    lora_target_sets: tuple[str, ...] = ("",)
+    base_dtypes: tuple[BaseDtype, ...] = ("auto",)
     global_batch_size: PositiveInt | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields
     dropped: dict[str, tuple[Any, ...]] = Field(default_factory=dict)  # defaults left out, per field
@@ -190,7 +207,8 @@ class SearchSpace(BaseModel):
 
     def constants(self) -> dict[str, Any]:
         """Dimensions with one value plus the fixed TrainConfig fields."""
-        out = {dim: vals[0] for dim, vals in self.values().items() if len(vals) == 1}
+        out = {dim: vals[0] for dim, vals in self.values().items() if len(vals) == 1
+               and not (dim in LORA_UNSET and vals[0] == LORA_UNSET[dim])}  # no adapters: nothing to report
         return {**out, **self.fixed}
 
     @property
@@ -204,6 +222,8 @@ class SearchSpace(BaseModel):
         estimate instead of six)."""
         merged = {**self.constants(), **values}
         instance = merged.pop("instance")
+        if isinstance(merged.get("lora_targets"), str):  # one searched target set, "q_proj,v_proj"
+            merged["lora_targets"] = tuple(t for t in merged["lora_targets"].split(",") if t)
         gpus = self.gpus[instance] * merged.get("instances", 1)
         if gpus == 1 and merged.get("parallelism") in PARALLELISMS:
             merged["parallelism"] = "single"
@@ -324,7 +344,10 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance |
         asked = getattr(spec, field)
         chosen = asked if asked is not None else DEFAULTS[field]
         if dim in fixed and dim in FIXED_DIMENSIONS:
-            chosen, asked = (fixed.pop(dim),), True
+            value = fixed.pop(dim)
+            if dim == "lora_targets" and isinstance(value, list | tuple):  # fixed: {lora_targets: [q_proj, v_proj]}
+                value = ",".join(value)
+            chosen, asked = (value,), True
         if asked is None:
             keep = tuple(v for v in chosen if any(gpu_can_run(i, dim, v) for i in types))
             limit = getattr(model, "max_positions", None)  # None: no limit known (a traced model's reference)

@@ -1,0 +1,185 @@
+"""A model's linear modules by their transformers module names, and peft's rules for which of them get adapters.
+
+Why names: peft picks LoRA targets by module name (`check_target_module_exists`: a target key matches a module
+named exactly so or ending in "." + key), so `--lora-targets q_proj,v_proj` must be matched against the same
+names transformers gives its modules (tests/test_lora.py compares every list with `named_modules()` of the
+real classes). GPT-2's attention and MLP are `Conv1D` (weight stored (in, out)); peft adapts them as linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.errors import PlannerError, closest
+from planner.models.blocks import Block, model_blocks
+from planner.spec import DenseSpec, ModelSpec, TransformerSpec
+
+ALL_LINEAR = "all-linear"  # peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+# peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft 0.18): the targets LoraConfig
+# uses when target_modules is None. DistilBERT has no entry: peft asks for target_modules.
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    "bert": ("query", "value"), "roberta": ("query", "value"), "gpt2": ("c_attn",),
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
+}
+
+# The attribute transformers' *For* classes give the base model (`base_model_prefix`).
+BASE_PREFIX = {"bert": "bert", "roberta": "roberta", "distilbert": "distilbert", "gpt2": "transformer",
+               "llama": "model", "mistral": "model"}
+
+
+@dataclass(frozen=True)
+class LinearModule:
+    """One nn.Linear / Conv1D: its full module name, fan-in, fan-out and bias.
+
+    `output`: the model's output embeddings (`get_output_embeddings()`), which peft's all-linear leaves out.
+    `last`: the module of the model's last parameter, which transformers' bitsandbytes integration keeps
+    unquantized (quantizers/base.py `get_keys_to_not_convert`), like the output embeddings.
+    `head`: a sequence-classification head module that peft's SEQ_CLS task trains in full (modules_to_save).
+    """
+
+    name: str
+    n_in: int
+    n_out: int
+    bias: bool
+    conv1d: bool = False
+    output: bool = False
+    last: bool = False
+    head: bool = False
+
+    @property
+    def weight_numel(self) -> int:
+        return self.n_in * self.n_out
+
+
+def _prefix(component: str, spec: TransformerSpec, single: bool) -> str:
+    """Module name prefix of the base model: "model." for LlamaForCausalLM, "" for a bare BertModel; a model of
+    several components (the multimodal one) names each by its component."""
+    own = "" if spec.head == "base" else BASE_PREFIX[spec.family] + "."
+    return own if single else f"{component}.{own}"
+
+
+def _layer(spec: TransformerSpec, base: str, i: int) -> list[LinearModule]:
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    fam = spec.family
+    if fam in ("bert", "roberta"):
+        p, b = f"{base}encoder.layer.{i}.", True
+        return [LinearModule(p + "attention.self.query", h, q, b), LinearModule(p + "attention.self.key", h, kv, b),
+                LinearModule(p + "attention.self.value", h, kv, b),
+                LinearModule(p + "attention.output.dense", q, h, b),
+                LinearModule(p + "intermediate.dense", h, inter, b), LinearModule(p + "output.dense", inter, h, b)]
+    if fam == "distilbert":
+        p = f"{base}transformer.layer.{i}."
+        return [LinearModule(p + "attention.q_lin", h, q, True), LinearModule(p + "attention.k_lin", h, kv, True),
+                LinearModule(p + "attention.v_lin", h, kv, True), LinearModule(p + "attention.out_lin", q, h, True),
+                LinearModule(p + "ffn.lin1", h, inter, True), LinearModule(p + "ffn.lin2", inter, h, True)]
+    if fam == "gpt2":
+        p = f"{base}h.{i}."
+        return [LinearModule(p + "attn.c_attn", h, q + 2 * kv, True, conv1d=True),
+                LinearModule(p + "attn.c_proj", q, h, True, conv1d=True),
+                LinearModule(p + "mlp.c_fc", h, inter, True, conv1d=True),
+                LinearModule(p + "mlp.c_proj", inter, h, True, conv1d=True)]
+    p, ab, mb = f"{base}layers.{i}.", spec.attention_bias, spec.mlp_bias
+    return [LinearModule(p + "self_attn.q_proj", h, q, ab), LinearModule(p + "self_attn.k_proj", h, kv, ab),
+            LinearModule(p + "self_attn.v_proj", h, kv, ab), LinearModule(p + "self_attn.o_proj", q, h, ab),
+            LinearModule(p + "mlp.gate_proj", h, inter, mb), LinearModule(p + "mlp.up_proj", h, inter, mb),
+            LinearModule(p + "mlp.down_proj", inter, h, mb)]
+
+
+def _head(spec: TransformerSpec, top: str, base: str) -> list[LinearModule]:
+    """The head's linear modules (`params.lm_head_parameters` / `classifier_parameters` say which exist)."""
+    h, v, labels, fam = spec.hidden_size, spec.vocab_size, spec.num_labels, spec.family
+    if spec.head == "sequence-classification":
+        if fam == "bert":
+            return [LinearModule(top + "classifier", h, labels, True, last=True, head=True)]
+        if fam == "roberta":
+            return [LinearModule(top + "classifier.dense", h, h, True, head=True),
+                    LinearModule(top + "classifier.out_proj", h, labels, True, last=True, head=True)]
+        if fam == "distilbert":
+            return [LinearModule(top + "pre_classifier", h, h, True),
+                    LinearModule(top + "classifier", h, labels, True, last=True, head=True)]
+        return [LinearModule(top + "score", h, labels, False, last=True, head=True)]
+    if spec.head not in ("masked-lm", "causal-lm"):
+        return []
+    if fam == "bert":
+        return [LinearModule(top + "cls.predictions.transform.dense", h, h, True),
+                LinearModule(top + "cls.predictions.decoder", h, v, True, output=True)]
+    if fam == "roberta":
+        return [LinearModule(top + "lm_head.dense", h, h, True),
+                LinearModule(top + "lm_head.decoder", h, v, True, output=True)]
+    if fam == "distilbert":
+        return [LinearModule(top + "vocab_transform", h, h, True),
+                LinearModule(top + "vocab_projector", h, v, True, output=True)]
+    return [LinearModule(top + "lm_head", h, v, False, output=True)]
+
+
+def block_linears(block: Block, single: bool = True) -> list[LinearModule]:
+    """The linear modules of one block (`planner.models.blocks`), named as transformers names them.
+
+    The output head's matrix is listed even when tied to the token table (it is one module); peft's
+    all-linear and bitsandbytes both leave it out (`output`). `single`: the model has one component.
+    """
+    layer = block.layer
+    if isinstance(layer, DenseSpec):
+        return [LinearModule(f"{block.component}.{block.index}", layer.in_features, layer.out_features,
+                             layer.bias)]
+    if not isinstance(layer, TransformerSpec):
+        return []
+    base = _prefix(block.component, layer, single)
+    top = "" if single else f"{block.component}."
+    if block.role == "layer":
+        return _layer(layer, base, block.index)
+    if block.role == "pooler":
+        return [LinearModule(f"{base}pooler.dense", layer.hidden_size, layer.hidden_size, True)]
+    if block.role == "head":
+        return _head(layer, top, base)
+    return []
+
+
+def model_linears(model: ModelSpec) -> dict[str, list[LinearModule]]:
+    """Block name -> its linear modules, in forward order."""
+    single = len(model.components) == 1
+    return {b.name: block_linears(b, single) for b in model_blocks(model)}
+
+
+def default_targets(model: ModelSpec) -> tuple[str, ...]:
+    """peft's default target_modules for the model type (its first transformer)."""
+    families = [t.family for t in model.transformers]
+    if not families or families[0] not in DEFAULT_TARGETS:
+        raise PlannerError("--lora-targets", "", f"name the modules to adapt, or {ALL_LINEAR} (peft has no "
+                           f"default for {model.name})")
+    return DEFAULT_TARGETS[families[0]]
+
+
+def matches(name: str, target: str) -> bool:
+    """peft `check_target_module_exists` for a list of names: the module name is the key or ends with '.key'."""
+    return name == target or name.endswith("." + target)
+
+
+def all_linear(module: LinearModule) -> bool:
+    """peft `_maybe_include_all_linear_layers`: every Linear/Conv1D except the output embeddings (the
+    sequence-classification head is left out by `adapted`)."""
+    return not module.output
+
+
+def adapted(model: ModelSpec, targets: tuple[str, ...]) -> dict[str, list[LinearModule]]:
+    """Block name -> the linear modules that get a LoRA adapter; an unknown target is a PlannerError naming it.
+
+    The sequence-classification head is trained in full (peft's SEQ_CLS modules_to_save), so a LoRA adapter is
+    never put on it here.
+    """
+    linears = model_linears(model)
+    names = [m.name for ms in linears.values() for m in ms]
+    if targets == (ALL_LINEAR,):
+        return {b: [m for m in ms if all_linear(m) and not m.head] for b, ms in linears.items()}
+    if ALL_LINEAR in targets:
+        raise PlannerError("--lora-targets", ",".join(targets), f"{ALL_LINEAR} alone, or module names")
+    for t in targets:
+        if not any(matches(n, t) for n in names):
+            short = sorted({n.rsplit(".", 1)[-1] for n in names})
+            near = closest(t, short)
+            hint = f"did you mean {', '.join(near)}?" if near else f"{model.name} has {', '.join(short)}"
+            raise PlannerError("--lora-targets", t, f"no such module; {hint} (or {ALL_LINEAR})")
+    return {b: [m for m in ms if not m.head and any(matches(m.name, t) for t in targets)]
+            for b, ms in linears.items()}
