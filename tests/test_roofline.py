@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.hardware import get_gpu, list_gpus
+from planner.hardware import gpu_table, get_gpu, list_gpus
 from planner.perf.roofline import RooflineConstants, peak_for, wave_efficiency
 
 C = RooflineConstants()
@@ -25,7 +25,11 @@ def test_fp32_peak_is_sms_times_lanes_times_clock(gpu_id):
     """Datasheet FP32 peak = SMs x FP32 lanes per SM x 2 (an FMA) x boost clock: the SM counts and clocks
     agree with the peaks taken from the datasheets (within 1 %)."""
     gpu = get_gpu(gpu_id)
-    assert gpu.sm_count and gpu.boost_clock_mhz and gpu.l2_mib and gpu.pcie_gbs
+    if gpu.sm_count is None or gpu.boost_clock_mhz is None:  # unpublished: null in gpus.json, with its note
+        assert gpu_table()[gpu_id].get("notes") or gpu_table()[gpu_id].get("null_notes") or \
+            any("null" in s.lower() or "not published" in s.lower() for s in gpu.sources), gpu_id
+        pytest.skip("SM count or clock not published")
+    assert gpu.l2_mib and gpu.pcie_gbs
     if gpu.family in NO_DATASHEET:
         pytest.skip("no datasheet")
     derived = gpu.sm_count * FP32_LANES[tuple(gpu.compute_capability)] * 2 * gpu.boost_clock_mhz * 1e6 / 1e12
