@@ -84,8 +84,8 @@ def fit_tf32(g: float, cc: float, h: float, d: float, p: float) -> float:
 def line(name: str, rows: list[Reading], c: ThroughputConstants) -> str:
     e = errors(rows, c)
     if not e:
-        return f"  {name:<34} rows   0"
-    return (f"  {name:<34} rows {len(e):>3}  median |error| {math.exp(score(e)) - 1:6.1%}  median signed "
+        return f"  {name:<40} rows   0"
+    return (f"  {name:<40} rows {len(e):>3}  median |error| {math.exp(score(e)) - 1:6.1%}  median signed "
             f"{math.exp(statistics.median(e)) - 1:+6.1%}")
 
 

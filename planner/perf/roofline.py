@@ -78,10 +78,10 @@ HOPPER = 9
 # list counts (it carries the ATen calls around each launch: the readings' profiles count 4-6 ATen calls per
 # kernel, AMP's casts included, at ~3.7 us each, and ~20 us of host time per kernel), and the power of the
 # overlap rule. Before this fit: 15 us per launch (ASSUMPTION) and p = infinity (max(gpu, host)).
-CPU_DISPATCH_S = 28e-6
-HOST_OVERLAP_POWER = 3.0
+CPU_DISPATCH_S = 20e-6
+HOST_OVERLAP_POWER = 2.0
 ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
-    (HOPPER, 0.60, 0.90, 0.40, 0.325),
+    (HOPPER, 0.45, 0.85, 0.65, 0.275),
 )
 
 
