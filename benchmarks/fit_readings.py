@@ -25,7 +25,15 @@ from planner.hardware import get_instance
 from planner.models.catalog import cached_model
 from planner.perf.roofline import HOPPER
 from planner.perf.throughput import ThroughputConstants, predict_throughput
-from planner.probes.readings import HELD_OUT, LAUNCH_BOUND_S, SHARED, Reading, fit_split, load_launch, load_steps
+from planner.probes.readings import (
+    HELD_OUT,
+    LAUNCH_BOUND_S,
+    SHARED,
+    Reading,
+    fit_split,
+    load_launch,
+    load_steps,
+)
 
 GEMM_GRID = [round(0.25 + 0.05 * i, 3) for i in range(14)]  # 0.25 .. 0.90
 CUDA_CORE_GRID = [round(0.70 + 0.05 * i, 3) for i in range(5)]  # 0.70 .. 0.90
