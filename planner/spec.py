@@ -253,6 +253,7 @@ class Instance(Frozen):
     price_date: str = ""
     price_source: str = ""
     cpu_model: str | None = None
+    cpu_ghz: float | None = None  # the CPU's sourced (boost) clock, GHz: scales host dispatch (planner.perf.host)
     # "ASSUMPTION ..." lines for the figures instances.json does not source but the model needs ("assumed").
     assumptions: tuple[str, ...] = ()
 

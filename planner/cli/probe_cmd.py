@@ -430,6 +430,9 @@ def register(app: typer.Typer) -> None:
     @handles_errors
     def validate_cmd(
         probes: ProbesOpt = None,
+        readings: Annotated[list[Path] | None, typer.Option(
+            "--readings", help="Folders of GPU readings (steps.jsonl, env.json) to compare instead of probe "
+                               "results; default with no probe results: the shared H200 readings.")] = None,
         stored: Annotated[bool, typer.Option("--stored", help="Use the predictions stored with each probe.")] = False,
         csv: Annotated[Path | None, typer.Option("--csv", help="CSV path (default results/validation-report.csv).")]
         = None,
@@ -442,6 +445,9 @@ def register(app: typer.Typer) -> None:
         from planner.probes import store
         from planner.probes.validate import long_rows, summary, validate
 
+        if readings or (probes is None and not store.load_records(None)):
+            _validate_readings(readings, json_out)
+            return
         records = store.load_records(probes)
         if not records:
             raise PlannerError("--probes", [str(p) for p in probes or [store.probes_dir()]],
@@ -489,6 +495,48 @@ def register(app: typer.Typer) -> None:
             return
         print_calibration(result["report"])
         err_console.print(("would write " if dry_run else "wrote ") + str(path))
+
+
+def _validate_readings(folders: list[Path] | None, json_out: bool) -> None:
+    """`planner validate --readings`: each reading against today's prediction, term by term."""
+    from planner.probes import readings as rd
+    from planner.probes.readings_check import check, summary
+
+    folders = folders or [rd.SHARED]
+    loaded = []
+    for folder in folders:
+        if not (folder / "steps.jsonl").exists():
+            raise PlannerError("--readings", str(folder), "a folder holding steps.jsonl and env.json")
+        loaded += rd.load_steps(folder)
+    fit_rows, _ = rd.fit_split(rd.load_steps(rd.SHARED))
+    rows = check(loaded, {(r.folder, r.index) for r in fit_rows})
+    summ = summary(rows)
+    if json_out:
+        typer.echo(dumps_json({"rows": [r.to_json() for r in rows], "summary": summ}, default=str))
+        return
+    print_readings(rows, summ)
+
+
+def print_readings(rows: list[Any], summ: dict[str, Any]) -> None:
+    from planner.cli.tables import Rows
+
+    gpus = ", ".join(sorted({f"{r.reading.gpu} as {r.reading.instance}" for r in rows}))
+    t = Rows(title=f"GPU readings vs prediction ({gpus}, one GPU; signed %: + = over)")
+    for col in ("step", "alloc", "resv", "device", "time", "ms", "bound"):
+        t.add_column(col)
+    for r in rows:
+        e = r.errors
+        mark = "*" if r.fitted else ""
+        t.add_row(r.reading.label + mark, _pct(e["peak_allocated"]), _pct(e["peak_reserved"]),
+                  _pct(e["device_peak"]), _pct(e["step_time_s"]), f"{r.reading.step_time_s * 1e3:.1f}", r.bound)
+    t.print(console)
+    s = Rows(title="summary (* = row in the speed fit; time = step time)")
+    for col in ("term", "n", "median signed", "median |err|"):
+        s.add_column(col)
+    for k, v in summ.items():
+        s.add_row(k.replace("step_time_s", "step time"), str(v["n"]), _pct(v["median_signed_pct"]),
+                  _num(v["median_abs_pct"], "{:.1f}%"))
+    s.print(console)
 
 
 def default_estimate(record: dict[str, Any]) -> dict[str, Any] | None:

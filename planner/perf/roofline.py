@@ -13,15 +13,15 @@
   GEMM ceiling, the same wave rule over b·a·ceil(s/128) query tiles.
 - memory-bound kernels: bytes at `hbm_efficiency` of the datasheet bandwidth.
 
-The CPU side: eager PyTorch launches every kernel through Python, the dispatcher and autograd, so a micro-step
-is never shorter than launches × `cpu_dispatch_s`; the GPU runs behind the CPU within a micro-step and the
-`loss.item()` sync ends it, so
+The CPU side (planner.perf.host): eager PyTorch launches every kernel through Python, the dispatcher and
+autograd, host = launches × `cpu_dispatch_s` × the instance's CPU factor; the GPU computes while Python
+dispatches the next ops, but not perfectly (syncs, the queue running dry at small kernels), so
 
-    micro-step = max(Σ GPU kernel times, launches · cpu_dispatch_s) + micro_step_overhead_s
+    micro-step = (GPU^p + host^p)^(1/p) + micro_step_overhead_s,   p = `host_overlap_power`
 
-(data-loader hand-off, the sync, the Trainer's Python per step). Every constant is universal: the same for
-every GPU family, overridable through `RooflineConstants` (planner.perf.throughput.ThroughputConstants
-inherits them).
+(data-loader hand-off, the sync, the Trainer's Python per step). The efficiencies are universal except on
+architectures with a row in `arch_efficiencies` (fitted on real readings of that architecture); all are
+overridable through `RooflineConstants` (planner.perf.throughput.ThroughputConstants inherits them).
 
 The kernel list is built once per model and shape class (everything but the micro-batch) at b = 1 and b = 2;
 every kernel's FLOPs, bytes and GEMM dimensions are affine in b, so any batch is a vector operation (numpy),
@@ -57,12 +57,32 @@ ATTENTION_QUERY_TILE = 128  # FlashAttention-2 / mem-efficient forward: one CTA 
 # - Tensor-core and CUDA-core GEMMs reach different shares of their peaks (cuBLAS SGEMM runs close to the FP32
 #   peak; tensor-core GEMMs are held back by operand bandwidth), so fp32 GEMMs without TF32 have their own
 #   efficiency.
-# Fit: 8.1 % median |error| on the fit rows; 8.1 % on the 20 held-out single-GPU rows at a fixed length
+# Fit (after issue 24's host model): 7.0 % median |error| on the fit rows; 20.8 % on the 20 held-out single-GPU rows
 # (dle-bert-2111, lambda-dlb, lambda-dlb-v2). tests/test_throughput.py checks that no step of 0.025 from these
 # values fits better.
-GEMM_EFFICIENCY = 0.60
+GEMM_EFFICIENCY = 0.625
 HBM_EFFICIENCY = 0.90
-CUDA_CORE_GEMM_EFFICIENCY = 0.875
+CUDA_CORE_GEMM_EFFICIENCY = 0.90
+
+# Per GPU architecture (compute-capability major) where readings exist, the same efficiencies plus TF32's, as
+# (major, tensor-core 16-bit GEMM, CUDA-core fp32 GEMM, HBM, TF32 GEMM). FITTED by benchmarks/fit_readings.py
+# on the shared H200 readings only (results/validation/h200/shared-2026-11-26/: the fit half of steps.jsonl,
+# TF32 from the one TF32 row of its launch.jsonl: GPU-busy time of BERT-base b32 s512), never on the
+# held-out readings of results/validation/*/measured-2026-11-26/ nor on public rows. Hopper's 16-bit GEMMs,
+# and its streaming kernels, reach a smaller share of their (much higher) datasheet peaks than Volta/Ampere's;
+# TF32 far less than the datasheet's TF32/FP16 ratio of 1/2 suggests. Architectures without a row use the
+# universal values above (and TF32 at GEMM_EFFICIENCY, the figure before this table).
+HOPPER = 9
+# The host side of a step (planner.perf.host), FITTED by benchmarks/fit_readings.py on the same shared H200
+# readings (their host's CPU, torch 2.11, transformers 5.17, eager): host seconds per CUDA launch the kernel
+# list counts (it carries the ATen calls around each launch: the readings' profiles count 4-6 ATen calls per
+# kernel, AMP's casts included, at ~3.7 us each, and ~20 us of host time per kernel), and the power of the
+# overlap rule. Before this fit: 15 us per launch (ASSUMPTION) and p = infinity (max(gpu, host)).
+CPU_DISPATCH_S = 20e-6
+HOST_OVERLAP_POWER = 2.0
+ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
+    (HOPPER, 0.45, 0.85, 0.65, 0.275),
+)
 
 
 class RooflineConstants(BaseModel):
@@ -94,12 +114,22 @@ class RooflineConstants(BaseModel):
         3e-6, ge=0, description="GPU time per kernel beyond its roofline time: launch, ramp-up and tail "
                                 "(~2-5 us back-to-back; ASSUMPTION)")
     cpu_dispatch_s: float = Field(
-        15e-6, ge=0, description="CPU time per kernel launched by eager PyTorch with autograd (Python module "
-                                 "call, dispatcher, autograd node; tens of us per op; ASSUMPTION)")
+        CPU_DISPATCH_S, ge=0,
+        description="host time per kernel launched by eager PyTorch with autograd (Python module call, "
+                    "dispatcher, the ATen calls around it, autograd node) on the readings' host; scaled by the "
+                    "instance's CPU (planner.perf.host; FITTED, see CPU_DISPATCH_S)")
     micro_step_overhead_s: float = Field(
         1e-3, ge=0,
         description="fixed host time per micro-step not hidden behind GPU work: data-loader hand-off, "
                     "loss.item() sync, Trainer Python (ASSUMPTION)")
+    arch_efficiencies: tuple[tuple[int, float, float, float, float], ...] = Field(
+        ARCH_EFFICIENCIES,
+        description="per compute-capability major: (major, gemm, cuda-core gemm, hbm, tf32 gemm) efficiencies "
+                    "replacing the universal ones on that architecture (FITTED, see ARCH_EFFICIENCIES)")
+    host_overlap_power: float = Field(
+        HOST_OVERLAP_POWER, ge=1,
+        description="micro-step = (gpu^p + host^p)^(1/p): how well the GPU's work hides the host's dispatch "
+                    "and back (FITTED, see HOST_OVERLAP_POWER)")
     allow_tf32: bool = Field(
         False, description="fp32 matmuls on TF32 tensor cores; PyTorch default torch.backends.cuda.matmul."
                            "allow_tf32=False (float32_matmul_precision='highest')")
@@ -252,12 +282,32 @@ def on_cuda_cores(gpu: GPU, dtype: str, allow_tf32: bool) -> bool:
     return peak_key(gpu, dtype, allow_tf32) == "fp32"
 
 
-def _on_cuda_cores(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
-    key = ("cuda cores", gpu_key(gpu), allow_tf32)
+UNITS = ("tensor", "cuda_core", "tf32")  # which efficiency a kernel's compute time uses
+
+
+def unit_of(gpu: GPU, dtype: str, allow_tf32: bool) -> int:
+    """Index into UNITS: 16-bit tensor cores, FP32 CUDA cores, or TF32 tensor cores (`peak_key`)."""
+    key = peak_key(gpu, dtype, allow_tf32)
+    return 1 if key == "fp32" else 2 if key == "tf32" else 0
+
+
+def _units(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
+    key = ("units", gpu_key(gpu), allow_tf32)
     hit = table.peaks_cache.get(key)
     if hit is None:
-        hit = table.peaks_cache[key] = np.array([on_cuda_cores(gpu, d, allow_tf32) for d in table.dtype])
+        hit = table.peaks_cache[key] = np.array([unit_of(gpu, d, allow_tf32) for d in table.dtype], dtype=int)
     return hit
+
+
+def efficiencies(gpu: GPU, c: RooflineConstants) -> tuple[float, float, float, float]:
+    """(16-bit GEMM, CUDA-core GEMM, HBM, TF32 GEMM) efficiencies on this GPU: its architecture's row of
+    `arch_efficiencies` when it has one (fitted on real readings of that architecture), else the universal
+    ones, TF32 at the 16-bit GEMM figure."""
+    major = gpu.compute_capability[0]
+    for row in c.arch_efficiencies:
+        if row[0] == major:
+            return row[1], row[2], row[3], row[4]
+    return c.gemm_efficiency, c.cuda_core_gemm_efficiency, c.hbm_efficiency, c.gemm_efficiency
 
 
 def time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> KernelTimes:
@@ -277,14 +327,16 @@ def _time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> K
     flops, nbytes = v[:, 0], v[:, 1]
     peaks = _peaks(table, gpu, c.allow_tf32)
     sms = gpu.sm_count or 0
-    base = np.where(_on_cuda_cores(table, gpu, c.allow_tf32), c.cuda_core_gemm_efficiency, c.gemm_efficiency)
+    gemm, cuda_core, hbm, tf32 = efficiencies(gpu, c)
+    unit = _units(table, gpu, c.allow_tf32)
+    base = np.choose(unit, (gemm, cuda_core, tf32))
     eff = base.copy()
     if sms:
         g = table.is_gemm
         eff[g] = base[g] * wave_efficiency(v[g, 2], v[g, 3], v[g, 4], v[g, 5], sms, c)
     eff = np.where(table.is_fused_attention, c.fused_attention_efficiency, eff)
     compute = flops / (peaks * eff)
-    memory = nbytes / (gpu.memory_bandwidth_gbs * GB * c.hbm_efficiency)
+    memory = nbytes / (gpu.memory_bandwidth_gbs * GB * hbm)
     per = np.maximum(compute, memory)
     arrays = (per * table.count, c.kernel_gap_s * table.launches * table.count, memory >= compute)
     for a in arrays:  # shared through the cache: read-only
@@ -297,9 +349,10 @@ def time_kernels(kernels: tuple[Kernel, ...] | list[Kernel], gpu: GPU, c: Roofli
     """Step-level kernels (optimizer, scaler): (roofline seconds, gap seconds, memory-bound seconds,
     launches). They are memory-bound passes: bytes / achievable bandwidth."""
     secs = gap = mem = launches = 0.0
+    gemm, cuda_core, hbm, tf32 = efficiencies(gpu, c)
     for k in kernels:
-        t_mem = k.bytes / (gpu.memory_bandwidth_gbs * GB * c.hbm_efficiency)
-        eff = c.cuda_core_gemm_efficiency if on_cuda_cores(gpu, k.dtype, c.allow_tf32) else c.gemm_efficiency
+        t_mem = k.bytes / (gpu.memory_bandwidth_gbs * GB * hbm)
+        eff = (gemm, cuda_core, tf32)[unit_of(gpu, k.dtype, c.allow_tf32)]
         t_fl = k.flops / (peak_for(gpu, k.dtype, c.allow_tf32) * TFLOP * eff) if k.flops else 0.0
         t = max(t_mem, t_fl) * k.count
         secs += t

@@ -27,6 +27,10 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   torch.backends.cuda.matmul.allow_tf32 = False, i.e. float32 matmul precision "highest"), so fp32 runs at
   the CUDA-core FP32 peak by default.
 
+`breakdown_s` also gives the host's dispatch time (`host_dispatch_s`: the step is host-bound where it exceeds
+`compute_s`, the GPU's; see planner.perf.host.bound_by; planner.perf.host: launches x per-launch cost x the instance's CPU factor, overlapped with
+the GPU's work as a p-norm, not a max).
+
 `breakdown_s` splits the step by kernel kind (gemm, attention, memory_bound, optimizer, communication) and
 launch_overhead (per-kernel gaps, CPU-bound time beyond the GPU's and host time per micro-step): the six sum
 to `step_time_s`. `bytes_bound_s` is the time in kernels whose bytes, not FLOPs, bound them (what
@@ -50,6 +54,7 @@ from planner.identity_cache import per_object
 from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
+from planner.perf.host import host_seconds, overlapped
 from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
 from planner.perf.roofline import (
     PHASES,
@@ -239,9 +244,11 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     peak, _ = peak_tflops(instance, config.precision, c)
 
     m = _micro_sums(table, config.batch_size, gpu, c)
-    micro = max(m.gpu_s, m.launches * c.cpu_dispatch_s) + c.micro_step_overhead_s
-    # the all-reduce overlaps backward's wall time: GPU time, or the CPU's launches when those are longer
-    backward = max(m.backward_gpu_s, m.backward_launches * c.cpu_dispatch_s)
+    p = c.host_overlap_power
+    host = host_seconds(m.launches, c.cpu_dispatch_s, instance)
+    micro = overlapped(m.gpu_s, host, p) + c.micro_step_overhead_s
+    # the all-reduce overlaps backward's wall time: GPU time and the CPU's launches side by side
+    backward = overlapped(m.backward_gpu_s, host_seconds(m.backward_launches, c.cpu_dispatch_s, instance), p)
 
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
@@ -253,7 +260,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
         local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
     optimizer_gpu = opt_secs + opt_gap
-    optimizer = max(optimizer_gpu, opt_launches * c.cpu_dispatch_s)
+    optimizer = overlapped(optimizer_gpu, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
     # every GPU waits for the slowest one of the `world` (module docstring)
     slowest_wait = config.grad_accum * micro * c.rank_speed_spread * expected_max_normal(world)
     exposed_total = exposed + slowest_wait
@@ -280,6 +287,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         "communication_total_s": comm_total,
         "slowest_gpu_wait_s": slowest_wait,
         "optimizer_s": optimizer,
+        "host_dispatch_s": config.grad_accum * host,
     }
     return Throughput(
         step_time_s=step,
