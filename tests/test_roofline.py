@@ -14,7 +14,8 @@ C = RooflineConstants()
 # FP32 lanes per SM by compute capability: CUDA C Programming Guide, "Arithmetic Instructions" throughput
 # table (32-bit floating-point add, multiply, multiply-add: 64 per clock per SM on 7.0, 7.5 and 8.0; 128 on
 # 8.6, 8.9 and 9.0).
-FP32_LANES = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 9): 128, (9, 0): 128}
+FP32_LANES = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 9): 128, (9, 0): 128,
+              (12, 0): 128}  # sm120 (Blackwell RTX PRO): 128 FP32 lanes per SM, as Ada
 # A10G: the row's FP32 peak is the A10's datasheet figure (72 SMs at 1695 MHz); 80 SMs at 1710 MHz give
 # 35.0 TFLOP/s. NVIDIA publishes no A10G datasheet: the row stays as it is and is left out here.
 NO_DATASHEET = ("A10G",)
