@@ -50,7 +50,8 @@ def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Inst
     if "bf16" in config.precision and not gpu.bf16:
         raise PlannerError("--precision", config.precision,
                            f"{gpu.family} (sm{gpu.compute_capability[0]}{gpu.compute_capability[1]}) has no bf16; "
-                           "use fp32, amp-fp16 or fp16")
+                           f"use fp32, amp-fp16 or fp16 on {instance.name}, or an instance type whose GPU has "
+                           "bf16 (A10G, L4, A100, H100 and later: e.g. --instance ml.g5.2xlarge)")
     if config.attention == "flash":
         if not gpu.flash_attention:
             raise PlannerError("--attention", "flash",
