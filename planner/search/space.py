@@ -234,6 +234,11 @@ class SearchSpace(BaseModel):
                 reason = (f"global batch {self.global_batch_size} is not a whole number of steps of micro-batch "
                           f"{merged['batch_size']} × {gpus} GPU{'s' if gpus > 1 else ''} = {per_step} samples")
                 return Point(instance, None, reason, tuple(sorted(merged.items(), key=lambda kv: kv[0])))
+            if accum > MAX_GRAD_ACCUM:  # the estimate's own limit: this micro-batch cannot reach the global batch
+                reason = (f"global batch {self.global_batch_size} needs {accum:,} micro-steps of micro-batch "
+                          f"{merged['batch_size']} × {gpus} GPU{'s' if gpus > 1 else ''}; at most "
+                          f"{MAX_GRAD_ACCUM:,} (PLANNER_MAX_GRAD_ACCUM)")
+                return Point(instance, None, reason, tuple(sorted(merged.items(), key=lambda kv: kv[0])))
             merged["grad_accum"] = accum
         return Point(instance, TrainConfig(**merged))
 
