@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 from planner.memory import timeline
 
 MiB = 1024 * 1024
+# The loss's entry in the blocks (`activations.activation_blocks`): its forward transient is cross-entropy's
+# input cast (autocast's fp32 copy of the logits), made BEFORE log_softmax's saved output and freed after
+# it (the dispatch trace's order), where a layer's transient is its last op's unsaved output.
+LOSS = "loss"
 # torch/nn/parallel/distributed.py: dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket.
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 
@@ -505,6 +509,7 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
     for i, b in enumerate(blocks):
         name, row = b.name, i * BLOCK_SLOTS
         gathered = alloc(name, row + B_GATHERED, ".gathered params")
+        tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient") if name == LOSS else []
         if b.checkpointed:
             ids = alloc(name, row + B_KEPT, ".kept")
         else:
@@ -512,7 +517,8 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
         live.append(ids)
         cache_ids += alloc(name, row + B_CACHE, ".autocast cache")
         retained += alloc(name, row + B_LOGITS, ".logits")
-        tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient")
+        if name != LOSS:
+            tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient")
         mark("forward", name)
         free(tmp)
         free(gathered)
