@@ -17,8 +17,10 @@ marks are the steady step's, the timeline's points):
    keeps only its checkpoint inputs.
 3. the autocast cache is freed when autocast exits (end of forward).
 4. backward, blocks in reverse: a checkpointed block's recomputed saved tensors, the backward transient
-   (one tensor of the block's peak temporaries: exact for transformer layers and the loss against the
-   traced autograd peak, tests/test_backward_transients.py; an approximation elsewhere), its gradients (one per parameter tensor; under ZeRO-2/3 one flat shard plus the
+   (the tensors alive at the block's peak temporaries, each its own request: `BlockTensors.backward`,
+   `activations.layer_backward_tensors`; their total is exact for transformer layers and the loss against
+   the traced autograd peak, tests/test_backward_transients.py; an approximation elsewhere; one tensor of
+   the total when the tensors are not known), its gradients (one per parameter tensor; under ZeRO-2/3 one flat shard plus the
    unsharded transient), then its activations are freed.
 5. optimizer: in the first step the states, one tensor per state per parameter (Adam `_init_group`), land in
    the activations' freed segments; then the step's temporaries (foreach: one per parameter,
