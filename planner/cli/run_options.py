@@ -15,7 +15,8 @@ LengthsOpt = Annotated[str | None, typer.Option(
                       "file of per-sample token lengths (.txt, .csv, .parquet, .npy).")]
 PaddingOpt = Annotated[str, typer.Option(
     "--padding", help="With a length file: longest (random batches padded to their longest), bucketed "
-                      "(grouped by length), max (padded to --seq-len).")]
+                      "(grouped by length), max (padded to --seq-len), exact (each value is one "
+                      "step's padded length, in order).")]
 RunStepsOpt = Annotated[int | None, typer.Option(
     "--run-steps", help="Steps to simulate (default: until the memory peak stops moving).")]
 RunSeedOpt = Annotated[int, typer.Option("--run-seed", help="Seed of the run's draw of lengths.")]

@@ -104,6 +104,9 @@ class BlockActivations:
     kept_tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
     # Added: the AMP cast cache's storages (`autocast_cache`: weightK.cast / biasK.cast), for the event trace.
     cache_tensors: tuple[Saved, ...] = field(default=(), repr=False, compare=False)
+    # Added: the real tensors behind backward_transient_bytes (allocator bytes, allocation order), for the
+    # event trace (`layer_backward_tensors`, `_transients`); () when unknown: one tensor of the total.
+    backward_tensors: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def kept_total_bytes(self) -> int:
@@ -821,26 +824,40 @@ def multimodal_loss_saved(model: ModelSpec, ctx: Ctx) -> list[Saved]:
 # ------------------------------------------------------------------------------------ transients
 
 
-def _transients(saved: list[Saved], ctx: Ctx) -> tuple[int, int]:
+def _transients(saved: list[Saved], ctx: Ctx) -> tuple[int, tuple[int, ...]]:
     """Rough peaks of unsaved temporaries (transformer layers' backward: `layer_backward_transient`; the
     loss's backward, 2·n·V = nll_loss's and log_softmax's gradients, equals the trace): in the forward, the largest saved
     tensor's producer output before the next op consumes it (one extra copy of the largest tensor); in
-    backward, the gradient of the largest saved tensor plus that of its input (two copies)."""
+    backward, the gradient of the largest saved tensor plus that of its input (two copies, two tensors)."""
     largest = max((alloc_bytes(t.nbytes, ctx.backend) for t in saved), default=0)
-    return largest, 2 * largest
+    return largest, (largest, largest) if largest else ()
 
 
 def layer_backward_transient(spec: TransformerSpec, saved: list[Saved], ctx: Ctx) -> int:
-    """Peak temporaries while back-propagating through one transformer layer (CUDA-real, checked op by op
-    against the dispatch trace: tests/test_events_dispatch.py):
+    """Peak temporaries while back-propagating through one transformer layer: the sum of
+    `layer_backward_tensors` (CUDA-real, checked op by op against the dispatch trace:
+    tests/test_backward_transients.py)."""
+    return sum(layer_backward_tensors(spec, saved, ctx))
 
-    output_grad + max(attention, MLP), where
-    - output_grad = n·h in the residual stream's dtype: the gradient of the layer's output, made by the block
-      after it and alive until this layer's input gradient replaces it;
+
+def layer_backward_tensors(spec: TransformerSpec, saved: list[Saved], ctx: Ctx) -> tuple[int, ...]:
+    """The temporaries alive at the peak of one transformer layer's backward, each one real tensor
+    (allocator-rounded bytes), in the order the backward allocates them.
+
+    Why tensors and not their total: the allocator replays each request on its own (`events.step_events`);
+    one request of the total needs one free block of that size, where the real tensors fit in holes, which
+    is what a run whose batches change length sees (issue 23: with one tensor per layer the run's growth was
+    over-predicted 2-4x).
+
+    output_grad + the larger of attention and MLP, where
+    - output_grad = n·h in the residual stream's dtype: the gradient of the layer's output (the residual
+      stream's gradient), alive through the whole layer until its input gradient replaces it;
     - attention = 2·largest saved (the gradient of the probabilities from the P·V bmm and that of the scores
       from dropout's / softmax's backward: `_softmax_backward_data` and `native_dropout_backward` allocate
       their output on CUDA too) + eager only: the bmm's other gradient, grad_v = n·H in the matmul dtype
-      (derivatives.yaml `bmm`: self: grad.bmm(mat2ᵀ), mat2: selfᵀ.bmm(grad): both are allocated);
+      (derivatives.yaml `bmm`: self: grad.bmm(mat2ᵀ), mat2: selfᵀ.bmm(grad): both are allocated). With SDPA
+      and an MLP wider than the attention the two tensors of the largest saved size are the MLP's: the
+      down-projection's input gradient (`mm`) and `gelu_backward`'s output (n·ff each, as traced);
     - MLP with GPT-2's Python GELU (gelu_new, 0.5·x·(1 + tanh(c·(x + 0.044715·x³)))): its autograd graph
       of mul / pow / tanh backward formulas keeps 6 tensors of n·ff alive at once (device-independent
       formulas in derivatives.yaml; the trace measures 6): 4 in the tanh branch's dtype, 2 in the
@@ -852,22 +869,24 @@ def layer_backward_transient(spec: TransformerSpec, saved: list[Saved], ctx: Ctx
     largest = max((alloc_bytes(t.nbytes, ctx.backend) for t in saved), default=0)
     width = spec.num_heads * spec.head_dim
     out_grad = alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[ctx.act], ctx.backend)
-    attention = 2 * largest
-    if ctx.attention == "eager":
-        attention += alloc_bytes(ctx.n * width * BYTES_PER_DTYPE[ctx.low], ctx.backend)
-    mlp = 0
+    attention: tuple[int, ...] = (largest, largest)
+    if ctx.attention == "eager":  # bmm's two gradients, then softmax's
+        attention = (largest, alloc_bytes(ctx.n * width * BYTES_PER_DTYPE[ctx.low], ctx.backend), largest)
+    mlp: tuple[int, ...] = ()
     if spec.hidden_act in ("gelu_new", "gelu_fast"):
         branch = F32 if ctx.amp and autocast_fp32_op("pow", ctx.backend) else ctx.low
         numel = ctx.n * spec.intermediate_size
-        mlp = (GELU_NEW_BACKWARD_TENSORS - 2) * alloc_bytes(numel * BYTES_PER_DTYPE[branch], ctx.backend) \
-            + 2 * alloc_bytes(numel * BYTES_PER_DTYPE[ctx.low], ctx.backend)
+        low = alloc_bytes(numel * BYTES_PER_DTYPE[ctx.low], ctx.backend)
+        mlp = (low, *[alloc_bytes(numel * BYTES_PER_DTYPE[branch], ctx.backend)] * (GELU_NEW_BACKWARD_TENSORS - 2),
+               low)
     if spec.family in GATED_RMSNORM_FAMILIES:
         up = alloc_bytes(ctx.n * spec.intermediate_size * BYTES_PER_DTYPE[ctx.low], ctx.backend)
-        mlp = GATED_MLP_BACKWARD_TENSORS * up
-        norm = (RMSNORM_BACKWARD_TENSORS - (ctx.act == F32)) \
-            * alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[F32], ctx.backend)
-        mlp = max(mlp, norm)
-    return out_grad + max(attention, mlp)
+        mlp = (up,) * GATED_MLP_BACKWARD_TENSORS
+        norm = (alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[F32], ctx.backend),) \
+            * (RMSNORM_BACKWARD_TENSORS - (ctx.act == F32))
+        if sum(norm) > sum(mlp):
+            mlp = norm
+    return (out_grad, *(attention if sum(attention) >= sum(mlp) else mlp))
 
 
 # Llama-style layers (LlamaMLP: down(act(gate(x)) * up(x)); LlamaRMSNorm in Python, computed in fp32).
@@ -948,18 +967,18 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
         fwd, bwd = _transients(saved, ctx)
         if is_layer:
-            bwd = layer_backward_transient(block.layer, saved, ctx)  # type: ignore[arg-type]
+            bwd = layer_backward_tensors(block.layer, saved, ctx)  # type: ignore[arg-type]
         retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
         cache = autocast_cache(block, ctx)
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
-                                    _total(casts, backend), fwd, bwd, ckpt, retained,
-                                    _total(cache, backend), tuple(saved), tuple(kept), tuple(cache)))
+                                    _total(casts, backend), fwd, sum(bwd), ckpt, retained,
+                                    _total(cache, backend), tuple(saved), tuple(kept), tuple(cache), bwd))
         if is_layer:
             same_layer[key] = out[-1]
     loss = _loss(model, ctx)
     fwd, bwd = _transients(loss, ctx)
-    out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, bwd, False, 0, 0,
-                                tuple(loss), tuple(loss)))
+    out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, sum(bwd), False, 0, 0,
+                                tuple(loss), tuple(loss), (), bwd))
     return out
 
 

@@ -17,8 +17,10 @@ marks are the steady step's, the timeline's points):
    keeps only its checkpoint inputs.
 3. the autocast cache is freed when autocast exits (end of forward).
 4. backward, blocks in reverse: a checkpointed block's recomputed saved tensors, the backward transient
-   (one tensor of the block's peak temporaries: exact for transformer layers and the loss against the
-   traced autograd peak, tests/test_backward_transients.py; an approximation elsewhere), its gradients (one per parameter tensor; under ZeRO-2/3 one flat shard plus the
+   (the tensors alive at the block's peak temporaries, each its own request: `BlockTensors.backward`,
+   `activations.layer_backward_tensors`; their total is exact for transformer layers and the loss against
+   the traced autograd peak, tests/test_backward_transients.py; an approximation elsewhere; one tensor of
+   the total when the tensors are not known), its gradients (one per parameter tensor; under ZeRO-2/3 one flat shard plus the
    unsharded transient), then its activations are freed.
 5. optimizer: in the first step the states, one tensor per state per parameter (Adam `_init_group`), land in
    the activations' freed segments; then the step's temporaries (foreach: one per parameter,
@@ -53,6 +55,10 @@ if TYPE_CHECKING:
 from planner.memory import timeline
 
 MiB = 1024 * 1024
+# The loss's entry in the blocks (`activations.activation_blocks`): its forward transient is cross-entropy's
+# input cast (autocast's fp32 copy of the logits), made BEFORE log_softmax's saved output and freed after
+# it (the dispatch trace's order), where a layer's transient is its last op's unsaved output.
+LOSS = "loss"
 # torch/nn/parallel/distributed.py: dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket.
 DDP_FIRST_BUCKET_BYTES = 1 * MiB
 
@@ -67,12 +73,13 @@ class BlockTensors:
     saved: tuple[int, ...] = ()  # activations saved for backward, incl. AMP weight casts
     kept: tuple[int, ...] = ()  # what a checkpointed block keeps (its inputs)
     cache: tuple[int, ...] = ()  # AMP cast cache not saved for backward
+    backward: tuple[int, ...] = ()  # the backward transient's tensors (`activations.layer_backward_tensors`)
 
     def __post_init__(self) -> None:
         """A tensor of no bytes (a zero-size parameter) allocates nothing: dropped here, once per block, so
         that no trace built from these tuples has to look for them."""
-        if min(self.params + self.grads + self.saved + self.kept + self.cache, default=1) <= 0:
-            for f in ("params", "grads", "saved", "kept", "cache"):
+        if min(self.params + self.grads + self.saved + self.kept + self.cache + self.backward, default=1) <= 0:
+            for f in ("params", "grads", "saved", "kept", "cache", "backward"):
                 object.__setattr__(self, f, _positive(getattr(self, f)))
 
 
@@ -458,7 +465,7 @@ def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes:
                 _one(b.retained_bytes),
                 _one(b.forward_transient_bytes),
                 split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)) if b.checkpointed else (),
-                _one(b.backward_transient_bytes),
+                split(b.backward_transient_bytes, d.backward),
                 split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()),
                 _one(b.transient_grad_bytes))
     raw += (_one(step.module_buffer_bytes), buckets(step.ddp_bucket_bytes, bucket_cap_bytes),
@@ -504,6 +511,7 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
     for i, b in enumerate(blocks):
         name, row = b.name, i * BLOCK_SLOTS
         gathered = alloc(name, row + B_GATHERED, ".gathered params")
+        tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient") if name == LOSS else []
         if b.checkpointed:
             ids = alloc(name, row + B_KEPT, ".kept")
         else:
@@ -511,7 +519,8 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
         live.append(ids)
         cache_ids += alloc(name, row + B_CACHE, ".autocast cache")
         retained += alloc(name, row + B_LOGITS, ".logits")
-        tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient")
+        if name != LOSS:
+            tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient")
         mark("forward", name)
         free(tmp)
         free(gathered)
@@ -667,9 +676,9 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
         hit = _BLOCK_SHAPES[key] = (model, shapes)
     shapes = hit[1]
     out = {}
-    for block, (saved, kept, cache) in _rounded_activations(activations, backend).items():
+    for block, (saved, kept, cache, backward) in _rounded_activations(activations, backend).items():
         params, grads = shapes.get(block, ((), ()))
-        out[block] = BlockTensors(block, params, grads, saved, kept, cache)
+        out[block] = BlockTensors(block, params, grads, saved, kept, cache, backward)
     if isinstance(activations, tuple):  # immutable: safe to key by identity while the cache holds it
         if len(_BLOCK_TENSORS) >= ACTIVATIONS_CACHE_SIZE:
             _BLOCK_TENSORS.clear()
@@ -681,8 +690,8 @@ _ROUNDED: dict[tuple, tuple] = {}  # (id(activations), backend) -> (activations,
 
 
 def _rounded_activations(activations, backend: str) -> dict[str, tuple]:
-    """Per block: (saved, kept, cast cache not saved for backward), each tensor's bytes rounded like the CUDA
-    allocator rounds them. Cached per activation records: a search meets one shape under
+    """Per block: (saved, kept, cast cache not saved for backward, backward temporaries), each tensor's bytes
+    rounded like the CUDA allocator rounds them (the backward temporaries come rounded). Cached per activation records: a search meets one shape under
     several parallelisms, whose parameter and gradient tensors differ but whose activations do not."""
     from planner.memory.activations import alloc_bytes
 
@@ -705,7 +714,7 @@ def _rounded_activations(activations, backend: str) -> dict[str, tuple]:
         weights = rounded(act.cache_tensors, True)
         others = rounded(act.cache_tensors, False)
         rows[act.block] = (rounded(act.tensors) + weights, rounded(act.kept_tensors),
-                           weights + others if act.checkpointed else others)
+                           weights + others if act.checkpointed else others, act.backward_tensors)
     if isinstance(activations, tuple):  # immutable: safe to key by identity while the cache holds it
         if len(_ROUNDED) >= ACTIVATIONS_CACHE_SIZE:
             _ROUNDED.clear()

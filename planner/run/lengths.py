@@ -12,7 +12,9 @@ Two kinds of source:
   - `longest`: shuffled each epoch, each batch padded to its longest sample (`DataCollatorWithPadding`);
   - `bucketed`: `transformers.trainer_pt_utils.get_length_grouped_indices` (`group_by_length=True`):
     mega-batches of 50 batches, sorted by length inside, the mega-batch holding the longest sample first;
-  - `max`: every batch padded to `--seq-len` (`padding="max_length"`): one shape.
+  - `max`: every batch padded to `--seq-len` (`padding="max_length"`): one shape;
+  - `exact`: each value is one step's padded length, in file order (cycled when the run is longer): a run
+    recorded elsewhere replayed as it was (benchmarks/run_readings.py replays the GPU readings' runs).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from planner.errors import PlannerError
 
 FLAG = "--lengths"
-PADDINGS = ("longest", "bucketed", "max")
+PADDINGS = ("longest", "bucketed", "max", "exact")
 # transformers.trainer_pt_utils.get_length_grouped_indices: mega_batch_mult = min(len // (bs * 4), 50)
 MEGA_BATCH_MULT = 50
 MAX_TOKENS_PER_SAMPLE = 10**7  # above any model's positions: a bigger number is not a token length
@@ -237,6 +239,8 @@ def plan_steps(lengths: Lengths, *, batch_size: int, steps: int, seed: int, seq_
         return RunPlan(tuple(rng.choice(choices, size=steps).tolist()), None)
     samples = np.minimum(np.asarray(lengths.samples, dtype=np.int64), seq_len)
     truncated = int((np.asarray(lengths.samples) > seq_len).sum())
+    if padding == "exact":  # the file is the steps' padded lengths: real tokens unknown, as for uniform
+        return RunPlan(tuple(np.resize(samples, steps).tolist()), None, truncated)
     padded: list[int] = []
     real: list[int] = []
     while len(padded) < steps:  # epoch after epoch, each drawn anew (a DataLoader reshuffles every epoch)

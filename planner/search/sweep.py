@@ -87,7 +87,7 @@ class Recipe(_Strict):
     epochs: float = Field(1.0, gt=0, le=MAX_EPOCHS, allow_inf_nan=False)  # limits: planner.search.limits
     # A run of varying lengths (planner.run): every estimate's memory constraint is then the run's peak.
     lengths: str | None = None  # uniform:MIN-MAX[:STEP] or a file of per-sample token lengths
-    padding: str = "longest"  # with a file: longest | bucketed | max
+    padding: str = "longest"  # with a file: longest | bucketed | max | exact
     run_steps: int | None = None  # None: until the peak stops moving
     run_seed: int = 0
 
