@@ -13,8 +13,12 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   network between N instances; `allreduce_overlap` of it hides behind the last micro-step's backward.
   ZeRO-1/2: reduce-scatter of gradients (overlapped like DDP) + all-gather of updated parameters
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
-  reduce-scatters gradients, overlapped by `allreduce_overlap`. DataParallel (dp): every micro-step
-  broadcasts parameters to the replicas and reduces gradients to GPU 0, not overlapped.
+  reduce-scatters gradients, one NCCL call per unit; the first unit of each phase waits, the rest hides up
+  to `shard_overlap` behind that phase's compute. Every NCCL call also pays NCCL's own latency model
+  (planner.perf.collectives). DataParallel (dp): every micro-step broadcasts parameters from GPU 0 to the
+  replicas, scatters the inputs and gathers the outputs through GPU 0, reduces gradients onto GPU 0 (with
+  their flatten copies), none of it overlapped; its replicas' forward ops are dispatched by Python threads
+  under one GIL (the host time per op x replicas), and the optimizer runs on GPU 0 alone.
 - the slowest GPU: a synchronous data-parallel step ends when its slowest GPU is done. GPUs of one model
   differ in speed (clocks under power and thermal limits; variability across nominally identical GPUs is
   several percent: Sinha et al., "Not All GPUs Are Created Equal", SC22), so n GPUs wait
