@@ -279,9 +279,9 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
 
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
-    comm = communication_kernels(parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
-                                 units=shard_units(parallelism, n_tensors, layers), dp_io_bytes=dp_io_bytes)
-    comm_total, exposed = communication_seconds(comm, backward, instance, n_inst, c, forward_s=forward)
+    comm_total, exposed = _communication_times(
+        (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
+         shard_units(parallelism, n_tensors, layers), dp_io_bytes), backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
@@ -377,6 +377,25 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
             _OPTIMIZER_TIMES.clear()
         hit = _OPTIMIZER_TIMES[key] = time_kernels(
             optimizer_kernels(n_params, n_tensors, precision, optimizer, impl), gpu, c)
+    return hit
+
+
+_COMM_TIMES: dict[tuple, tuple[float, float]] = {}
+COMM_TIMES_CACHE_SIZE = 4096  # (strategy, sizes, phase times, instance) timings kept
+
+
+def _communication_times(args: tuple, backward_s: float, forward_s: float, instance: Instance, n_inst: int,
+                         c: ThroughputConstants) -> tuple[float, float]:
+    """`communication_seconds` of `communication_kernels(*args)`, once per arguments, phase times, instance
+    figures and constants: a search meets the same few thousand again and again."""
+    key = (args, backward_s, forward_s, instance.name, gpu_key(instance.gpu), instance.gpu.nvlink_gbs, instance.gpus,
+           instance.allreduce_bandwidth_gbs, instance.network_gbps, n_inst, c)
+    hit = _COMM_TIMES.get(key)
+    if hit is None:
+        if len(_COMM_TIMES) >= COMM_TIMES_CACHE_SIZE:
+            _COMM_TIMES.clear()
+        hit = _COMM_TIMES[key] = communication_seconds(communication_kernels(*args), backward_s, instance, n_inst,
+                                                       c, forward_s=forward_s)
     return hit
 
 
