@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.hardware import gpu_table, get_gpu, list_gpus
+from planner.hardware import get_gpu, gpu_table, list_gpus
 from planner.perf.roofline import RooflineConstants, peak_for, wave_efficiency
 
 C = RooflineConstants()

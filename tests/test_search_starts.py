@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from planner.hardware import get_instance
 from planner.models.catalog import cached_model
-from planner.perf.throughput import predict_throughput
+from planner.perf.throughput import ThroughputConstants, predict_throughput
 from planner.search.objective import Objective
 from planner.search.results import SIMPLICITY, best_row, top_k
 from planner.search.space import resolve_space
@@ -119,7 +119,9 @@ def test_ties_go_to_the_simpler_parallelism_and_real_differences_still_win():
 def _comm(parallelism: str, accum: int) -> float:
     model = cached_model(DEFAULT_SWEEP.model, DEFAULT_SWEEP.model_options)
     config = TrainConfig(batch_size=8, seq_len=512, precision="amp-fp16", parallelism=parallelism, grad_accum=accum)
-    return predict_throughput(model, config, get_instance("ml.p3.16xlarge")).breakdown_s["communication_total_s"]
+    # volumes alone: NCCL's per-call latency (tests/test_parallel_speed.py) set to 0
+    c = ThroughputConstants(nccl_base_latency_s=0.0, nccl_hop_latency_nvlink_s=0.0)
+    return predict_throughput(model, config, get_instance("ml.p3.16xlarge"), c).breakdown_s["communication_total_s"]
 
 
 def test_communication_volumes_per_parallelism():

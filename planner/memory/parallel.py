@@ -64,6 +64,23 @@ def ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
     return 0
 
 
+def dataparallel_output_bytes_per_sample(model: ModelSpec, config: TrainConfig) -> int:
+    """Bytes of one sample's model output that nn.DataParallel gathers onto GPU 0: the head's output in
+    fp32 (LM heads: seq_len × vocab logits)."""
+    for t in model.transformers:
+        if t.head == "causal-lm" or t.head == "masked-lm":
+            return config.seq_len * t.vocab_size * 4
+    last = model.components[-1].layers[-1]
+    return getattr(last, "out_features", 0) * 4 or 8
+
+
+def dataparallel_replica_io_bytes(model: ModelSpec, config: TrainConfig) -> int:
+    """Bytes one replica's micro-batch moves through GPU 0 under nn.DataParallel: its inputs scattered from
+    GPU 0 and its outputs gathered back (torch/nn/parallel/data_parallel.py `scatter`, `gather`)."""
+    return (batch_mem.batch_bytes(model, config.batch_size, config.seq_len)
+            + config.batch_size * dataparallel_output_bytes_per_sample(model, config))
+
+
 def dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -> int:
     """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
     gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
@@ -72,11 +89,4 @@ def dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) ->
         return 0
     others = config.batch_size * (gpus - 1)
     inputs = batch_mem.batch_bytes(model, others, config.seq_len)
-    out_per_sample = 0
-    for t in model.transformers:
-        if t.head == "causal-lm" or t.head == "masked-lm":
-            out_per_sample = config.seq_len * t.vocab_size * 4
-    if not out_per_sample:
-        last = model.components[-1].layers[-1]
-        out_per_sample = getattr(last, "out_features", 0) * 4 or 8
-    return inputs + config.batch_size * gpus * out_per_sample
+    return inputs + config.batch_size * gpus * dataparallel_output_bytes_per_sample(model, config)

@@ -83,7 +83,7 @@ class Kernel:
     count: int = 1  # occurrences per micro-step (phase forward/backward/recompute) or per optimizer step
     launches: int = 1  # CUDA launches per occurrence (foreach kernels over tensor lists)
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a matmul, for tile/wave efficiency
-    collective: str = ""  # communication kernels: "allreduce", "reduce_scatter", "all_gather", "dp"
+    collective: str = ""  # communication kernels: a COLLECTIVE_OVERLAP key ("allreduce", "dp_reduce", ...)
 
     @property
     def bytes(self) -> int:
@@ -558,16 +558,25 @@ def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: 
 
 # How each collective overlaps compute (planner.perf.throughput.communication_seconds times them):
 # "backward": hidden behind backward up to `allreduce_overlap` of it (DDP buckets, ZeRO-1/2 reduce-scatter);
-# "share": `allreduce_overlap` of it hidden, every micro-step (ZeRO-3/FSDP prefetch); "exposed": not hidden.
+# "forward_prefetch" / "backward_prefetch": ZeRO-3/FSDP's per-unit collectives, the next unit's fetched while
+# this one computes: all but one unit's share hides up to `shard_overlap` of itself behind that phase's
+# compute (planner.perf.collectives.prefetch_hidden); "exposed": not hidden (ZeRO's post-step all-gather,
+# every DataParallel copy: replicate runs before forward, the gradient reduce after the whole backward).
 COLLECTIVE_OVERLAP = {"allreduce": "backward", "reduce_scatter": "backward", "all_gather": "exposed",
-                      "fsdp_all_gather": "share", "fsdp_reduce_scatter": "share", "dp_copy": "exposed",
+                      "fsdp_all_gather": "forward_prefetch", "fsdp_all_gather_backward": "backward_prefetch",
+                      "fsdp_reduce_scatter": "backward_prefetch", "dp_broadcast": "exposed",
+                      "dp_reduce": "exposed", "dp_io": "exposed", "dp_flatten": "exposed",
                       "dp_replicate": "exposed"}
+# torch.cuda.comm.broadcast_coalesced / reduce_add_coalesced (DataParallel's replicate and its backward)
+# flatten tensors into buffers of at most buffer_size = 10485760 bytes: one NCCL call per buffer.
+DP_COALESCE_BYTES = 10485760
 
 
 def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
-                          bucket_cap_mb: float) -> tuple[Kernel, ...]:
+                          bucket_cap_mb: float, units: int = 1, dp_io_bytes: int = 0) -> tuple[Kernel, ...]:
     """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
-    bytes each GPU sends (`bytes_read`) per occurrence and `count` occurrences per optimizer step.
+    bytes each GPU sends (`bytes_read`) per occurrence, `count` occurrences per optimizer step and `launches`
+    NCCL calls per occurrence (each pays NCCL's latency: planner.perf.collectives.nccl_latency_s).
 
     DDP: one all-reduce of all gradients per optimizer step (no_sync on the other micro-steps), launched
     per bucket (`launches` = ceil(bytes / bucket_cap_mb)). ZeRO-1 is torch's ZeroRedundancyOptimizer over
@@ -575,10 +584,21 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     others (docs: "each rank will broadcast its parameters to all other peers"), an all-gather's volume,
     exposed. ZeRO-2: gradients are partitioned, so they are reduce-scattered after EVERY backward, not once per
     optimizer step (DeepSpeed issue #2252, maintainer: "gradient reduction is required after every backward
-    because of gradient partitioning"), + the all-gather of updated parameters. ZeRO-3/FSDP: per micro-step,
-    all-gather of parameters for forward and again for backward, reduce-scatter of gradients (3 halves of an
-    all-reduce: 1.5x DDP's traffic). DataParallel: per micro-step, parameters broadcast to the replicas and
-    gradients reduced to GPU 0 (two copies of the gradient bytes), plus its thread/replicate cost."""
+    because of gradient partitioning"), + the all-gather of updated parameters: with one micro-step the same
+    volume as DDP's all-reduce (reduce-scatter + all-gather = all-reduce).
+    ZeRO-3/FSDP FULL_SHARD: per micro-step, an all-gather of the parameters in forward and again in backward
+    (FSDP's default reshard_after_forward=True frees them after each unit's forward; ZeRO-3 releases them
+    likewise), and a reduce-scatter of the gradients instead of an all-reduce: 3 halves of an all-reduce, 1.5x
+    DDP's traffic (Rajbhandari et al. 2020, §7.2.2), with no all-gather after the step (parameters stay
+    sharded). Each is issued per unit (`units`: FSDP's wrapped modules, ZeRO-3's fetched sub-modules).
+    DataParallel (torch.nn.DataParallel, one process): per micro-step, replicate() broadcasts the parameters
+    from GPU 0 to the others (broadcast_coalesced), the inputs are scattered from and the outputs gathered to
+    GPU 0 (`dp_io_bytes` per replica, through GPU 0's links one replica after another), and backward's
+    ReduceAddCoalesced reduces every replica's gradients onto GPU 0 (nccl.reduce, torch/nn/parallel/comm.py
+    reduce_add): a broadcast and a reduce of the parameter bytes, each ~ bytes / bus bandwidth (NCCL's
+    broadcast and reduce move the whole buffer through every GPU's link, not 1/n of it as a ring all-reduce's
+    steps do), in buffers of DP_COALESCE_BYTES; both flatten the tensors into those buffers on the GPU (a
+    read and a write of the bytes each: `dp_flatten` reads and writes 2x them); plus its fixed thread/replicate cost."""
     if world <= 1 or parallelism == "single":
         return ()
     buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
@@ -595,11 +615,17 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
         return (comm("zero.reduce_scatter", "reduce_scatter", count=grad_accum),
                 comm("zero.all_gather", "all_gather"))
     if parallelism in ("zero3", "fsdp"):
-        return (comm("fsdp.all_gather", "fsdp_all_gather", count=2 * grad_accum),
-                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum))
+        u = max(1, units)
+        return (comm("fsdp.all_gather.forward", "fsdp_all_gather", count=grad_accum, launches=u),
+                comm("fsdp.all_gather.backward", "fsdp_all_gather_backward", count=grad_accum, launches=u),
+                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum, launches=u))
     if parallelism == "dp":
-        return (comm("dp.broadcast_reduce", "dp_copy", count=grad_accum, nbytes=2 * grad_bytes),
-                comm("dp.replicate", "dp_replicate", count=grad_accum, nbytes=0))
+        chunks = max(1, math.ceil(grad_bytes / DP_COALESCE_BYTES))
+        return (comm("dp.replicate.broadcast", "dp_broadcast", count=grad_accum, launches=chunks),
+                comm("dp.backward.reduce_add", "dp_reduce", count=grad_accum, launches=chunks),
+                comm("dp.flatten", "dp_flatten", count=grad_accum, launches=0, nbytes=2 * grad_bytes),
+                comm("dp.scatter_gather", "dp_io", count=grad_accum, launches=0, nbytes=dp_io_bytes),
+                comm("dp.replicate", "dp_replicate", count=grad_accum, launches=0, nbytes=0))
     return ()
 
 

@@ -13,8 +13,12 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   network between N instances; `allreduce_overlap` of it hides behind the last micro-step's backward.
   ZeRO-1/2: reduce-scatter of gradients (overlapped like DDP) + all-gather of updated parameters
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
-  reduce-scatters gradients, overlapped by `allreduce_overlap`. DataParallel (dp): every micro-step
-  broadcasts parameters to the replicas and reduces gradients to GPU 0, not overlapped.
+  reduce-scatters gradients, one NCCL call per unit; the first unit of each phase waits, the rest hides up
+  to `shard_overlap` behind that phase's compute. Every NCCL call also pays NCCL's own latency model
+  (planner.perf.collectives). DataParallel (dp): every micro-step broadcasts parameters from GPU 0 to the
+  replicas, scatters the inputs and gathers the outputs through GPU 0, reduces gradients onto GPU 0 (with
+  their flatten copies), none of it overlapped; its replicas' forward ops are dispatched by Python threads
+  under one GIL (the host time per op x replicas), and the optimizer runs on GPU 0 alone.
 - the slowest GPU: a synchronous data-parallel step ends when its slowest GPU is done. GPUs of one model
   differ in speed (clocks under power and thermal limits; variability across nominally identical GPUs is
   several percent: Sinha et al., "Not All GPUs Are Created Equal", SC22), so n GPUs wait
@@ -51,8 +55,10 @@ from pydantic import Field
 
 from planner.errors import PlannerError
 from planner.identity_cache import per_object
+from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
+from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
 from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
@@ -99,8 +105,32 @@ class ThroughputConstants(RooflineConstants):
                     "kernels sharing SMs and HBM with backward)")
     dp_replicate_overhead_s: float = Field(
         0.01, ge=0,
-        description="DataParallel's per-micro-step thread start/replicate/gather cost beyond its copies "
-                    "(ASSUMPTION)")
+        description="DataParallel's per-micro-step cost beyond its copies and GIL-bound dispatch: starting "
+                    "one Python thread per replica (parallel_apply) and replicate()'s per-module Python "
+                    "copies (ASSUMPTION)")
+    dp_gil_share: float = Field(
+        1.0, ge=0, le=1,
+        description="share of each forward op's host time that holds the GIL, so that DataParallel's replica "
+                    "threads dispatch one after another (ASSUMPTION, an upper bound: ATen releases the GIL "
+                    "inside the op, the Python module call and argument parsing hold it)")
+    shard_overlap: float = Field(
+        0.5, ge=0, le=1,
+        description="share of a ZeRO-3/FSDP per-unit all-gather or reduce-scatter (all but the first unit of "
+                    "a phase) that runs hidden behind that phase's compute; NCCL kernels share SMs and HBM "
+                    "with it (ASSUMPTION, like allreduce_overlap: no public ZeRO-3/FSDP run here to fit it)")
+    nccl_base_latency_s: float = Field(
+        8.4e-6, ge=0,
+        description="fixed latency of one NCCL ring collective, Ring/Simple baseLat (NVIDIA/nccl "
+                    "src/graph/tuning.cc @01afd20: 8.4 us; SOURCED)")
+    nccl_hop_latency_nvlink_s: float = Field(
+        3.4e-6, ge=0, description="NCCL latency per ring step over NVLink, hwLat NVLINK Ring/Simple "
+                                  "(tuning.cc: 3.4 us; SOURCED)")
+    nccl_hop_latency_pci_s: float = Field(
+        5.7e-6, ge=0, description="NCCL latency per ring step over PCIe, hwLat PCI Ring/Simple (tuning.cc: "
+                                  "5.7 us; SOURCED)")
+    nccl_hop_latency_net_s: float = Field(
+        9.6e-6, ge=0, description="NCCL latency per ring step between instances, hwLat NET Ring/Simple "
+                                  "(tuning.cc: 9.6 us; SOURCED)")
 
 
 # ---- precision -----------------------------------------------------------------------------------
@@ -224,14 +254,19 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
 
         lora = plan(model, config)
         n_params, n_tensors = lora.trainable, len(lora.shapes)
-    return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance, c)
+    layers = sum(t.num_layers for t in model.transformers) or None
+    io = dataparallel_replica_io_bytes(model, config) if config.parallelism == "dp" else 0
+    return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
+                            c, layers=layers, dp_io_bytes=io)
 
 
 def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int, config: TrainConfig,
-                     instance: Instance, constants: ThroughputConstants | None = None) -> Throughput:
+                     instance: Instance, constants: ThroughputConstants | None = None, *,
+                     layers: int | None = None, dp_io_bytes: int = 0) -> Throughput:
     """`predict_throughput` from a micro-step's kernel table, whoever built it (the analytic kernel list, or
     a traced model's own ops: planner.program.speed), the parameter and parameter-tensor counts and the
-    tokens per sample."""
+    tokens per sample. `layers` (FSDP's wrapped units; None: guessed from the tensors) and `dp_io_bytes`
+    (one replica's inputs + outputs, through GPU 0 under DataParallel) only matter to those strategies."""
     c = constants or ThroughputConstants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
@@ -244,16 +279,22 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     peak, _ = peak_tflops(instance, config.precision, c)
 
     m = _micro_sums(table, config.batch_size, gpu, c)
+    launches = m.launches
+    if parallelism == "dp" and world > 1:  # one process: the replicas' forward dispatch shares the GIL
+        launches = dataparallel_host_launches(m.launches, m.backward_launches, world, c)
     p = c.host_overlap_power
-    host = host_seconds(m.launches, c.cpu_dispatch_s, instance)
+    host = host_seconds(launches, c.cpu_dispatch_s, instance)
     micro = overlapped(m.gpu_s, host, p) + c.micro_step_overhead_s
     # the all-reduce overlaps backward's wall time: GPU time and the CPU's launches side by side
     backward = overlapped(m.backward_gpu_s, host_seconds(m.backward_launches, c.cpu_dispatch_s, instance), p)
+    forward = overlapped(m.gpu_s - m.backward_gpu_s,
+                         host_seconds(m.launches - m.backward_launches, c.cpu_dispatch_s, instance), p)
 
     sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
     grad_bytes = n_params * PARAM_BYTES[config.precision]
-    comm = communication_kernels(parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb)
-    comm_total, exposed = communication_seconds(comm, backward, instance, n_inst, c)
+    comm_total, exposed = _communication_times(
+        (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
+         shard_units(parallelism, n_tensors, layers), dp_io_bytes), backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
@@ -353,6 +394,25 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
     return hit
 
 
+_COMM_TIMES: dict[tuple, tuple[float, float]] = {}
+COMM_TIMES_CACHE_SIZE = 4096  # (strategy, sizes, phase times, instance) timings kept
+
+
+def _communication_times(args: tuple, backward_s: float, forward_s: float, instance: Instance, n_inst: int,
+                         c: ThroughputConstants) -> tuple[float, float]:
+    """`communication_seconds` of `communication_kernels(*args)`, once per arguments, phase times, instance
+    figures and constants: a search meets the same few thousand again and again."""
+    key = (args, backward_s, forward_s, instance.name, gpu_key(instance.gpu), instance.gpu.nvlink_gbs, instance.gpus,
+           instance.allreduce_bandwidth_gbs, instance.network_gbps, n_inst, c)
+    hit = _COMM_TIMES.get(key)
+    if hit is None:
+        if len(_COMM_TIMES) >= COMM_TIMES_CACHE_SIZE:
+            _COMM_TIMES.clear()
+        hit = _COMM_TIMES[key] = communication_seconds(communication_kernels(*args), backward_s, instance, n_inst,
+                                                       c, forward_s=forward_s)
+    return hit
+
+
 _PARAMS: dict[int, tuple] = {}  # ModelSpec -> (parameters, parameter tensors) (`per_object`)
 
 
@@ -362,34 +422,61 @@ def parameter_counts(model: ModelSpec) -> tuple[int, int]:
                                                  sum(parameter_tensors(b) for b in model_blocks(m))))
 
 
+def shard_units(parallelism: str, n_tensors: int, layers: int | None) -> int:
+    """NCCL calls per ZeRO-3/FSDP collective: FSDP wraps each transformer layer, plus the root unit holding
+    the rest (transformer_auto_wrap_policy), one flat all-gather per unit; ZeRO-3 fetches each sub-module's
+    parameters when it runs, about one module per two parameter tensors (weight + bias; ASSUMPTION). Without
+    a layer count (traced models): about a dozen tensors a layer (GPT-2 12, BERT 16, Llama 9)."""
+    if parallelism == "zero3":
+        return max(1, n_tensors // 2)
+    if parallelism == "fsdp":
+        return (layers if layers else max(1, n_tensors // 12)) + 1
+    return 1
+
+
 def collective_seconds(k: Kernel, instance: Instance, n_inst: int, c: ThroughputConstants) -> float:
-    """Seconds of one communication kernel (module docstring: ring all-reduce, half of it for reduce-scatter
-    and all-gather, DataParallel's copies over the intra-instance bandwidth plus its fixed cost)."""
+    """Seconds of one communication kernel, all its launches (module docstring: ring all-reduce, half of it
+    for reduce-scatter and all-gather, each NCCL call's latency; DataParallel's broadcast and reduce at the
+    bus bandwidth, its scatter/gather through GPU 0 from each other replica, its flatten copies at HBM
+    speed, its fixed cost)."""
+    latency = k.launches * nccl_latency_s(k.collective, instance, n_inst, c)
     if k.collective == "allreduce":
-        return allreduce_seconds(k.bytes_read, instance, n_inst, c)
-    if k.collective in ("reduce_scatter", "all_gather", "fsdp_all_gather", "fsdp_reduce_scatter"):
-        return half_collective_seconds(k.bytes_read, instance, n_inst, c)
-    if k.collective == "dp_copy":
-        return k.bytes_read / (max(instance.allreduce_bandwidth_gbs, 1e-9) * GB)
+        return allreduce_seconds(k.bytes_read, instance, n_inst, c) + latency
+    if k.collective in ("reduce_scatter", "all_gather", "fsdp_all_gather", "fsdp_all_gather_backward",
+                        "fsdp_reduce_scatter"):
+        return half_collective_seconds(k.bytes_read, instance, n_inst, c) + latency
+    bus = max(instance.allreduce_bandwidth_gbs, 1e-9) * GB
+    if k.collective in ("dp_broadcast", "dp_reduce"):
+        return k.bytes_read / bus + latency
+    if k.collective == "dp_io":
+        return (instance.gpus - 1) * k.bytes_read / bus
+    if k.collective == "dp_flatten":
+        return (k.bytes_read + k.bytes_written) / (instance.gpu.memory_bandwidth_gbs * GB * c.hbm_efficiency)
     if k.collective == "dp_replicate":
         return c.dp_replicate_overhead_s
     raise ValueError(f"collective {k.collective!r}")
 
 
 def communication_seconds(kernels: tuple[Kernel, ...], backward_s: float, instance: Instance, n_inst: int,
-                          c: ThroughputConstants) -> tuple[float, float]:
+                          c: ThroughputConstants, forward_s: float = 0.0) -> tuple[float, float]:
     """(total, exposed) seconds of the communication kernels of one optimizer step: "backward" collectives
-    hide up to allreduce_overlap of themselves behind backward's wall time, "share" ones allreduce_overlap
-    of themselves, "exposed" ones nothing (kernels.COLLECTIVE_OVERLAP)."""
+    hide up to allreduce_overlap of themselves behind backward's wall time; "forward_prefetch" and
+    "backward_prefetch" ones (ZeRO-3/FSDP, per micro-step) hide behind that phase of each micro-step as
+    planner.perf.collectives.prefetch_hidden says, the backward ones sharing backward's time; "exposed"
+    ones nothing (kernels.COLLECTIVE_OVERLAP)."""
     total = exposed = 0.0
+    budget = {"forward_prefetch": forward_s, "backward_prefetch": backward_s}
+    spent = {"forward_prefetch": 0.0, "backward_prefetch": 0.0}
     for k in kernels:
         t = collective_seconds(k, instance, n_inst, c) * k.count
         overlap = COLLECTIVE_OVERLAP[k.collective]
         total += t
         if overlap == "backward":
             exposed += t - min(c.allreduce_overlap * t, backward_s)
-        elif overlap == "share":
-            exposed += t * (1 - c.allreduce_overlap)
+        elif overlap in budget:
+            hidden = prefetch_hidden(t, k.launches, budget[overlap] * k.count - spent[overlap], c)
+            spent[overlap] += hidden
+            exposed += t - hidden
         else:
             exposed += t
     return total, exposed

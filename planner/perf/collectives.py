@@ -1,0 +1,64 @@
+"""What a collective costs beyond its bytes, and how much of ZeRO-3/FSDP's per-unit traffic compute hides.
+
+Three mechanisms that make ZeRO-3, FSDP and DataParallel differ from DDP and ZeRO-2 beyond their volume
+(planner.perf.kernels.communication_kernels says which collectives each strategy issues):
+
+- latency per NCCL call: NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc, `ncclTopoTuneModel`) prices
+  a ring collective at baseLat + intra-node steps x hwLat(NVLink or PCI) + inter-node steps x hwLat(NET),
+  with steps 2(n-1) for an all-reduce, n-1 for an all-gather or reduce-scatter, n for a broadcast or reduce
+  (Ring/Simple protocol, the one large messages use). DDP pays it once per 25 MB bucket; FSDP once per
+  wrapped unit per collective, ZeRO-3 once per fetched sub-module: hundreds of calls per micro-step.
+- partial overlap of the per-unit collectives (`prefetch_hidden`): the unit after this one is fetched while
+  this one computes (FSDP forward: the CPU runs ahead and issues the next all-gather; backward_prefetch=
+  BACKWARD_PRE by default; ZeRO-3's prefetch bucket), so every unit but the first of a phase can hide,
+  but only up to `shard_overlap` of itself (NCCL kernels take SMs and HBM bandwidth from the compute they run
+  beside) and never more than the phase's compute.
+- DataParallel's one process (`dataparallel_host_launches`): parallel_apply runs each replica's forward in a
+  Python thread; the per-op host work holds the GIL, so the replicas' forward dispatch is serialised
+  (`dp_gil_share` of it: ASSUMPTION), while backward runs in autograd's per-device C++ threads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from planner.perf.throughput import ThroughputConstants
+    from planner.spec import Instance
+
+# collective -> ring steps as a function of ranks (NCCL tuning.cc `nsteps`)
+_STEPS = {"allreduce": 2, "reduce_scatter": 1, "all_gather": 1, "fsdp_all_gather": 1,
+          "fsdp_all_gather_backward": 1, "fsdp_reduce_scatter": 1}
+
+
+def nccl_latency_s(collective: str, instance: Instance, instances: int, c: ThroughputConstants) -> float:
+    """Seconds of fixed latency of ONE NCCL call of `collective` over `instances` x instance.gpus ranks, as
+    NCCL's tuning model prices a Ring/Simple collective (module docstring). Broadcast/reduce (DataParallel):
+    baseLat + one hop, the ring case with the same channels in tuning.cc."""
+    ranks, nodes = instance.gpus * instances, instances
+    if ranks <= 1:
+        return 0.0
+    intra = c.nccl_hop_latency_nvlink_s if instance.gpu.nvlink_gbs > 0 else c.nccl_hop_latency_pci_s
+    if collective in ("dp_broadcast", "dp_reduce"):
+        return c.nccl_base_latency_s + intra
+    mult = _STEPS.get(collective)
+    if mult is None:
+        return 0.0
+    steps, inter = mult * (ranks - 1), mult * (nodes - 1)
+    return c.nccl_base_latency_s + (steps - inter) * intra + inter * c.nccl_hop_latency_net_s
+
+
+def prefetch_hidden(seconds: float, launches: int, budget_s: float, c: ThroughputConstants) -> float:
+    """Seconds of a ZeRO-3/FSDP phase's per-unit collectives (`seconds` over `launches` units) hidden behind
+    `budget_s` of that phase's compute: the first unit's share waits with nothing to overlap, the rest
+    hides up to `shard_overlap` of itself (module docstring)."""
+    hideable = seconds * (1 - 1 / max(launches, 1))
+    return max(0.0, min(c.shard_overlap * hideable, budget_s))
+
+
+def dataparallel_host_launches(launches: float, backward_launches: float, world: int,
+                               c: ThroughputConstants) -> float:
+    """Launches' worth of host time of one DataParallel micro-step: every replica's forward ops dispatched
+    one thread at a time under the GIL (`dp_gil_share` of each), backward's in parallel C++ threads."""
+    forward = launches - backward_launches
+    return launches + (world - 1) * forward * c.dp_gil_share
