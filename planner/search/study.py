@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.build import estimator_build
 from planner.errors import PlannerError, interrupted
+from planner.search.local import descend
 from planner.search.objective import EstimateFn, Objective
 from planner.search.polish import polish_points, polish_reserve
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
@@ -54,9 +55,12 @@ WORKERS_ATTR = "planner:workers"
 JOURNAL_FILE = "journal.log"
 # TPE trials when no count is given: benchmarks/search_benchmark.py shows TPE reaching >= 99% of the
 # exhaustive optimum within this budget on the default joint space; each further instance type adds
-# TRIALS_PER_EXTRA_TYPE (its seeded trial and a few to refine it).
+# TRIALS_PER_EXTRA_TYPE: room for its start and the moves of its descent (planner.search.local; 1-4 on the
+# reference job, ~3 on average), which a multi-type study records before TPE. Not more: with every type
+# already at its own search's best (benchmarks/search_benchmark.py), further TPE trials over 55 types
+# would cost ~10 ms each in sampling alone and stretch `--instance all` past its 5 s.
 DEFAULT_TRIALS = 100
-TRIALS_PER_EXTRA_TYPE = 8
+TRIALS_PER_EXTRA_TYPE = 2
 ProgressFn = Callable[[str, int, int], None]  # (label, finished trials, target)
 
 
@@ -393,8 +397,16 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
         target = budget
         if before == 0:
             starts = start_points(space, objective)
-            for start in starts:
-                mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
+            if len(space.instance_types) > 1 and sampler == "tpe" and len(objective.directions) == 1:
+                for params in _descents(space, objective, starts)[:target]:  # each type's own search
+                    trial = _record(objective, space, params)
+                    mirror.memory.add_trial(trial)
+                    mirror.save(trial, target)
+                    if progress is not None:
+                        progress(name, min(mirror.complete, target), target)
+            else:
+                for start in starts:
+                    mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
 
     # TPE's last trials try one-setting changes to the best configurations (planner.search.polish)
     polish_at = target - polish_reserve(budget) if sampler == "tpe" and len(objective.directions) == 1 else None
@@ -416,18 +428,18 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
             polish(study)
 
     if progress is not None:
-        progress(name, min(before, target), target)
+        progress(name, min(mirror.complete, target), target)
     # The grid stops itself once every point is in the in-memory study (ours and the others' trials); a
     # point another worker wrote meanwhile is skipped by `save`, not written twice.
-    remaining = space.size if grid else target - before
+    remaining = space.size if grid else target - mirror.complete
 
     def the_run(trials: list[optuna.trial.FrozenTrial]) -> StudyRun:
         return StudyRun(study_name=name, space=space, sampler=sampler, target=target, new_trials=mirror.written,
                         evaluations=objective.evaluations, worker=worker, seed=seed + worker, starts=starts,
                         trials=trials)
 
-    if target > before:
-        if polish_at is not None and before >= polish_at:  # a resumed study already in its last trials
+    if target > mirror.complete:
+        if polish_at is not None and mirror.complete >= polish_at:  # a resumed study already in its last trials
             polish(mirror.memory)
         try:
             mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
@@ -444,6 +456,39 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     if progress is not None:
         progress(name, mirror.complete, max(mirror.complete, target))
     return the_run(persistent.get_trials(deepcopy=False)), objective
+
+
+def _descents(space: SearchSpace, objective: Objective, starts: list[Start]) -> list[dict[str, Any]]:
+    """The points a multi-type study records before TPE: every type's start, then the rest of each feasible
+    start's descent (planner.search.local), type after type. Starts come first so that a --trials smaller
+    than the descents still gives every type its row."""
+    sign = 1.0 if objective.direction == "minimize" else -1.0
+    parameters = space.parameters()
+
+    def score(params: dict[str, Any]) -> float | None:
+        result = objective.evaluate_point(space.point(space.decode(params)))
+        return sign * result.values[0] if result.feasible else None
+
+    paths = [descend(s.params, parameters, score) if s.feasible else [s.params] for s in starts]
+    out = [path[0] for path in paths]
+    for path in paths:
+        out.extend(path[1:])
+    return out
+
+
+def _record(objective: Objective, space: SearchSpace, params: dict[str, Any]) -> optuna.trial.FrozenTrial:
+    """A finished trial of `params` as Objective.__call__ would have made it (same distributions, values,
+    constraints and evidence), without a sampler round trip: the point is already evaluated (cached)."""
+    import optuna
+
+    dists: dict[str, optuna.distributions.BaseDistribution] = {}
+    for pname, choices in space.parameters().items():
+        if pname in params:
+            dists[pname] = (optuna.distributions.IntDistribution(0, len(choices) - 1) if pname.endswith(INDEX_SUFFIX)
+                            else optuna.distributions.CategoricalDistribution(choices))
+    result = objective.evaluate_point(space.point(space.decode(params)))
+    return optuna.trial.create_trial(params=params, distributions=dists, values=list(result.values),
+                                     user_attrs=result.attrs, constraints=result.constraints)
 
 
 def _polish_params(study: optuna.Study, objective: Objective, space: SearchSpace, limit: int) -> list[dict[str, Any]]:
