@@ -353,7 +353,8 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
     lines = []
     if unpriced:  # their start fits: only the $ per job to rank them by is missing
         names = ", ".join(n.removeprefix("ml.") for n in unpriced)
-        lines.append(f"unpriced here, so not ranked by $ per job ({len(unpriced)} types; their starts fit, and "
+        lines.append(f"unpriced here, so not ranked by $ per job ({len(unpriced)} type{'s' if len(unpriced) != 1 else ''}; "
+                     f"their starts fit, and "
                      f"--objective throughput ranks them by samples/s): {names}")
     for name in missing:
         short = name.removeprefix("ml.")
