@@ -4,11 +4,6 @@
    `planner search --instance all` over --runs runs (target: <= 3 s and <= 5 s wall on 2 idle cores; wall
    time also counts whatever else shares the cores, so the CPU time and the load average are printed
    beside it).
-1b. Each type of `--instance all` against a search of that type alone (issue 22): the best value of every
-   type in the joint study vs the best of `planner search --instance <type>` with the same objective (cost
-   per job, the default with several types, and samples/s, which also ranks the types without a price);
-   target: every type within 1 %. Types with no feasible row in either search (no price, for cost) are
-   counted apart.
 2. Estimates/s: `planner.estimate` on distinct points (no cache), and the objective as a search calls it
    (the per-configuration cache answers the points TPE proposes again; target >= 2,000/s), each twice: with
    the allocator replayed in Python (what a default search of ~100 trials gets: it never loads the compiled
@@ -17,9 +12,14 @@
    is over the points of 5 default searches (seeds 0-4), 3 passes (median and range): one cyclic garbage
    collection can double a 0.1 s run.
 3. Storage: ms to persist one finished trial in the journal file (the default) and in SQLite (WAL).
-4. TPE against the exhaustive optimum on a joint space small enough to enumerate (3 instance types ×
+4. The default search (several types: each type's descent, then TPE) against the exhaustive optimum on a joint space small enough to enumerate (3 instance types ×
    parallelism × precision × checkpointing × micro-batch × attention × optimizer kernels), over several
    seeds with the default trial budget: how many seeds reach >= 99 % of the optimum (target: 9 of 10).
+5. Each type of `--instance all` against a search of that type alone (issue 22): the best value of every
+   type in the joint study vs the best of `planner search --instance <type>` with the same objective (cost
+   per job, the default with several types, and samples/s, which also ranks the types without a price);
+   target: every type within 1 %. Types with no feasible row in either search (no price, for cost) are
+   counted apart.
 
 The process is tuned as the `planner` command tunes its own (`planner.cli.main.claim_process`: the collector's
 thresholds, the objects frozen when the compiled replay loads), so the figures are what the command runs.
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--fake", action="store_true", help="toy estimate: time the machinery alone")
     parser.add_argument("--no-cli", action="store_true")
     parser.add_argument("--runs", type=int, default=3, help="runs of `planner search --instance all`")
-    parser.add_argument("--no-per-type", action="store_true", help="skip figure 1b (~40 s)")
+    parser.add_argument("--no-per-type", action="store_true", help="skip figure 5 (~40 s)")
     args = parser.parse_args()
     from planner.cli.main import claim_process
     from planner.search.study import default_trials
@@ -270,18 +270,6 @@ def main() -> None:
             if flags[-1] == "all":
                 print(f"  {check_best(runs[-1][3], len(list_instances()))}; "
                       f"{runs[-1][3].get('trials')} trials")
-    if not args.no_per_type:
-        for target, direction in (("cost", "minimize"), ("throughput", "maximize")):
-            rows, neither = bench_per_type(target, args.fake)
-            gaps = [(shortfall(j, a, direction), n, j, a) for n, j, a in rows]
-            within = sum(g <= 0.01 for g, *_ in gaps)
-            worst = max(gaps)
-            print(f"`--instance all` by {target}, each type vs a search of it alone: {within}/{len(rows)} types "
-                  f"within 1 % (worst {worst[1]}: {worst[0]:.2%} short, {worst[2]:.4g} vs {worst[3]:.4g})"
-                  + (f"; {len(neither)} with no feasible row in either search (e.g. no price)" if neither else ""))
-            for gap, name, joint, alone in sorted(gaps, reverse=True):
-                if gap > 0.01:
-                    print(f"  {name}: joint {joint:.4g}, alone {alone:.4g} ({gap:.2%} short)")
     for replay in ("python", "compiled"):
         os.environ["PLANNER_COMPILED_REPLAY"] = "0" if replay == "python" else "1"
         if replay == "compiled" and not args.fake:
@@ -310,6 +298,18 @@ def main() -> None:
     print(f"default search (descents, then TPE), {budget} trials, {args.seeds} seeds: >= 99 % of the optimum on {n99}/"
           f"{args.seeds} seeds; reached the optimum on {sum(r >= 1 - 1e-9 for r in ratios)}; best/optimum "
           f"min {min(ratios):.4f}, median {statistics.median(ratios):.4f}")
+    if not args.no_per_type:  # last: it loads the compiled replay, which the figures above time
+        for target, direction in (("cost", "minimize"), ("throughput", "maximize")):
+            rows, neither = bench_per_type(target, args.fake)
+            gaps = [(shortfall(j, a, direction), n, j, a) for n, j, a in rows]
+            within = sum(g <= 0.01 for g, *_ in gaps)
+            worst = max(gaps)
+            print(f"`--instance all` by {target}, each type vs a search of it alone: {within}/{len(rows)} types "
+                  f"within 1 % (worst {worst[1]}: {worst[0]:.2%} short, {worst[2]:.4g} vs {worst[3]:.4g})"
+                  + (f"; {len(neither)} with no feasible row in either search (e.g. no price)" if neither else ""))
+            for gap, name, in_joint, alone in sorted(gaps, reverse=True):
+                if gap > 0.01:
+                    print(f"  {name}: joint {in_joint:.4g}, alone {alone:.4g} ({gap:.2%} short)")
 
 
 if __name__ == "__main__":
