@@ -12,9 +12,9 @@
    is over the points of 5 default searches (seeds 0-4), 3 passes (median and range): one cyclic garbage
    collection can double a 0.1 s run.
 3. Storage: ms to persist one finished trial in the journal file (the default) and in SQLite (WAL).
-4. The default search (several types: each type's descent, then TPE) against the exhaustive optimum on a joint space small enough to enumerate (3 instance types ×
-   parallelism × precision × checkpointing × micro-batch × attention × optimizer kernels), over several
-   seeds with the default trial budget: how many seeds reach >= 99 % of the optimum (target: 9 of 10).
+4. The default search (several types: each type's descent, then TPE) against the exhaustive optimum on a
+   joint space small enough to enumerate (3 instance types × parallelism × precision × checkpointing ×
+   micro-batch × attention × optimizer kernels), over several seeds with the default trial budget: how many seeds reach >= 99 % of the optimum (target: 9 of 10).
 5. Each type of `--instance all` against a search of that type alone (issue 22): the best value of every
    type in the joint study vs the best of `planner search --instance <type>` with the same objective (cost
    per job, the default with several types, and samples/s, which also ranks the types without a price);
