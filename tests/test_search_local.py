@@ -131,3 +131,23 @@ def test_unpriced_types_are_listed_as_unpriced_not_as_unable_to_run(tmp_path):
     lines = _missing_lines(result, list(TYPES[:2]))
     assert len(lines) == 1 and lines[0].startswith("unpriced here, so not ranked by $ per job (1 type;")
     assert lines[0].endswith(": g4dn.xlarge")
+
+
+def test_ctrl_c_during_the_descents_keeps_what_they_recorded(tmp_path, monkeypatch):
+    from planner.search import study
+    from planner.search.study import SearchInterrupted
+
+    real, calls = study._record, []
+
+    def record(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second type's start
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(study, "_record", record)
+    with pytest.raises(SearchInterrupted) as stop:
+        run_search(DEFAULT_SWEEP.with_overrides(instance=TYPES[:2]), trials=50, study="t", results_dir=tmp_path,
+                   estimate_fn=fake_estimate)
+    assert stop.value.finished == 1 and list(stop.value.result.frame.instance) == [TYPES[0]]
+    assert (tmp_path / "t" / "trials.csv").exists()
