@@ -58,13 +58,16 @@ WORKERS_ATTR = "planner:workers"
 JOURNAL_FILE = "journal.log"
 # TPE trials when no count is given: benchmarks/search_benchmark.py shows TPE reaching >= 99% of the
 # exhaustive optimum within this budget on the default joint space; each further instance type adds
-# TRIALS_PER_EXTRA_TYPE: room for its start and the moves of its descent (planner.search.local; 1-4 on the
-# reference job, ~3 on average), which a multi-type study records before TPE. Not more: with every type
+# TRIALS_PER_EXTRA_TYPE: room for what a multi-type study records of it before TPE, its start and the
+# moves of its descent (planner.search.local: 1-3 moves on the reference job, ~3 trials a type in all). Not more: with every type
 # already at its own search's best (benchmarks/search_benchmark.py), further TPE trials over 55 types
 # would cost ~10 ms each in sampling alone and stretch `--instance all` past its 5 s.
 DEFAULT_TRIALS = 100
 TRIALS_PER_EXTRA_TYPE = 2
 ProgressFn = Callable[[str, int, int], None]  # (label, finished trials, target)
+# From this many types, a study's descents replay far more than compiled.COMPILE_AFTER steps, so the compiled
+# replay is loaded before them rather than after ~0.4 s of replays in Python that it would then repeat faster.
+WARM_REPLAY_TYPES = 8
 
 
 def default_trials(types: int) -> int:
@@ -400,10 +403,14 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     else:
         target = budget
         if before == 0:
-            starts = start_points(space, objective)
             # several types: each type's own search (its start, then its descent) is recorded before TPE;
             # one type keeps the plain TPE search from its start (unchanged: it already finds its best)
             descend_first = len(space.instance_types) > 1 and sampler == "tpe" and len(objective.directions) == 1
+            if descend_first and estimate_fn is None and len(space.instance_types) >= WARM_REPLAY_TYPES:
+                from planner.memory import compiled
+
+                compiled.warm()  # starts and descents replay ~25 new steps a type: the compiled replay at once
+            starts = start_points(space, objective)
             if not descend_first:
                 for start in starts:
                     mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
