@@ -1,8 +1,9 @@
 """Figures for `planner search` (prints them; not a test).
 
 1. Wall and CPU time of the default command `planner search --instance ml.p3.16xlarge` (fresh study) and of
-   `planner search --instance all` (target: <= 3 s and <= 10 s wall on 2 idle cores; wall time also counts
-   whatever else shares the cores, so the CPU time and the load average are printed beside it).
+   `planner search --instance all` over --runs runs (target: <= 3 s and <= 5 s wall on 2 idle cores; wall
+   time also counts whatever else shares the cores, so the CPU time and the load average are printed
+   beside it).
 2. Estimates/s: `planner.estimate` on distinct points (no cache), and the objective as a search calls it
    (the per-configuration cache answers the points TPE proposes again; target >= 2,000/s), each twice: with
    the allocator replayed in Python (what a default search of ~100 trials gets: it never loads the compiled
@@ -11,14 +12,19 @@
    is over the points of 5 default searches (seeds 0-4), 3 passes (median and range): one cyclic garbage
    collection can double a 0.1 s run.
 3. Storage: ms to persist one finished trial in the journal file (the default) and in SQLite (WAL).
-4. TPE against the exhaustive optimum on a joint space small enough to enumerate (3 instance types ×
-   parallelism × precision × checkpointing × micro-batch × attention × optimizer kernels), over several
-   seeds with the default trial budget: how many seeds reach >= 99 % of the optimum (target: 9 of 10).
+4. The default search (several types: each type's descent, then TPE) against the exhaustive optimum on a
+   joint space small enough to enumerate (3 instance types × parallelism × precision × checkpointing ×
+   micro-batch × attention × optimizer kernels), over several seeds with the default trial budget: how many seeds reach >= 99 % of the optimum (target: 9 of 10).
+5. Each type of `--instance all` against a search of that type alone (issue 22): the best value of every
+   type in the joint study vs the best of `planner search --instance <type>` with the same objective (cost
+   per job, the default with several types, and samples/s, which also ranks the types without a price);
+   target: every type within 1 %. Types with no feasible row in either search (no price, for cost) are
+   counted apart.
 
 The process is tuned as the `planner` command tunes its own (`planner.cli.main.claim_process`: the collector's
 thresholds, the objects frozen when the compiled replay loads), so the figures are what the command runs.
 
-Usage: python benchmarks/search_benchmark.py [--seeds 10] [--no-cli] [--fake]
+Usage: python benchmarks/search_benchmark.py [--seeds 10] [--runs 3] [--no-cli] [--no-per-type] [--fake]
 (--fake uses the toy estimate of tests/search_fixtures.py, to time the machinery alone).
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import resource
 import statistics
@@ -81,6 +88,43 @@ def check_best(data: dict, types: int) -> str:
     same = best is not None and cheapest is not None and abs(best - cheapest) <= 1e-9 * max(1.0, cheapest)
     return (f"best ${best:.4f}/job {'=' if same else '!='} cheapest of best_per_instance ${cheapest:.4f}/job; "
             f"{len(per)}/{types} instance types have a feasible configuration")
+
+
+def bench_per_type(target: str, fake: bool) -> tuple[list[tuple[str, float, float]], list[str]]:
+    """([(type, joint best, alone best)], types with no feasible row in either) for `--instance all` with
+    objective `target`; each search is a fresh study with the default budget, as the command runs it."""
+    from planner.hardware import list_instances
+    from planner.search.study import run_search
+    from planner.search.sweep import DEFAULT_SWEEP
+
+    def bests(types: tuple[str, ...]) -> tuple[dict[str, float], str]:
+        """(best value per type with a feasible row, direction) of a fresh default search over `types`."""
+        sweep = DEFAULT_SWEEP.with_overrides(instance=types, objective={"target": target})
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_search(sweep, results_dir=tmp, estimate_fn=estimate_fn(fake), write_files=False)
+        ok = result.frame[result.frame.feasible].groupby("instance")["value"]
+        return (ok.max() if result.direction == "maximize" else ok.min()).to_dict(), result.direction
+
+    names = tuple(list_instances())
+    joint = bests(names)[0]
+    rows, neither = [], []
+    for name in names:
+        alone = bests((name,))[0].get(name)
+        if alone is None and name not in joint:
+            neither.append(name)
+            continue
+        rows.append((name, joint.get(name, math.nan), math.nan if alone is None else alone))
+    return rows, neither
+
+
+def shortfall(joint: float, alone: float, direction: str) -> float:
+    """How much worse the joint study's best is than the type's own search (0 = as good or better)."""
+    if math.isnan(joint):
+        return math.inf
+    if math.isnan(alone):
+        return 0.0
+    ratio = alone / joint if direction == "maximize" else joint / alone
+    return max(0.0, ratio - 1.0)
 
 
 def objective_for(sweep, fake: bool):
@@ -202,6 +246,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--fake", action="store_true", help="toy estimate: time the machinery alone")
     parser.add_argument("--no-cli", action="store_true")
+    parser.add_argument("--runs", type=int, default=3, help="runs of `planner search --instance all`")
+    parser.add_argument("--no-per-type", action="store_true", help="skip figure 5 (~40 s)")
     args = parser.parse_args()
     from planner.cli.main import claim_process
     from planner.search.study import default_trials
@@ -215,12 +261,15 @@ def main() -> None:
         from planner.hardware import list_instances
 
         for flags in (["--instance", "ml.p3.16xlarge"], ["--instance", "all"]):
-            wall, cpu, best, data = bench_cli(flags)
-            print(f"`planner search {' '.join(flags)}` (fresh study): {wall:.2f} s wall, {cpu:.2f} s CPU; "
-                  f"load average {os.getloadavg()[0]:.1f}")
-            print(f"  {best[:150]}")
+            runs = [bench_cli(flags) for _ in range(args.runs if flags[-1] == "all" else 1)]
+            walls, cpus = [r[0] for r in runs], [r[1] for r in runs]
+            print(f"`planner search {' '.join(flags)}` (fresh study, {len(runs)} run(s)): {min(walls):.2f}-"
+                  f"{max(walls):.2f} s wall, {min(cpus):.2f}-{max(cpus):.2f} s CPU; load average "
+                  f"{os.getloadavg()[0]:.1f}")
+            print(f"  {runs[-1][2][:150]}")
             if flags[-1] == "all":
-                print(f"  {check_best(data, len(list_instances()))}")
+                print(f"  {check_best(runs[-1][3], len(list_instances()))}; "
+                      f"{runs[-1][3].get('trials')} trials")
     for replay in ("python", "compiled"):
         os.environ["PLANNER_COMPILED_REPLAY"] = "0" if replay == "python" else "1"
         if replay == "compiled" and not args.fake:
@@ -246,9 +295,21 @@ def main() -> None:
           f"exhaustive optimum ${ex['optimum']:.4f}/job ({ex['estimates_per_s']:,.0f} estimates/s)")
     ratios = bench_tpe(joint, args.fake, args.seeds, ex["optimum"], ex["direction"])
     n99 = sum(r >= 0.99 for r in ratios)
-    print(f"TPE, {budget} trials (the default budget), {args.seeds} seeds: >= 99 % of the optimum on {n99}/"
+    print(f"default search (descents, then TPE), {budget} trials, {args.seeds} seeds: >= 99 % of the optimum on {n99}/"
           f"{args.seeds} seeds; reached the optimum on {sum(r >= 1 - 1e-9 for r in ratios)}; best/optimum "
           f"min {min(ratios):.4f}, median {statistics.median(ratios):.4f}")
+    if not args.no_per_type:  # last: it loads the compiled replay, which the figures above time
+        for target, direction in (("cost", "minimize"), ("throughput", "maximize")):
+            rows, neither = bench_per_type(target, args.fake)
+            gaps = [(shortfall(j, a, direction), n, j, a) for n, j, a in rows]
+            within = sum(g <= 0.01 for g, *_ in gaps)
+            worst = max(gaps)
+            print(f"`--instance all` by {target}, each type vs a search of it alone: {within}/{len(rows)} types "
+                  f"within 1 % (worst {worst[1]}: {worst[0]:.2%} short, {worst[2]:.4g} vs {worst[3]:.4g})"
+                  + (f"; {len(neither)} with no feasible row in either search (e.g. no price)" if neither else ""))
+            for gap, name, in_joint, alone in sorted(gaps, reverse=True):
+                if gap > 0.01:
+                    print(f"  {name}: joint {in_joint:.4g}, alone {alone:.4g} ({gap:.2%} short)")
 
 
 if __name__ == "__main__":

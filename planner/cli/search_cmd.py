@@ -353,11 +353,19 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
     found = set(frame[frame["feasible"]]["instance"])
     missing = [t for t in types if t not in found]
     unfit = {s.instance: s.reason for s in result.run.starts if not s.feasible}
+    unpriced = [n for n in missing if unfit.get(n, "").startswith("no price for")]
     counts = frame["instance"].value_counts()
     lines = []
+    if unpriced:  # their start fits: only the $ per job to rank them by is missing
+        names = ", ".join(n.removeprefix("ml.") for n in unpriced)
+        lines.append(f"unpriced here, so not ranked by $ per job ({len(unpriced)} type{'s' if len(unpriced) != 1 else ''}; "
+                     f"their starts fit, and "
+                     f"--objective throughput ranks them by samples/s): {names}")
     for name in missing:
         short = name.removeprefix("ml.")
         n = int(counts.get(name, 0))
+        if name in unpriced:
+            continue
         if name in unfit:
             lines.append(f"{short}: nothing found; even its smallest start (micro-batch, checkpointing and "
                          f"sharding as far as the space allows) fails: {unfit[name]}")

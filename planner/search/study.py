@@ -2,9 +2,12 @@
 
 Why one study: "one p4d or four p3.16xlarge?" is a question across instance types and counts, so the
 instance type is a parameter like the micro-batch, and the sampler spends its trials where the answer
-is (the cheapest types, for a cost objective) instead of giving every type the same budget; each type
-still gets one seeded trial first (a sensible configuration: AMP, DDP, accumulation 1), so the
-per-type table has a row for every type that can run the job. The study's name shows the instance set
+is (the cheapest types, for a cost objective) instead of giving every type the same budget. Before TPE,
+each type gets its own search: a start the memory model says fits (AMP, DDP, the largest micro-batch that
+fits), then a deterministic descent from it (planner.search.local), recorded as trials of the study, so
+the per-type table has a row for every type that can run the job, at what a search of that type alone
+finds (issue 22: with ~10 TPE trials per type, --instance all listed p3.16xlarge at 876.8 samples/s where
+its own search finds 1,013.7). The study's name shows the instance set
 (`multimodal-bert-p3-p3.16xlarge-<hash>`, `...-all-<hash>`), so results of different searches never
 overwrite each other.
 
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.build import estimator_build
 from planner.errors import PlannerError, interrupted
+from planner.search.local import descend
 from planner.search.objective import EstimateFn, Objective
 from planner.search.polish import polish_points, polish_reserve
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
@@ -54,10 +58,16 @@ WORKERS_ATTR = "planner:workers"
 JOURNAL_FILE = "journal.log"
 # TPE trials when no count is given: benchmarks/search_benchmark.py shows TPE reaching >= 99% of the
 # exhaustive optimum within this budget on the default joint space; each further instance type adds
-# TRIALS_PER_EXTRA_TYPE (its seeded trial and a few to refine it).
+# TRIALS_PER_EXTRA_TYPE: room for what a multi-type study records of it before TPE, its start and the
+# moves of its descent (planner.search.local: 1-3 moves on the reference job, ~3 trials a type in all). Not more: with every type
+# already at its own search's best (benchmarks/search_benchmark.py), further TPE trials over 55 types
+# would cost ~10 ms each in sampling alone and stretch `--instance all` past its 5 s.
 DEFAULT_TRIALS = 100
-TRIALS_PER_EXTRA_TYPE = 8
+TRIALS_PER_EXTRA_TYPE = 2
 ProgressFn = Callable[[str, int, int], None]  # (label, finished trials, target)
+# From this many types, a study's descents replay far more than compiled.COMPILE_AFTER steps, so the compiled
+# replay is loaded before them rather than after ~0.4 s of replays in Python that it would then repeat faster.
+WARM_REPLAY_TYPES = 8
 
 
 def default_trials(types: int) -> int:
@@ -376,6 +386,7 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
         sampler = "grid" if space.size <= budget else "tpe"
     grid = sampler == "grid"
     starts: list[Start] = []
+    descend_first = False
     # Grid: the same seed in every worker, because it shuffles the grid and a trial's grid_id indexes that
     # shuffled list (optuna's GridSampler docs: fix the seed in distributed runs); then the worker's own seed
     # for choosing among the unvisited points, so that workers do not all pick the same next point.
@@ -392,9 +403,17 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     else:
         target = budget
         if before == 0:
+            # several types: each type's own search (its start, then its descent) is recorded before TPE;
+            # one type keeps the plain TPE search from its start (unchanged: it already finds its best)
+            descend_first = len(space.instance_types) > 1 and sampler == "tpe" and len(objective.directions) == 1
+            if descend_first and estimate_fn is None and len(space.instance_types) >= WARM_REPLAY_TYPES:
+                from planner.memory import compiled
+
+                compiled.warm()  # starts and descents replay ~25 new steps a type: the compiled replay at once
             starts = start_points(space, objective)
-            for start in starts:
-                mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
+            if not descend_first:
+                for start in starts:
+                    mirror.memory.enqueue_trial(start.params, skip_if_exists=True)
 
     # TPE's last trials try one-setting changes to the best configurations (planner.search.polish)
     polish_at = target - polish_reserve(budget) if sampler == "tpe" and len(objective.directions) == 1 else None
@@ -416,21 +435,32 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
             polish(study)
 
     if progress is not None:
-        progress(name, min(before, target), target)
-    # The grid stops itself once every point is in the in-memory study (ours and the others' trials); a
-    # point another worker wrote meanwhile is skipped by `save`, not written twice.
-    remaining = space.size if grid else target - before
+        progress(name, min(mirror.complete, target), target)
 
     def the_run(trials: list[optuna.trial.FrozenTrial]) -> StudyRun:
         return StudyRun(study_name=name, space=space, sampler=sampler, target=target, new_trials=mirror.written,
                         evaluations=objective.evaluations, worker=worker, seed=seed + worker, starts=starts,
                         trials=trials)
 
-    if target > before:
-        if polish_at is not None and before >= polish_at:  # a resumed study already in its last trials
-            polish(mirror.memory)
+    def record_descents() -> None:
+        for params in _descents(space, objective, starts)[:target]:
+            trial = _record(objective, space, params)
+            mirror.memory.add_trial(trial)
+            mirror.save(trial, target)
+            if progress is not None:
+                progress(name, min(mirror.complete, target), target)
+
+    if target > mirror.complete:
         try:
-            mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
+            if descend_first:
+                record_descents()
+            if polish_at is not None and mirror.complete >= polish_at:  # a resumed study already in its last trials
+                polish(mirror.memory)
+            if target > mirror.complete:
+                # The grid stops itself once every point is in the in-memory study (ours and the others'
+                # trials); a point another worker wrote meanwhile is skipped by `save`, not written twice.
+                remaining = space.size if grid else target - mirror.complete
+                mirror.memory.optimize(objective, n_trials=remaining, callbacks=[after_trial])
         except KeyboardInterrupt:
             raise SearchInterrupted(the_run(persistent.get_trials(deepcopy=False)), objective) from None
         except Exception as exc:
@@ -444,6 +474,44 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
     if progress is not None:
         progress(name, mirror.complete, max(mirror.complete, target))
     return the_run(persistent.get_trials(deepcopy=False)), objective
+
+
+def _descents(space: SearchSpace, objective: Objective, starts: list[Start]) -> list[dict[str, Any]]:
+    """The points a multi-type study records before TPE: every type's start, then the rest of each feasible
+    start's descent (planner.search.local), type after type. Starts come first so that a --trials smaller
+    than the descents still gives every type its row."""
+    sign = 1.0 if objective.direction == "minimize" else -1.0
+    parameters = space.parameters()
+
+    def score(params: dict[str, Any]) -> float | None:
+        result = objective.evaluate_point(space.point(space.decode(params)))
+        return sign * result.values[0] if result.feasible else None
+
+    paths = []
+    for start in starts:
+        try:
+            paths.append(descend(start.params, parameters, score) if start.feasible else [start.params])
+        except Exception:  # a bug in an estimate: as in start_points, a TPE trial meets it and keeps it (FAIL)
+            paths.append([start.params])
+    out = [path[0] for path in paths]
+    for path in paths:
+        out.extend(path[1:])
+    return out
+
+
+def _record(objective: Objective, space: SearchSpace, params: dict[str, Any]) -> optuna.trial.FrozenTrial:
+    """A finished trial of `params` as Objective.__call__ would have made it (same distributions, values,
+    constraints and evidence), without a sampler round trip: the point is already evaluated (cached)."""
+    import optuna
+
+    dists: dict[str, optuna.distributions.BaseDistribution] = {}
+    for pname, choices in space.parameters().items():
+        if pname in params:
+            dists[pname] = (optuna.distributions.IntDistribution(0, len(choices) - 1) if pname.endswith(INDEX_SUFFIX)
+                            else optuna.distributions.CategoricalDistribution(choices))
+    result = objective.evaluate_point(space.point(space.decode(params)))
+    return optuna.trial.create_trial(params=params, distributions=dists, values=list(result.values),
+                                     user_attrs=result.attrs, constraints=result.constraints)
 
 
 def _polish_params(study: optuna.Study, objective: Objective, space: SearchSpace, limit: int) -> list[dict[str, Any]]:
