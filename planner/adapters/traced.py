@@ -71,20 +71,9 @@ def with_adapters(build: Callable[[], Any], config: TrainConfig) -> Callable[[],
 
 def _to_meta(module: Any) -> None:
     """Every parameter and buffer as a meta tensor (shared ones stay shared), requires_grad kept."""
-    import torch
+    from planner.program.hf import empty_like_on
 
-    memo: dict[int, Any] = {}
-    for sub in module.modules():
-        for name, p in list(sub._parameters.items()):
-            if p is not None:
-                if id(p) not in memo:
-                    memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                sub._parameters[name] = memo[id(p)]
-        for name, b in list(sub._buffers.items()):
-            if b is not None:
-                if id(b) not in memo:
-                    memo[id(b)] = torch.empty_like(b, device="meta")
-                sub._buffers[name] = memo[id(b)]
+    empty_like_on(module, "meta")
 
 
 def _adapters_in_fp32(module: Any) -> None:

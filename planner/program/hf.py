@@ -94,6 +94,12 @@ def builder(hf_config: Any, path: str) -> Callable[[], Any]:
 def empty_like_on_cpu(module: Any) -> Any:
     """Replace every meta parameter and buffer by an uninitialised CPU tensor (fake inside FakeTensorMode),
     keeping shared ones shared. `Module.to_empty` cannot swap fake tensors into parameters, hence by hand."""
+    return empty_like_on(module, "cpu")
+
+
+def empty_like_on(module: Any, device: str) -> Any:
+    """Every parameter and buffer of `module` as an uninitialised tensor on `device` (shared ones stay shared,
+    requires_grad kept)."""
     import torch
 
     memo: dict[int, Any] = {}
@@ -101,12 +107,12 @@ def empty_like_on_cpu(module: Any) -> Any:
         for name, p in list(sub._parameters.items()):
             if p is not None:
                 if id(p) not in memo:
-                    memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                    memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 sub._parameters[name] = memo[id(p)]
         for name, b in list(sub._buffers.items()):
             if b is not None:
                 if id(b) not in memo:
-                    memo[id(b)] = torch.empty_like(b, device="cpu")
+                    memo[id(b)] = torch.empty_like(b, device=device)
                 sub._buffers[name] = memo[id(b)]
     return module
 
