@@ -14,6 +14,7 @@ from planner.identity_cache import per_object
 from planner.memory import band, model_states, optimizer, parallel, timeline
 from planner.memory import batch as batch_mem
 from planner.memory import stack as sw
+from planner.parallel import get as strategy_of
 from planner.spec import (
     Estimate,
     Instance,
@@ -469,12 +470,12 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
 
     peak_allocated = top.total
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
-    nccl = nccl_bytes(rt, inst.gpus if cfg.parallelism == "dp" else world)
+    nccl = nccl_bytes(rt, inst.gpus if strategy_of(cfg.parallelism).one_process else world)
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     alloc = None
     replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
     if prep.fragmentation_given or (spec is None and (prep.traced is None or not replicated
-                                                      or cfg.parallelism == "dp")):
+                                                      or strategy_of(cfg.parallelism).one_process)):
         peak_reserved = int(peak_allocated * (1 + rt.fragmentation))
     elif spec is None:  # a traced model: its own storage events through the allocator model
         from planner.program.replay import replay_trace
@@ -632,7 +633,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     shapes = list(full.gradient_shapes)
     opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
-    if cfg.parallelism == "dp":  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
+    if strategy_of(cfg.parallelism).one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
         dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
     step = timeline.StepMemory(
         blocks=tuple(blocks),
@@ -653,7 +654,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    if not fragmentation_given and (cfg.parallelism == "dp" or min(share.parameters, share.gradients,
+    if not fragmentation_given and (strategy_of(cfg.parallelism).one_process or min(share.parameters, share.gradients,
                                                                    share.optimizer_states) < 1):
         notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}): the traced allocator replay covers "
                      "replicated single/DDP steps only")
@@ -698,10 +699,10 @@ def _calibrated(throughput: Throughput, scale: float | None) -> Throughput:
 def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
-    if cfg.parallelism in ("ddp", "zero1") and not cfg.gradient_as_bucket_view:
+    if strategy_of(cfg.parallelism).ddp_buckets and not cfg.gradient_as_bucket_view:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
                      "would save them")
-    if cfg.parallelism == "dp":
+    if strategy_of(cfg.parallelism).one_process:
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")
     if spec is not None and cfg.checkpointing and not spec.transformers:

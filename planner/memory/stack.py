@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.parallel import get as strategy_of
 from planner.spec import GPU, SoftwareStack
 
 MiB = 1 << 20
@@ -340,7 +341,7 @@ def zero_grad_keeps_gradients(stack: SoftwareStack, parallelism: str, optimizer_
     the gradients are resident through the next forward and backward, as with gradient accumulation.
     Not for a "fused" optimizer before torch 2.0: that is apex's FusedAdam, whose zero_grad() sets them to
     None by default. ZeRO/FSDP keep their own gradient buffers: unchanged (ASSUMPTION, see stacks.json)."""
-    if parallelism not in ("single", "dp", "ddp"):
+    if not strategy_of(parallelism).loop_zero_grad:
         return False
     zg = table()["zero_grad"]
     if parse_version("torch", stack.torch) >= parse_version("since", zg["set_to_none_since_torch"]):

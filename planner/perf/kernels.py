@@ -43,6 +43,7 @@ from typing import Literal
 
 from planner.memory.activations import Ctx, attention_kernel, mask_materialised
 from planner.models.blocks import Block, model_blocks
+from planner.parallel import get as strategy_of
 from planner.perf.flops import (
     BACKWARD_TO_FORWARD,
     EARLY_STOP_SKIPS_MLP_OUT,
@@ -599,34 +600,16 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     broadcast and reduce move the whole buffer through every GPU's link, not 1/n of it as a ring all-reduce's
     steps do), in buffers of DP_COALESCE_BYTES; both flatten the tensors into those buffers on the GPU (a
     read and a write of the bytes each: `dp_flatten` reads and writes 2x them); plus its fixed thread/replicate cost."""
-    if world <= 1 or parallelism == "single":
+    strategy = strategy_of(parallelism)
+    if world <= 1 or strategy.uses_one_gpu:
         return ()
-    buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
-
-    def comm(name: str, collective: str, count: int = 1, launches: int = 1, nbytes: int = grad_bytes) -> Kernel:
-        return Kernel(name, "communication", 0, nbytes, nbytes, F32, "step", count=count, launches=launches,
-                      collective=collective)
-
-    if parallelism == "ddp":
-        return (comm("ddp.allreduce", "allreduce", launches=buckets),)
-    if parallelism == "zero1":
-        return (comm("zero.allreduce", "allreduce", launches=buckets), comm("zero.all_gather", "all_gather"))
-    if parallelism == "zero2":
-        return (comm("zero.reduce_scatter", "reduce_scatter", count=grad_accum),
-                comm("zero.all_gather", "all_gather"))
-    if parallelism in ("zero3", "fsdp"):
-        u = max(1, units)
-        return (comm("fsdp.all_gather.forward", "fsdp_all_gather", count=grad_accum, launches=u),
-                comm("fsdp.all_gather.backward", "fsdp_all_gather_backward", count=grad_accum, launches=u),
-                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum, launches=u))
-    if parallelism == "dp":
-        chunks = max(1, math.ceil(grad_bytes / DP_COALESCE_BYTES))
-        return (comm("dp.replicate.broadcast", "dp_broadcast", count=grad_accum, launches=chunks),
-                comm("dp.backward.reduce_add", "dp_reduce", count=grad_accum, launches=chunks),
-                comm("dp.flatten", "dp_flatten", count=grad_accum, launches=0, nbytes=2 * grad_bytes),
-                comm("dp.scatter_gather", "dp_io", count=grad_accum, launches=0, nbytes=dp_io_bytes),
-                comm("dp.replicate", "dp_replicate", count=grad_accum, launches=0, nbytes=0))
-    return ()
+    calls = {"buckets": max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20))), "units": max(1, units),
+             "dp_chunks": max(1, math.ceil(grad_bytes / DP_COALESCE_BYTES)), "one": 1, "none": 0}
+    payload = {"grads": grad_bytes, "flatten": 2 * grad_bytes, "dp_io": dp_io_bytes, "none": 0}
+    return tuple(Kernel(c.name, "communication", 0, payload[c.payload], payload[c.payload], F32, "step",
+                        count=grad_accum if c.per_micro_step else 1, launches=calls[c.launches],
+                        collective=c.collective)
+                 for c in strategy.communication)
 
 
 def _fold(kernels: list[Kernel]) -> list[Kernel]:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlannerError
+from planner.parallel import is_default
 from planner.spec import (
     ATTENTIONS,
     OPTIMIZERS,
@@ -252,7 +253,7 @@ def _check(rows: list[PublicRun], root: Path, name: str) -> None:
         if row.model not in models:
             raise PlannerError(f"{where} model", row.model, "a catalog name (`planner models`)")
         get_gpu(row.gpu)  # raises with near names
-        if row.gpus == 1 and row.parallelism not in ("single", "auto"):
+        if row.gpus == 1 and not is_default(row.parallelism):
             raise PlannerError(f"{where} parallelism", row.parallelism, "single for a one-GPU run")
         assert row.precision in PRECISIONS and row.attention in ATTENTIONS and row.optimizer in OPTIMIZERS
         assert row.parallelism in PARALLELISMS or row.parallelism == "auto"
