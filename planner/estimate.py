@@ -450,7 +450,7 @@ def estimate(
         return est
     from planner.run.simulate import StepsAt, apply_run
 
-    return apply_run(est, prep, run, StepsAt(prep, runtime, backend, model_options, stack),
+    return apply_run(est, prep, run, StepsAt(prep, runtime, backend, model_options, stack, run_steps()),
                      expandable=expandable_segments or prep.stack.expandable_segments,
                      with_throughput=with_throughput, dataset_size=dataset_size, spot=spot)
 
@@ -727,3 +727,11 @@ def clear_caches() -> None:
     _PEAKS.clear()
     _RUNTIME.clear()
     reserved.clear_caches()
+
+
+def run_steps():
+    """This pipeline's steps as a run repeats them at each length (planner.run.simulate.EstimateSteps)."""
+    from planner.run.simulate import EstimateSteps
+
+    return EstimateSteps(prepare=_prepare, calibrated=_calibrated, timeline_peaks=_timeline_peaks,
+                         band_terms=_band_terms)

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from planner.errors import PlannerError
+from planner.explain_where import batch_where, where_states_live  # noqa: F401  (re-exported)
 from planner.memory.model_states import parameter_dtype_bytes
 from planner.models.blocks import model_blocks
 from planner.parallel import AUTO_MULTI_GPU
@@ -195,17 +196,6 @@ OPTIMIZER_STATES = {
 }
 
 
-def where_states_live(est: Estimate) -> str:
-    """Where the gradient and optimizer-state figures are: per GPU, on GPU 0 only (DataParallel), or one
-    GPU's shard (ZeRO/FSDP), so step 7 says the same as step 3."""
-    p = est.config.parallelism
-    if strategy_of(p).one_process:
-        return "on GPU 0 only (DataParallel reduces gradients and steps the optimizer there)"
-    if strategy_of(p).shards:
-        return f"on each GPU (its share under {p}; see step 3)"
-    return "on each GPU" if est.world_size > 1 else "on the GPU"
-
-
 def _state_lines(est: Estimate) -> list[str]:
     m, cfg = est.memory_bytes, est.config
     where = where_states_live(est)
@@ -215,14 +205,6 @@ def _state_lines(est: Estimate) -> list[str]:
             f"Optimizer states ({cfg.optimizer}: {what}): {fmt_bytes(m.optimizer_states)} {where}, allocated at "
             "the first optimizer.step(). Rules of thumb that count only parameters and activations leave them "
             "out."]
-
-
-def batch_where(est: Estimate) -> str:
-    """The 'input batch' row under DataParallel is one GPU's scattered share; elsewhere each GPU's own."""
-    if strategy_of(est.config.parallelism).one_process:
-        return ("on each GPU (its scattered share; GPU 0 also holds the whole batch before the scatter, "
-                "counted in temporaries and buffers)")
-    return "per GPU"
 
 
 def _data_lines(model: ModelSpec, est: Estimate) -> list[str]:

@@ -271,7 +271,7 @@ class SoftwareStack(Frozen):
 
     @property
     def expandable_segments(self) -> bool:
-        from planner.memory.stack import parse_alloc_conf
+        from planner.memory.alloc_conf import parse_alloc_conf
 
         return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
 

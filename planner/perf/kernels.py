@@ -622,9 +622,10 @@ def _fold(kernels: list[Kernel]) -> list[Kernel]:
     return list(seen.values())
 
 
-def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
-                  flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
-    """Forward, backward and recompute kernels of one micro-step, identical layers folded (`count`)."""
+def training_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
+                     flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
+    """Forward, backward and recompute kernels of one micro-step training every parameter, identical layers
+    folded (`count`). Adapters (LoRA) reshape this list: planner.perf.micro_step.micro_kernels."""
     if padded is None:
         padded = model.inputs.attention_mask
     sh = Shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
@@ -640,9 +641,4 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
     if model.loss != "none" and model.transformers and model.loss != "multimodal":
         fwd = loss(model.transformers[-1], sh)
         out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
-    if config.lora:  # a frozen base, adapters, a 4-bit base (planner.adapters.speed)
-        from planner.adapters.lora import plan
-        from planner.adapters.speed import lora_kernels
-
-        return lora_kernels(model, config, _fold(out), sh, plan(model, config))
     return _fold(out)

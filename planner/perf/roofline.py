@@ -37,7 +37,8 @@ from functools import lru_cache
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.perf.kernels import KINDS, Kernel, micro_kernels
+from planner.perf.kernels import KINDS, Kernel
+from planner.perf.micro_step import micro_kernels
 from planner.spec import GPU, ModelSpec, TrainConfig
 
 TFLOP = 1e12
