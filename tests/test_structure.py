@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent / "planner"
 
 # The hand-modelled families and the parallelism strategies, as the code spells them.
@@ -148,7 +146,6 @@ def test_no_import_cycles_even_through_function_level_imports():
     assert cycles(import_graph()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28: families registry in a later step")
 def test_families_are_branched_on_by_name_in_at_most_two_files():
     files = files_branching_on(FAMILY_NAMES)
     assert len(files) <= MAX_FILES_BRANCHING, files

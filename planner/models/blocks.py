@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.families import family
 from planner.identity_cache import per_object
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
@@ -26,7 +27,7 @@ class Block:
 
 def _final_norm(spec: TransformerSpec) -> bool:
     """Pre-norm decoders (GPT-2 ln_f, Llama norm) end with a norm; post-norm encoders do not."""
-    return spec.family in ("gpt2", "llama", "mistral")
+    return family(spec.family).decoder
 
 
 def transformer_blocks(component: str, spec: TransformerSpec) -> list[Block]:

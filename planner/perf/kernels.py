@@ -41,14 +41,12 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
+from planner.families import family
 from planner.memory.activations import Ctx, attention_kernel, mask_materialised
 from planner.models.blocks import Block, model_blocks
 from planner.parallel import get as strategy_of
 from planner.perf.flops import (
     BACKWARD_TO_FORWARD,
-    EARLY_STOP_SKIPS_MLP_OUT,
-    GATED_MLP_FAMILIES,
-    SCORE_ALL_TOKENS_FAMILIES,
     attention_score_flops,
     matmul_flops,
 )
@@ -243,7 +241,7 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
     if attention_kernel(spec, ctx, masked) == "eager":
         qk = _with(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
         pv = _with(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
-        soft = F32 if sh.amp or spec.family in ("llama", "mistral") else low
+        soft = F32 if sh.amp or family(spec.family).fp32_softmax else low
         # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
         ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
         ks += [qk, elementwise("attention.scale", s2, (low,), (low,), low)]
@@ -282,8 +280,9 @@ def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float)
     ab, mb = spec.attention_bias, spec.mlp_bias
     p = spec.hidden_dropout
     ks: list[Kernel] = []
-    gated = spec.family in GATED_MLP_FAMILIES
-    if spec.family == "gpt2":
+    traits = family(spec.family)
+    gated = traits.gated_mlp
+    if traits.conv1d:
         ks.append(layernorm("ln_1", n, h, act, sh))
         x = F32 if sh.amp else act
         ks += linear("attn.c_attn", n, 3 * h, h, x, sh)
@@ -307,7 +306,7 @@ def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float)
     ks += dropout("attention.output.dropout", n * h, low, p)
     resid = F32 if sh.amp else act
     ks.append(elementwise("attention.residual_add", n * h, (low, act), (resid,), resid))
-    if spec.family in ("gpt2",):
+    if traits.conv1d:
         ks.append(layernorm("ln_2", n, h, resid, sh))
         ks += linear("mlp.c_fc", n, i, h, F32 if sh.amp else act, sh)
     elif gated:
@@ -322,7 +321,7 @@ def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float)
     ks += linear("mlp.down", n, h, i, low, sh, mb)
     ks += dropout("mlp.dropout", n * h, low, p)
     ks.append(elementwise("mlp.residual_add", n * h, (low, resid), (resid,), resid))
-    if spec.family not in ("gpt2", "llama", "mistral"):
+    if traits.encoder:
         ks.append(layernorm("output.LayerNorm", n, h, resid, sh))
     return ks
 
@@ -331,7 +330,7 @@ def recompute_of(spec: TransformerSpec, forward: list[Kernel]) -> list[Kernel]:
     """What checkpoint re-runs: the whole forward, less Llama/Mistral's trailing down projection and residual
     add (early stop once every saved tensor is recovered: nothing saves their outputs)."""
     ks = forward
-    if spec.family in EARLY_STOP_SKIPS_MLP_OUT:
+    if family(spec.family).early_stop_skips_mlp_out:
         ks = [k for k in ks if ".mlp.down" not in k.name and ".mlp.residual_add" not in k.name]
     return [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in ks]
 
@@ -344,7 +343,7 @@ def embeddings(spec: TransformerSpec, sh: Shapes, token_types: bool) -> list[Ker
     ks = [_with(elementwise(f"embeddings.{t}", n * h, (w,), (w,), w), bytes_read=n * h * nbytes(w) + n * 8)
           for t in tables]
     ks += [elementwise(f"embeddings.add{j}", n * h, (w, w), (w,), w) for j in range(len(tables) - 1)]
-    if spec.family in ("bert", "roberta", "distilbert"):
+    if family(spec.family).embedding_norm:
         ks.append(layernorm("embeddings.LayerNorm", n, h, w, sh))
     ks += dropout("embeddings.dropout", n * h, F32 if sh.amp else w, spec.embedding_dropout)
     return ks + attention_mask(spec, sh)
@@ -379,9 +378,10 @@ def head(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
         return linear("lm_head", n, spec.vocab_size, h, x, sh, bias=False)
     if spec.head == "sequence-classification":
         labels = spec.num_labels
-        if spec.family in SCORE_ALL_TOKENS_FAMILIES:
+        form = family(spec.family).classifier
+        if form == "score_all_tokens":
             return linear("score", n, labels, h, x, sh, bias=False)
-        if spec.family == "bert":
+        if form == "pooled":
             return dropout("head.dropout", b * h, sh.low, spec.hidden_dropout) + linear(
                 "classifier", b, labels, h, sh.low, sh)
         return (linear("classifier.dense", b, h, h, x, sh) + [elementwise("classifier.act", b * h, (sh.low,),
@@ -458,7 +458,7 @@ def first_token_backward(block: Block, sh: Shapes) -> list[Kernel]:
     if not isinstance(layer, TransformerSpec):
         return []
     first = block.role == "pooler" or (block.role == "head" and layer.head == "sequence-classification"
-                                       and layer.family in ("roberta", "distilbert"))
+                                       and family(layer.family).classifier in ("dense_tanh", "pre_classifier_relu"))
     if not first:
         return []
     e, h = nbytes(sh.act), layer.hidden_size

@@ -54,6 +54,7 @@ import numpy as np
 from pydantic import Field
 
 from planner.errors import PlannerError
+from planner.families import family
 from planner.identity_cache import per_object
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.blocks import Block, model_blocks
@@ -220,11 +221,11 @@ def parameter_tensors(block: Block) -> int:
         return 2  # BatchNorm weight + bias
     norm = 2 if layer.norm == "layernorm" else 1
     if block.role == "layer":
-        mlp = 3 if layer.family in ("llama", "mistral") else 2
+        mlp = 3 if family(layer.family).gated_mlp else 2
         return 4 * (2 if layer.attention_bias else 1) + mlp * (2 if layer.mlp_bias else 1) + 2 * norm
     if block.role == "embeddings":
-        return 1 + (layer.position_table > 0) + (layer.type_vocab_size > 0) + (norm if layer.family in (
-            "bert", "roberta", "distilbert") else 0)
+        return 1 + (layer.position_table > 0) + (layer.type_vocab_size > 0) + (
+            norm if family(layer.family).embedding_norm else 0)
     return 2 if block.role in ("pooler", "head") else norm
 
 
