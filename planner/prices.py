@@ -91,7 +91,7 @@ def priced_regions(cache: Mapping[str, Any] | None) -> list[str]:
 def check_region(region: str, cache: Mapping[str, Any] | None) -> str:
     """`region` if prices exist for it; else bad input: an unknown name lists the AWS regions, a known region
     without prices says how to get them."""
-    from planner.aws.images import DLC_ACCOUNTS
+    from planner.dlc import DLC_ACCOUNTS
     from planner.errors import PlannerError
 
     key = str(region).strip().lower()

@@ -146,6 +146,15 @@ def test_no_import_cycles_even_through_function_level_imports():
     assert cycles(import_graph()) == []
 
 
+def test_the_core_never_imports_the_cli_or_aws():
+    """The CLI and AWS are edges: the core (estimate, memory, perf, models, search, probes, report) reaches
+    neither, so it runs and tests without typer's commands or boto3."""
+    edges = ("planner.cli", "planner.aws")
+    wrong = {m: sorted(t for t in ts if t.startswith(edges))
+             for m, ts in import_graph().items() if not m.startswith(edges) and m != "planner.__main__"}
+    assert {m: ts for m, ts in wrong.items() if ts} == {}
+
+
 def test_families_are_branched_on_by_name_in_at_most_two_files():
     files = files_branching_on(FAMILY_NAMES)
     assert len(files) <= MAX_FILES_BRANCHING, files
