@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.identity_cache import per_object
 from planner.memory import band, model_states, optimizer, parallel, timeline
@@ -90,7 +91,8 @@ class _ModelFacts:
     optimizer: dict  # (optimizer, impl, param bytes, share) -> (state bytes, temporary bytes)
 
 
-_MODEL_FACTS: dict[int, tuple] = {}  # ModelSpec -> its _ModelFacts (`identity_cache.per_object`)
+_MODEL_FACTS: dict[int, tuple] = caches.table("planner.estimate._MODEL_FACTS", scope="step",
+    key="ModelSpec identity (per_object): its _ModelFacts")  # ModelSpec -> its _ModelFacts (`identity_cache.per_object`)
 
 
 def _model_facts(spec: ModelSpec) -> _ModelFacts:
@@ -134,7 +136,8 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
                      "lora_dropout", "base_dtype")
-_ACTIVATIONS: dict[tuple, tuple] = {}
+_ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.estimate._ACTIVATIONS", scope="step",
+    key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
 
 
@@ -158,7 +161,8 @@ def _activations(spec: ModelSpec, cfg: TrainConfig, backend: str, flash_ok: bool
     return hit[1]
 
 
-_BLOCKS: dict[tuple, tuple] = {}
+_BLOCKS: dict[tuple, tuple] = caches.table("planner.estimate._BLOCKS", scope="step",
+    key="(model identity, shape fields, shares) -> per-block memory")
 
 
 def _block_memory(model: ModelSpec, activations: tuple, config: TrainConfig,
@@ -309,7 +313,8 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
 
 # (GPU, model's transformer layers, attention, calibration) -> the runtime constants and what the default stack
 # decides (`_with_stack`): the same for every estimate of a search on one GPU, so made once (all immutable).
-_RUNTIME: dict[tuple, tuple] = {}
+_RUNTIME: dict[tuple, tuple] = caches.table("planner.estimate._RUNTIME", scope="step",
+    key="(GPU, transformer layers, attention, calibration) -> runtime constants and stack")
 
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
@@ -549,7 +554,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     )
 
 
-_PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = {}
+_PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = caches.table("planner.estimate._PEAKS", scope="step",
+    key="StepMemory -> its timeline peaks")
 
 
 def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point], timeline.Point]:
@@ -718,15 +724,12 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
 
 
 def clear_caches() -> None:
-    """Forget every cached intermediate of `estimate` (benchmarks of a cold start; tests)."""
-    from planner.memory import reserved
+    """Forget every cached intermediate of one configuration (benchmarks of a cold start; tests): the tables
+    of scope "step" (planner.caches). Per-model tables (kernel tables, blocks) and data files stay warm, as in
+    a search; `planner.caches.clear()` empties those too."""
+    from planner.memory import reserved  # noqa: F401  (its tables exist once it is imported)
 
-    _MODEL_FACTS.clear()
-    _ACTIVATIONS.clear()
-    _BLOCKS.clear()
-    _PEAKS.clear()
-    _RUNTIME.clear()
-    reserved.clear_caches()
+    caches.clear("step")
 
 
 def run_steps():

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 
 STACKS_PATH = Path(__file__).resolve().parent.parent / "data" / "stacks.json"
@@ -21,13 +21,13 @@ _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.\d+)*(?:[+-].*)?\s*$")
 Version = tuple[int, int]
 
 
-@lru_cache(maxsize=1)
+@caches.lru(1, scope="facts", key="none: stacks.json")
 def table() -> dict[str, Any]:
     """planner/data/stacks.json, read once."""
     return json.loads(STACKS_PATH.read_text(encoding="utf-8"))
 
 
-@lru_cache(maxsize=1024)
+@caches.lru(1024, scope="facts", key="(field, version text)")
 def parse_version(field: str, value: str | float | None) -> Version:
     """"2.8", "2.8.0", "2.8.0+cu129" -> (2, 8); anything else is bad input naming `field`."""
     m = _VERSION.match(str(value)) if value is not None else None

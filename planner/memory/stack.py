@@ -19,9 +19,9 @@ table; the table is read once (I/O at the edge: `table()`).
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.memory.alloc_conf import (  # noqa: F401  (re-exported: sw.table, sw.parse_version, ...)
     STACKS_PATH,
@@ -57,7 +57,7 @@ def _closest(v: Version, known: list[Version]) -> Version:
     return older if v[1] - older[1] <= newer[1] - v[1] else newer
 
 
-@lru_cache(maxsize=1)
+@caches.lru(1, scope="facts", key="none: stacks.json's torch rows")
 def _torch_rows() -> dict[Version, dict[str, Any]]:
     return {parse_version("stacks.json torch", r["version"]): r for r in table()["torch"]}
 
@@ -149,7 +149,8 @@ def default_stack(gpu: GPU) -> SoftwareStack:
     return hit
 
 
-_DEFAULT_STACKS: dict[tuple, SoftwareStack] = {}  # a few GPU families
+_DEFAULT_STACKS: dict[tuple, SoftwareStack] = caches.table("planner.memory.stack._DEFAULT_STACKS", scope="facts",
+    key="(GPU family, compute capability) -> the default SoftwareStack")  # a few GPU families
 
 
 def _default_stack(gpu: GPU) -> SoftwareStack:

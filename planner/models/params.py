@@ -9,6 +9,7 @@ d = h/a head size, i intermediate size, L labels.
 
 from __future__ import annotations
 
+from planner import caches
 from planner.families import family
 from planner.identity_cache import per_object
 from planner.models.blocks import Block, model_blocks
@@ -354,7 +355,8 @@ def model_gradient_tensor_shapes(model: ModelSpec) -> tuple[Shape, ...]:
         shape for block in model_blocks(m) for shape in block_gradient_tensor_shapes(block)))
 
 
-_GRADIENT_SHAPES: dict[int, tuple] = {}  # ModelSpec -> its gradient shapes (`per_object`)
+_GRADIENT_SHAPES: dict[int, tuple] = caches.table("planner.models.params._GRADIENT_SHAPES", scope="model",
+    key="ModelSpec identity (per_object): its gradient shapes")  # ModelSpec -> its gradient shapes (`per_object`)
 
 
 def tied_gradient(model: ModelSpec) -> tuple[str, str, Shape] | None:

@@ -38,9 +38,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cache
 from typing import Literal
 
+from planner import caches
 from planner.families import family
 from planner.memory.activations import Ctx, attention_kernel, mask_materialised
 from planner.models.blocks import Block, model_blocks
@@ -527,7 +527,7 @@ FUSED_OPS: dict[str, tuple[str, str]] = {
 }
 
 
-@cache
+@caches.lru(None, scope="model", key="(parameters, tensors, precision, optimizer, impl, ...)")
 def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: str, impl: str
                       ) -> tuple[Kernel, ...]:
     """The optimizer step's kernels on `n_params` parameters in `n_tensors` tensors (the local shard under

@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import numpy as np
 from pydantic import Field
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.families import family
 from planner.identity_cache import per_object
@@ -157,7 +157,7 @@ def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstan
 # ---- communication -------------------------------------------------------------------------------
 
 
-@cache
+@caches.lru(None, scope="model", key="the number of ranks")
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for n = 1): how far, in standard deviations, the slowest
     of n GPUs lies behind their mean. Numerical integral of x * n * pdf(x) * cdf(x)^(n-1)."""
@@ -232,7 +232,8 @@ def parameter_tensors(block: Block) -> int:
 # ---- the prediction ------------------------------------------------------------------------------
 
 
-_DEFAULT: list[ThroughputConstants] = []
+_DEFAULT: list[ThroughputConstants] = caches.adopt("planner.perf.throughput._DEFAULT", [], scope="facts",
+                                                    key="none: the default constants, made once")
 
 
 def _default_constants() -> ThroughputConstants:
@@ -380,7 +381,8 @@ def _micro_sums(table: KernelTable, b: int, gpu: GPU, c: ThroughputConstants) ->
     return hit
 
 
-_OPTIMIZER_TIMES: dict[tuple, tuple[float, float, float, float]] = {}
+_OPTIMIZER_TIMES: dict[tuple, tuple[float, float, float, float]] = caches.table("planner.perf.throughput._OPTIMIZER_TIMES", scope="model",
+    key="(shard size, tensors, precision, optimizer, impl, GPU, constants) -> timings")
 OPTIMIZER_TIMES_CACHE_SIZE = 4096  # (shard size, optimizer, GPU) timings kept: a search meets a few dozen
 
 
@@ -397,7 +399,8 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
     return hit
 
 
-_COMM_TIMES: dict[tuple, tuple[float, float]] = {}
+_COMM_TIMES: dict[tuple, tuple[float, float]] = caches.table("planner.perf.throughput._COMM_TIMES", scope="model",
+    key="(strategy, sizes, phase times, instance figures, constants) -> timings")
 COMM_TIMES_CACHE_SIZE = 4096  # (strategy, sizes, phase times, instance) timings kept
 
 
@@ -416,7 +419,8 @@ def _communication_times(args: tuple, backward_s: float, forward_s: float, insta
     return hit
 
 
-_PARAMS: dict[int, tuple] = {}  # ModelSpec -> (parameters, parameter tensors) (`per_object`)
+_PARAMS: dict[int, tuple] = caches.table("planner.perf.throughput._PARAMS", scope="model",
+    key="ModelSpec identity (per_object): (parameters, parameter tensors)")  # ModelSpec -> (parameters, parameter tensors) (`per_object`)
 
 
 def parameter_counts(model: ModelSpec) -> tuple[int, int]:

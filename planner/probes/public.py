@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.parallel import is_default
 from planner.spec import (
@@ -215,7 +215,7 @@ def _parse(kind: type[PublicRun], path: Path) -> list[Any]:
     return rows
 
 
-@cache
+@caches.lru(None, scope="facts", key="the public-data root")
 def _sources(root: str) -> dict[str, PublicSource]:
     path = Path(root) / SOURCES_FILE
     out = {}

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.run import lengths as lens
 from planner.run import replay as rr
@@ -49,7 +50,8 @@ def request(lengths: str, *, padding: str = "longest", steps: int | None = None,
     return RunRequest(_parsed(lengths), padding, steps, seed)
 
 
-_PARSED: dict[str, tuple] = {}
+_PARSED: dict[str, tuple] = caches.table("planner.run.simulate._PARSED", scope="model",
+    key="--lengths text -> parsed lengths")
 
 
 def _parsed(text: str) -> lens.Lengths:
