@@ -165,6 +165,13 @@ def test_parallelisms_are_branched_on_by_name_in_at_most_two_files():
     assert len(files) <= MAX_FILES_BRANCHING, files
 
 
+def test_architecture_is_at_the_project_root_and_names_each_extension_axis():
+    text = (ROOT.parent / "ARCHITECTURE.md").read_text()
+    for heading in ("### A GPU or an instance type", "### A parallelism strategy", "### A memory effect",
+                    "### A model family", "## The pipeline of one estimate"):
+        assert heading in text
+
+
 if __name__ == "__main__":
     for c in cycles(import_graph()):
         print("cycle:", c)
