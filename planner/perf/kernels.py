@@ -56,7 +56,6 @@ Kind = Literal["gemm", "attention", "memory_bound", "optimizer", "communication"
 KINDS: tuple[str, ...] = ("gemm", "attention", "memory_bound", "optimizer", "communication")
 Phase = Literal["forward", "backward", "recompute", "step"]
 F32, I64 = "float32", "int64"
-LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
 
 # torch/csrc/.../ATen/native/cuda/MultiTensorApply.cuh: one foreach launch covers at most
 # depth_to_max_tensors[depth-1] tensors and depth_to_max_blocks (320) chunks of kChunkSize (65536) elements.
@@ -148,35 +147,14 @@ def backward_of(k: Kernel) -> list[Kernel]:
 # ----------------------------------------------------------------------------------------- layers
 
 
-@dataclass(frozen=True)
-class Shapes:
-    """Dtypes and sizes of one micro-batch."""
+# One micro-batch's sizes, dtypes and kernel choice: the memory model's context (activations.Ctx), always on
+# CUDA here (kernels are timed on the GPU). One class for both, so the two interpreters read the same record.
+Shapes = Ctx
 
-    b: int
-    s: int
-    precision: str
-    attention: str
-    padded: bool
-    flash_ok: bool
 
-    @property
-    def n(self) -> int:
-        return self.b * self.s
-
-    @property
-    def amp(self) -> bool:
-        return self.precision.startswith("amp-")
-
-    @property
-    def low(self) -> str:
-        return LOW_DTYPE[self.precision]
-
-    @property
-    def act(self) -> str:
-        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else self.low
-
-    def ctx(self) -> Ctx:
-        return Ctx(self.b, self.s, self.precision, self.attention, "cuda", self.padded, self.flash_ok)
+def cuda_shapes(b: int, s: int, precision: str, attention: str, padded: bool, flash_ok: bool = True) -> Ctx:
+    """The context of a micro-batch of `b` samples of `s` tokens on CUDA."""
+    return Ctx(b, s, precision, attention, "cuda", padded, flash_ok)
 
 
 def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
@@ -234,7 +212,7 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
     """Eager: QKᵀ bmm, scale, (+mask), softmax, dropout, (16-bit cast), P·V bmm, transpose copy.
     Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o."""
     b, s, a, d, low = sh.b, sh.s, spec.num_heads, spec.head_dim, sh.low
-    ctx = sh.ctx()
+    ctx = sh
     masked = mask_materialised(spec, ctx)
     s2 = b * a * s * s
     half = attention_score_flops(spec, b, s, causal_fraction) // 2
@@ -266,7 +244,7 @@ MASK_BUILD_LAUNCHES = 8
 
 def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     """Building the 4-D additive mask once per forward, when HF materialises it (mask_materialised)."""
-    if not mask_materialised(spec, sh.ctx()):
+    if not mask_materialised(spec, sh):
         return []
     k = elementwise("attention_mask.build", sh.b * sh.s * sh.s, ("bool",), (sh.act,), sh.act)
     return [_with(k, launches=MASK_BUILD_LAUNCHES)]
@@ -628,7 +606,7 @@ def training_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: 
     folded (`count`). Adapters (LoRA) reshape this list: planner.perf.micro_step.micro_kernels."""
     if padded is None:
         padded = model.inputs.attention_mask
-    sh = Shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
+    sh = cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
     out: list[Kernel] = []
     for block in model_blocks(model):
         layer = block.layer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from planner.adapters.lora import plan
 from planner.adapters.speed import lora_kernels
-from planner.perf.kernels import Kernel, Shapes, training_kernels
+from planner.perf.kernels import Kernel, cuda_shapes, training_kernels
 from planner.spec import ModelSpec, TrainConfig
 
 
@@ -22,5 +22,5 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
         return kernels
     if padded is None:
         padded = model.inputs.attention_mask
-    sh = Shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
+    sh = cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
     return lora_kernels(model, config, kernels, sh, plan(model, config))
