@@ -32,11 +32,11 @@ def test_clear_empties_every_table_and_estimates_stay_the_same():
     cfg = TrainConfig(batch_size=4, seq_len=128, parallelism="ddp")
     before = estimate("bert-base-uncased", cfg, "ml.g5.12xlarge").to_json()
     made = caches.registered()
-    assert {"planner.estimate._ACTIVATIONS", "planner.memory.reserved._TRACES", "planner.perf.roofline._TABLES",
+    assert {"planner.pipeline.step._ACTIVATIONS", "planner.memory.reserved._TRACES", "planner.perf.roofline._TABLES",
             "planner.hardware._gpus"} <= set(made)
     assert all(c.key and c.scope in ("step", "model", "facts") for c in made.values())
     caches.clear()
-    for name in ("planner.estimate._ACTIVATIONS", "planner.memory.reserved._TRACES"):
+    for name in ("planner.pipeline.step._ACTIVATIONS", "planner.memory.reserved._TRACES"):
         module, var = name.rsplit(".", 1)
         assert not vars(__import__(module, fromlist=[var]))[var]
     assert estimate("bert-base-uncased", cfg, "ml.g5.12xlarge").to_json() == before
