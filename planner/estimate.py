@@ -55,6 +55,7 @@ def estimate(
     stack: SoftwareStack | dict[str, Any] | None = None,
     region: str | None = None,
     run: Any = None,
+    calibration: dict[str, Any] | None = None,
 ) -> Estimate:
     """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost.
 
@@ -72,6 +73,8 @@ def estimate(
     `region`: where the instance is priced (None: us-east-1); no price there leaves the cost out.
     `run`: a `planner.run.simulate.RunRequest` (--lengths): the run of varying lengths replayed step after
     step; `run` then holds its peaks and the verdict follows them (`planner.run.simulate.apply_run`).
+    `calibration`: the calibration (`planner calibrate`'s JSON as a dict) this estimate uses; None reads
+    results/calibration.json or $PLANNER_CALIBRATION (planner.memory.runtime.load_calibration), {} uses none.
     """
     from planner.models.user_module import is_reference, refuse_inputs_unless_own
     from planner.program.sources import is_traced_config, require_tracing_libraries
@@ -85,9 +88,10 @@ def estimate(
             raise PlannerError("--lengths", run.lengths.text, "runs of varying length for catalog models and "
                                "config.json files of the modelled families (a traced module is one step)")
         require_tracing_libraries(str(model))
-        prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack)
+        prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack,
+                               calibration)
     else:
-        prep = _prepare(model, config, instance, runtime, backend, model_options, stack)
+        prep = _prepare(model, config, instance, runtime, backend, model_options, stack, calibration)
     est = _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend, region)
     if run is None:
         return est

@@ -12,6 +12,7 @@ from typing import Any
 
 from planner import caches
 from planner.errors import PlannerError
+from planner.memory import parallel
 from planner.memory import stack as sw
 from planner.spec import (
     Instance,
@@ -132,3 +133,64 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
 # decides (`_with_stack`): the same for every estimate of a search on one GPU, so made once (all immutable).
 _RUNTIME: dict[tuple, tuple] = caches.table("planner.pipeline.resolve._RUNTIME", scope="step",
     key="(GPU, transformer layers, attention, calibration) -> runtime constants and stack")
+RUNTIME_CACHE_SIZE = 4096  # (GPU, layers, attention, calibration) entries kept: a search meets a few dozen
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What both front ends start from: the configuration after "auto" (strategy and attention), the world
+    and each GPU's share of the model states, the runtime constants and what the stack decided, whether a
+    flat fragmentation was given, and the calibrated speed scale."""
+
+    inst: Instance
+    cfg: TrainConfig
+    world: int
+    share: parallel.Sharding
+    rt: RuntimeConstants
+    view: _StackView
+    fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
+    throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
+
+
+def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
+            calibration: dict[str, Any] | None) -> Resolved:
+    """Resolve one configuration for `spec` (None: a traced model, which has no model type to look up, so
+    attention "auto" is the SDPA default of current stacks). `calibration` None reads the calibration file
+    (planner.memory.runtime.load_calibration: once per file version); pass a dict to decide it yourself."""
+    from planner.memory.runtime import (
+        calibrated_values,
+        calibration_entry,
+        load_calibration,
+        runtime_constants,
+    )
+
+    inst = _resolve_instance(instance)
+    cfg = parallel.resolve_parallelism(config, inst)
+    if calibration is None:
+        calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
+    families = [t.family for t in spec.transformers] if spec is not None else []
+    cached = spec is not None and stack is None and runtime is None
+    key = (id(inst.gpu), tuple(families), cfg.attention, id(calibration))
+    hit = _RUNTIME.get(key) if cached else None
+    if hit is not None and hit[0] is inst.gpu and hit[1] is calibration:
+        rt, view, attention = hit[2]
+        if attention != cfg.attention:
+            cfg = cfg.model_copy(update={"attention": attention})
+    else:
+        if isinstance(runtime, RuntimeConstants):
+            rt = runtime
+        else:
+            rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
+        cfg, rt, view = _with_stack(families, cfg, inst, stack, runtime, calibration, rt)
+        if cached:
+            if len(_RUNTIME) >= RUNTIME_CACHE_SIZE:
+                _RUNTIME.clear()
+            _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
+    check_supported(spec, cfg, inst)
+    world = parallel.world_size(cfg, inst)
+    share = parallel.sharding(cfg, world)
+    # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
+    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
+                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
+    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
+    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale)

@@ -16,11 +16,8 @@ from planner.memory import model_states, optimizer, parallel, timeline
 from planner.memory import stack as sw
 from planner.parallel import get as strategy_of
 from planner.pipeline.resolve import (
-    _RUNTIME,
-    _resolve_instance,
     _resolve_model,
-    _with_stack,
-    check_supported,
+    resolve,
 )
 from planner.spec import (
     Instance,
@@ -207,41 +204,13 @@ class _Prepared:
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
-def _prepare(model, config, instance, runtime, backend, model_options, stack=None) -> _Prepared:
-    """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block."""
-    from planner.memory.runtime import (
-        calibrated_values,
-        calibration_entry,
-        load_calibration,
-        runtime_constants,
-    )
+def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
+             calibration: dict[str, Any] | None = None) -> _Prepared:
+    """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block.
+    `calibration` None reads the calibration file (planner.memory.runtime.load_calibration)."""
     spec = _resolve_model(model, model_options)
-    inst = _resolve_instance(instance)
-    cfg = parallel.resolve_parallelism(config, inst)
-    calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
-    families = [t.family for t in spec.transformers]
-    key = (id(inst.gpu), tuple(families), cfg.attention, id(calibration))
-    hit = _RUNTIME.get(key) if stack is None and runtime is None else None
-    if hit is not None and hit[0] is inst.gpu and hit[1] is calibration:
-        rt, view, attention = hit[2]
-        if attention != cfg.attention:
-            cfg = cfg.model_copy(update={"attention": attention})
-    else:
-        if isinstance(runtime, RuntimeConstants):
-            rt = runtime
-        else:
-            rt = runtime_constants(inst.gpu, runtime or None, calibration=calibration)
-        cfg, rt, view = _with_stack(families, cfg, inst, stack, runtime, calibration, rt)
-        if stack is None and runtime is None:
-            if len(_RUNTIME) >= ACTIVATION_CACHE_SIZE:
-                _RUNTIME.clear()
-            _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
-    check_supported(spec, cfg, inst)
-    world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
-    # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
-    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
-                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
+    r = resolve(spec, config, instance, runtime, stack, calibration)
+    inst, cfg, world, share, rt, view = r.inst, r.cfg, r.world, r.share, r.rt, r.view
 
     facts = _model_facts(spec)
     counts = dict(facts.counts)
@@ -276,37 +245,22 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
-    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, fragmentation_given,
-                     scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions), view.stack, view.context, view.given,
+    return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
+                     r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions), view.stack, view.context, view.given,
                      view.fragmentation_range)
 
 
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
                     model_options: dict[str, Any] | None, inputs: str | None, loss: str | None,
-                    stack: SoftwareStack | dict[str, Any] | None = None) -> _Prepared:
+                    stack: SoftwareStack | dict[str, Any] | None = None,
+                    calibration: dict[str, Any] | None = None) -> _Prepared:
     """`_prepare` for a traced model: the same step memory, with each block's saved / kept bytes, transients
     and parameters measured by the tracer (blocks = the module's top-level children, then the loss)."""
-    from planner.memory.runtime import (
-        calibrated_values,
-        calibration_entry,
-        load_calibration,
-        runtime_constants,
-    )
     from planner.program.sources import model_trace
 
-    inst = _resolve_instance(instance)
-    cfg = parallel.resolve_parallelism(config, inst)
-    calibration = load_calibration()
-    rt = runtime if isinstance(runtime, RuntimeConstants) else runtime_constants(inst.gpu, runtime or None,
-                                                                                 calibration=calibration)
-    # A traced module has no model type to look up: "auto" resolves to the SDPA default of current stacks.
-    cfg, rt, view = _with_stack([], cfg, inst, stack, runtime, calibration, rt)
-    check_supported(None, cfg, inst)
-    world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
-    fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
-                           or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
+    r = resolve(None, config, instance, runtime, stack, calibration)
+    inst, cfg, world, share, rt, view = r.inst, r.cfg, r.world, r.share, r.rt, r.view
+    fragmentation_given = r.fragmentation_given
 
     def trace(checkpointing: bool):
         return model_trace(ref, cfg.model_copy(update={"checkpointing": checkpointing}), options=model_options,
@@ -355,13 +309,12 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
              *full.notes, *_notes(None, cfg), *inst.gpu.assumptions, *inst.assumptions]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
-    scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
     if not fragmentation_given and (strategy_of(cfg.parallelism).one_process or min(share.parameters, share.gradients,
                                                                    share.optimizer_states) < 1):
         notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}): the traced allocator replay covers "
                      "replicated single/DDP steps only")
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
-                     scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
+                     r.throughput_scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
                      kept)
 
 
