@@ -44,7 +44,7 @@ class _ModelFacts:
 
 
 _MODEL_FACTS: dict[int, tuple] = caches.table("planner.pipeline.step._MODEL_FACTS", scope="step",
-    key="ModelSpec identity (per_object): its _ModelFacts")  # ModelSpec -> its _ModelFacts (`identity_cache.per_object`)
+    key="ModelSpec identity (identity_cache.per_object): its _ModelFacts")
 
 
 def _model_facts(spec: ModelSpec) -> _ModelFacts:
@@ -246,7 +246,8 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
     )
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
-                     r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions), view.stack, view.context, view.given,
+                     r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
+                     view.stack, view.context, view.given,
                      view.fragmentation_range)
 
 
@@ -289,7 +290,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     shapes = list(full.gradient_shapes)
     opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
-    if strategy_of(cfg.parallelism).one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
+    one_process = strategy_of(cfg.parallelism).one_process
+    if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
         dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
     step = timeline.StepMemory(
         blocks=tuple(blocks),
@@ -309,12 +311,13 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
              *full.notes, *_notes(None, cfg), *inst.gpu.assumptions, *inst.assumptions]
     if cfg.checkpointing and not kept.checkpointed:
         notes.append("checkpointing: the module offers none; activations are the full forward's")
-    if not fragmentation_given and (strategy_of(cfg.parallelism).one_process or min(share.parameters, share.gradients,
-                                                                   share.optimizer_states) < 1):
+    if not fragmentation_given and (one_process or min(share.parameters, share.gradients,
+                                                        share.optimizer_states) < 1):
         notes.append(f"peak reserved = allocated × (1 + {rt.fragmentation}): the traced allocator replay covers "
                      "replicated single/DDP steps only")
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
-                     r.throughput_scale, full.name, tuple(notes), view.stack, view.context, view.given, view.fragmentation_range,
+                     r.throughput_scale, full.name, tuple(notes), view.stack, view.context, view.given,
+                     view.fragmentation_range,
                      kept)
 
 

@@ -117,8 +117,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     )
 
 
-_PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = caches.table("planner.pipeline.verdict._PEAKS", scope="step",
-    key="StepMemory -> its timeline peaks")
+_PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = caches.table(
+    "planner.pipeline.verdict._PEAKS", scope="step", key="StepMemory -> its timeline peaks")
 
 
 def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point], timeline.Point]:
