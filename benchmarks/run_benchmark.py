@@ -61,7 +61,7 @@ def main() -> None:
           f"{statistics.median(cold):.3f} s (one step alone, cold: {statistics.median(one):.3f} s)")
 
     at = simulate.StepsAt(est_mod._prepare("bert-base-uncased", cfg, "ml.p5.48xlarge", None, "cuda", None),
-                          None, "cuda", None, None)
+                          None, "cuda", None, None, est_mod.run_steps())
     padded = simulate.plan(req, 32, 512, args.steps).padded
     program = rr.lay_out(simulate._sections(at, padded))
     for label, kwargs in (("compiled", {"compiled_ok": True}), ("Python (fast_run)", {"compiled_ok": False}),

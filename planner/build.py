@@ -7,14 +7,15 @@ change with every fix of a formula.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from pathlib import Path
+
+from planner import caches
 
 SOURCES = (".py", ".json", ".yaml")
 
 
-@functools.cache
+@caches.lru(None, scope="facts", key="none: the planner's own files")
 def estimator_build() -> str:
     """12 hex digits over every source and data file of `planner` (paths and contents; ~5 ms, once)."""
     root = Path(__file__).parent

@@ -45,3 +45,27 @@ def interrupted(exc: BaseException | None) -> bool:
         # `raise ... from None` (a command that already answered the interrupt) ends the chain
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return False
+
+
+# Model fields whose flag is not the field's name with dashes (planner.probes.spec.ProbeSpec).
+FLAG_OF_FIELD = {"measure_steps": "--steps"}
+
+
+def one_line(exc: BaseException) -> str:
+    """A pydantic ValidationError or PlannerError as one line naming the field. Here, beside the errors, so
+    the core (a search's infeasible-point reasons) and the CLI word an error the same way without the core
+    importing the CLI."""
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # pragma: no cover
+        ValidationError = ()  # type: ignore[assignment]
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            loc = [str(x) for x in e["loc"]]
+            # A TrainConfig field is a flag on the command line: batch_size -> --batch-size.
+            field = (FLAG_OF_FIELD.get(loc[0], "--" + loc[0].replace("_", "-")) if len(loc) == 1
+                     else ".".join(loc) or "input")
+            parts.append(f"{field}={e.get('input')!r}: {e['msg']}")
+        return "; ".join(parts)
+    return str(exc).replace("\n", " ")

@@ -13,8 +13,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from planner.errors import PlannerError
+from planner.explain_where import batch_where, where_states_live  # noqa: F401  (re-exported)
 from planner.memory.model_states import parameter_dtype_bytes
 from planner.models.blocks import model_blocks
+from planner.parallel import AUTO_MULTI_GPU
+from planner.parallel import get as strategy_of
 from planner.spec import (
     BatchNormSpec,
     DenseSpec,
@@ -116,13 +119,17 @@ def _gpu_peaks(gpu_name: str) -> dict[str, float]:
 def _storage_lines(est: Estimate) -> list[str]:
     cfg, m, world = est.config, est.memory_bytes, est.world_size
     p = cfg.parallelism
+    strategy = strategy_of(p)
     common = (f"Every GPU runs a micro-batch of {cfg.batch_size}; one optimizer step sees "
               f"{cfg.batch_size} × {cfg.grad_accum} (accumulation) × {world} GPU(s) = "
               f"{cfg.batch_size * cfg.grad_accum * world} samples.")
-    if p == "single":
+    if strategy.uses_one_gpu:
         return [f"One GPU holds everything: parameters {fmt_bytes(m.parameters)}, gradients "
                 f"{fmt_bytes(m.gradients)}, optimizer states {fmt_bytes(m.optimizer_states)}.", common]
-    if p == "ddp":
+    if strategy.one_process:
+        return _dataparallel_lines(est)
+    stage = strategy.sharding.zero_stage
+    if not stage:
         return [f"DistributedDataParallel runs one process per GPU, each with a FULL replica: parameters "
                 f"{fmt_bytes(m.parameters)}, gradients {fmt_bytes(m.gradients)}, optimizer states "
                 f"{fmt_bytes(m.optimizer_states)} on every one of the {world} GPUs. Only the batch is split. "
@@ -130,9 +137,6 @@ def _storage_lines(est: Estimate) -> list[str]:
                 "ZeRO/FSDP sharding.)", common,
                 "DDP allocates gradient buckets as large as the gradients when it wraps the model "
                 "(unless gradient_as_bucket_view=True) and all-reduces them during backward."]
-    if p == "dp":
-        return _dataparallel_lines(est)
-    stage = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[p]
     sharded = ["optimizer states", "gradients", "parameters"][:stage]
     return [f"{p} shards {', '.join(sharded)} over {world} GPUs (1/{world} each); the rest is replicated. "
             f"Per GPU: parameters {fmt_bytes(m.parameters)}, gradients {fmt_bytes(m.gradients)}, optimizer states "
@@ -192,17 +196,6 @@ OPTIMIZER_STATES = {
 }
 
 
-def where_states_live(est: Estimate) -> str:
-    """Where the gradient and optimizer-state figures are: per GPU, on GPU 0 only (DataParallel), or one
-    GPU's shard (ZeRO/FSDP), so step 7 says the same as step 3."""
-    p = est.config.parallelism
-    if p == "dp":
-        return "on GPU 0 only (DataParallel reduces gradients and steps the optimizer there)"
-    if p in ("zero1", "zero2", "zero3", "fsdp"):
-        return f"on each GPU (its share under {p}; see step 3)"
-    return "on each GPU" if est.world_size > 1 else "on the GPU"
-
-
 def _state_lines(est: Estimate) -> list[str]:
     m, cfg = est.memory_bytes, est.config
     where = where_states_live(est)
@@ -212,14 +205,6 @@ def _state_lines(est: Estimate) -> list[str]:
             f"Optimizer states ({cfg.optimizer}: {what}): {fmt_bytes(m.optimizer_states)} {where}, allocated at "
             "the first optimizer.step(). Rules of thumb that count only parameters and activations leave them "
             "out."]
-
-
-def batch_where(est: Estimate) -> str:
-    """The 'input batch' row under DataParallel is one GPU's scattered share; elsewhere each GPU's own."""
-    if est.config.parallelism == "dp":
-        return ("on each GPU (its scattered share; GPU 0 also holds the whole batch before the scatter, "
-                "counted in temporaries and buffers)")
-    return "per GPU"
 
 
 def _data_lines(model: ModelSpec, est: Estimate) -> list[str]:
@@ -323,7 +308,8 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
             tries.append((f"{amp} + checkpointing", {"precision": amp, "checkpointing": True}))
     if cfg.lora and cfg.base_dtype != "nf4":
         tries.append(("a 4-bit base (QLoRA, --base-dtype nf4)", {"base_dtype": "nf4"}))
-    if cfg.parallelism == "ddp" and not cfg.gradient_as_bucket_view:
+    if strategy_of(cfg.parallelism).ddp_buckets and not strategy_of(cfg.parallelism).shards \
+            and not cfg.gradient_as_bucket_view:
         tries.append(("DDP gradient_as_bucket_view=True", {"gradient_as_bucket_view": True}))
     if est.world_size > 1:
         for z in ("zero1", "zero2", "zero3"):
@@ -520,7 +506,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
     inst = get_instance(est.instance)
     g = inst.gpu
     rt = est.runtime
-    both = (requested_parallelism == "auto" and est.config.parallelism == "ddp" and est.config.instances == 1
+    both = (requested_parallelism == "auto" and est.config.parallelism == AUTO_MULTI_GPU and est.config.instances == 1
             and est.world_size > 1)
     figures = _figures(est)
     figures[1]["gpus_per_instance"] = inst.gpus

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.explain_where import batch_where
 from planner.memory.model_states import parameter_dtype_bytes
 from planner.spec import Estimate
 from planner.units import fmt_bytes
@@ -52,7 +53,5 @@ class TracedView:
         batch = [e for e in self.trace.events if e.category == "batch" and e.action == "alloc"]
         lines = [f"Parameters and gradients: {pb} B each; optimizer states as the parameters' dtype."]
         lines += [f"input storage {i + 1}: {e.dtype}, {fmt_bytes(e.nbytes)}" for i, e in enumerate(batch)]
-        from planner.explain import batch_where
-
         lines.append(f"Input batch in all: {fmt_bytes(self.est.memory_bytes.batch)} {batch_where(self.est)}.")
         return lines

@@ -9,11 +9,11 @@ Memory: `GPU.memory_bytes` is the nominal (marketed) size read as GiB, e.g. a "1
 from __future__ import annotations
 
 import json
-from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from planner import caches
 from planner.errors import unknown
 from planner.spec import GPU, Instance
 
@@ -22,7 +22,7 @@ MIB = 1 << 20
 INSTANCE_PREFIX = "ml."
 
 
-@cache
+@caches.lru(None, scope="facts", key="the data file's name")
 def _load(name: str) -> dict[str, Any]:
     """One packaged JSON file, parsed once per process."""
     try:
@@ -89,7 +89,7 @@ def _gpu_from_record(record: dict[str, Any]) -> GPU:
     )
 
 
-@cache
+@caches.lru(None, scope="facts", key="none: gpus.json")
 def _gpus() -> dict[str, GPU]:
     return {key: _gpu_from_record(rec) for key, rec in gpu_table().items()}
 
@@ -105,7 +105,7 @@ def _instance_with_assumed(name: str, rec: dict[str, Any]) -> tuple[dict[str, An
     return out, tuple(lines)
 
 
-@cache
+@caches.lru(None, scope="facts", key="none: instances.json")
 def _instances() -> dict[str, Instance]:
     gpus = _gpus()
     fields = set(Instance.model_fields) - {"name", "gpu", "assumptions"}

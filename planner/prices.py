@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from planner import caches
 from planner.errors import unknown
 from planner.hardware import instance_table, normalize_instance_name
 
@@ -91,7 +91,7 @@ def priced_regions(cache: Mapping[str, Any] | None) -> list[str]:
 def check_region(region: str, cache: Mapping[str, Any] | None) -> str:
     """`region` if prices exist for it; else bad input: an unknown name lists the AWS regions, a known region
     without prices says how to get them."""
-    from planner.aws.images import DLC_ACCOUNTS
+    from planner.dlc import DLC_ACCOUNTS
     from planner.errors import PlannerError
 
     key = str(region).strip().lower()
@@ -141,7 +141,7 @@ def load_cache(path: str | Path | None = None) -> dict[str, Any] | None:
     return _read_cache(*version) if version is not None else None
 
 
-@lru_cache(maxsize=8)
+@caches.lru(8, scope="facts", key="(path, mtime, size) of the price file")
 def _read_cache(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
     """Parsed and checked once per file version (the key holds its mtime and size): a search prices
     thousands of configurations and must not re-read the JSON for each."""

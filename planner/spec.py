@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from planner import env
+from planner import caches, env
 from planner.identity_cache import per_object
 
 Precision = Literal["fp32", "amp-fp16", "amp-bf16", "fp16", "bf16"]
@@ -144,7 +144,8 @@ class InputSpec(Frozen):
     labels: Literal["class", "tokens", "none"] = "class"  # int64 per sample, or per token for LMs
 
 
-_TRANSFORMERS: dict[int, tuple] = {}  # ModelSpec.components -> its transformer layers (`per_object`)
+_TRANSFORMERS: dict[int, tuple] = caches.table("planner.spec._TRANSFORMERS", scope="model",
+    key="ModelSpec.components identity (per_object): its transformer layers")  # ModelSpec.components -> its transformer layers (`per_object`)
 
 
 def _transformer_layers(components: tuple[Component, ...]) -> tuple[TransformerSpec, ...]:
@@ -271,7 +272,7 @@ class SoftwareStack(Frozen):
 
     @property
     def expandable_segments(self) -> bool:
-        from planner.memory.stack import parse_alloc_conf
+        from planner.memory.alloc_conf import parse_alloc_conf
 
         return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
 

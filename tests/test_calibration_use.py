@@ -57,3 +57,20 @@ def test_an_estimate_follows_a_rewritten_calibration_file(tmp_path, monkeypatch)
         contexts += [planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge").memory_bytes.cuda_context
                      for _ in range(2)]
     assert contexts == [700 * 2**20] * 2 + [900 * 2**20] * 2
+
+
+def test_a_calibration_passed_in_is_the_file_s_answer_without_the_file(tmp_path, monkeypatch):
+    """`estimate(calibration=...)` (planner.pipeline.resolve): the same estimate as the file would give,
+    with no file read; {} is no calibration whatever the working directory holds."""
+    cal = {"families": {"V100": {"cuda_context_bytes": 700 * 2**20, "fragmentation": 0.25, "throughput_scale": 0.5}}}
+    cfg = TrainConfig(batch_size=8, seq_len=128)
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(path))
+    from_file = planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge")
+    ignored = planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", calibration={})
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(tmp_path / "absent.json"))
+    passed = planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge", calibration=cal)
+    plain = planner.estimate("bert-base-uncased", cfg, "ml.p3.2xlarge")
+    assert passed.to_json() == from_file.to_json()
+    assert ignored.to_json() == plain.to_json() != passed.to_json()

@@ -19,7 +19,8 @@ pytest.importorskip("transformers")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from planner.perf import flops  # noqa: E402
-from planner.perf.kernels import micro_kernels, optimizer_kernels  # noqa: E402
+from planner.perf.kernels import optimizer_kernels  # noqa: E402
+from planner.perf.micro_step import micro_kernels  # noqa: E402
 from planner.spec import TrainConfig  # noqa: E402
 from tests.saved_tensors import make_batch, model, multimodal  # noqa: E402
 

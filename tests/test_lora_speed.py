@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from planner.perf.kernels import micro_kernels  # noqa: E402
+from planner.perf.micro_step import micro_kernels  # noqa: E402
 from planner.spec import TrainConfig  # noqa: E402
 from tests.test_flops import BATCH, SEQ, build, small_spec  # noqa: E402
 

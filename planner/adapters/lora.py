@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner import caches
 from planner.adapters import nf4
 from planner.adapters.targets import LinearModule, adapted, default_targets, model_linears
 from planner.errors import PlannerError
@@ -148,7 +149,8 @@ def plan(model: ModelSpec, config: TrainConfig) -> LoraPlan:
     return hit
 
 
-_PLANS: dict[int, tuple] = {}  # ModelSpec -> {LoRA fields: LoraPlan} (`per_object`)
+_PLANS: dict[int, tuple] = caches.table("planner.adapters.lora._PLANS", scope="model",
+    key="ModelSpec identity (per_object): {LoRA fields: LoraPlan}")  # ModelSpec -> {LoRA fields: LoraPlan} (`per_object`)
 
 
 def _plan(model: ModelSpec, config: TrainConfig) -> LoraPlan:

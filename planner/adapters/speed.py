@@ -1,4 +1,4 @@
-"""The kernels of a LoRA / QLoRA micro-step: the full-training list (`planner.perf.kernels.micro_kernels`)
+"""The kernels of a LoRA / QLoRA micro-step: the full-training list (`planner.perf.kernels.training_kernels`)
 with what a frozen base does not run taken out and what the adapters and a 4-bit base add put in.
 
 - A frozen linear back-propagates only to its input: no weight-gradient GEMM (dW = Xᵀ·dY), no bias

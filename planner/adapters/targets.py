@@ -11,21 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.errors import PlannerError, closest
+from planner.families import FAMILIES, Linear, family
 from planner.models.blocks import Block, model_blocks
 from planner.spec import DenseSpec, ModelSpec, TransformerSpec
 
 ALL_LINEAR = "all-linear"  # peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft 0.18): the targets LoraConfig
-# uses when target_modules is None. DistilBERT has no entry: peft asks for target_modules.
+# uses when target_modules is None. DistilBERT has no entry: peft asks for target_modules. Each family's
+# record (planner.families) carries its own; these views keep the old names.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "bert": ("query", "value"), "roberta": ("query", "value"), "gpt2": ("c_attn",),
-    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
-}
+    name: f.lora_default_targets for name, f in FAMILIES.items() if f.lora_default_targets is not None}
 
 # The attribute transformers' *For* classes give the base model (`base_model_prefix`).
-BASE_PREFIX = {"bert": "bert", "roberta": "roberta", "distilbert": "distilbert", "gpt2": "transformer",
-               "llama": "model", "mistral": "model"}
+BASE_PREFIX = {name: f.base_prefix for name, f in FAMILIES.items()}
 
 
 @dataclass(frozen=True)
@@ -59,59 +58,34 @@ def _prefix(component: str, spec: TransformerSpec, single: bool) -> str:
     return own if single else f"{component}.{own}"
 
 
+def _widths(spec: TransformerSpec) -> dict[str, int]:
+    """A layer's sizes by the names the family records use (planner.families.traits.Width)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return {"h": spec.hidden_size, "q": q, "kv": kv, "qkv": q + 2 * kv, "i": spec.intermediate_size,
+            "labels": spec.num_labels, "vocab": spec.vocab_size}
+
+
+def _modules(spec: TransformerSpec, prefix: str, rows: tuple[Linear, ...]) -> list[LinearModule]:
+    """The family record's linear rows as this model's modules: widths and biases filled in."""
+    w = _widths(spec)
+    bias = {"yes": True, "no": False, "attention": spec.attention_bias, "mlp": spec.mlp_bias}
+    return [LinearModule(prefix + r.name, w[r.n_in], w[r.n_out], bias[r.bias], conv1d=r.conv1d, output=r.output,
+                         last=r.last, head=r.head) for r in rows]
+
+
 def _layer(spec: TransformerSpec, base: str, i: int) -> list[LinearModule]:
-    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    fam = spec.family
-    if fam in ("bert", "roberta"):
-        p, b = f"{base}encoder.layer.{i}.", True
-        return [LinearModule(p + "attention.self.query", h, q, b), LinearModule(p + "attention.self.key", h, kv, b),
-                LinearModule(p + "attention.self.value", h, kv, b),
-                LinearModule(p + "attention.output.dense", q, h, b),
-                LinearModule(p + "intermediate.dense", h, inter, b), LinearModule(p + "output.dense", inter, h, b)]
-    if fam == "distilbert":
-        p = f"{base}transformer.layer.{i}."
-        return [LinearModule(p + "attention.q_lin", h, q, True), LinearModule(p + "attention.k_lin", h, kv, True),
-                LinearModule(p + "attention.v_lin", h, kv, True), LinearModule(p + "attention.out_lin", q, h, True),
-                LinearModule(p + "ffn.lin1", h, inter, True), LinearModule(p + "ffn.lin2", inter, h, True)]
-    if fam == "gpt2":
-        p = f"{base}h.{i}."
-        return [LinearModule(p + "attn.c_attn", h, q + 2 * kv, True, conv1d=True),
-                LinearModule(p + "attn.c_proj", q, h, True, conv1d=True),
-                LinearModule(p + "mlp.c_fc", h, inter, True, conv1d=True),
-                LinearModule(p + "mlp.c_proj", inter, h, True, conv1d=True)]
-    p, ab, mb = f"{base}layers.{i}.", spec.attention_bias, spec.mlp_bias
-    return [LinearModule(p + "self_attn.q_proj", h, q, ab), LinearModule(p + "self_attn.k_proj", h, kv, ab),
-            LinearModule(p + "self_attn.v_proj", h, kv, ab), LinearModule(p + "self_attn.o_proj", q, h, ab),
-            LinearModule(p + "mlp.gate_proj", h, inter, mb), LinearModule(p + "mlp.up_proj", h, inter, mb),
-            LinearModule(p + "mlp.down_proj", inter, h, mb)]
+    traits = family(spec.family)
+    return _modules(spec, base + traits.layer_prefix.format(i=i), traits.layer_linears)
 
 
 def _head(spec: TransformerSpec, top: str, base: str) -> list[LinearModule]:
     """The head's linear modules (`params.lm_head_parameters` / `classifier_parameters` say which exist)."""
-    h, v, labels, fam = spec.hidden_size, spec.vocab_size, spec.num_labels, spec.family
+    traits = family(spec.family)
     if spec.head == "sequence-classification":
-        if fam == "bert":
-            return [LinearModule(top + "classifier", h, labels, True, last=True, head=True)]
-        if fam == "roberta":
-            return [LinearModule(top + "classifier.dense", h, h, True, head=True),
-                    LinearModule(top + "classifier.out_proj", h, labels, True, last=True, head=True)]
-        if fam == "distilbert":
-            return [LinearModule(top + "pre_classifier", h, h, True),
-                    LinearModule(top + "classifier", h, labels, True, last=True, head=True)]
-        return [LinearModule(top + "score", h, labels, False, last=True, head=True)]
+        return _modules(spec, top, traits.classifier_linears)
     if spec.head not in ("masked-lm", "causal-lm"):
         return []
-    if fam == "bert":
-        return [LinearModule(top + "cls.predictions.transform.dense", h, h, True),
-                LinearModule(top + "cls.predictions.decoder", h, v, True, output=True)]
-    if fam == "roberta":
-        return [LinearModule(top + "lm_head.dense", h, h, True),
-                LinearModule(top + "lm_head.decoder", h, v, True, output=True)]
-    if fam == "distilbert":
-        return [LinearModule(top + "vocab_transform", h, h, True),
-                LinearModule(top + "vocab_projector", h, v, True, output=True)]
-    return [LinearModule(top + "lm_head", h, v, False, output=True)]
+    return _modules(spec, top, traits.lm_head_linears)
 
 
 def block_linears(block: Block, single: bool = True) -> list[LinearModule]:

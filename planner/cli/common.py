@@ -10,33 +10,11 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from planner.errors import PlannerError, interrupted
+from planner.errors import FLAG_OF_FIELD, PlannerError, interrupted, one_line  # noqa: F401  (re-exported)
 
 console = Console()
 err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-# Model fields whose flag is not the field's name with dashes (planner.probes.spec.ProbeSpec).
-FLAG_OF_FIELD = {"measure_steps": "--steps"}
-
-
-def one_line(exc: BaseException) -> str:
-    """A pydantic ValidationError or PlannerError as one line naming the field."""
-    try:
-        from pydantic import ValidationError
-    except ImportError:  # pragma: no cover
-        ValidationError = ()  # type: ignore[assignment]
-    if isinstance(exc, ValidationError):
-        parts = []
-        for e in exc.errors():
-            loc = [str(x) for x in e["loc"]]
-            # A TrainConfig field is a flag on the command line: batch_size -> --batch-size.
-            field = (FLAG_OF_FIELD.get(loc[0], "--" + loc[0].replace("_", "-")) if len(loc) == 1
-                     else ".".join(loc) or "input")
-            parts.append(f"{field}={e.get('input')!r}: {e['msg']}")
-        return "; ".join(parts)
-    return str(exc).replace("\n", " ")
 
 
 def handles_errors(fn: F) -> F:

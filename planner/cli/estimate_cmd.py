@@ -47,6 +47,7 @@ from planner.cli.options import build_config
 from planner.cli.prices_cmd import PriceRegionOpt
 from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
 from planner.io import dumps_json
+from planner.parallel import is_default
 from planner.spec import Estimate
 from planner.units import fmt_bytes
 
@@ -169,7 +170,7 @@ def probe_command(est: Estimate) -> str:
         parts.append("--checkpointing")
     if cfg.grad_accum > 1:
         parts.append(f"--grad-accum {cfg.grad_accum}")
-    if cfg.parallelism not in ("single", "auto"):
+    if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
     return " ".join(parts + lora_flags(cfg))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.parallel import known
 from planner.spec import MAX_BATCH, TrainConfig
 
 
@@ -17,7 +18,8 @@ def build_config(*, instance_gpus: int, batch_size: int | None, global_batch_siz
     if global_batch_size is not None:
         if global_batch_size <= 0:
             raise PlannerError("--global-batch-size", global_batch_size, "a positive integer")
-        gpus = 1 if parallelism == "single" else instance_gpus * instances
+        strategy = known(parallelism)  # None for "auto" (every GPU) or a name TrainConfig refuses below
+        gpus = strategy.world_size(instance_gpus, instances) if strategy else instance_gpus * instances
         per_step = max(grad_accum, 1) * gpus
         if global_batch_size % per_step:
             raise PlannerError("--global-batch-size", global_batch_size,

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from planner.errors import PlannerError
+from planner.families import family
 from planner.models.blocks import Block, model_blocks
 from planner.spec import (
     BYTES_PER_DTYPE,
@@ -356,10 +357,10 @@ def mlp_saved(spec: TransformerSpec, ctx: Ctx, in_dtype: str, gated: bool) -> li
 # ------------------------------------------------------------------------------------- attention
 
 
-def _eager_softmax_dtype(score_dtype: str, family: str, ctx: Ctx) -> str:
+def _eager_softmax_dtype(score_dtype: str, name: str, ctx: Ctx) -> str:
     """Llama's eager path asks softmax for fp32; BERT/GPT-2 call softmax plainly, which CUDA autocast
     still runs in fp32."""
-    if family in ("llama", "mistral"):
+    if family(name).fp32_softmax:
         return F32
     return F32 if ctx.amp and autocast_fp32_op("softmax", ctx.backend) else score_dtype
 
@@ -382,9 +383,10 @@ def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked:
     soft = _eager_softmax_dtype(scores, spec.family, ctx)
     out.append(Saved("attention.softmax", s2, soft))
     probs, probs_new = soft, False
-    if spec.family == "gpt2" and soft != low:
+    cast = family(spec.family).probs_cast
+    if cast == "value" and soft != low:
         probs, probs_new = low, True  # attn_weights.type(value.dtype)
-    if spec.family in ("llama", "mistral") and soft != q_dtype:
+    if cast == "query" and soft != q_dtype:
         probs, probs_new = q_dtype, True  # .to(query.dtype)
     p = spec.attention_dropout
     out += dropout_saved("attention.dropout_mask", s2, probs, p, ctx.backend)
@@ -449,9 +451,10 @@ def mask_materialised(spec: TransformerSpec, ctx: Ctx) -> bool:
     unpads instead."""
     if ctx.attention == "flash" and ctx.backend == "cuda":
         return False
-    if spec.family in ("gpt2", "llama", "mistral") and ctx.attention == "eager":
+    traits = family(spec.family)
+    if traits.decoder and ctx.attention == "eager":
         return True
-    window = spec.hf_config.get("sliding_window") if spec.family == "mistral" else None
+    window = spec.hf_config.get("sliding_window") if traits.sliding_window else None
     if window and ctx.s >= window:
         return True  # a sliding window needs an explicit mask once s reaches it (local_attention_size)
     return ctx.padded
@@ -483,7 +486,7 @@ def encoder_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
         out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
     if kernel in ("eager", "math"):
         out.append(Saved("attention.context", n * h, low))  # transpose().contiguous(): saved by the dense
-    if spec.family != "distilbert":  # DistilBERT's TransformerBlock has no dropout after out_lin
+    if family(spec.family).attention_output_dropout:  # DistilBERT's TransformerBlock has none after out_lin
         out += dropout_saved("attention.output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
     ln, ln_dtype = layernorm_saved("attention.output.LayerNorm", n, h, promote(low, act), ctx)
     out += ln
@@ -556,9 +559,10 @@ def llama_layer_saved(spec: TransformerSpec, ctx: Ctx, first: bool) -> list[Save
 
 
 def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
-    if spec.family in ("bert", "roberta", "distilbert"):
+    form = family(spec.family).layer
+    if form == "post_norm_encoder":
         return encoder_layer_saved(spec, ctx)
-    if spec.family == "gpt2":
+    if form == "pre_norm_conv1d":
         return gpt2_layer_saved(spec, ctx)
     return llama_layer_saved(spec, ctx, first=index == 0)
 
@@ -572,7 +576,7 @@ def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved
     mask positionally, that mask (shared by all layers: counted on the first). Llama passes it by keyword.
     """
     out = [Saved("checkpoint.hidden_states", ctx.n * spec.hidden_size, ctx.act)]
-    if index == 0 and spec.family not in ("llama", "mistral") and mask_materialised(spec, ctx):
+    if index == 0 and family(spec.family).mask_positional and mask_materialised(spec, ctx):
         out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.s * ctx.s, mask_bytes_dtype(ctx)))
     return out
 
@@ -589,25 +593,26 @@ def embeddings_saved(spec: TransformerSpec, ctx: Ctx, token_types_in_batch: bool
     """
     n, h, s, act = ctx.n, spec.hidden_size, ctx.s, ctx.act
     out: list[Saved] = []
-    if spec.family == "roberta":
+    traits = family(spec.family)
+    if traits.position_ids == "from_input_ids":
         out += [Saved("embeddings.position_ids", n, I64)]
-        if not token_types_in_batch:
-            out += [Saved("embeddings.token_type_ids", n, I64)]
-    elif spec.family == "bert" and not token_types_in_batch:
+    if traits.token_types == "gathered" and not token_types_in_batch:
+        out += [Saved("embeddings.token_type_ids", n, I64)]
+    elif traits.token_types == "buffer" and not token_types_in_batch:
         out += [Saved("embeddings.token_type_ids", s, I64)]
-    elif spec.family == "gpt2":
+    if traits.position_ids == "arange":
         out += [Saved("embeddings.position_ids", s, I64)]
-    if spec.family in ("bert", "roberta", "distilbert"):
+    if traits.embedding_norm:
         ln, _ = layernorm_saved("embeddings.LayerNorm", n, h, act, ctx)
         out += ln
-    if spec.family not in ("llama", "mistral"):
+    if traits.embedding_dropout:
         out += dropout_saved("embeddings.dropout_mask", n * h, act, spec.embedding_dropout, ctx.backend)
     return out
 
 
 def final_norm_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     """GPT-2 ln_f (LayerNorm) or Llama norm (RMSNorm) on the residual stream, a new tensor of n·h."""
-    if spec.family == "gpt2":
+    if family(spec.family).layer == "pre_norm_conv1d":  # GPT-2's ln_f is a LayerNorm
         return layernorm_saved("ln_f", ctx.n, spec.hidden_size, ctx.act, ctx)[0]
     return rmsnorm_saved("norm", ctx.n, spec.hidden_size, ctx.act, ctx, input_is_new=True)
 
@@ -643,10 +648,11 @@ def head_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     bh = b * h
     if spec.head == "sequence-classification":
         p = classifier_dropout(spec)
-        if spec.family == "bert":
+        form = family(spec.family).classifier
+        if form == "pooled":
             out = dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
             return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
-        if spec.family == "roberta":
+        if form == "dense_tanh":
             if p > 0:
                 out = dropout_saved("head.dropout_mask", bh, act, p, ctx.backend)
                 out += linear_inputs("classifier.dense.input", bh, act, ctx)
@@ -655,7 +661,7 @@ def head_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
             out += [Saved("classifier.tanh", bh, low)]
             out += dropout_saved("classifier.dropout_mask2", bh, low, p, ctx.backend)
             return out + ([Saved("classifier.out_proj.input", bh, low)] if p > 0 else [])
-        if spec.family == "distilbert":
+        if form == "pre_classifier_relu":
             out = first_token_input("pre_classifier", spec, ctx) + [Saved("relu", bh, low)]
             out += dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
             return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
@@ -692,7 +698,7 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
         return [Saved("loss.log_softmax", n * spec.vocab_size, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
     if spec.head == "sequence-classification":
         out = [Saved("loss.log_softmax", b * spec.num_labels, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
-        if spec.family in ("gpt2", "llama", "mistral"):
+        if family(spec.family).classifier == "score_all_tokens":
             out.append(Saved("loss.pooling_indices", 2 * b, I64))
         return out
     return []
@@ -723,20 +729,22 @@ def linear_params(block: Block) -> list[tuple[int, int]]:
     h, i, d, labels, vocab = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_labels, spec.vocab_size
     ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
     if block.role == "layer":
-        if spec.family in ("llama", "mistral"):
+        traits = family(spec.family)
+        if traits.gated_mlp:
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
             return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
                     (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
-        if spec.family == "gpt2":  # Conv1D: addmm(bias, x, weight), always with bias
+        if traits.conv1d:  # Conv1D: addmm(bias, x, weight), always with bias
             return [(h * 3 * h, 3 * h), (h * h, h), (h * i, i), (i * h, h)]
         return [(h * h, h)] * 4 + [(h * i, i), (i * h, h)]
     if block.role == "pooler":
         return [(h * h, h)]
     if block.role == "head":
         if spec.head == "sequence-classification":
-            if spec.family in ("roberta", "distilbert"):
+            form = family(spec.family).classifier
+            if form in ("dense_tanh", "pre_classifier_relu"):
                 return [(h * h, h), (h * labels, labels)]
-            if spec.family == "bert":
+            if form == "pooled":
                 return [(h * labels, labels)]
             return [(h * labels, 0)]  # decoders' score: no bias
         if spec.head == "masked-lm":
@@ -879,7 +887,7 @@ def layer_backward_tensors(spec: TransformerSpec, saved: list[Saved], ctx: Ctx) 
         low = alloc_bytes(numel * BYTES_PER_DTYPE[ctx.low], ctx.backend)
         mlp = (low, *[alloc_bytes(numel * BYTES_PER_DTYPE[branch], ctx.backend)] * (GELU_NEW_BACKWARD_TENSORS - 2),
                low)
-    if spec.family in GATED_RMSNORM_FAMILIES:
+    if family(spec.family).gated_mlp:
         up = alloc_bytes(ctx.n * spec.intermediate_size * BYTES_PER_DTYPE[ctx.low], ctx.backend)
         mlp = (up,) * GATED_MLP_BACKWARD_TENSORS
         norm = (alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[F32], ctx.backend),) \
@@ -889,8 +897,8 @@ def layer_backward_tensors(spec: TransformerSpec, saved: list[Saved], ctx: Ctx) 
     return (out_grad, *(attention if sum(attention) >= sum(mlp) else mlp))
 
 
-# Llama-style layers (LlamaMLP: down(act(gate(x)) * up(x)); LlamaRMSNorm in Python, computed in fp32).
-GATED_RMSNORM_FAMILIES = ("llama", "mistral")
+# Llama-style layers (LlamaMLP: down(act(gate(x)) * up(x)); LlamaRMSNorm in Python, computed in fp32): the
+# families whose record says gated_mlp (planner.families).
 # Gated MLP backward: down_proj's input gradient (mm) then mul's two gradients (grad·up, grad·act(gate)):
 # 3 tensors of n·ff in the matmul dtype alive at once (derivatives.yaml `mul`; measured by the trace).
 GATED_MLP_BACKWARD_TENSORS = 3

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import numpy as np
 
+from planner import caches
 from planner.memory import timeline
 
 MiB = 1024 * 1024
@@ -430,8 +431,10 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
 # `_Layout.lay_out` makes of it (`_STRUCTURES`: a `_Laid`). A search over micro-batch sizes meets one structure
 # many times: its trace is then the slots' sizes in that order.
 STRUCTURE_CACHE_SIZE = 1024
-_LAYOUTS: dict[tuple, _Layout] = {}
-_STRUCTURES: dict[tuple, _Laid] = {}
+_LAYOUTS: dict[tuple, _Layout] = caches.table("planner.memory.events._LAYOUTS", scope="step",
+    key="trace structure key -> _Layout")
+_STRUCTURES: dict[tuple, _Laid] = caches.table("planner.memory.events._STRUCTURES", scope="step",
+    key="(structure, slot sizes) -> _Laid")
 
 # Slots: each block's row of size tuples, then the step's own.
 (B_PARAMS, B_GATHERED, B_SAVED, B_KEPT, B_CACHE, B_LOGITS, B_FORWARD_TMP, B_RECOMPUTED, B_BACKWARD_TMP, B_GRADS,
@@ -629,12 +632,14 @@ def live_bytes(trace: Trace) -> list[int]:
 
 
 MODEL_CACHE_SIZE = 256  # models whose parameter / gradient tensor bytes are kept
-_BLOCK_SHAPES: dict[tuple, tuple] = {}
+_BLOCK_SHAPES: dict[tuple, tuple] = caches.table("planner.memory.events._BLOCK_SHAPES", scope="model",
+    key="(model identity, dtypes) -> parameter / gradient tensor bytes per block")
 # Each block's tensors by model, activation records (one object per shape: `estimate._activations`), dtypes,
 # shares and backend: a search meets one shape under several parallelisms and instance counts. Callers must
 # not change the dicts they get.
 ACTIVATIONS_CACHE_SIZE = 4096
-_BLOCK_TENSORS: dict[tuple, tuple] = {}
+_BLOCK_TENSORS: dict[tuple, tuple] = caches.table("planner.memory.events._BLOCK_TENSORS", scope="step",
+    key="(model, activation records, dtypes, shares, backend) -> each block's tensors")
 
 
 def model_block_tensors(model, activations, config, parameter_share: float = 1.0,
@@ -686,7 +691,8 @@ def model_block_tensors(model, activations, config, parameter_share: float = 1.0
     return out
 
 
-_ROUNDED: dict[tuple, tuple] = {}  # (id(activations), backend) -> (activations, `_rounded_activations`)
+_ROUNDED: dict[tuple, tuple] = caches.table("planner.memory.events._ROUNDED", scope="step",
+    key="(id(activations), backend) -> rounded activation records")  # (id(activations), backend) -> (activations, `_rounded_activations`)
 
 
 def _rounded_activations(activations, backend: str) -> dict[str, tuple]:

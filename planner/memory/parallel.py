@@ -10,30 +10,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner import parallel as strategies
 from planner.errors import PlannerError
 from planner.memory import batch as batch_mem
 from planner.spec import Instance, ModelSpec, TrainConfig
 
-ZERO_STAGE = {"single": 0, "dp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+ZERO_STAGE = {name: s.sharding.zero_stage for name, s in strategies.STRATEGIES.items()}
 
 
 def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
-    """`auto` means DDP on several GPUs, plain single-GPU training on one."""
-    p = config.parallelism
-    gpus = instance.gpus * config.instances
-    if p == "auto":
-        p = "single" if gpus == 1 else "ddp"
-    if p == "dp" and config.instances > 1:
+    """`auto` means DDP on several GPUs, plain single-GPU training on one (planner.parallel.resolve_name)."""
+    p = strategies.resolve_name(config.parallelism, instance.gpus * config.instances)
+    s = strategies.get(p)
+    if s.one_process and config.instances > 1:
         raise PlannerError("--parallelism", p, "nn.DataParallel runs in one process on one instance; "
                            "use ddp, zero1-3 or fsdp with --instances > 1")
-    if p == "single" and config.instances > 1:
+    if s.uses_one_gpu and config.instances > 1:
         raise PlannerError("--parallelism", p, "single uses one GPU; use ddp, zero1-3 or fsdp with --instances > 1")
     return config.model_copy(update={"parallelism": p})
 
 
 def world_size(config: TrainConfig, instance: Instance) -> int:
     """GPUs that train together: one for `single`, all GPUs of all instances otherwise."""
-    return 1 if config.parallelism == "single" else instance.gpus * config.instances
+    return strategies.get(config.parallelism).world_size(instance.gpus, config.instances)
 
 
 @dataclass(frozen=True)
@@ -46,12 +45,12 @@ class Sharding:
 
 
 def sharding(config: TrainConfig, world: int) -> Sharding:
-    stage = ZERO_STAGE[config.parallelism]
+    shards = strategies.get(config.parallelism).sharding
     part = 1.0 / world
     return Sharding(
-        parameters=part if stage >= 3 else 1.0,
-        gradients=part if stage >= 2 else 1.0,
-        optimizer_states=part if stage >= 1 else 1.0,
+        parameters=part if shards.parameters else 1.0,
+        gradients=part if shards.gradients else 1.0,
+        optimizer_states=part if shards.optimizer_states else 1.0,
     )
 
 
@@ -59,7 +58,7 @@ def ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
     """DDP's Reducer allocates flat buckets covering every gradient when the model is wrapped
     (torch/csrc/distributed/c10d/reducer.cpp `initialize_buckets`); with gradient_as_bucket_view=True the
     .grad tensors are views into them, so no second copy. ZeroRedundancyOptimizer (zero1) runs over DDP."""
-    if config.parallelism in ("ddp", "zero1") and not config.gradient_as_bucket_view:
+    if strategies.get(config.parallelism).ddp_buckets and not config.gradient_as_bucket_view:
         return gradient_bytes
     return 0
 
@@ -85,7 +84,7 @@ def dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) ->
     """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
     gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
     in fp32 (LM heads: seq_len × vocab logits)."""
-    if config.parallelism != "dp":
+    if not strategies.get(config.parallelism).one_process:
         return 0
     others = config.batch_size * (gpus - 1)
     inputs = batch_mem.batch_bytes(model, others, config.seq_len)

@@ -12,6 +12,7 @@ unlimited peak does not fit, to model the OOM retry (`release_cached_blocks`).
 
 from __future__ import annotations
 
+from planner import caches
 from planner.memory import allocator, compiled, events, model_states, timeline
 from planner.spec import AllocatorReplay, ModelSpec, TrainConfig
 
@@ -40,7 +41,8 @@ class _Entry:
         self.replays: dict[tuple[int | None, bool], allocator.ReplayResult] = {}
 
 
-_TRACES: dict[tuple, _Entry] = {}
+_TRACES: dict[tuple, _Entry] = caches.table("planner.memory.reserved._TRACES", scope="step",
+    key="(model, TRACE_FIELDS, step, shares, backend) -> trace and its replays")
 
 
 def _entry(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
@@ -76,7 +78,8 @@ def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, a
                               bucket_cap_bytes=int(cfg.bucket_cap_mb * events.MiB), first_step=REPLAY_FIRST_STEP)
 
 
-_OPTIMIZER_TENSORS: dict[tuple, tuple] = {}
+_OPTIMIZER_TENSORS: dict[tuple, tuple] = caches.table("planner.memory.reserved._OPTIMIZER_TENSORS", scope="step",
+    key="(gradient shapes, optimizer, dtypes, share) -> optimizer tensors")
 
 
 def _optimizer_tensors(spec: ModelSpec, cfg: TrainConfig, p_bytes: int, share: float) -> tuple:
@@ -99,7 +102,8 @@ def _optimizer_tensors(spec: ModelSpec, cfg: TrainConfig, p_bytes: int, share: f
     return hit[1]
 
 
-_PREFIXES: dict[tuple, allocator.Snapshot] = {}
+_PREFIXES: dict[tuple, allocator.Snapshot] = caches.table("planner.memory.reserved._PREFIXES", scope="step",
+    key="(trace, capacity, expandable) -> allocator snapshot after the first step")
 
 
 def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
@@ -152,10 +156,6 @@ def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, ac
 
 def clear_caches() -> None:
     """Forget cached traces, trace structures and replays (benchmarks; tests that change module constants)."""
-    _TRACES.clear()
-    events._STRUCTURES.clear()
-    events._LAYOUTS.clear()
-    events._BLOCK_TENSORS.clear()
-    events._ROUNDED.clear()
-    _PREFIXES.clear()
-    _OPTIMIZER_TENSORS.clear()
+    for c in caches.registered().values():
+        if c.scope == "step" and c.name.startswith(("planner.memory.reserved.", "planner.memory.events.")):
+            c.clear()

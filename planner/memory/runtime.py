@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.spec import GPU, RuntimeConstants
 
@@ -218,7 +218,7 @@ def load_calibration(path: str | Path | None = None) -> dict[str, Any]:
 _NO_CALIBRATION: dict[str, Any] = {}  # shared like a file's dict (callers copy what they change)
 
 
-@lru_cache(maxsize=8)
+@caches.lru(8, scope="facts", key="(path, mtime, size) of the calibration file")
 def _read_calibration(path: str, _mtime_ns: int, _size: int) -> dict[str, Any]:
     from planner.io import read_json
 

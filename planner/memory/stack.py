@@ -18,40 +18,26 @@ table; the table is read once (I/O at the edge: `table()`).
 
 from __future__ import annotations
 
-import json
 import re
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
+from planner.memory.alloc_conf import (  # noqa: F401  (re-exported: sw.table, sw.parse_version, ...)
+    STACKS_PATH,
+    Version,
+    _check_alloc_value,
+    _split_conf,
+    fmt,
+    parse_alloc_conf,
+    parse_version,
+    table,
+)
+from planner.parallel import get as strategy_of
 from planner.spec import GPU, SoftwareStack
 
 MiB = 1 << 20
 KiB = 1 << 10
-STACKS_PATH = Path(__file__).resolve().parent.parent / "data" / "stacks.json"
-_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.\d+)*(?:[+-].*)?\s*$")
-
-Version = tuple[int, int]
-
-
-@lru_cache(maxsize=1)
-def table() -> dict[str, Any]:
-    """planner/data/stacks.json, read once."""
-    return json.loads(STACKS_PATH.read_text(encoding="utf-8"))
-
-
-@lru_cache(maxsize=1024)
-def parse_version(field: str, value: str | float | None) -> Version:
-    """"2.8", "2.8.0", "2.8.0+cu129" -> (2, 8); anything else is bad input naming `field`."""
-    m = _VERSION.match(str(value)) if value is not None else None
-    if not m:
-        raise PlannerError(field, value, "a version like 2.8 (MAJOR.MINOR)")
-    return int(m.group(1)), int(m.group(2))
-
-
-def fmt(v: Version) -> str:
-    return f"{v[0]}.{v[1]}"
 
 
 def _closest(v: Version, known: list[Version]) -> Version:
@@ -71,7 +57,7 @@ def _closest(v: Version, known: list[Version]) -> Version:
     return older if v[1] - older[1] <= newer[1] - v[1] else newer
 
 
-@lru_cache(maxsize=1)
+@caches.lru(1, scope="facts", key="none: stacks.json's torch rows")
 def _torch_rows() -> dict[Version, dict[str, Any]]:
     return {parse_version("stacks.json torch", r["version"]): r for r in table()["torch"]}
 
@@ -149,73 +135,6 @@ def check_transformers(value: str) -> str:
     return fmt(v)
 
 
-# ---- PYTORCH_CUDA_ALLOC_CONF ---------------------------------------------------------------------
-
-
-def _check_alloc_value(key: str, kind: str, raw: str) -> None:
-    allowed = {"bool": "True or False", "mb": "a number of MiB > 0", "fraction": "a number in (0, 1)",
-               "int": "an integer >= 0", "backend": "native or cudaMallocAsync",
-               "divisions": "a power of two or [size:divisions,...]"}[kind]
-    ok = True
-    try:
-        if kind == "bool":
-            ok = raw in ("True", "False", "true", "false")
-        elif kind == "mb":
-            ok = float(raw) > 0
-        elif kind == "fraction":
-            ok = 0 < float(raw) < 1
-        elif kind == "int":
-            ok = int(raw) >= 0
-        elif kind == "backend":
-            ok = raw in ("native", "cudaMallocAsync")
-        elif kind == "divisions":
-            ok = raw.startswith("[") and raw.endswith("]") or (int(raw) > 0 and int(raw) & (int(raw) - 1) == 0)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise PlannerError("--alloc-conf", f"{key}:{raw}", f"{key} takes {allowed}")
-
-
-def _split_conf(conf: str) -> list[str]:
-    """Split on commas outside [...] (roundup_power2_divisions takes a bracketed list)."""
-    parts, depth, cur = [], 0, ""
-    for ch in conf:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    return [p.strip() for p in parts if p.strip()]
-
-
-def parse_alloc_conf(conf: str | None, torch: str | None = None) -> dict[str, str]:
-    """PYTORCH_CUDA_ALLOC_CONF ("key:value,key:value") -> {key: value}, checked against the keys that torch
-    version parses (c10/cuda/CUDAAllocatorConfig.cpp)."""
-    keys: dict[str, Any] = table()["alloc_conf"]["keys"]
-    out: dict[str, str] = {}
-    for item in _split_conf(conf or ""):
-        key, sep, raw = item.partition(":")
-        key, raw = key.strip(), raw.strip()
-        if key not in keys:
-            from planner.errors import closest
-
-            near = closest(key, keys)
-            hint = f"did you mean {', '.join(near)}?" if near else f"one of {', '.join(keys)}"
-            raise PlannerError("--alloc-conf", item, f"unknown PYTORCH_CUDA_ALLOC_CONF key; {hint}")
-        if not sep or not raw:
-            raise PlannerError("--alloc-conf", item, f"KEY:VALUE pairs separated by commas, e.g. {key}:True")
-        _check_alloc_value(key, keys[key]["value"], raw)
-        since = keys[key]["since"]
-        if torch is not None and parse_version("torch", torch) < parse_version("since", since):
-            raise PlannerError("--alloc-conf", item, f"{key} exists from torch {since} ({keys[key]['source']}); "
-                               f"the stack has torch {torch}")
-        out[key] = raw
-    return out
-
-
 # ---- the default stack and resolving the user's --------------------------------------------------
 
 
@@ -230,11 +149,12 @@ def default_stack(gpu: GPU) -> SoftwareStack:
     return hit
 
 
-_DEFAULT_STACKS: dict[tuple, SoftwareStack] = {}  # a few GPU families
+_DEFAULT_STACKS: dict[tuple, SoftwareStack] = caches.table("planner.memory.stack._DEFAULT_STACKS", scope="facts",
+    key="(GPU family, compute capability) -> the default SoftwareStack")  # a few GPU families
 
 
 def _default_stack(gpu: GPU) -> SoftwareStack:
-    from planner.aws.images import PYTORCH_TRAINING_IMAGES
+    from planner.dlc import PYTORCH_TRAINING_IMAGES
 
     tf = table()["transformers"]["default"]
     cc = tuple(gpu.compute_capability)
@@ -340,7 +260,7 @@ def zero_grad_keeps_gradients(stack: SoftwareStack, parallelism: str, optimizer_
     the gradients are resident through the next forward and backward, as with gradient accumulation.
     Not for a "fused" optimizer before torch 2.0: that is apex's FusedAdam, whose zero_grad() sets them to
     None by default. ZeRO/FSDP keep their own gradient buffers: unchanged (ASSUMPTION, see stacks.json)."""
-    if parallelism not in ("single", "dp", "ddp"):
+    if not strategy_of(parallelism).loop_zero_grad:
         return False
     zg = table()["zero_grad"]
     if parse_version("torch", stack.torch) >= parse_version("since", zg["set_to_none_since_torch"]):

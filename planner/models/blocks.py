@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from planner import caches
+from planner.families import family
 from planner.identity_cache import per_object
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
@@ -26,7 +28,7 @@ class Block:
 
 def _final_norm(spec: TransformerSpec) -> bool:
     """Pre-norm decoders (GPT-2 ln_f, Llama norm) end with a norm; post-norm encoders do not."""
-    return spec.family in ("gpt2", "llama", "mistral")
+    return family(spec.family).decoder
 
 
 def transformer_blocks(component: str, spec: TransformerSpec) -> list[Block]:
@@ -47,7 +49,8 @@ def model_blocks(model: ModelSpec) -> tuple[Block, ...]:
     return per_object(_BLOCKS, model.components, _blocks)
 
 
-_BLOCKS: dict[int, tuple] = {}  # ModelSpec.components -> its blocks (`per_object`)
+_BLOCKS: dict[int, tuple] = caches.table("planner.models.blocks._BLOCKS", scope="model",
+    key="ModelSpec.components identity (per_object): its blocks")  # ModelSpec.components -> its blocks (`per_object`)
 
 
 def _blocks(components: tuple) -> tuple[Block, ...]:

@@ -8,12 +8,11 @@ GPT2LMHeadModel); options `head=` and `num_labels=` change it.
 
 from __future__ import annotations
 
-import functools
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError, unknown
 from planner.models import hf_config
 from planner.spec import BatchNormSpec, Component, DenseSpec, InputSpec, ModelSpec, TransformerSpec
@@ -30,7 +29,7 @@ ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-ba
                           "gpt2-xl", "llama-2-7b", "llama-3-8b", "mistral-7b")
 
 
-@functools.cache
+@caches.lru(None, scope="facts", key="none: the catalog's config files")
 def _configs() -> dict[str, dict[str, Any]]:
     folder = DATA_DIR
     out: dict[str, dict[str, Any]] = {}
@@ -205,7 +204,7 @@ def describe_models() -> list[dict[str, Any]]:
     return rows
 
 
-@lru_cache(maxsize=256)
+@caches.lru(256, scope="model", key="(catalog name, options JSON)")
 def _cached_from_key(name: str, options_json: str) -> ModelSpec:
     return get_model(name, **json.loads(options_json))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError
+from planner.families import FAMILIES
 from planner.spec import Component, InputSpec, ModelSpec, TransformerSpec
 
 FIELD = "config.json"
@@ -34,22 +35,21 @@ LAYER_KEYS = ("num_hidden_layers", "n_layers", "n_layer")
 ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_pytorch_tanh", "silu", "swish", "gelu_python", "gelu_accurate",
                                 "relu", "gelu_new", "gelu_fast")
 
-CLASS_PREFIX: dict[str, str] = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert", "gpt2": "GPT2",
-                                "llama": "Llama", "mistral": "Mistral"}
-ENCODERS: tuple[str, ...] = ("bert", "roberta", "distilbert")
-DECODERS: tuple[str, ...] = ("gpt2", "llama", "mistral")
+# Views of the family records (planner.families), under the names this reader and its callers use.
+CLASS_PREFIX: dict[str, str] = {name: f.class_prefix for name, f in FAMILIES.items()}
+ENCODERS: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.encoder)
+DECODERS: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.decoder)
 
 # Class-name suffix per head; decoders' causal-LM class is GPT2LMHeadModel but LlamaForCausalLM.
 _SUFFIX: dict[str, str] = {"base": "Model", "sequence-classification": "ForSequenceClassification",
                            "masked-lm": "ForMaskedLM", "causal-lm": "ForCausalLM"}
 
 # transformers 5 defaults of `tie_word_embeddings` per config class (BertConfig ... MistralConfig).
-TIE_DEFAULT: dict[str, bool] = {"bert": True, "roberta": True, "distilbert": True, "gpt2": True, "llama": False,
-                                "mistral": False}
+TIE_DEFAULT: dict[str, bool] = {name: f.tie_word_embeddings_default for name, f in FAMILIES.items()}
 
 # Tokenizers' `model_input_names`: only BERT's tokenizer returns token_type_ids (RoBERTa's, DistilBERT's,
 # GPT-2's and Llama's return input_ids and attention_mask), so only BERT batches carry that int64 tensor.
-TOKEN_TYPE_INPUTS: tuple[str, ...] = ("bert",)
+TOKEN_TYPE_INPUTS: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.token_type_inputs)
 
 
 def heads_of(family: str) -> tuple[str, ...]:

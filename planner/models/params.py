@@ -9,6 +9,8 @@ d = h/a head size, i intermediate size, L labels.
 
 from __future__ import annotations
 
+from planner import caches
+from planner.families import family
 from planner.identity_cache import per_object
 from planner.models.blocks import Block, model_blocks
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
@@ -34,7 +36,7 @@ def embedding_parameters(spec: TransformerSpec) -> int:
     """
     h = spec.hidden_size
     n = spec.vocab_size * h + spec.position_table * h + spec.type_vocab_size * h
-    if spec.family in ("bert", "roberta", "distilbert"):
+    if family(spec.family).embedding_norm:
         n += norm_parameters(spec)
     return n
 
@@ -51,7 +53,7 @@ def attention_parameters(spec: TransformerSpec) -> int:
 
 def gated_mlp(spec: TransformerSpec) -> bool:
     """Llama/Mistral use SwiGLU (gate, up, down); the others a 2-matrix GELU MLP."""
-    return spec.family in ("llama", "mistral")
+    return family(spec.family).gated_mlp
 
 
 def mlp_parameters(spec: TransformerSpec) -> int:
@@ -81,9 +83,10 @@ def lm_head_parameters(spec: TransformerSpec) -> int:
     """
     h, v = spec.hidden_size, spec.vocab_size
     untied = not spec.tie_word_embeddings
-    if spec.family in ("bert", "roberta"):
+    form = family(spec.family).lm_head
+    if form == "transform_own_bias":
         return linear_parameters(h, h) + 2 * h + v + ((v * h + v) if untied else 0)
-    if spec.family == "distilbert":
+    if form == "transform_projector":
         return linear_parameters(h, h) + 2 * h + v + (v * h if untied else 0)
     return v * h if untied else 0
 
@@ -96,9 +99,10 @@ def classifier_parameters(spec: TransformerSpec) -> int:
     GPT-2/Llama/Mistral: `score` h*L without bias.
     """
     h, labels = spec.hidden_size, spec.num_labels
-    if spec.family == "bert":
+    form = family(spec.family).classifier
+    if form == "pooled":
         return linear_parameters(h, labels)
-    if spec.family in ("roberta", "distilbert"):
+    if form in ("dense_tanh", "pre_classifier_relu"):
         return linear_parameters(h, h) + linear_parameters(h, labels)
     return linear_parameters(h, labels, bias=False)
 
@@ -143,7 +147,7 @@ def block_gradient_parameters(block: Block) -> int:
     n = block_parameters(block)
     layer = block.layer
     if (block.role == "head" and isinstance(layer, TransformerSpec) and layer.head == "masked-lm"
-            and layer.family in ("bert", "roberta") and not layer.tie_word_embeddings):
+            and family(layer.family).lm_head == "transform_own_bias" and not layer.tie_word_embeddings):
         n -= layer.vocab_size
     return n
 
@@ -161,11 +165,10 @@ def block_buffers_bytes(block: Block, float_bytes: int = FLOAT32_BYTES) -> int:
         return 2 * layer.num_features * float_bytes + INT64_BYTES
     if isinstance(layer, DenseSpec) or block.role != "embeddings":
         return 0
-    if layer.family in ("bert", "roberta"):
-        return 2 * layer.position_table * INT64_BYTES
-    if layer.family == "distilbert":
-        return layer.position_table * INT64_BYTES
-    if layer.family in ("llama", "mistral"):
+    traits = family(layer.family)
+    if traits.int64_buffer_tables:
+        return traits.int64_buffer_tables * layer.position_table * INT64_BYTES
+    if traits.position_ids == "rotary":
         return 2 * ((layer.head_dim + 1) // 2) * float_bytes
     return 0
 
@@ -233,8 +236,8 @@ def embedding_shapes(spec: TransformerSpec) -> list[Shape]:
     h = spec.hidden_size
     positions: list[Shape] = [(spec.position_table, h)] if spec.position_table else []
     types: list[Shape] = [(spec.type_vocab_size, h)] if spec.type_vocab_size else []
-    norm = norm_shapes(spec) if spec.family in ("bert", "roberta", "distilbert") else []
-    if spec.family == "roberta":
+    norm = norm_shapes(spec) if family(spec.family).embedding_norm else []
+    if family(spec.family).positions_after_norm:
         return [(spec.vocab_size, h)] + types + norm + positions
     return [(spec.vocab_size, h)] + positions + types + norm
 
@@ -243,7 +246,7 @@ def attention_shapes(spec: TransformerSpec) -> list[Shape]:
     """GPT-2: c_attn Conv1D h -> 3h and c_proj h -> h. Others: q (a·d, h), k and v (g·d, h), o (h, a·d)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    if spec.family == "gpt2":
+    if family(spec.family).conv1d:
         return conv1d_shapes(h, q + 2 * kv) + conv1d_shapes(q, h)
     b = spec.attention_bias
     return linear_shapes(h, q, b) + linear_shapes(h, kv, b) + linear_shapes(h, kv, b) + linear_shapes(q, h, b)
@@ -252,7 +255,7 @@ def attention_shapes(spec: TransformerSpec) -> list[Shape]:
 def mlp_shapes(spec: TransformerSpec) -> list[Shape]:
     """GPT-2: Conv1D h -> i, i -> h; SwiGLU: gate and up (i, h), down (h, i); others Linear h -> i -> h."""
     h, i = spec.hidden_size, spec.intermediate_size
-    if spec.family == "gpt2":
+    if family(spec.family).conv1d:
         return conv1d_shapes(h, i) + conv1d_shapes(i, h)
     b = spec.mlp_bias
     if gated_mlp(spec):
@@ -264,9 +267,10 @@ def layer_shapes(spec: TransformerSpec) -> list[Shape]:
     """One layer, in registration order: post-norm encoders put each norm after its sub-block, GPT-2 before it,
     Llama/Mistral register both norms after the MLP."""
     attn, mlp, norm = attention_shapes(spec), mlp_shapes(spec), norm_shapes(spec)
-    if spec.family == "gpt2":
+    form = family(spec.family).layer
+    if form == "pre_norm_conv1d":
         return norm + attn + norm + mlp
-    if spec.family in ("bert", "roberta", "distilbert"):
+    if form == "post_norm_encoder":
         return attn + norm + mlp + norm
     return attn + mlp + norm + norm
 
@@ -279,9 +283,10 @@ def lm_head_shapes(spec: TransformerSpec) -> list[Shape]:
     """
     h, v = spec.hidden_size, spec.vocab_size
     untied = not spec.tie_word_embeddings
-    if spec.family in ("bert", "roberta"):
+    form = family(spec.family).lm_head
+    if form == "transform_own_bias":
         return [(v,)] + linear_shapes(h, h) + norm_shapes(spec) + ([(v, h), (v,)] if untied else [])
-    if spec.family == "distilbert":
+    if form == "transform_projector":
         return linear_shapes(h, h) + norm_shapes(spec) + ([(v, h)] if untied else []) + [(v,)]
     return [(v, h)] if untied else []
 
@@ -289,9 +294,10 @@ def lm_head_shapes(spec: TransformerSpec) -> list[Shape]:
 def classifier_shapes(spec: TransformerSpec) -> list[Shape]:
     """See `classifier_parameters`."""
     h, labels = spec.hidden_size, spec.num_labels
-    if spec.family == "bert":
+    form = family(spec.family).classifier
+    if form == "pooled":
         return linear_shapes(h, labels)
-    if spec.family in ("roberta", "distilbert"):
+    if form in ("dense_tanh", "pre_classifier_relu"):
         return linear_shapes(h, h) + linear_shapes(h, labels)
     return linear_shapes(h, labels, bias=False)
 
@@ -349,7 +355,8 @@ def model_gradient_tensor_shapes(model: ModelSpec) -> tuple[Shape, ...]:
         shape for block in model_blocks(m) for shape in block_gradient_tensor_shapes(block)))
 
 
-_GRADIENT_SHAPES: dict[int, tuple] = {}  # ModelSpec -> its gradient shapes (`per_object`)
+_GRADIENT_SHAPES: dict[int, tuple] = caches.table("planner.models.params._GRADIENT_SHAPES", scope="model",
+    key="ModelSpec identity (per_object): its gradient shapes")  # ModelSpec -> its gradient shapes (`per_object`)
 
 
 def tied_gradient(model: ModelSpec) -> tuple[str, str, Shape] | None:

@@ -34,17 +34,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.families import family
 from planner.models.blocks import Block, model_blocks
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TrainConfig, TransformerSpec
 
 FLOPS_PER_MAC = 2  # a multiply-accumulate is two floating-point operations
 BACKWARD_TO_FORWARD = 2  # dL/dinput and dL/dweight, each a matmul of the forward's size
-GATED_MLP_FAMILIES = ("llama", "mistral")  # SwiGLU: gate_proj, up_proj, down_proj
-# Heads that apply their classifier to every position before picking one (GPT2/Llama/Mistral ...ForSequenceClassification).
-SCORE_ALL_TOKENS_FAMILIES = ("gpt2", "llama", "mistral")
 CHECKPOINTED_ROLES = ("layer",)  # HF gradient checkpointing wraps each transformer layer
-# Families whose layer ends in a matmul (MLP down projection) that checkpoint early-stop does not re-run.
-EARLY_STOP_SKIPS_MLP_OUT = ("llama", "mistral")
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -62,7 +58,7 @@ def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float
     tokens = batch * seq
     h, kv = t.hidden_size, t.num_kv_heads * t.head_dim
     projections = 2 * matmul_flops(tokens, h, h) + 2 * matmul_flops(tokens, kv, h)
-    mlp_matrices = 3 if t.family in GATED_MLP_FAMILIES else 2
+    mlp_matrices = 3 if family(t.family).gated_mlp else 2  # SwiGLU: gate_proj, up_proj, down_proj
     mlp = mlp_matrices * matmul_flops(tokens, t.intermediate_size, h)
     return projections + mlp + attention_score_flops(t, batch, seq, causal_fraction)
 
@@ -70,7 +66,7 @@ def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float
 def layer_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
     """Forward re-run of one checkpointed layer, less the trailing matmul early-stop skips."""
     full = layer_flops(t, batch, seq, causal_fraction)
-    if t.family in EARLY_STOP_SKIPS_MLP_OUT:
+    if family(t.family).early_stop_skips_mlp_out:
         full -= matmul_flops(batch * seq, t.hidden_size, t.intermediate_size)
     return full
 
@@ -83,9 +79,10 @@ def head_flops(t: TransformerSpec, batch: int, seq: int) -> int:
     if t.head == "causal-lm":
         return matmul_flops(tokens, t.vocab_size, h)
     if t.head == "sequence-classification":
-        if t.family in SCORE_ALL_TOKENS_FAMILIES:
+        form = family(t.family).classifier
+        if form == "score_all_tokens":  # GPT2/Llama/Mistral ...ForSequenceClassification
             return matmul_flops(tokens, t.num_labels, h)
-        if t.family == "bert":  # pooler is its own block; classifier h -> L
+        if form == "pooled":  # BERT: pooler is its own block; classifier h -> L
             return matmul_flops(batch, t.num_labels, h)
         # RoBERTa classification head (dense + out_proj), DistilBERT (pre_classifier + classifier)
         return matmul_flops(batch, h, h) + matmul_flops(batch, t.num_labels, h)

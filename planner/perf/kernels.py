@@ -38,16 +38,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cache
 from typing import Literal
 
+from planner import caches
+from planner.families import family
 from planner.memory.activations import Ctx, attention_kernel, mask_materialised
 from planner.models.blocks import Block, model_blocks
+from planner.parallel import get as strategy_of
 from planner.perf.flops import (
     BACKWARD_TO_FORWARD,
-    EARLY_STOP_SKIPS_MLP_OUT,
-    GATED_MLP_FAMILIES,
-    SCORE_ALL_TOKENS_FAMILIES,
     attention_score_flops,
     matmul_flops,
 )
@@ -57,7 +56,6 @@ Kind = Literal["gemm", "attention", "memory_bound", "optimizer", "communication"
 KINDS: tuple[str, ...] = ("gemm", "attention", "memory_bound", "optimizer", "communication")
 Phase = Literal["forward", "backward", "recompute", "step"]
 F32, I64 = "float32", "int64"
-LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
 
 # torch/csrc/.../ATen/native/cuda/MultiTensorApply.cuh: one foreach launch covers at most
 # depth_to_max_tensors[depth-1] tensors and depth_to_max_blocks (320) chunks of kChunkSize (65536) elements.
@@ -149,35 +147,14 @@ def backward_of(k: Kernel) -> list[Kernel]:
 # ----------------------------------------------------------------------------------------- layers
 
 
-@dataclass(frozen=True)
-class Shapes:
-    """Dtypes and sizes of one micro-batch."""
+# One micro-batch's sizes, dtypes and kernel choice: the memory model's context (activations.Ctx), always on
+# CUDA here (kernels are timed on the GPU). One class for both, so the two interpreters read the same record.
+Shapes = Ctx
 
-    b: int
-    s: int
-    precision: str
-    attention: str
-    padded: bool
-    flash_ok: bool
 
-    @property
-    def n(self) -> int:
-        return self.b * self.s
-
-    @property
-    def amp(self) -> bool:
-        return self.precision.startswith("amp-")
-
-    @property
-    def low(self) -> str:
-        return LOW_DTYPE[self.precision]
-
-    @property
-    def act(self) -> str:
-        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else self.low
-
-    def ctx(self) -> Ctx:
-        return Ctx(self.b, self.s, self.precision, self.attention, "cuda", self.padded, self.flash_ok)
+def cuda_shapes(b: int, s: int, precision: str, attention: str, padded: bool, flash_ok: bool = True) -> Ctx:
+    """The context of a micro-batch of `b` samples of `s` tokens on CUDA."""
+    return Ctx(b, s, precision, attention, "cuda", padded, flash_ok)
 
 
 def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
@@ -235,14 +212,14 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
     """Eager: QKᵀ bmm, scale, (+mask), softmax, dropout, (16-bit cast), P·V bmm, transpose copy.
     Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o."""
     b, s, a, d, low = sh.b, sh.s, spec.num_heads, spec.head_dim, sh.low
-    ctx = sh.ctx()
+    ctx = sh
     masked = mask_materialised(spec, ctx)
     s2 = b * a * s * s
     half = attention_score_flops(spec, b, s, causal_fraction) // 2
     if attention_kernel(spec, ctx, masked) == "eager":
         qk = _with(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
         pv = _with(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
-        soft = F32 if sh.amp or spec.family in ("llama", "mistral") else low
+        soft = F32 if sh.amp or family(spec.family).fp32_softmax else low
         # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
         ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
         ks += [qk, elementwise("attention.scale", s2, (low,), (low,), low)]
@@ -267,7 +244,7 @@ MASK_BUILD_LAUNCHES = 8
 
 def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     """Building the 4-D additive mask once per forward, when HF materialises it (mask_materialised)."""
-    if not mask_materialised(spec, sh.ctx()):
+    if not mask_materialised(spec, sh):
         return []
     k = elementwise("attention_mask.build", sh.b * sh.s * sh.s, ("bool",), (sh.act,), sh.act)
     return [_with(k, launches=MASK_BUILD_LAUNCHES)]
@@ -281,8 +258,9 @@ def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float)
     ab, mb = spec.attention_bias, spec.mlp_bias
     p = spec.hidden_dropout
     ks: list[Kernel] = []
-    gated = spec.family in GATED_MLP_FAMILIES
-    if spec.family == "gpt2":
+    traits = family(spec.family)
+    gated = traits.gated_mlp
+    if traits.conv1d:
         ks.append(layernorm("ln_1", n, h, act, sh))
         x = F32 if sh.amp else act
         ks += linear("attn.c_attn", n, 3 * h, h, x, sh)
@@ -306,7 +284,7 @@ def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float)
     ks += dropout("attention.output.dropout", n * h, low, p)
     resid = F32 if sh.amp else act
     ks.append(elementwise("attention.residual_add", n * h, (low, act), (resid,), resid))
-    if spec.family in ("gpt2",):
+    if traits.conv1d:
         ks.append(layernorm("ln_2", n, h, resid, sh))
         ks += linear("mlp.c_fc", n, i, h, F32 if sh.amp else act, sh)
     elif gated:
@@ -321,7 +299,7 @@ def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float)
     ks += linear("mlp.down", n, h, i, low, sh, mb)
     ks += dropout("mlp.dropout", n * h, low, p)
     ks.append(elementwise("mlp.residual_add", n * h, (low, resid), (resid,), resid))
-    if spec.family not in ("gpt2", "llama", "mistral"):
+    if traits.encoder:
         ks.append(layernorm("output.LayerNorm", n, h, resid, sh))
     return ks
 
@@ -330,7 +308,7 @@ def recompute_of(spec: TransformerSpec, forward: list[Kernel]) -> list[Kernel]:
     """What checkpoint re-runs: the whole forward, less Llama/Mistral's trailing down projection and residual
     add (early stop once every saved tensor is recovered: nothing saves their outputs)."""
     ks = forward
-    if spec.family in EARLY_STOP_SKIPS_MLP_OUT:
+    if family(spec.family).early_stop_skips_mlp_out:
         ks = [k for k in ks if ".mlp.down" not in k.name and ".mlp.residual_add" not in k.name]
     return [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in ks]
 
@@ -343,7 +321,7 @@ def embeddings(spec: TransformerSpec, sh: Shapes, token_types: bool) -> list[Ker
     ks = [_with(elementwise(f"embeddings.{t}", n * h, (w,), (w,), w), bytes_read=n * h * nbytes(w) + n * 8)
           for t in tables]
     ks += [elementwise(f"embeddings.add{j}", n * h, (w, w), (w,), w) for j in range(len(tables) - 1)]
-    if spec.family in ("bert", "roberta", "distilbert"):
+    if family(spec.family).embedding_norm:
         ks.append(layernorm("embeddings.LayerNorm", n, h, w, sh))
     ks += dropout("embeddings.dropout", n * h, F32 if sh.amp else w, spec.embedding_dropout)
     return ks + attention_mask(spec, sh)
@@ -378,9 +356,10 @@ def head(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
         return linear("lm_head", n, spec.vocab_size, h, x, sh, bias=False)
     if spec.head == "sequence-classification":
         labels = spec.num_labels
-        if spec.family in SCORE_ALL_TOKENS_FAMILIES:
+        form = family(spec.family).classifier
+        if form == "score_all_tokens":
             return linear("score", n, labels, h, x, sh, bias=False)
-        if spec.family == "bert":
+        if form == "pooled":
             return dropout("head.dropout", b * h, sh.low, spec.hidden_dropout) + linear(
                 "classifier", b, labels, h, sh.low, sh)
         return (linear("classifier.dense", b, h, h, x, sh) + [elementwise("classifier.act", b * h, (sh.low,),
@@ -457,7 +436,7 @@ def first_token_backward(block: Block, sh: Shapes) -> list[Kernel]:
     if not isinstance(layer, TransformerSpec):
         return []
     first = block.role == "pooler" or (block.role == "head" and layer.head == "sequence-classification"
-                                       and layer.family in ("roberta", "distilbert"))
+                                       and family(layer.family).classifier in ("dense_tanh", "pre_classifier_relu"))
     if not first:
         return []
     e, h = nbytes(sh.act), layer.hidden_size
@@ -526,7 +505,7 @@ FUSED_OPS: dict[str, tuple[str, str]] = {
 }
 
 
-@cache
+@caches.lru(None, scope="model", key="(parameters, tensors, precision, optimizer, impl, ...)")
 def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: str, impl: str
                       ) -> tuple[Kernel, ...]:
     """The optimizer step's kernels on `n_params` parameters in `n_tensors` tensors (the local shard under
@@ -599,34 +578,16 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     broadcast and reduce move the whole buffer through every GPU's link, not 1/n of it as a ring all-reduce's
     steps do), in buffers of DP_COALESCE_BYTES; both flatten the tensors into those buffers on the GPU (a
     read and a write of the bytes each: `dp_flatten` reads and writes 2x them); plus its fixed thread/replicate cost."""
-    if world <= 1 or parallelism == "single":
+    strategy = strategy_of(parallelism)
+    if world <= 1 or strategy.uses_one_gpu:
         return ()
-    buckets = max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20)))
-
-    def comm(name: str, collective: str, count: int = 1, launches: int = 1, nbytes: int = grad_bytes) -> Kernel:
-        return Kernel(name, "communication", 0, nbytes, nbytes, F32, "step", count=count, launches=launches,
-                      collective=collective)
-
-    if parallelism == "ddp":
-        return (comm("ddp.allreduce", "allreduce", launches=buckets),)
-    if parallelism == "zero1":
-        return (comm("zero.allreduce", "allreduce", launches=buckets), comm("zero.all_gather", "all_gather"))
-    if parallelism == "zero2":
-        return (comm("zero.reduce_scatter", "reduce_scatter", count=grad_accum),
-                comm("zero.all_gather", "all_gather"))
-    if parallelism in ("zero3", "fsdp"):
-        u = max(1, units)
-        return (comm("fsdp.all_gather.forward", "fsdp_all_gather", count=grad_accum, launches=u),
-                comm("fsdp.all_gather.backward", "fsdp_all_gather_backward", count=grad_accum, launches=u),
-                comm("fsdp.reduce_scatter", "fsdp_reduce_scatter", count=grad_accum, launches=u))
-    if parallelism == "dp":
-        chunks = max(1, math.ceil(grad_bytes / DP_COALESCE_BYTES))
-        return (comm("dp.replicate.broadcast", "dp_broadcast", count=grad_accum, launches=chunks),
-                comm("dp.backward.reduce_add", "dp_reduce", count=grad_accum, launches=chunks),
-                comm("dp.flatten", "dp_flatten", count=grad_accum, launches=0, nbytes=2 * grad_bytes),
-                comm("dp.scatter_gather", "dp_io", count=grad_accum, launches=0, nbytes=dp_io_bytes),
-                comm("dp.replicate", "dp_replicate", count=grad_accum, launches=0, nbytes=0))
-    return ()
+    calls = {"buckets": max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20))), "units": max(1, units),
+             "dp_chunks": max(1, math.ceil(grad_bytes / DP_COALESCE_BYTES)), "one": 1, "none": 0}
+    payload = {"grads": grad_bytes, "flatten": 2 * grad_bytes, "dp_io": dp_io_bytes, "none": 0}
+    return tuple(Kernel(c.name, "communication", 0, payload[c.payload], payload[c.payload], F32, "step",
+                        count=grad_accum if c.per_micro_step else 1, launches=calls[c.launches],
+                        collective=c.collective)
+                 for c in strategy.communication)
 
 
 def _fold(kernels: list[Kernel]) -> list[Kernel]:
@@ -639,12 +600,13 @@ def _fold(kernels: list[Kernel]) -> list[Kernel]:
     return list(seen.values())
 
 
-def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
-                  flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
-    """Forward, backward and recompute kernels of one micro-step, identical layers folded (`count`)."""
+def training_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
+                     flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
+    """Forward, backward and recompute kernels of one micro-step training every parameter, identical layers
+    folded (`count`). Adapters (LoRA) reshape this list: planner.perf.micro_step.micro_kernels."""
     if padded is None:
         padded = model.inputs.attention_mask
-    sh = Shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
+    sh = cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
     out: list[Kernel] = []
     for block in model_blocks(model):
         layer = block.layer
@@ -657,9 +619,4 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
     if model.loss != "none" and model.transformers and model.loss != "multimodal":
         fwd = loss(model.transformers[-1], sh)
         out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
-    if config.lora:  # a frozen base, adapters, a 4-bit base (planner.adapters.speed)
-        from planner.adapters.lora import plan
-        from planner.adapters.speed import lora_kernels
-
-        return lora_kernels(model, config, _fold(out), sh, plan(model, config))
     return _fold(out)

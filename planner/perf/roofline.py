@@ -32,12 +32,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.perf.kernels import KINDS, Kernel, micro_kernels
+from planner import caches
+from planner.perf.kernels import KINDS, Kernel
+from planner.perf.micro_step import micro_kernels
 from planner.spec import GPU, ModelSpec, TrainConfig
 
 TFLOP = 1e12
@@ -205,7 +206,9 @@ def build_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float
         base=v1 - per_b, per_b=per_b)
 
 
-_TABLES: OrderedDict[tuple, tuple[ModelSpec, KernelTable]] = OrderedDict()
+_TABLES: OrderedDict[tuple, tuple[ModelSpec, KernelTable]] = caches.adopt(
+    "planner.perf.roofline._TABLES", OrderedDict(), scope="model",
+    key="(model identity, TrainConfig's shape fields, causal fraction, flash) -> kernel table, in use order")
 TABLE_CACHE_SIZE = 256
 TIMES_CACHE_SIZE = 512  # (micro-batch, GPU) timings kept per table
 # TrainConfig fields that do not change a micro-step's kernel list (the batch size scales it, see KernelTable).
@@ -213,7 +216,7 @@ NOT_SHAPE = frozenset({"batch_size", "grad_accum", "instances", "parallelism", "
                        "bucket_cap_mb", "optimizer", "optimizer_impl"})
 
 
-@lru_cache(maxsize=1)
+@caches.lru(1, scope="facts", key="none: TrainConfig's fields a kernel table depends on")
 def _shape_fields() -> tuple[str, ...]:
     """The shape class: every other TrainConfig field, in a fixed order."""
     return tuple(sorted(f for f in TrainConfig.model_fields if f not in NOT_SHAPE))

@@ -47,17 +47,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import numpy as np
 from pydantic import Field
 
+from planner import caches
 from planner.errors import PlannerError
+from planner.families import family
 from planner.identity_cache import per_object
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
+from planner.parallel import get as strategy_of
+from planner.parallel import resolve_name
 from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
@@ -154,7 +157,7 @@ def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstan
 # ---- communication -------------------------------------------------------------------------------
 
 
-@cache
+@caches.lru(None, scope="model", key="the number of ranks")
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for n = 1): how far, in standard deviations, the slowest
     of n GPUs lies behind their mean. Numerical integral of x * n * pdf(x) * cdf(x)^(n-1)."""
@@ -168,13 +171,11 @@ def expected_max_normal(n: int) -> float:
 
 def resolve_parallelism(config: TrainConfig, instance: Instance) -> str:
     """'auto' -> 'single' on one GPU in all, else 'ddp'."""
-    if config.parallelism != "auto":
-        return config.parallelism
-    return "single" if instance.gpus * config.instances == 1 else "ddp"
+    return resolve_name(config.parallelism, instance.gpus * config.instances)
 
 
 def world_size(parallelism: str, instance: Instance, instances: int) -> int:
-    return 1 if parallelism == "single" else instance.gpus * instances
+    return strategy_of(parallelism).world_size(instance.gpus, instances)
 
 
 def network_gbs(instance: Instance, constants: ThroughputConstants, efa: bool | None = None) -> float:
@@ -220,18 +221,19 @@ def parameter_tensors(block: Block) -> int:
         return 2  # BatchNorm weight + bias
     norm = 2 if layer.norm == "layernorm" else 1
     if block.role == "layer":
-        mlp = 3 if layer.family in ("llama", "mistral") else 2
+        mlp = 3 if family(layer.family).gated_mlp else 2
         return 4 * (2 if layer.attention_bias else 1) + mlp * (2 if layer.mlp_bias else 1) + 2 * norm
     if block.role == "embeddings":
-        return 1 + (layer.position_table > 0) + (layer.type_vocab_size > 0) + (norm if layer.family in (
-            "bert", "roberta", "distilbert") else 0)
+        return 1 + (layer.position_table > 0) + (layer.type_vocab_size > 0) + (
+            norm if family(layer.family).embedding_norm else 0)
     return 2 if block.role in ("pooler", "head") else norm
 
 
 # ---- the prediction ------------------------------------------------------------------------------
 
 
-_DEFAULT: list[ThroughputConstants] = []
+_DEFAULT: list[ThroughputConstants] = caches.adopt("planner.perf.throughput._DEFAULT", [], scope="facts",
+                                                    key="none: the default constants, made once")
 
 
 def _default_constants() -> ThroughputConstants:
@@ -255,7 +257,8 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
         lora = plan(model, config)
         n_params, n_tensors = lora.trainable, len(lora.shapes)
     layers = sum(t.num_layers for t in model.transformers) or None
-    io = dataparallel_replica_io_bytes(model, config) if config.parallelism == "dp" else 0
+    one_process = strategy_of(resolve_parallelism(config, instance)).one_process
+    io = dataparallel_replica_io_bytes(model, config) if one_process else 0
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
                             c, layers=layers, dp_io_bytes=io)
 
@@ -271,16 +274,17 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
     parallelism = resolve_parallelism(config, instance)
-    if parallelism == "dp" and config.instances > 1:
-        raise PlannerError("--parallelism", "dp", "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")
-    n_inst = 1 if parallelism == "single" else config.instances
+    strategy = strategy_of(parallelism)
+    if strategy.one_process and config.instances > 1:
+        raise PlannerError("--parallelism", parallelism, "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")
+    n_inst = 1 if strategy.uses_one_gpu else config.instances
     world = world_size(parallelism, instance, n_inst)
     gpu = instance.gpu
     peak, _ = peak_tflops(instance, config.precision, c)
 
     m = _micro_sums(table, config.batch_size, gpu, c)
     launches = m.launches
-    if parallelism == "dp" and world > 1:  # one process: the replicas' forward dispatch shares the GIL
+    if strategy.one_process and world > 1:  # one process: the replicas' forward dispatch shares the GIL
         launches = dataparallel_host_launches(m.launches, m.backward_launches, world, c)
     p = c.host_overlap_power
     host = host_seconds(launches, c.cpu_dispatch_s, instance)
@@ -290,7 +294,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     forward = overlapped(m.gpu_s - m.backward_gpu_s,
                          host_seconds(m.launches - m.backward_launches, c.cpu_dispatch_s, instance), p)
 
-    sharded = parallelism in ("zero1", "zero2", "zero3", "fsdp")
+    sharded = strategy.shards
     grad_bytes = n_params * PARAM_BYTES[config.precision]
     comm_total, exposed = _communication_times(
         (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
@@ -377,7 +381,8 @@ def _micro_sums(table: KernelTable, b: int, gpu: GPU, c: ThroughputConstants) ->
     return hit
 
 
-_OPTIMIZER_TIMES: dict[tuple, tuple[float, float, float, float]] = {}
+_OPTIMIZER_TIMES: dict[tuple, tuple[float, float, float, float]] = caches.table("planner.perf.throughput._OPTIMIZER_TIMES", scope="model",
+    key="(shard size, tensors, precision, optimizer, impl, GPU, constants) -> timings")
 OPTIMIZER_TIMES_CACHE_SIZE = 4096  # (shard size, optimizer, GPU) timings kept: a search meets a few dozen
 
 
@@ -394,7 +399,8 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
     return hit
 
 
-_COMM_TIMES: dict[tuple, tuple[float, float]] = {}
+_COMM_TIMES: dict[tuple, tuple[float, float]] = caches.table("planner.perf.throughput._COMM_TIMES", scope="model",
+    key="(strategy, sizes, phase times, instance figures, constants) -> timings")
 COMM_TIMES_CACHE_SIZE = 4096  # (strategy, sizes, phase times, instance) timings kept
 
 
@@ -413,7 +419,8 @@ def _communication_times(args: tuple, backward_s: float, forward_s: float, insta
     return hit
 
 
-_PARAMS: dict[int, tuple] = {}  # ModelSpec -> (parameters, parameter tensors) (`per_object`)
+_PARAMS: dict[int, tuple] = caches.table("planner.perf.throughput._PARAMS", scope="model",
+    key="ModelSpec identity (per_object): (parameters, parameter tensors)")  # ModelSpec -> (parameters, parameter tensors) (`per_object`)
 
 
 def parameter_counts(model: ModelSpec) -> tuple[int, int]:
@@ -427,11 +434,7 @@ def shard_units(parallelism: str, n_tensors: int, layers: int | None) -> int:
     the rest (transformer_auto_wrap_policy), one flat all-gather per unit; ZeRO-3 fetches each sub-module's
     parameters when it runs, about one module per two parameter tensors (weight + bias; ASSUMPTION). Without
     a layer count (traced models): about a dozen tensors a layer (GPT-2 12, BERT 16, Llama 9)."""
-    if parallelism == "zero3":
-        return max(1, n_tensors // 2)
-    if parallelism == "fsdp":
-        return (layers if layers else max(1, n_tensors // 12)) + 1
-    return 1
+    return strategy_of(parallelism).units(n_tensors, layers)
 
 
 def collective_seconds(k: Kernel, instance: Instance, n_inst: int, c: ThroughputConstants) -> float:

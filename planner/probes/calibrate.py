@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner.parallel import known
 from planner.probes.validate import gpu_family, signed_error_pct
 
 CALIBRATION_SCHEMA = "planner.calibration/1"
@@ -71,7 +72,8 @@ def sample_of(record: dict[str, Any], estimate: dict[str, Any] | None) -> Sample
     if fam is None:
         return None
     s = record.get("summary") or {}
-    single = (record.get("world_size") or 1) == 1 and (record.get("config") or {}).get("parallelism") != "dp"
+    strategy = known((record.get("config") or {}).get("parallelism"))  # None: "auto" or not recorded
+    single = (record.get("world_size") or 1) == 1 and not (strategy and strategy.one_process)
     context = s.get("cuda_context") if single else None
     frag = None
     if s.get("peak_reserved") and s.get("peak_allocated"):

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from planner import caches
 from planner.errors import PlannerError
+from planner.parallel import is_default
 from planner.spec import (
     ATTENTIONS,
     OPTIMIZERS,
@@ -214,7 +215,7 @@ def _parse(kind: type[PublicRun], path: Path) -> list[Any]:
     return rows
 
 
-@cache
+@caches.lru(None, scope="facts", key="the public-data root")
 def _sources(root: str) -> dict[str, PublicSource]:
     path = Path(root) / SOURCES_FILE
     out = {}
@@ -252,7 +253,7 @@ def _check(rows: list[PublicRun], root: Path, name: str) -> None:
         if row.model not in models:
             raise PlannerError(f"{where} model", row.model, "a catalog name (`planner models`)")
         get_gpu(row.gpu)  # raises with near names
-        if row.gpus == 1 and row.parallelism not in ("single", "auto"):
+        if row.gpus == 1 and not is_default(row.parallelism):
             raise PlannerError(f"{where} parallelism", row.parallelism, "single for a one-GPU run")
         assert row.precision in PRECISIONS and row.attention in ATTENTIONS and row.optimizer in OPTIMIZERS
         assert row.parallelism in PARALLELISMS or row.parallelism == "auto"

@@ -16,6 +16,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlannerError
+from planner.parallel import get as strategy_of
+from planner.parallel import resolve_name
 from planner.spec import ModelSpec, TrainConfig
 
 REQUEST_SCHEMA = "planner.probe-request/1"
@@ -122,16 +124,13 @@ def predict(model: ModelSpec | str, config: TrainConfig, instance: Any, **user: 
 
 def resolve_parallelism(config: TrainConfig, gpus: int) -> str:
     """What `auto` means when no estimate is at hand: one GPU alone, DDP over several."""
-    if config.parallelism != "auto":
-        return config.parallelism
-    return "single" if gpus * config.instances == 1 else "ddp"
+    return resolve_name(config.parallelism, gpus * config.instances)
 
 
 def world_size(parallelism: str, gpus_per_instance: int, instances: int) -> tuple[int, int]:
     """(gpus used per instance, world size): `single` uses one GPU, `dp` one process over all GPUs."""
-    if parallelism == "single":
-        return 1, 1
-    return gpus_per_instance, gpus_per_instance * instances
+    strategy = strategy_of(parallelism)
+    return strategy.gpus_per_instance(gpus_per_instance), strategy.world_size(gpus_per_instance, instances)
 
 
 def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: Any, *,
@@ -167,7 +166,7 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
     else:
         resolved = config.model_copy(update={"parallelism": resolve_parallelism(config, gpus)})
     per_instance, world = world_size(resolved.parallelism, gpus, resolved.instances)
-    if est_json and est_json.get("world_size") and resolved.parallelism != "single":
+    if est_json and est_json.get("world_size") and not strategy_of(resolved.parallelism).uses_one_gpu:
         world = int(est_json["world_size"])
         per_instance = max(1, world // resolved.instances)
     gpu = getattr(getattr(inst, "gpu", None), "name", None)

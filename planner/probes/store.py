@@ -64,7 +64,7 @@ def redact_string(text: str) -> str:
 
 def _public_accounts() -> frozenset[str]:
     """AWS's own DLC registry accounts: public, and needed to read an image URI back."""
-    from planner.aws.images import DLC_ACCOUNTS
+    from planner.dlc import DLC_ACCOUNTS
 
     return frozenset(DLC_ACCOUNTS.values())
 

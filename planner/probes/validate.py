@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from planner.parallel import is_default
+
 TERMS: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "model_states", "activations",
                           "peak_allocated", "peak_reserved", "device_peak", "samples_per_s")
 ALLOCATOR_TERMS = ("model_states", "peak_allocated", "peak_reserved", "device_peak")
@@ -125,7 +127,7 @@ def config_label(cfg: dict[str, Any]) -> str:
     parts.append(str(cfg.get("attention", "")))
     if (cfg.get("grad_accum") or 1) > 1:
         parts.append(f"ga{cfg['grad_accum']}")
-    if cfg.get("parallelism") not in (None, "single", "auto"):
+    if not is_default(cfg.get("parallelism")):
         parts.append(str(cfg["parallelism"]))
     if cfg.get("optimizer") not in (None, "adamw"):
         parts.append(str(cfg["optimizer"]))

@@ -9,9 +9,9 @@ cache keeps a search over a traced model interactive (`TRACE_CACHE_SIZE` entries
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.spec import TrainConfig
 
@@ -31,7 +31,7 @@ def _checkpointing_for(module: Any) -> None:
     enable_checkpointing(module)
 
 
-@lru_cache(maxsize=TRACE_CACHE_SIZE)
+@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(module reference, options, inputs, loss, config JSON, backend, ...)")
 def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | None, config_json: str, backend: str,
                 flash_ok: bool) -> StepTrace:
     from planner.models import user_module
@@ -50,7 +50,7 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
                       enable_checkpointing=_checkpointing_for)
 
 
-@lru_cache(maxsize=TRACE_CACHE_SIZE)
+@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(config.json path, options, config JSON, backend, flash)")
 def _config_trace(path: str, options_json: str, config_json: str, backend: str, flash_ok: bool) -> StepTrace:
     from pathlib import Path
 
@@ -114,7 +114,7 @@ def is_traced_config(model: object) -> bool:
 SCALE_TRACES = True
 
 
-@lru_cache(maxsize=TRACE_CACHE_SIZE)
+@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(source kind, its arguments, config JSON)")
 def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
     """The trace at the config's micro-batch: interpolated from the base batches' traces when it is not one
     of them (and they are the same program), else traced directly."""

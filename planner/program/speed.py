@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner import caches
 from planner.perf.kernels import KINDS
 from planner.perf.roofline import PHASES, KernelTable
 from planner.perf.throughput import ThroughputConstants, table_throughput
@@ -110,7 +111,8 @@ def kernel_table(trace: StepTrace) -> KernelTable:
         base=base, per_b=np.zeros_like(base))
 
 
-_TABLES: dict[int, tuple[StepTrace, KernelTable]] = {}
+_TABLES: dict[int, tuple[StepTrace, KernelTable]] = caches.table("planner.program.speed._TABLES", scope="model",
+    key="traced step identity: (StepTrace, KernelTable)")
 TABLE_CACHE_SIZE = 64  # as planner.program.sources.TRACE_CACHE_SIZE: one table per cached trace
 
 

@@ -106,7 +106,7 @@ def load_search(name: str, storage: str | None = None, results_dir: str | Path =
     import optuna
 
     from planner.search.results import trials_frame
-    from planner.search.storage import open_storage, parse_storage
+    from planner.search.storage import load_study
     from planner.search.study import JOURNAL_FILE
 
     results_dir = Path(results_dir)
@@ -116,16 +116,10 @@ def load_search(name: str, storage: str | None = None, results_dir: str | Path =
             found = sorted(p.parent.name for p in results_dir.glob(f"*/{JOURNAL_FILE}"))
             raise PlannerError("--study", name, f"a search with {results_dir}/<study>/{JOURNAL_FILE} (found: "
                                f"{', '.join(found) or 'none'}), or pass --storage URL")
-    spec = parse_storage(storage, results_dir / name / JOURNAL_FILE)
-    store = open_storage(spec)
-    names = optuna.study.get_all_study_names(store)
-    if name not in names:
-        raise PlannerError("--study", name, f"one of the searches in {spec.display()}: {', '.join(names) or 'none'}")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=store)
+    study, display = load_study(name, storage, results_dir / name / JOURNAL_FILE)
     run = StoredRun(_stored_run(study, name), study)
     minimize = study.directions[0] == optuna.study.StudyDirection.MINIMIZE
-    return Search(name, spec.display(), [run], trials_frame(run.run), "minimize" if minimize else "maximize")
+    return Search(name, display, [run], trials_frame(run.run), "minimize" if minimize else "maximize")
 
 
 # Quantity -> (predicted column, measured column, unit) in results/probes.parquet (planner.probes.store.flatten:

@@ -9,9 +9,11 @@ run adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.run import lengths as lens
 from planner.run import replay as rr
@@ -48,7 +50,8 @@ def request(lengths: str, *, padding: str = "longest", steps: int | None = None,
     return RunRequest(_parsed(lengths), padding, steps, seed)
 
 
-_PARSED: dict[str, tuple] = {}
+_PARSED: dict[str, tuple] = caches.table("planner.run.simulate._PARSED", scope="model",
+    key="--lengths text -> parsed lengths")
 
 
 def _parsed(text: str) -> lens.Lengths:
@@ -84,24 +87,36 @@ def plan(req: RunRequest, batch_size: int, seq_len: int, steps: int) -> lens.Run
     return lens.RunPlan(tuple(padded), real, p.truncated_samples)
 
 
+@dataclass(frozen=True)
+class EstimateSteps:
+    """The estimate pipeline's own steps that a run repeats at each length: prepare a step, scale its speed
+    by the calibration, find its timeline peaks and its band terms. planner.estimate passes them in (it
+    imports this module), so the run never imports the estimate back."""
+
+    prepare: Callable[..., Any]
+    calibrated: Callable[..., Throughput]
+    timeline_peaks: Callable[..., Any]
+    band_terms: Callable[..., tuple]
+
+
 class StepsAt:
     """One step per length, prepared as `estimate` prepares the step at --seq-len (the same config with
     another `seq_len`), its allocator trace and its speed; each made once per run."""
 
-    def __init__(self, prep, runtime: Any, backend: str, model_options: dict | None, stack: Any) -> None:
+    def __init__(self, prep, runtime: Any, backend: str, model_options: dict | None, stack: Any,
+                 steps: EstimateSteps) -> None:
         self.base, self.runtime, self.backend, self.options, self.stack = prep, runtime, backend, model_options, stack
+        self.steps = steps
         self._preps: dict[int, Any] = {}
         self._traces: dict[int, Any] = {}
         self._speeds: dict[int, Throughput] = {}
 
     def prep(self, length: int):
-        from planner.estimate import _prepare
-
         hit = self._preps.get(length)
         if hit is None:
             b = self.base
             cfg = b.cfg.model_copy(update={"seq_len": length})
-            hit = self._preps[length] = _prepare(b.spec, cfg, b.inst, self.runtime, self.backend, self.options,
+            hit = self._preps[length] = self.steps.prepare(b.spec, cfg, b.inst, self.runtime, self.backend, self.options,
                                                  self.stack)
         return hit
 
@@ -117,13 +132,13 @@ class StepsAt:
         return hit
 
     def throughput(self, length: int) -> Throughput:
-        from planner.estimate import _calibrated
         from planner.perf.throughput import predict_throughput
 
         hit = self._speeds.get(length)
         if hit is None:
             p = self.prep(length)
-            hit = self._speeds[length] = _calibrated(predict_throughput(p.spec, p.cfg, p.inst), p.throughput_scale)
+            hit = self._speeds[length] = self.steps.calibrated(predict_throughput(p.spec, p.cfg, p.inst),
+                                                                p.throughput_scale)
         return hit
 
 
@@ -195,7 +210,6 @@ def apply_run(est: Estimate, prep, req: RunRequest, at: StepsAt, *, expandable: 
               with_throughput: bool, dataset_size: int | None, spot: bool) -> Estimate:
     """`est` (the step at --seq-len) with the run: `run`, and the verdict, band and headroom of its peak;
     throughput and cost from each step's time at its own length."""
-    from planner.estimate import _band_terms, _timeline_peaks
     from planner.memory import band
 
     cfg = est.config
@@ -206,11 +220,11 @@ def apply_run(est: Estimate, prep, req: RunRequest, at: StepsAt, *, expandable: 
                            capacity=capacity)
     r, p = run.result, run.plan
     distinct = sorted(set(p.padded))
-    allocated = max(_timeline_peaks(at.prep(n).step)[1].total for n in distinct)
+    allocated = max(at.steps.timeline_peaks(at.prep(n).step)[1].total for n in distinct)
     reserved = max(r.peak_reserved, allocated)
     peak_step = run.program.step_of_event(r.peak_event) if r.peak_event >= 0 else -1
     device = m.cuda_context + m.nccl + reserved
-    terms = _band_terms(prep, allocated, reserved, m.nccl, replayed=True)
+    terms = at.steps.band_terms(prep, allocated, reserved, m.nccl, replayed=True)
     low, _, high = band.totals(terms)
     verdict = band.verdict(low, high, est.gpu_memory_bytes)
     padded_tokens = sum(p.padded) * cfg.batch_size

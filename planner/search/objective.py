@@ -77,7 +77,7 @@ class Evaluation:
 
 def _reason(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        from planner.cli.common import one_line
+        from planner.errors import one_line
 
         return one_line(exc)
     return str(exc).replace("\n", " ")
@@ -110,7 +110,7 @@ class Objective:
         try:
             space.point({dim: values[0] for dim, values in space.searched().items()})
         except ValidationError as exc:
-            from planner.cli.common import one_line
+            from planner.errors import one_line
 
             raise PlannerError("fixed", space.fixed, one_line(exc)) from None
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planner.parallel import STRATEGIES
 from planner.search.columns import (
     CONFIG_COLUMNS,
     LORA_COLUMNS,
@@ -105,7 +106,7 @@ TIE_SIGNIFICANT_DIGITS = 4
 # Among tied configurations, the simpler parallelism first: what a user would pick given equal speed and
 # cost (DDP is plain PyTorch; ZeRO-1 adds a sharded optimizer, ZeRO-2 sharded gradients, ZeRO-3/FSDP sharded
 # parameters; DataParallel is single-process and discouraged by PyTorch's docs in favour of DDP).
-SIMPLICITY: dict[str, int] = {"single": 0, "ddp": 1, "zero1": 2, "zero2": 3, "fsdp": 4, "zero3": 4, "dp": 5}
+SIMPLICITY: dict[str, int] = {name: s.rank for name, s in STRATEGIES.items()}  # each record's `rank`
 
 
 def _rounded(values: pd.Series) -> pd.Series:

@@ -301,3 +301,18 @@ def remove_if_empty(spec: StorageSpec, created: bool) -> None:
         p.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         file.parent.rmdir()
+
+
+def load_study(name: str, storage: str | None, journal: Path) -> tuple[Any, str]:
+    """The stored study `name` and where it is stored, in words: the report reads a finished search through
+    this, so only the search opens its storage. `storage` None means the journal file `journal`."""
+    import optuna
+
+    spec = parse_storage(storage, journal)
+    store = open_storage(spec)
+    names = optuna.study.get_all_study_names(store)
+    if name not in names:
+        raise PlannerError("--study", name, f"one of the searches in {spec.display()}: {', '.join(names) or 'none'}")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=name, storage=store), spec.display()
+

@@ -1,0 +1,66 @@
+"""The hand-modelled transformer families, one record each (`traits.Family`).
+
+Adding a family whose layers have one of the modelled forms: one record here and its config.json reader in
+planner.models.hf_config. Sources: transformers 5 modeling_* files (module names, registration order),
+peft 0.18 TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, each config class's defaults.
+"""
+
+from __future__ import annotations
+
+from planner.errors import PlannerError
+from planner.families.traits import Family, Linear
+
+_BERT_LAYER = (Linear("attention.self.query", "h", "q"), Linear("attention.self.key", "h", "kv"),
+               Linear("attention.self.value", "h", "kv"), Linear("attention.output.dense", "q", "h"),
+               Linear("intermediate.dense", "h", "i"), Linear("output.dense", "i", "h"))
+_DECODER_SCORE = (Linear("score", "h", "labels", "no", last=True, head=True),)
+_DECODER_LM = (Linear("lm_head", "h", "vocab", "no", output=True),)
+_LLAMA_LAYER = (Linear("self_attn.q_proj", "h", "q", "attention"), Linear("self_attn.k_proj", "h", "kv", "attention"),
+                Linear("self_attn.v_proj", "h", "kv", "attention"), Linear("self_attn.o_proj", "q", "h", "attention"),
+                Linear("mlp.gate_proj", "h", "i", "mlp"), Linear("mlp.up_proj", "h", "i", "mlp"),
+                Linear("mlp.down_proj", "i", "h", "mlp"))
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("bert", "Bert", "bert", "post_norm_encoder", "pooled", "transform_own_bias", "buffer",
+           token_types="buffer", token_type_inputs=True, int64_buffer_tables=2,
+           lora_default_targets=("query", "value"), layer_prefix="encoder.layer.{i}.", layer_linears=_BERT_LAYER,
+           classifier_linears=(Linear("classifier", "h", "labels", last=True, head=True),),
+           lm_head_linears=(Linear("cls.predictions.transform.dense", "h", "h"),
+                            Linear("cls.predictions.decoder", "h", "vocab", output=True))),
+    Family("roberta", "Roberta", "roberta", "post_norm_encoder", "dense_tanh", "transform_own_bias",
+           "from_input_ids", token_types="gathered", int64_buffer_tables=2, positions_after_norm=True,
+           lora_default_targets=("query", "value"), layer_prefix="encoder.layer.{i}.", layer_linears=_BERT_LAYER,
+           classifier_linears=(Linear("classifier.dense", "h", "h", head=True),
+                               Linear("classifier.out_proj", "h", "labels", last=True, head=True)),
+           lm_head_linears=(Linear("lm_head.dense", "h", "h"), Linear("lm_head.decoder", "h", "vocab", output=True))),
+    Family("distilbert", "DistilBert", "distilbert", "post_norm_encoder", "pre_classifier_relu",
+           "transform_projector", "buffer", attention_output_dropout=False, int64_buffer_tables=1,
+           layer_prefix="transformer.layer.{i}.",
+           layer_linears=(Linear("attention.q_lin", "h", "q"), Linear("attention.k_lin", "h", "kv"),
+                          Linear("attention.v_lin", "h", "kv"), Linear("attention.out_lin", "q", "h"),
+                          Linear("ffn.lin1", "h", "i"), Linear("ffn.lin2", "i", "h")),
+           classifier_linears=(Linear("pre_classifier", "h", "h"),
+                               Linear("classifier", "h", "labels", last=True, head=True)),
+           lm_head_linears=(Linear("vocab_transform", "h", "h"), Linear("vocab_projector", "h", "vocab", output=True))),
+    Family("gpt2", "GPT2", "transformer", "pre_norm_conv1d", "score_all_tokens", "plain", "arange",
+           probs_cast="value", lora_default_targets=("c_attn",), layer_prefix="h.{i}.",
+           layer_linears=(Linear("attn.c_attn", "h", "qkv", conv1d=True), Linear("attn.c_proj", "q", "h", conv1d=True),
+                          Linear("mlp.c_fc", "h", "i", conv1d=True), Linear("mlp.c_proj", "i", "h", conv1d=True)),
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM),
+    Family("llama", "Llama", "model", "pre_norm_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True,
+           lora_default_targets=("q_proj", "v_proj"), layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM),
+    Family("mistral", "Mistral", "model", "pre_norm_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, sliding_window=True,
+           lora_default_targets=("q_proj", "v_proj"), layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM),
+)}
+
+
+def family(name: str) -> Family:
+    """The record of a hand-modelled family."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise PlannerError("family", name, ", ".join(FAMILIES)) from None
