@@ -324,17 +324,21 @@ def start_points(space: SearchSpace, objective: Objective) -> list[Start]:
     enqueued trial itself costs nothing more. A start, not a guess at the optimum."""
     if not space.parameters():
         return []
+    # A search over several sequence lengths answers with one best per length (a front): each length gets
+    # its start on every type, or TPE, drawn to the cheapest length, may never try the longest.
+    lengths = space.values().get("seq_len", ())
+    bases = [{"seq_len": n} for n in lengths] if len(lengths) > 1 else [{}]
     starts = []
     for name in space.instance_types:
         try:
-            starts.append(_start(space, objective, name))
+            starts.extend(_start(space, objective, name, base) for base in bases)
         except Exception:  # a bug in an estimate: the first trial meets it again and keeps it as a FAIL trial
             break
     return starts
 
 
-def _start(space: SearchSpace, objective: Objective, name: str) -> Start:
-    """The start of one instance type (see start_points)."""
+def _start(space: SearchSpace, objective: Objective, name: str, base: dict[str, Any] | None = None) -> Start:
+    """The start of one instance type (see start_points); `base`: values every candidate keeps (a length)."""
     batches = len(space.values()["batch_size"])
 
     def with_batch(params: dict[str, Any], index: int) -> dict[str, Any]:
@@ -343,7 +347,7 @@ def _start(space: SearchSpace, objective: Objective, name: str) -> Start:
     instance = objective.instances[name]
     reason, smallest, tried = "no micro-batch hits the global batch", None, set()
     for overrides in START_FALLBACKS:
-        params = _start_params(space, instance, overrides)
+        params = _start_params(space, instance, {**(base or {}), **overrides})
         if params is None:
             continue
         # only micro-batches that hit the global batch exactly can be feasible
@@ -357,7 +361,7 @@ def _start(space: SearchSpace, objective: Objective, name: str) -> Start:
             return Start(name, with_batch(params, best), True)
         smallest = with_batch(params, candidates[0])
         reason = objective.evaluate_point(points[candidates[0]]).reason
-    return Start(name, smallest or with_batch(_start_params(space, instance, {}) or {}, 0), False, reason)
+    return Start(name, smallest or with_batch(_start_params(space, instance, dict(base or {})) or {}, 0), False, reason)
 
 
 def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str, sweep: Sweep, *,
@@ -405,7 +409,11 @@ def run_study(storage: optuna.storages.BaseStorage, spec: StorageSpec, name: str
         if before == 0:
             # several types: each type's own search (its start, then its descent) is recorded before TPE;
             # one type keeps the plain TPE search from its start (unchanged: it already finds its best)
-            descend_first = len(space.instance_types) > 1 and sampler == "tpe" and len(objective.directions) == 1
+            # A search over several sequence lengths answers with a front, one best per length: a descent
+            # minimising one figure over all lengths would settle on the shortest and starve the others, so
+            # such a search keeps TPE from its starts.
+            descend_first = (len(space.instance_types) > 1 and sampler == "tpe" and len(objective.directions) == 1
+                             and len(space.values().get("seq_len", ())) <= 1)
             if descend_first and estimate_fn is None and len(space.instance_types) >= WARM_REPLAY_TYPES:
                 from planner.memory import compiled
 
