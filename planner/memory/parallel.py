@@ -43,6 +43,16 @@ class Sharding:
     gradients: float
     optimizer_states: float
 
+    def block_bytes(self, full_params: int, full_grads: int) -> tuple[int, int, int, int]:
+        """A block's (resident parameters, resident gradients, gathered parameters, transient gradients) on
+        one GPU, from its unsharded bytes: ZeRO-3/FSDP all-gathers a unit's full parameters while it runs
+        (and prefetches the next one: twice the missing share), and holds its unsharded gradients until the
+        reduce-scatter. Both front ends (analytic and traced) lay blocks out with it."""
+        resident_p, resident_g = int(full_params * self.parameters), int(full_grads * self.gradients)
+        gathered = 2 * (full_params - resident_p) if self.parameters < 1 else 0
+        transient = full_grads - resident_g if self.gradients < 1 else 0
+        return resident_p, resident_g, gathered, transient
+
 
 def sharding(config: TrainConfig, world: int) -> Sharding:
     shards = strategies.get(config.parallelism).sharding

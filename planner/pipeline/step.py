@@ -160,10 +160,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
         full_g = facts.gradients_by_block.get(act.block, 0) * g_bytes
         if lora is not None:
             full_p, full_g = lora.get(act.block, (0, 0))
-        resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
-        # ZeRO-3/FSDP all-gathers a unit's full parameters while it runs (and prefetches the next one).
-        gathered = 2 * (full_p - resident_p) if share.parameters < 1 else 0
-        transient_g = full_g - resident_g if share.gradients < 1 else 0
+        resident_p, resident_g, gathered, transient_g = share.block_bytes(full_p, full_g)
         saved_casts = 0 if act.checkpointed else act.weight_cast_bytes
         out.append(timeline.BlockMemory(
             name=act.block,
@@ -277,12 +274,11 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
         trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
         full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
-        resident_p, resident_g = int(full_p * share.parameters), int(full_g * share.gradients)
+        resident_p, resident_g, gathered, transient_g = share.block_bytes(full_p, full_g)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
             name=b.name, param_bytes=resident_p, grad_bytes=resident_g,
-            gathered_param_bytes=2 * (full_p - resident_p) if share.parameters < 1 else 0,
-            transient_grad_bytes=full_g - resident_g if share.gradients < 1 else 0,
+            gathered_param_bytes=gathered, transient_grad_bytes=transient_g,
             kept_bytes=keep, saved_bytes=b.saved_bytes, forward_transient_bytes=b.forward_transient_bytes,
             backward_transient_bytes=b.backward_transient_bytes, checkpointed=keep < b.saved_bytes,
             retained_bytes=b.retained_bytes))
