@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT = ROOT / "results" / "validation" / "h200" / "measured-2026-11-26"
-INSTANCE_OF_GPU = {"NVIDIA H200": "ml.p5e.48xlarge", "NVIDIA H100 80GB HBM3": "ml.p5.48xlarge"}
 GiB = 1 << 30
 
 
@@ -49,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readings", type=Path, default=DEFAULT)
     args = ap.parse_args(argv)
     env = json.loads((args.readings / "env.json").read_text())
-    instance = INSTANCE_OF_GPU[env["gpu"]]
+    from planner.probes.readings import INSTANCE_FOR_GPU, gpu_of
+
+    instance = INSTANCE_FOR_GPU[gpu_of(env)]
     rows = [json.loads(line) for line in (args.readings / "traced.jsonl").read_text().splitlines() if line.strip()]
     print(f"Models outside the catalog on {env['gpu']} (torch {env['torch']}), predicted as {instance}, one GPU")
     print(f"{'model':<13}{'prec':>9}{'b':>3} {'alloc GiB':>17} {'err':>7} {'reserved GiB':>17} {'err':>7}")

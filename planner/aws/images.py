@@ -1,25 +1,8 @@
 """Which AWS Deep Learning Container (DLC) runs the probe on a given instance, in a given region.
 
-A DLC is usable on a GPU only if its PyTorch wheel carries kernels for that GPU's architecture: a cubin
-for compute capability (M, m') runs on (M, m) when m' <= m (same major), and PTX for (M, m') JIT-compiles
-on anything >= (M, m'). The arch lists below are those of the PyTorch wheels each DLC installs
-(`pip install torch==X --index-url https://download.pytorch.org/whl/cuXYZ`, see the DLC Dockerfiles):
-
-* PyTorch 2.6 cu126: 5.0 6.0 7.0 7.5 8.0 8.6 9.0                 (.ci/manywheel/build_cuda.sh, 12.6 case)
-* PyTorch 2.7 cu128: 7.5 8.0 8.6 9.0 10.0 12.0+PTX — **no Volta**   (sm_50-sm_70 removed for CUDA 12.8)
-* PyTorch 2.8 cu129: 7.0 7.5 8.0 8.6 9.0 10.0 12.0+PTX — Volta kept (pytorch/pytorch#157517; release/2.8
-  build_cuda.sh "we would like to keep sm_70"; atalman in pytorch/pytorch#160269: "Volta is still supported
-  for both CUDA 12.8 and 12.9 builds" of 2.8)
-* PyTorch 2.9 / 2.10 cu130: 7.5 8.0 8.6 9.0 10.0 12.0+PTX — CUDA 13 dropped Maxwell/Pascal/Volta
-  (RELEASE.md support matrix, pytorch/pytorch#164471)
-* 2.11+: Volta also dropped from cu128 (pytorch/pytorch#172352); the new `pytorch` DLC family (AL2023,
-  cu130/cu133) has no sm70 either.
-
-So the newest DLC that still runs on V100 (ml.p3*, sm70) is `pytorch-training:2.8.0-gpu-py312-cu129-
-ubuntu22.04-sagemaker` (end of patch 2026-08-06, DLC docs/src/data/pytorch-training/2.8-gpu-sagemaker.yml);
-2.6.0 cu126 is the fallback. Everything sm75+ gets 2.10.0 (py313, cu130). The AL2023 `pytorch` family is
-not used because its script-mode entry point (sagemaker_program) is not documented alongside it; pass
-`--image` to use any other image.
+The choice reads the DLC table of planner/dlc.py: which PyTorch build each DLC carries and the GPU
+architectures its wheel has kernels for (the sources are in that module's docstring). An instance gets the
+newest DLC whose wheel runs on its GPU's compute capability; `--image` uses any other image.
 """
 
 from __future__ import annotations
