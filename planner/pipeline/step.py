@@ -207,6 +207,15 @@ class _Prepared:
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
+def _optimizer_config(cfg: TrainConfig, lay: framework_layout.StateLayout) -> TrainConfig:
+    """Megatron and DeepSpeed step Adam with fused multi-tensor kernels whatever the loop would pick
+    (megatron/core/optimizer/__init__.py imports Transformer Engine's / apex's FusedAdam; deepspeed/runtime/
+    engine.py _configure_basic_optimizer builds FusedAdam for Adam/AdamW without CPU offload)."""
+    if lay.kind in ("megatron", "deepspeed") and cfg.optimizer in ("adam", "adamw"):
+        return cfg.model_copy(update={"optimizer_impl": "fused"})
+    return cfg
+
+
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
              calibration: dict[str, Any] | None = None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block.
@@ -239,7 +248,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         opt_temp = optimizer.optimizer_temporary_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
         trained = lora.trainable
     else:
-        states, opt_temp = _optimizer_bytes(facts, cfg, p_bytes, share.optimizer_states)
+        states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
         trained = sum(facts.gradients_by_block.values()) or total_params
     # Megatron / DeepSpeed: fp32 master weights beside the states, DeepSpeed's fp32 gradient partition at the step
     states += int(trained * lay.master_bytes * share.optimizer_states)
@@ -336,10 +345,11 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
 def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
-    if strategy_of(cfg.parallelism).ddp_buckets and not cfg.gradient_as_bucket_view:
+    lay = framework_layout.layout(cfg)
+    if strategy_of(cfg.parallelism).ddp_buckets and not cfg.gradient_as_bucket_view and not lay.replace_ddp_buckets:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
                      "would save them")
-    layout_line = framework_layout.describe(framework_layout.layout(cfg))
+    layout_line = framework_layout.describe(lay)
     if layout_line and (cfg.framework != "pytorch" or strategy_of(cfg.parallelism).sharding.parameters):
         notes.append(layout_line)
     if strategy_of(cfg.parallelism).one_process:
