@@ -39,6 +39,7 @@ from planner.cli.common import (
     handles_errors,
     parse_model_options,
 )
+from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt
 from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
 from planner.errors import PlannerError
 from planner.io import dumps_json
@@ -96,11 +97,15 @@ CONFIG_FLAGS = ("batch_size", "seq_len", "precision", "optimizer", "optimizer_im
 
 def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     """The configuration flags of a command's arguments (`locals()` at its start), LoRA's included."""
+    from planner.cli.framework_opts import framework_fields
     from planner.cli.lora_opts import lora_fields
 
-    return {k: flags[k] for k in CONFIG_FLAGS} | lora_fields(
+    fw = framework_fields(flags.get("framework") or "pytorch", flags.get("ds_config"), flags["parallelism"],
+                          flags["precision"])
+    args = {k: flags[k] for k in CONFIG_FLAGS} | {"parallelism": fw.pop("parallelism", flags["parallelism"])}
+    return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
-        flags.get("base_dtype") or "auto")
+        flags.get("base_dtype") or "auto") | fw
 
 
 def check_torch() -> None:
@@ -258,6 +263,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        framework: FrameworkOpt = "pytorch",
+        ds_config: DsConfigOpt = None,
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
@@ -329,6 +336,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        framework: FrameworkOpt = "pytorch",
+        ds_config: DsConfigOpt = None,
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
