@@ -168,9 +168,10 @@ def _config_text(row: Any, shown: set[str]) -> str:
     parts = [f"{_int(row['batch_size'])}x{_int(row['grad_accum'])}x{_int(gpus)}"]
     if "seq_len" in shown:
         parts.append(f"s{_int(row['seq_len'])}")
-    for dim in ("precision", "parallelism", "attention", "optimizer", "optimizer_impl"):
+    for dim in ("precision", "parallelism", "attention", "optimizer", "optimizer_impl", "framework"):
         if dim in shown:
-            parts.append(str(row[dim]))
+            value = row.get(dim)
+            parts.append(value if isinstance(value, str) else "pytorch")  # NaN: a plain-PyTorch trial
     if "checkpointing" in shown:
         parts.append("ckpt" if row["checkpointing"] else "no-ckpt")
     if "lora_r" in shown:
@@ -259,7 +260,8 @@ def print_result(result: SearchResult, top: int) -> None:
             f"[bold]best:[/] {_instance_text(b)}, micro-batch {_int(b['batch_size'])} x accumulation "
             f"{_int(b['grad_accum'])} x {_int(b['world_size'])} GPUs = global batch {_int(b['global_batch_size'])}, "
             f"seq {_int(b['seq_len'])}, {b['precision']}, {'checkpointing' if b['checkpointing'] else 'no checkpointing'}, "
-            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}", highlight=False)
+            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}"
+            + (f", {b['framework']}" if isinstance(b.get("framework"), str) else ""), highlight=False)
         console.print(
             f"      {_num(b['samples_per_s'], ',.1f')} samples/s; {_num(b[time_col])} h and "
             f"{_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per million samples'} at "
@@ -484,6 +486,9 @@ def register(app: typer.Typer) -> None:
                                                             "eager.")] = None,
         parallelisms: Annotated[str | None, typer.Option(
             help="ddp, zero1, zero2, zero3, fsdp, dp (default all), single, auto.")] = None,
+        frameworks: Annotated[str | None, typer.Option(
+            help="pytorch (default), torchtitan, megatron, deepspeed, accelerate, lightning: whose layouts "
+                 "apply.")] = None,
         results_dir: Annotated[Path, typer.Option(help="Where results/<study>/ goes.")] = Path("results"),
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
@@ -510,7 +515,8 @@ def register(app: typer.Typer) -> None:
             sweep_file=sweep, model=model, model_options=model_option, instance=instance, nodes=nodes,
             space={"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
                    "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
-                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms},
+                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms,
+                   "frameworks": frameworks},
             constraints={"max_memory_fraction": max_memory_fraction, "global_batch_size": global_batch_size,
                          "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len,
                          "accept_tight": accept_tight},

@@ -23,12 +23,14 @@ from planner.errors import PlannerError
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
+    FRAMEWORKS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PARALLELISMS,
     PRECISIONS,
     Attention,
     BaseDtype,
+    Framework,
     Instance,
     ModelSpec,
     OptimizerImpl,
@@ -57,6 +59,8 @@ DIMENSIONS: dict[str, str] = {
     "lora_r": "lora_ranks",
     "lora_targets": "lora_target_sets",
     "base_dtype": "base_dtypes",
+    # whose layouts apply (planner.parallel.frameworks); a strategy a framework lacks is an infeasible point
+    "framework": "frameworks",
 }
 # Flag of each SpaceSpec field, so an error names what the user typed.
 FLAGS: dict[str, str] = {field: "--" + field.replace("_", "-") for field in DIMENSIONS.values()}
@@ -81,6 +85,7 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "lora_ranks": (None,),  # full fine-tuning unless a sweep asks for adapters
     "lora_target_sets": ("",),
     "base_dtypes": ("auto",),
+    "frameworks": ("pytorch",),
 }
 # The LoRA dimensions' values when a sweep asks for no adapters (TrainConfig's defaults).
 LORA_UNSET: dict[str, Any] = {"lora_r": None, "lora_targets": "", "base_dtype": "auto"}
@@ -90,7 +95,7 @@ INDEX_SUFFIX = "_index"
 # TrainConfig fields a sweep may fix besides the dimensions (e.g. gradient_as_bucket_view: true).
 FIXABLE: tuple[str, ...] = tuple(f for f in TrainConfig.model_fields if f not in DIMENSIONS)
 # `fixed.instances` (and `--instances N`) stays accepted: it fixes the instance-count dimension.
-FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype")
+FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype", "framework")
 
 
 def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -117,6 +122,7 @@ class SpaceSpec(BaseModel):
     lora_ranks: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
     lora_target_sets: tuple[str, ...] | None = None
     base_dtypes: tuple[BaseDtype, ...] | None = None
+    frameworks: tuple[Framework, ...] | None = None
 
     @field_validator("*")
     @classmethod
@@ -165,6 +171,7 @@ class SearchSpace(BaseModel):
     lora_ranks: tuple[PositiveInt | None, ...] = (None,)
     lora_target_sets: tuple[str, ...] = ("",)
     base_dtypes: tuple[BaseDtype, ...] = ("auto",)
+    frameworks: tuple[Framework, ...] = ("pytorch",)
     global_batch_size: PositiveInt | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields
     dropped: dict[str, tuple[Any, ...]] = Field(default_factory=dict)  # defaults left out, per field
@@ -208,7 +215,8 @@ class SearchSpace(BaseModel):
     def constants(self) -> dict[str, Any]:
         """Dimensions with one value plus the fixed TrainConfig fields."""
         out = {dim: vals[0] for dim, vals in self.values().items() if len(vals) == 1
-               and not (dim in LORA_UNSET and vals[0] == LORA_UNSET[dim])}  # no adapters: nothing to report
+               and not (dim in LORA_UNSET and vals[0] == LORA_UNSET[dim])  # no adapters: nothing to report
+               and not (dim == "framework" and vals[0] == "pytorch")}
         return {**out, **self.fixed}
 
     @property
@@ -252,7 +260,7 @@ class SearchSpace(BaseModel):
 
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
-             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS}
+             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "frameworks": FRAMEWORKS}
     return table[name]
 
 
