@@ -52,6 +52,9 @@ class StateLayout:
     grads_resident: bool  # gradients live for the whole run (Megatron's main-grad buffer)
     replace_ddp_buckets: bool  # the framework's own gradient buffers replace DDP's buckets
     bucket_elements: int  # DeepSpeed: elements of 16-bit reduce buckets held for the run
+    # bytes per parameter each collective moves (speed): gradients reduced, parameters gathered
+    reduce_comm_bytes: int = 4
+    gather_comm_bytes: int = 4
 
     @property
     def legacy(self) -> bool:
@@ -101,12 +104,14 @@ def layout(cfg: TrainConfig) -> StateLayout:
     base = dict(framework=fw.name, kind="autocast", param_bytes=p, grad_bytes=g, gather_bytes=0,
                 unsharded_grad_bytes=g, reduce_copy_bytes=0, master_bytes=0, state_param_bytes=p, step_grad_bytes=0,
                 activation_precision=cfg.precision, autocast_cache=amp, units_in_flight=2, prefetch_elements=0,
-                frozen_grads=False, grads_resident=False, replace_ddp_buckets=False, bucket_elements=0)
+                frozen_grads=False, grads_resident=False, replace_ddp_buckets=False, bucket_elements=0,
+                reduce_comm_bytes=g, gather_comm_bytes=p)
     engine = fw.engine_for(strategy)
     if engine == "megatron" and sixteen:
         return StateLayout(**base | dict(kind="megatron", param_bytes=2, grad_bytes=4, unsharded_grad_bytes=4,
                                          master_bytes=4, state_param_bytes=4, activation_precision=sixteen,
-                                         autocast_cache=False, grads_resident=True, replace_ddp_buckets=True))
+                                         autocast_cache=False, grads_resident=True, replace_ddp_buckets=True,
+                                         reduce_comm_bytes=4, gather_comm_bytes=2))
     if engine == "deepspeed":
         ds = _deepspeed(cfg)
         width = 2 if sixteen else 4
@@ -120,18 +125,19 @@ def layout(cfg: TrainConfig) -> StateLayout:
             master_bytes=4 if sixteen else 0, state_param_bytes=4, step_grad_bytes=4 if sixteen else 0,
             activation_precision=sixteen or cfg.precision, autocast_cache=False,
             prefetch_elements=ds.prefetch_bucket_size if stage == 3 else 0, replace_ddp_buckets=True,
-            bucket_elements=buckets))
+            bucket_elements=buckets, reduce_comm_bytes=width, gather_comm_bytes=width))
     if strategy == "fsdp" and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
         if fw.fsdp_precision == "policy":  # units gathered in 16 bits, computed in 16 bits, no autocast
             return StateLayout(**base | dict(
                 kind="policy", gather_bytes=2, unsharded_grad_bytes=2, reduce_copy_bytes=reduce if reduce != 2 else 0,
                 activation_precision=sixteen, autocast_cache=False, units_in_flight=fw.units_in_flight,
-                frozen_grads=fw.flat_params))
+                frozen_grads=fw.flat_params, reduce_comm_bytes=reduce, gather_comm_bytes=2))
         # policy-fp32 (Lightning's bf16-mixed): fp32 units, autocast casting per op without a cache (FSDP1 views)
         return StateLayout(**base | dict(
             kind="policy-fp32", gather_bytes=4, unsharded_grad_bytes=4, reduce_copy_bytes=reduce,
-            autocast_cache=False, units_in_flight=fw.units_in_flight, frozen_grads=fw.flat_params))
+            autocast_cache=False, units_in_flight=fw.units_in_flight, frozen_grads=fw.flat_params,
+            reduce_comm_bytes=reduce, gather_comm_bytes=4))
     if strategy == "fsdp" and fw.flat_params:
         # FSDP1 without a 16-bit policy: units gathered in the parameters' dtype, flat gradients
         return StateLayout(**base | dict(kind="fsdp1", gather_bytes=p, units_in_flight=fw.units_in_flight,

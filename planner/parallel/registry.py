@@ -28,9 +28,11 @@ def _fsdp_units(n_tensors: int, layers: int | None) -> int:
 
 
 _ALLREDUCE = Collective("ddp.allreduce", "allreduce", per_micro_step=False, launches="buckets")
-_ZERO_ALLGATHER = Collective("zero.all_gather", "all_gather", per_micro_step=False, launches="one")
-_FSDP = (Collective("fsdp.all_gather.forward", "fsdp_all_gather", per_micro_step=True, launches="units"),
-         Collective("fsdp.all_gather.backward", "fsdp_all_gather_backward", per_micro_step=True, launches="units"),
+_ZERO_ALLGATHER = Collective("zero.all_gather", "all_gather", per_micro_step=False, launches="one", payload="params")
+_FSDP = (Collective("fsdp.all_gather.forward", "fsdp_all_gather", per_micro_step=True, launches="units",
+                    payload="params"),
+         Collective("fsdp.all_gather.backward", "fsdp_all_gather_backward", per_micro_step=True, launches="units",
+                    payload="params"),
          Collective("fsdp.reduce_scatter", "fsdp_reduce_scatter", per_micro_step=True, launches="units"))
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (

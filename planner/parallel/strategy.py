@@ -39,7 +39,8 @@ class Sharding:
 # How many NCCL calls a collective is issued as, and how many bytes it moves: names the speed model resolves
 # (planner.perf.kernels.comm_kernels) against the step's gradient bytes, bucket cap and wrapped units.
 Launches = Literal["buckets", "units", "dp_chunks", "one", "none"]
-Payload = Literal["grads", "flatten", "dp_io", "none"]
+# "params": the parameters all-gathered (ZeRO/FSDP), in the framework's gather dtype, frozen ones included
+Payload = Literal["grads", "params", "flatten", "dp_io", "none"]
 
 
 @dataclass(frozen=True)

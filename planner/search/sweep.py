@@ -279,7 +279,8 @@ def load_sweep(path: str | Path) -> Sweep:
                            if isinstance(data.get(k), str)}}
     if isinstance(data, dict) and isinstance(data.get("fixed"), dict) and isinstance(data["fixed"].get("ds_config"),
                                                                                       str):
-        from planner.parallel.ds_config import read_ds_config  # fixed: {ds_config: ds.json}, next to the sweep
+        # fixed: {ds_config: ds.json}, next to the sweep
+        from planner.parallel.ds_config import read_ds_config
 
         fixed = dict(data["fixed"])
         ds_path = fixed.pop("ds_config")
