@@ -117,7 +117,7 @@ def _framework_lines(est: Estimate) -> list[str]:
     if describe(lay):
         lines.append(describe(lay) + ".")
     total = est.parameters["total"]
-    if cfg.parallelism == "fsdp" and cfg.precision.startswith("amp"):
+    if strategy_of(cfg.parallelism).fsdp and cfg.precision.startswith("amp"):
         if lay.autocast_cache:
             lines.append(f"Why this differs from an FSDP mixed-precision policy (--framework torchtitan or "
                          f"accelerate): autocast's cache keeps the 16-bit cast of each unsharded parameter until the "

@@ -21,6 +21,7 @@ def framework_fields(framework: str, ds_config: str | None, parallelism: str = "
                      precision: str | None = None) -> dict[str, Any]:
     """The TrainConfig fields of --framework / --ds-config (empty for the defaults). A ds_config's stage sets an
     "auto" parallelism and must agree with a given one; its bf16/fp16 must agree with --precision."""
+    from planner.parallel import known
     from planner.parallel.frameworks import get
 
     get(framework)  # an unknown framework: one line, exit 2
@@ -37,7 +38,7 @@ def framework_fields(framework: str, ds_config: str | None, parallelism: str = "
         wanted = STAGE_STRATEGY[ds.stage]
         if parallelism == "auto":
             out["parallelism"] = wanted
-        elif parallelism != wanted and not (ds.stage == 0 and parallelism == "single"):
+        elif parallelism != wanted and not (ds.stage == 0 and getattr(known(parallelism), "uses_one_gpu", False)):
             raise PlannerError("--parallelism", parallelism,
                                f"{wanted} (the ds_config's zero_optimization.stage {ds.stage}), or leave it out")
     if ds.dtype and precision is not None and ds.dtype not in precision:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from planner.memory import model_states
 from planner.parallel import frameworks
+from planner.parallel import get as strategy_of
 from planner.spec import DeepSpeedSettings, TrainConfig
 
 _SIXTEEN = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16", "fp16": "fp16"}
@@ -97,6 +98,7 @@ def layout(cfg: TrainConfig) -> StateLayout:
     """The layout of `cfg` (parallelism resolved; its framework checked by frameworks.check)."""
     fw = frameworks.get(cfg.framework)
     strategy = cfg.parallelism
+    fsdp = strategy_of(strategy).fsdp
     p = model_states.parameter_dtype_bytes(cfg.precision)
     g = model_states.gradient_dtype_bytes(cfg.precision)
     sixteen = _SIXTEEN.get(cfg.precision)
@@ -115,7 +117,7 @@ def layout(cfg: TrainConfig) -> StateLayout:
     if engine == "deepspeed":
         ds = _deepspeed(cfg)
         width = 2 if sixteen else 4
-        stage = 3 if strategy == "zero3" else 2 if strategy == "zero2" else 1 if strategy == "zero1" else 0
+        stage = strategy_of(strategy).sharding.zero_stage
         overlap = ds.overlap_comm if ds.overlap_comm is not None else stage == 3
         buckets = ds.reduce_bucket_size * (2 if overlap and stage in (1, 2) else 1)
         if stage in (1, 2) and not ds.contiguous_gradients:
@@ -126,7 +128,7 @@ def layout(cfg: TrainConfig) -> StateLayout:
             activation_precision=sixteen or cfg.precision, autocast_cache=False,
             prefetch_elements=ds.prefetch_bucket_size if stage == 3 else 0, replace_ddp_buckets=True,
             bucket_elements=buckets, reduce_comm_bytes=width, gather_comm_bytes=width))
-    if strategy == "fsdp" and fw.fsdp_precision != "autocast" and amp:
+    if fsdp and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
         if fw.fsdp_precision == "policy":  # units gathered in 16 bits, computed in 16 bits, no autocast
             return StateLayout(**base | dict(
@@ -138,7 +140,7 @@ def layout(cfg: TrainConfig) -> StateLayout:
             kind="policy-fp32", gather_bytes=4, unsharded_grad_bytes=4, reduce_copy_bytes=reduce,
             autocast_cache=False, units_in_flight=fw.units_in_flight, frozen_grads=fw.flat_params,
             reduce_comm_bytes=reduce, gather_comm_bytes=4))
-    if strategy == "fsdp" and fw.flat_params:
+    if fsdp and fw.flat_params:
         # FSDP1 without a 16-bit policy: units gathered in the parameters' dtype, flat gradients
         return StateLayout(**base | dict(kind="fsdp1", gather_bytes=p, units_in_flight=fw.units_in_flight,
                                          frozen_grads=True, autocast_cache=False))

@@ -59,7 +59,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero3", "ZeRO-3", Sharding(True, True, True), loop_zero_grad=False, rank=4, communication=_FSDP,
              units=_zero3_units, notes="Every model state sharded; parameters all-gathered per module."),
     Strategy("fsdp", "FSDP FULL_SHARD", Sharding(True, True, True), loop_zero_grad=False, rank=4,
-             communication=_FSDP, units=_fsdp_units,
+             communication=_FSDP, units=_fsdp_units, fsdp=True,
              notes="PyTorch FSDP FULL_SHARD: ZeRO-3 semantics, one flat all-gather per wrapped unit."),
 )}
 

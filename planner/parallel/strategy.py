@@ -77,6 +77,9 @@ class Strategy:
     # (parameter tensors, transformer layers or None)
     units: Callable[[int, int | None], int] = _one_unit
     rank: int = 0  # simplicity: lower is simpler to run; a search prefers it among equals
+    # PyTorch's FSDP wrapper: which one (FSDP1/FSDP2) and its mixed precision are the framework's
+    # (planner.parallel.frameworks)
+    fsdp: bool = False
     notes: str = ""
 
     @property
