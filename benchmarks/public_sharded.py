@@ -59,19 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", action="store_true", help="print every row (the default prints them too)")
     ap.parse_args(argv)
     res = evaluate(load_public_sharded())
-    print("Published FSDP / ZeRO runs: planner verdict vs what happened (results/public/sharded/runs.csv)")
-    print(f"{'row':<34}{'fw':<11}{'ran':>4}{'verdict':>8}{'peak':>7}{'pytorch':>9}{'peak':>7}{'GPU':>5}"
-          f"{'err':>7}")
+    print("Published FSDP / ZeRO runs: planner verdict vs what happened")
+    print("(results/public/sharded/runs.csv; peaks in GiB, whole device)")
+    print(f"{'row':<28}{'fw':<10}{'ran':>4}{'verdict':>8}{'peak':>6}{'pytorch':>8}{'peak':>6}{'GPU':>4}"
+          f"{'err':>6}")
     for r in res:
         err = f"{100 * r['err']:+.0f}%" if r["err"] is not None else ""
-        print(f"{r['id'][:33]:<34}{r['framework']:<11}{r['outcome']:>4}{r['verdict']:>8}{r['peak_gib']:>7.1f}"
-              f"{r['plain_verdict']:>9}{r['plain_gib']:>7.1f}{r['capacity_gib']:>5.0f}{err:>7}")
+        print(f"{r['id'][:27]:<28}{r['framework']:<10}{r['outcome']:>4}{r['verdict']:>8}{r['peak_gib']:>6.1f}"
+              f"{r['plain_verdict']:>8}{r['plain_gib']:>6.1f}{r['capacity_gib']:>4.0f}{err:>6}")
     good = sum(_answered(r) for r in res)
     plain_good = sum(_answered({**r, "verdict": r["plain_verdict"]}) for r in res)
     sure_fit_oom = sum(r["outcome"] == "oom" and r["verdict"] == "fits" for r in res)
-    print(f"answered as they ran: {good} of {len(res)} under each row's framework, {plain_good} of {len(res)} "
-          f"under --framework pytorch; sure fits that ran out of memory: {sure_fit_oom}")
-    print("err: predicted / measured - 1 on the quantity the source measured (allocated or reserved)")
+    print(f"answered as they ran: {good} of {len(res)} under each row's framework, {plain_good} of {len(res)}")
+    print(f"under --framework pytorch; sure fits that ran out of memory: {sure_fit_oom}")
+    print("err: predicted / measured - 1 on what the source measured (allocated or reserved)")
     return 0
 
 
