@@ -80,13 +80,17 @@ class StateLayout:
         else:
             grad_full = full_grad_bytes  # the parameters' own gradients (fp32 adapters under LoRA)
         resident_g = int(grad_full * share_grads)
-        if not sharded:
+        # a policy unshards in its own dtype even when nothing is sharded (world size 1): a 16-bit copy of the
+        # units in flight, and a unit's 16-bit gradients copied to reduce_dtype
+        recast = self.gather_bytes != self.param_bytes
+        if not sharded and not recast:
             gathered = 0
         elif self.prefetch_elements or self.kind == "deepspeed":
             gathered = (n_params + min(self.prefetch_elements, n_params)) * self.gather_bytes
         else:
             gathered = self.units_in_flight * n_params * self.gather_bytes
-        transient = grads_n * (self.unsharded_grad_bytes + self.reduce_copy_bytes) if share_grads < 1 else 0
+        transient = grads_n * (self.unsharded_grad_bytes + self.reduce_copy_bytes) if (
+            share_grads < 1 or recast) else 0
         return resident_p, resident_g, gathered, transient
 
 
