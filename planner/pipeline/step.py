@@ -292,14 +292,15 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     full = trace(False)
     kept = trace(True) if cfg.checkpointing else full
     kept_by = {b.name: b.saved_bytes + b.retained_bytes for b in kept.blocks}
-    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
-    g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
+    lay = framework_layout.layout(cfg)  # the framework's dtypes (the trace itself runs as --precision says)
+    p_bytes, g_bytes = lay.param_bytes, lay.grad_bytes
     blocks = []
     for b in full.blocks:
         # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
         trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
         full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
-        resident_p, resident_g, gathered, transient_g = share.block_bytes(full_p, full_g)
+        laid = lay.block_bytes(share.parameters, share.gradients, b.parameters, full_p, trained, full_g)
+        resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
             name=b.name, param_bytes=resident_p, grad_bytes=resident_g,
@@ -309,7 +310,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
             retained_bytes=b.retained_bytes))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
-    opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
+    opt_bytes = 4 if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
     if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
@@ -317,15 +318,17 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
-        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(full.parameters.get(
-            "trainable", total), cfg)),
+        ddp_bucket_bytes=lay.bucket_bytes() if lay.replace_ddp_buckets else parallel.ddp_bucket_bytes(
+            cfg, model_states.gradient_bytes(full.parameters.get("trainable", total), cfg)),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=full.batch_bytes,
-        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states),
-        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, opt_bytes,
-                                                                      share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
-                                                                           cfg.optimizer_impl),
+        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states)
+        + int(full.parameters.get("trainable", total) * lay.master_bytes * share.optimizer_states),
+        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes,
+                                                                      share.optimizer_states)
+        + int(full.parameters.get("trainable", total) * lay.step_grad_bytes * share.optimizer_states),
+        grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
+            view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
     )
     notes = ["traced on CPU fake tensors, mapped to what CUDA does; throughput from the traced ops",
