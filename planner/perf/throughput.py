@@ -302,7 +302,8 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     from planner.memory.framework_layout import layout as state_layout
 
     lay = state_layout(config.model_copy(update={"parallelism": parallelism}))
-    gathered = gather_params if gather_params is not None else n_params
+    # ZeRO-3/FSDP gather every parameter (frozen ones too); ZeRO-1/2 gather only what the optimizer updated
+    gathered = gather_params if gather_params is not None and strategy.sharding.parameters else n_params
     reduced = gathered if (lay.frozen_grads and sharded) else n_params  # FSDP1 flat gradients cover frozen ones
     grad_bytes = reduced * lay.reduce_comm_bytes
     param_bytes = gathered * lay.gather_comm_bytes
