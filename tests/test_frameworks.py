@@ -254,3 +254,23 @@ def test_autocast_caches_the_cast_of_a_leaf_parameter():
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         nn.functional.linear(nn.functional.linear(x, weight), weight).sum()
     assert len(saved) == 2 and saved[0] != saved[1]
+
+
+def _comm_total(framework: str, **kw) -> float:
+    from planner.hardware import get_instance
+    from planner.models.catalog import cached_model
+    from planner.perf.throughput import predict_throughput
+
+    cfg = TrainConfig(batch_size=2, seq_len=2048, precision="amp-bf16", checkpointing=True, parallelism="fsdp",
+                      instances=8, framework=framework, **kw)
+    return predict_throughput(cached_model("llama-3-8b"), cfg, get_instance("ml.p4de.24xlarge")
+                              ).breakdown_s["communication_total_s"]
+
+
+def test_fsdp_collectives_move_the_frameworks_dtypes_and_every_parameter():
+    """A policy all-gathers in bf16 (half of autocast's fp32) and reduce-scatters in fp32: 2 of 3 collectives
+    halve; under LoRA the all-gathers still move every (frozen) parameter."""
+    ratio = _comm_total("torchtitan") / _comm_total("pytorch")
+    assert 0.6 < ratio < 0.75
+    lora = _comm_total("torchtitan", lora_r=8)
+    assert lora > 0.5 * _comm_total("torchtitan")
