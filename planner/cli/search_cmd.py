@@ -182,6 +182,13 @@ def _config_text(row: Any, shown: set[str]) -> str:
     return " ".join(parts)
 
 
+def _fixed_text(value: Any) -> str:
+    """A fixed value as the user gave it: a ds_config by its file (or stage), not its every field."""
+    if isinstance(value, dict) and "reduce_bucket_size" in value:
+        return value.get("source") or f"ds_config stage {value.get('stage')}"
+    return str(value)
+
+
 def _instance_text(row: Any) -> str:
     n = _int(row.get("instances"))
     name = str(row["instance"]).removeprefix("ml.")
@@ -239,7 +246,7 @@ def print_result(result: SearchResult, top: int) -> None:
     shown = set(run.space.searched())
     fixed = {k: v for k, v in run.space.constants().items() if k not in shown and k != "instance"}
     if fixed:
-        console.print("fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), highlight=False)
+        console.print("fixed: " + ", ".join(f"{k}={_fixed_text(v)}" for k, v in fixed.items()), highlight=False)
     if run.space.dropped:
         from planner.search.space import dropped_reason
 
