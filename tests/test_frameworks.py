@@ -274,3 +274,14 @@ def test_fsdp_collectives_move_the_frameworks_dtypes_and_every_parameter():
     assert 0.6 < ratio < 0.75
     lora = _comm_total("torchtitan", lora_r=8)
     assert lora > 0.5 * _comm_total("torchtitan")
+
+
+def test_explain_a_lora_run_under_fsdp1():
+    """A LoRA run's explanation (its adapter step has no per-step figures) says the flat gradients cover the
+    frozen weights."""
+    from planner.explain import explain
+
+    cfg = TrainConfig(batch_size=1, seq_len=256, precision="amp-bf16", parallelism="fsdp", framework="accelerate",
+                      lora_r=8, checkpointing=True)
+    steps = explain(estimate("llama-2-7b", cfg, "ml.g5.12xlarge"), "llama-2-7b")
+    assert any("frozen weights get gradients too" in line for s in steps for line in s.lines)
