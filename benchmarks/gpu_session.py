@@ -1028,7 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
     from importlib import metadata
 
-    for mod in ("transformers", "peft", "bitsandbytes"):  # not imported here: bitsandbytes would start CUDA
+    # Versions read from the installed metadata, not by importing (bitsandbytes would start CUDA here).
+    for mod in ("transformers", "peft", "bitsandbytes", "accelerate", "pytorch-lightning", "lightning"):
         try:
             env[mod] = metadata.version(mod)
         except metadata.PackageNotFoundError:
