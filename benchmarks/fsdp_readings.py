@@ -5,6 +5,7 @@ on ONE GPU in a one-process group: plain + autocast, FSDP2 with and without Mixe
 resharding, LoRA on a bf16 base, FSDP1 with MixedPrecision. World size 1 shards nothing, but the 16-bit unit
 copies, the autocast cache and their lifetimes show. This script predicts each variant's phase peaks
 (allocated) under the framework whose layout it is and prints predicted / measured - 1. Nothing is fitted.
+On the 2026-11-27 readings: median |error| 4 % over 18 phase peaks (docs/frameworks.md).
 
 Usage: python benchmarks/fsdp_readings.py [results/validation/h200/measured-2026-11-27/fsdp.jsonl]
 """
