@@ -1,0 +1,113 @@
+"""Issue 37: bad input on the newer features (GPU readings, own modules, traced configs, sweeps, storage, a
+full disk, a silent endpoint, stacks that cannot exist). Each is one line naming the input, the value and what
+is allowed; exit 2; nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_bad_input import assert_one_line_error, invoke
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT / "results" / "validation" / "h200" / "shared-2026-11-26"
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"" for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PLANNER_CALIBRATION", str(tmp_path / "no-calibration.json"))
+    monkeypatch.setenv("PLANNER_PRICES", str(tmp_path / "no-prices.json"))
+
+
+# ---- validate --readings ------------------------------------------------------------------------------------
+
+GOOD_ROW = json.loads(next(iter((SHARED / "steps.jsonl").read_text().splitlines())))
+GOOD_ENV = (SHARED / "env.json").read_text()
+
+
+def _row(**change: object) -> str:
+    row = {**GOOD_ROW, **change}
+    return json.dumps({k: v for k, v in row.items() if v is not ...})
+
+
+def _peak_string() -> str:
+    row = json.loads(_row())
+    row["step1"]["forward"]["max_alloc"] = "1GB"
+    return json.dumps(row)
+
+
+STEPS = {
+    "malformed": ("{not json", "valid JSON"),
+    "binary": (bytes(range(256)) * 4, "binary"),
+    "blank-line-then-bad": (_row() + "\n\n" + "{", "line 3"),
+    "mixed": (_row() + "\n" + "[1, 2]", "a JSON object per line"),
+    "row-a-list": ("[1, 2, 3]", "a JSON object per line"),
+    "peak-a-string": (_peak_string(), "max_alloc"),
+    "empty": ("", "at least one successful row"),
+    "only-blank": ("\n\n", "at least one successful row"),
+    "all-failed": (_row(status="oom") + "\n" + _row(status="error"), "at least one successful row"),
+    "missing-keys": (json.dumps({"model": "bert-base-uncased", "status": "ok"}), "b="),
+    "missing-step-time": (_row(step_time_s=...), "step_time_s"),
+    "nan-step-time": (_row().replace(f'"step_time_s": {GOOD_ROW["step_time_s"]}', '"step_time_s": NaN'),
+                      "NaN"),
+    "zero-step-time": (_row(step_time_s=0), "step_time_s"),
+    "negative-batch": (_row(b=-1), "b="),
+    "batch-a-string": (_row(b="8"), "b="),
+    "steps-a-list": (_row(step1=[1, 2]), "step1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_bad_steps_jsonl_is_one_line(tmp_path, name):
+    content, expected = STEPS[name]
+    folder = tmp_path / "readings"
+    folder.mkdir()
+    (folder / "env.json").write_text(GOOD_ENV)
+    (folder / "steps.jsonl").write_bytes(content if isinstance(content, bytes) else content.encode())
+    before = listing(tmp_path)
+    code, _, err = invoke(["validate", "--readings", str(folder)])
+    assert_one_line_error(code, err, str(folder), expected)
+    assert listing(tmp_path) == before
+
+
+ENVS = {
+    "missing": (None, "an existing file"),
+    "malformed": ("{", "valid JSON"),
+    "a-list": ("[]", "a JSON object"),
+    "binary": (bytes(range(256)), "binary"),
+    "no-gpu": ('{"torch": "2.4.0"}', "gpu"),
+    "unknown-gpu": ('{"gpu": "Tesla K80"}', "Tesla K80"),
+    "gpu-a-number": ('{"gpu": 7}', "gpu"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENVS))
+def test_bad_env_json_is_one_line(tmp_path, name):
+    content, expected = ENVS[name]
+    folder = tmp_path / "readings"
+    folder.mkdir()
+    (folder / "steps.jsonl").write_text(_row())
+    if content is not None:
+        (folder / "env.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, _, err = invoke(["validate", "--readings", str(folder)])
+    assert_one_line_error(code, err, "env.json", expected)
+
+
+def test_a_good_folder_beside_a_bad_one_is_refused_before_anything_is_compared(tmp_path):
+    good = tmp_path / "good"
+    shutil.copytree(SHARED, good)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "env.json").write_text(GOOD_ENV)
+    (bad / "steps.jsonl").write_text("{")
+    code, out, err = invoke(["validate", "--readings", str(good), "--readings", str(bad)])
+    assert_one_line_error(code, err, str(bad), "valid JSON")
+    assert out == ""
