@@ -111,3 +111,27 @@ def test_a_good_folder_beside_a_bad_one_is_refused_before_anything_is_compared(t
     code, out, err = invoke(["validate", "--readings", str(good), "--readings", str(bad)])
     assert_one_line_error(code, err, str(bad), "valid JSON")
     assert out == ""
+
+
+# ---- traced config.json -------------------------------------------------------------------------------------
+
+TRACED = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("key,value", [("num_hidden_layers", 1_000_000), ("num_hidden_layers", 0),
+                                       ("num_hidden_layers", -1), ("hidden_size", "big"), ("vocab_size", 0),
+                                       ("num_attention_heads", 2.5), ("intermediate_size", True),
+                                       ("vocab_size", 10**30)])
+def test_traced_config_sizes_are_checked_before_anything_is_built(tmp_path, key, value):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TRACED, key: value}))
+    code, _, err = invoke(["estimate", "--model", str(path), "--instance", "ml.g5.xlarge"])
+    assert_one_line_error(code, err, key, repr(value) if isinstance(value, str) else str(value))
+
+
+def test_traced_config_transformers_refuses_is_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TRACED, "num_attention_heads": 3}))  # 64 is not a multiple of 3 heads
+    code, _, err = invoke(["estimate", "--model", str(path), "--instance", "ml.g5.xlarge"])
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
