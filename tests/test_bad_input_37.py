@@ -135,3 +135,113 @@ def test_traced_config_transformers_refuses_is_one_line(tmp_path):
     path.write_text(json.dumps({**TRACED, "num_attention_heads": 3}))  # 64 is not a multiple of 3 heads
     code, _, err = invoke(["estimate", "--model", str(path), "--instance", "ml.g5.xlarge"])
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- storage ------------------------------------------------------------------------------------------------
+
+SMALL_SEARCH = ["search", "--instance", "ml.p3.2xlarge", "--batch-sizes", "4,8", "--parallelisms", "single",
+                "--no-progress"]
+
+
+@pytest.mark.parametrize("storage,expected", [("sqlite://", "sqlite:///PATH.db"), ("sqlite:///:memory:", "file"),
+                                              ("journal:/dev/null", "regular file"),
+                                              ("sqlite:////dev/null", "regular file")])
+def test_storage_that_keeps_nothing_is_one_line(tmp_path, storage, expected):
+    before = listing(tmp_path)
+    code, _, err = invoke([*SMALL_SEARCH, "--trials", "2", "--results-dir", str(tmp_path / "r"),
+                           "--storage", storage])
+    assert_one_line_error(code, err, "--storage", storage, expected)
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("content", [b"garbage here\n", bytes(range(256)) * 4, b'{"op_code": 0}\n',
+                                     b"[1, 2]\n", b"\xff\xfe\n", b'{"op_code": 0, "worker_id": "w"}\nnot json\n'])
+def test_foreign_journal_is_refused_untouched_and_no_lock_files(tmp_path, content):
+    journal = tmp_path / "mine.log"
+    journal.write_bytes(content)
+    before = listing(tmp_path)
+    code, _, err = invoke([*SMALL_SEARCH, "--trials", "2", "--results-dir", str(tmp_path / "r"),
+                           "--storage", str(journal)])
+    assert_one_line_error(code, err, "journal", str(journal))
+    assert listing(tmp_path) == before  # nothing appended, no .lock / .study-lock, no results folder
+
+
+@pytest.mark.parametrize("storage", [None, "sqlite"])
+def test_a_finished_search_leaves_no_lock_files(tmp_path, storage):
+    extra = [] if storage is None else ["--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    code, _, err = invoke([*SMALL_SEARCH, "--trials", "2", "--study", "s", "--results-dir", str(tmp_path), *extra])
+    assert code == 0, err
+    assert not [p.name for p in tmp_path.rglob("*lock*")]
+
+
+def _create_trials(journal: Path) -> list[bytes]:
+    return [line for line in journal.read_bytes().splitlines() if json.loads(line)["op_code"] == 4]
+
+
+def test_a_journal_cut_at_its_end_is_repaired_keeping_every_whole_record(tmp_path):
+    args = [*SMALL_SEARCH, "--study", "j", "--results-dir", str(tmp_path)]
+    assert invoke([*args, "--trials", "3"])[0] == 0
+    journal = tmp_path / "j" / "journal.log"
+    whole = journal.read_bytes()
+    kept = _create_trials(journal)
+    journal.write_bytes(whole + b'{"op_code":4,"worker_id":"x","study_id":0,"datetime_st')  # a cut record
+    code, _, err = invoke([*args, "--trials", "5"])
+    assert code == 0, err
+    assert "cut short" in err and "every whole record kept" in err
+    assert journal.read_bytes().startswith(whole) and _create_trials(journal)[: len(kept)] == kept
+    assert len(_create_trials(journal)) == 5
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as ENOSPC on a full disk
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.argv = ["planner", *sys.argv[2:]]
+from planner.cli.main import main
+main()
+"""
+
+
+def test_a_study_whose_disk_filled_resumes_keeping_every_finished_trial(tmp_path):
+    """The file-size limit (RLIMIT_FSIZE) stands in for a full disk: write(2) writes what fits, then fails,
+    as it does with ENOSPC; no root or small filesystem needed."""
+    import os
+    import subprocess
+    import sys
+
+    args = [*SMALL_SEARCH, "--study", "j", "--results-dir", str(tmp_path)]
+    assert invoke([*args, "--trials", "2"])[0] == 0
+    journal = tmp_path / "j" / "journal.log"
+    before = _create_trials(journal)
+    record = max(len(r) for r in before) + 1
+    limit = journal.stat().st_size + record + record // 2  # one more trial fits, the next is cut mid-record
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_PRICES": os.environ["PLANNER_PRICES"],
+           "PLANNER_CALIBRATION": os.environ["PLANNER_CALIBRATION"]}
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(limit), *args, "--trials", "6"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    data = journal.read_bytes()
+    assert data.endswith(b"\n") and len(data) <= limit  # whole records only: the failed write was cut back
+    finished = _create_trials(journal)
+    assert finished[: len(before)] == before and len(finished) == len(before) + 1
+    code, _, err = invoke([*args, "--trials", "6"])  # space freed
+    assert code == 0, err
+    assert _create_trials(journal)[: len(finished)] == finished and len(_create_trials(journal)) == 6
+
+
+def test_a_new_sqlite_study_on_a_full_disk_leaves_no_partial_database(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "s.db"
+    args = [*SMALL_SEARCH, "--study", "s", "--results-dir", str(tmp_path / "r"), "--storage", f"sqlite:///{db}",
+            "--trials", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, "40000", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

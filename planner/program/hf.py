@@ -115,9 +115,9 @@ def builder(hf_config: Any, path: str) -> Callable[[], Any]:
     def build() -> Any:
         """On the meta device (no weight init runs: some inits, e.g. trunc_normal_, read values), then
         storage-less fake CPU tensors via `to_empty` (the tracer calls this inside FakeTensorMode)."""
-        import torch
-
         import warnings
+
+        import torch
 
         try:
             # a warning from torch or transformers while building ("zero-element tensors") is no error of the
