@@ -245,3 +245,53 @@ def test_a_new_sqlite_study_on_a_full_disk_leaves_no_partial_database(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---- a silent endpoint --------------------------------------------------------------------------------------
+
+def test_prices_refresh_against_a_silent_endpoint_times_out_and_says_so(tmp_path, monkeypatch):
+    """A server on 127.0.0.1 that accepts the connection and never answers: the refresh gives up after its
+    timeouts (shortened here; 30 s at most with the shipped ones) with one line, and keeps the cache."""
+    import socket
+    import threading
+
+    from planner.aws import pricing
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])  # accepted, never answered
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    monkeypatch.setattr(pricing, "PRICING_TIMEOUTS", {"connect_timeout": 1.0, "read_timeout": 1.0})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    try:
+        code, _, err = invoke(["prices", "--refresh"])
+    finally:
+        stop.set()
+        thread.join()
+        for s in held:
+            s.close()
+        server.close()
+    assert_one_line_error(code, err, "did not answer", "2 tries")
+    assert not (tmp_path / "no-prices.json").exists()
+
+
+def test_shipped_pricing_timeouts_bound_a_silent_endpoint_to_30_s():
+    from planner.aws import pricing
+
+    t = pricing.PRICING_TIMEOUTS
+    assert pricing.PRICING_ATTEMPTS * (t["connect_timeout"] + t["read_timeout"]) <= 30
