@@ -295,3 +295,41 @@ def test_shipped_pricing_timeouts_bound_a_silent_endpoint_to_30_s():
 
     t = pricing.PRICING_TIMEOUTS
     assert pricing.PRICING_ATTEMPTS * (t["connect_timeout"] + t["read_timeout"]) <= 30
+
+
+# ---- your own module ----------------------------------------------------------------------------------------
+
+OWN = {
+    "loop-in-build": ("def build():\n    while True:\n        pass\n", "build ran for 1 s"),
+    "loop-at-import": ("while True:\n    pass\ndef build(): ...\n", "ran for 1 s"),
+    "loop-that-catches-exceptions": ("def build():\n    while True:\n        try:\n            pass\n"
+                                     "        except Exception:\n            pass\n", "build ran for 1 s"),
+    "exit-3-in-build": ("import sys\ndef build():\n    sys.exit(3)\n", "sys.exit(3)"),
+    "exit-0-at-import": ("import sys\nsys.exit(0)\ndef build(): ...\n", "sys.exit(0)"),
+    "exit-none-in-build": ("import sys\ndef build():\n    sys.exit()\n", "sys.exit(None)"),
+    "raises": ("def build():\n    raise ValueError('no such layer')\n", "no such layer"),
+}
+BATCH = "\nimport torch\ndef batch(b, s):\n    return {'x': torch.zeros(b, s)}\n"
+
+
+@pytest.mark.parametrize("name", sorted(OWN))
+@pytest.mark.parametrize("command", ["estimate", "search"])
+def test_own_module_that_loops_exits_or_raises_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, name, command):
+    source, expected = OWN[name]
+    path = tmp_path / f"own_{name.replace('-', '_')}.py"
+    path.write_text(source + BATCH)
+    monkeypatch.setenv("PLANNER_USER_CODE_TIMEOUT_S", "1")
+    before = listing(tmp_path)
+    extra = ["--trials", "3", "--no-progress", "--results-dir", str(tmp_path / "results")] if command == "search" else []
+    code, _, err = invoke([command, "--model", f"{path}:build", "--inputs", f"{path}:batch",
+                           "--instance", "ml.g5.xlarge", *extra])
+    assert_one_line_error(code, err, "--model", str(path), expected)
+    assert {k: v for k, v in listing(tmp_path).items() if "__pycache__" not in k} == before
+
+
+def test_user_code_time_limit_variable_is_checked(tmp_path, monkeypatch):
+    path = tmp_path / "own.py"
+    path.write_text("def build(): ...\n" + BATCH)
+    monkeypatch.setenv("PLANNER_USER_CODE_TIMEOUT_S", "nan")
+    code, _, err = invoke(["estimate", "--model", f"{path}:build", "--inputs", f"{path}:batch"])
+    assert_one_line_error(code, err, "PLANNER_USER_CODE_TIMEOUT_S", "nan")

@@ -334,8 +334,11 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
         if sweep.inputs is None:
             raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
                                f"model {sweep.model}")
+        from planner.models.user_module import check_build
+
         load_function(sweep.model, "--model")
         load_function(sweep.inputs, "--inputs")
+        check_build(sweep.model, sweep.model_options)
         if sweep.loss is not None:
             load_function(sweep.loss, "--loss")
     else:
