@@ -333,3 +333,90 @@ def test_user_code_time_limit_variable_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("PLANNER_USER_CODE_TIMEOUT_S", "nan")
     code, _, err = invoke(["estimate", "--model", f"{path}:build", "--inputs", f"{path}:batch"])
     assert_one_line_error(code, err, "PLANNER_USER_CODE_TIMEOUT_S", "nan")
+
+
+# ---- non-finite LoRA values ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "0"])
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_lora_alpha_must_be_finite_and_positive(value, json_flag):
+    code, out, err = invoke(["estimate", "--lora-r", "8", "--lora-alpha", value, *json_flag])
+    assert_one_line_error(code, err, "--lora-alpha")
+    assert "--json" not in err and out == ""
+
+
+def test_probe_launch_dry_run_refuses_nan_alpha(tmp_path):
+    code, _, err = invoke(["probe", "launch", "--model", "bert-base-uncased", "--instance", "ml.g5.xlarge",
+                           "--batch-size", "8", "--dry-run", "--lora-r", "8", "--lora-alpha", "nan"])
+    assert_one_line_error(code, err, "--lora-alpha", "nan")
+
+
+# ---- sweeps: values checked before the study is created -------------------------------------------------------
+
+SWEEP = "model: bert-base-uncased\ninstance: ml.g5.xlarge\nsearch: {trials: 3}\n"
+SWEEPS = {
+    "unknown-target": ('space: {lora_ranks: [8], lora_target_sets: ["nope_proj"]}\n', "nope_proj"),
+    "one-bad-target-of-two": ('space: {lora_ranks: [8], lora_target_sets: ["query,value", "query,nope"]}\n',
+                              "nope"),
+    "targets-without-ranks": ('space: {lora_target_sets: ["query,value"]}\n', "lora_ranks"),
+    "base-dtypes-without-ranks": ("space: {base_dtypes: [bf16]}\n", "lora_ranks"),
+    "alpha-negative": ("space: {lora_ranks: [8]}\nfixed: {lora_alpha: -1}\n", "lora_alpha"),
+    "alpha-nan": ("space: {lora_ranks: [8]}\nfixed: {lora_alpha: .nan}\n", "lora_alpha"),
+    "alpha-inf": ("space: {lora_ranks: [8]}\nfixed: {lora_alpha: .inf}\n", "lora_alpha"),
+    "rank-true": ("space: {lora_ranks: [true]}\n", "lora_ranks"),
+    "batch-true": ("space: {batch_sizes: [true]}\n", "batch_sizes"),
+    "checkpointing-1": ("space: {checkpointing: [1]}\n", "checkpointing"),
+    "seq-too-long": ("recipe: {seq_len: 99999}\n", "seq_len"),
+    "seq-float": ("recipe: {seq_len: 512.5}\n", "seq_len"),
+    "dropout-nan": ("space: {lora_ranks: [8]}\nfixed: {lora_dropout: .nan}\n", "lora_dropout"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEPS))
+def test_bad_sweep_values_fail_before_the_study_is_created(tmp_path, name):
+    body, expected = SWEEPS[name]
+    path = tmp_path / "s.yaml"
+    path.write_text(SWEEP + body)
+    before = listing(tmp_path)
+    code, _, err = invoke(["search", "--sweep", str(path), "--results-dir", str(tmp_path / "results"),
+                           "--no-progress"])
+    assert_one_line_error(code, err, expected)
+    assert listing(tmp_path) == before
+
+
+def test_search_seq_len_beyond_the_models_positions_leaves_nothing(tmp_path):
+    code, _, err = invoke(["search", "--instance", "ml.g5.xlarge", "--seq-len", "99999999", "--trials", "3",
+                           "--results-dir", str(tmp_path / "r"), "--no-progress"])
+    assert_one_line_error(code, err, "--seq-len", "99999999", "positions")
+    assert not (tmp_path / "r").exists()
+
+
+def _bomb(levels: int) -> str:
+    text = 'a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    for i in range(1, levels):
+        text += f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n"
+    return text + f"model: *a{levels - 1}\n"
+
+
+@pytest.mark.parametrize("levels", [6, 9])
+def test_yaml_alias_bomb_is_one_short_line(tmp_path, levels):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_bomb(levels))
+    code, _, err = invoke(["search", "--sweep", str(path), "--results-dir", str(tmp_path / "r"), "--no-progress"])
+    assert_one_line_error(code, err, "--sweep", "aliases")
+    assert len(err) < 400
+
+
+def test_a_few_aliases_are_fine(tmp_path):
+    from planner.io import read_yaml
+
+    path = tmp_path / "ok.yaml"
+    path.write_text("base: &b {trials: 3}\nsearch: *b\nother: *b\n")
+    assert read_yaml(path, "--sweep")["other"] == {"trials": 3}
+
+
+def test_error_lines_cut_huge_values():
+    from planner.errors import PlannerError
+
+    assert len(str(PlannerError("x", list(range(10**6)), "fewer"))) < 300
+    assert len(str(PlannerError("x", "a" * 10**6, "shorter"))) < 300

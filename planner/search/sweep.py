@@ -68,9 +68,9 @@ DEFAULT_MAX_MEMORY_FRACTION = 0.95
 DEFAULT_TRIALS = 100
 
 
-GlobalBatch = Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]
-SeqLen = Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)]
-DatasetSize = Annotated[int, Field(ge=1, le=MAX_DATASET_SIZE)]
+GlobalBatch = Annotated[int, Field(strict=True, ge=1, le=MAX_GLOBAL_BATCH)]
+SeqLen = Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)]
+DatasetSize = Annotated[int, Field(strict=True, ge=1, le=MAX_DATASET_SIZE)]
 
 
 class _Strict(BaseModel):
