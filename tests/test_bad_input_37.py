@@ -420,3 +420,59 @@ def test_error_lines_cut_huge_values():
 
     assert len(str(PlannerError("x", list(range(10**6)), "fewer"))) < 300
     assert len(str(PlannerError("x", "a" * 10**6, "shorter"))) < 300
+
+
+# ---- things that cannot exist -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("instance,stack,flag,value", [
+    ("ml.p5.48xlarge", ["--torch-version", "1.8", "--cuda-version", "11.1"], "--cuda-version", "11.1"),
+    ("ml.p5.48xlarge", ["--torch-version", "1.8"], "--torch-version", "1.8"),
+    ("ml.p6-b200.48xlarge", ["--cuda-version", "12.1"], "--cuda-version", "12.1"),
+    ("ml.g5.xlarge", ["--torch-version", "1.7", "--cuda-version", "11.0"], "--cuda-version", "11.0"),
+])
+def test_a_stack_with_no_kernels_for_the_gpu_is_refused(instance, stack, flag, value):
+    code, _, err = invoke(["estimate", "--instance", instance, *stack])
+    assert_one_line_error(code, err, flag, value, "compute capability")
+
+
+def test_every_default_stack_has_kernels_for_its_gpu():
+    """The data and the default stacks agree: no GPU's default is refused by the CUDA-arch rows."""
+    from planner.hardware import get_instance, list_instances
+    from planner.memory.stack import check_arch, default_stack
+
+    for name in list_instances():
+        gpu = get_instance(name).gpu
+        check_arch(default_stack(gpu).cuda, gpu)
+
+
+def test_a_stack_that_exists_still_passes():
+    code, _, err = invoke(["estimate", "--instance", "ml.p5.48xlarge", "--torch-version", "2.1",
+                           "--cuda-version", "11.8"])
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", ["estimate", "explain"])
+@pytest.mark.parametrize("flag,value", [("--padding", "exact"), ("--padding", "longest"), ("--run-seed", "3"),
+                                        ("--run-steps", "5")])
+def test_run_flags_without_lengths_are_refused_alike(command, flag, value):
+    code, _, err = invoke([command, flag, value])
+    assert_one_line_error(code, err, flag, value, "--lengths")
+
+
+@pytest.mark.parametrize("body", ["recipe: {padding: exact}\n", "recipe: {run_seed: 4}\n", "recipe: {run_steps: 9}\n"])
+def test_sweep_run_fields_without_lengths_are_refused(tmp_path, body):
+    path = tmp_path / "s.yaml"
+    path.write_text(SWEEP + body)
+    before = listing(tmp_path)
+    code, _, err = invoke(["search", "--sweep", str(path), "--results-dir", str(tmp_path / "r"), "--no-progress"])
+    assert_one_line_error(code, err, "lengths")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "gpu", "mps"])
+def test_probe_run_device_is_checked_before_the_probe_starts(tmp_path, device):
+    before = listing(tmp_path)
+    code, _, err = invoke(["probe", "run", "--model", "bert-base-uncased", "--instance", "ml.g5.xlarge",
+                           "--batch-size", "2", "--device", device])
+    assert_one_line_error(code, err, "--device", device)
+    assert listing(tmp_path) == before

@@ -13,26 +13,29 @@ from planner.units import fmt_bytes
 LengthsOpt = Annotated[str | None, typer.Option(
     "--lengths", help="A run of varying lengths: uniform:MIN-MAX[:STEP] (each batch's padded length) or a "
                       "file of per-sample token lengths (.txt, .csv, .parquet, .npy).")]
-PaddingOpt = Annotated[str, typer.Option(
+PaddingOpt = Annotated[str | None, typer.Option(
     "--padding", help="With a length file: longest (random batches padded to their longest), bucketed "
                       "(grouped by length), max (padded to --seq-len), exact (each value is one "
-                      "step's padded length, in order).")]
+                      "step's padded length, in order). Default longest.")]
 RunStepsOpt = Annotated[int | None, typer.Option(
     "--run-steps", help="Steps to simulate (default: until the memory peak stops moving).")]
-RunSeedOpt = Annotated[int, typer.Option("--run-seed", help="Seed of the run's draw of lengths.")]
+RunSeedOpt = Annotated[int | None, typer.Option("--run-seed", help="Seed of the run's draw of lengths "
+                                                                   "(default 0).")]
 
 
-def run_request(lengths: str | None, padding: str, run_steps: int | None, run_seed: int):
-    """The run the flags ask for, or None (one step)."""
+def run_request(lengths: str | None, padding: str | None, run_steps: int | None, run_seed: int | None):
+    """The run the flags ask for, or None (one step). Every run flag needs --lengths: without it the step is
+    one step, and a flag that changes nothing is refused rather than ignored."""
     if lengths is None:
         from planner.errors import PlannerError
 
-        if run_steps is not None:
-            raise PlannerError("--run-steps", run_steps, "only with --lengths")
+        for flag, value in (("--padding", padding), ("--run-steps", run_steps), ("--run-seed", run_seed)):
+            if value is not None:
+                raise PlannerError(flag, value, "only with --lengths (a run of varying lengths)")
         return None
     from planner.run.simulate import request
 
-    return request(lengths, padding=padding, steps=run_steps, seed=run_seed)
+    return request(lengths, padding=padding or "longest", steps=run_steps, seed=0 if run_seed is None else run_seed)
 
 
 def run_lines(est: Estimate) -> list[str]:

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlannerError
 from planner.search.limits import (
@@ -90,6 +90,16 @@ class Recipe(_Strict):
     padding: str = "longest"  # with a file: longest | bucketed | max | exact
     run_steps: int | None = None  # None: until the peak stops moving
     run_seed: int = 0
+
+    @model_validator(mode="after")
+    def _run_fields_need_lengths(self) -> Recipe:
+        """padding, run_steps and run_seed shape a run of varying lengths: without `lengths` they would
+        change nothing, so they are refused (as `--padding` without `--lengths` is)."""
+        if self.lengths is None:
+            for name, unset in (("padding", "longest"), ("run_steps", None), ("run_seed", 0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} only with lengths (a run of varying lengths)")
+        return self
 
     def run_request(self):
         """The run every estimate replays (planner.run.simulate.RunRequest), or None."""
