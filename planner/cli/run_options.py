@@ -35,7 +35,20 @@ def run_request(lengths: str | None, padding: str | None, run_steps: int | None,
         return None
     from planner.run.simulate import request
 
-    return request(lengths, padding=padding or "longest", steps=run_steps, seed=0 if run_seed is None else run_seed)
+    req = request(lengths, padding=padding or "longest", steps=run_steps, seed=0 if run_seed is None else run_seed)
+    if req.steps is not None and req.steps > SLOW_RUN_STEPS:
+        from planner.cli.common import err_console
+
+        err_console.print(f"note: --run-steps {req.steps:,} replays every step of the run, once for estimate and "
+                          "again for each fix explain weighs: minutes on a 7B model (the default, until the "
+                          "peak stops moving, takes seconds)", highlight=False, soft_wrap=True)
+    return req
+
+
+# Steps above which a run is said to be slow before it starts (issue 37). Measured on this project's 2-core
+# machine: the replay costs ~0.1 ms per step per replay on BERT-base (estimate --run-steps 100000: 19 s) and
+# more on a 7B model (explain of Llama-2-7B --run-steps 100000: over 400 s; 800 steps: 5 s).
+SLOW_RUN_STEPS = 5_000
 
 
 def run_lines(est: Estimate) -> list[str]:
