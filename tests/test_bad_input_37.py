@@ -476,3 +476,61 @@ def test_probe_run_device_is_checked_before_the_probe_starts(tmp_path, device):
                            "--batch-size", "2", "--device", device])
     assert_one_line_error(code, err, "--device", device)
     assert listing(tmp_path) == before
+
+
+# ---- explain --json is strict JSON on any configuration --------------------------------------------------------
+
+PARALLELISMS = ["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+
+
+def explain_args(draw) -> list[str]:
+    """One random `explain --json` configuration: a model, an instance of 1-8 GPUs, every parallelism, LoRA
+    or QLoRA or none, a run of varying lengths or one step (shared with benchmarks/explain_json_property.py)."""
+    from hypothesis import strategies as st
+
+    model = draw(st.sampled_from(["bert-base-uncased", "gpt2", "distilbert-base-uncased", "llama-2-7b"]))
+    positions = 4096 if model == "llama-2-7b" else 512
+    seq = draw(st.sampled_from([s for s in (64, 128, 512, 1024, 4096) if s <= positions]))
+    args = ["explain", "--json", "--model", model,
+            "--instance", draw(st.sampled_from(["ml.g5.xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge",
+                                                "ml.p3.16xlarge"])),
+            "--parallelism", draw(st.sampled_from(PARALLELISMS)),
+            "--batch-size", str(draw(st.sampled_from([1, 2, 8, 32]))), "--seq-len", str(seq),
+            "--precision", draw(st.sampled_from(["fp32", "amp-fp16", "amp-bf16"]))]
+    if draw(st.booleans()):
+        args.append("--checkpointing")
+    if draw(st.booleans()):
+        args += ["--lora-r", str(draw(st.sampled_from([4, 8, 64]))),
+                 "--lora-alpha", str(draw(st.sampled_from([1, 16, 32.5]))),
+                 "--base-dtype", draw(st.sampled_from(["auto", "nf4", "bf16"]))]
+    if draw(st.booleans()):
+        low = draw(st.integers(1, seq))
+        args += ["--lengths", f"uniform:{low}-{draw(st.integers(low, seq))}"]
+    return args
+
+
+def check_explain_json(args: list[str]) -> bool:
+    """Exit 0 with strict JSON (no NaN / Infinity anywhere), or a bad combination refused in one line.
+    Returns whether it explained."""
+    from tests.test_bad_input import strict_json
+
+    code, out, err = invoke(args)
+    if code == 2:  # e.g. QLoRA under a 16-bit --precision, bf16 on a V100: refused, in one line
+        assert_one_line_error(code, err)
+        return False
+    assert code == 0, err
+    strict_json(out)
+    return True
+
+
+def test_explain_json_is_strict_on_random_configurations():
+    """A few examples here (each explain takes seconds); benchmarks/explain_json_property.py runs 100."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def run(data):
+        check_explain_json(explain_args(data.draw))
+
+    run()
