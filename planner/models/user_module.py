@@ -102,7 +102,7 @@ def user_code(flag: str, ref: str, what: str) -> Iterator[None]:
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
 def last_line(exc: BaseException) -> str:
