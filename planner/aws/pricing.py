@@ -35,6 +35,13 @@ from planner.prices import (  # noqa: F401
     price_per_hour,
 )
 
+# A silent endpoint (one that accepts the connection and never answers) held `--refresh` for 182 s: botocore's
+# defaults are a 60 s connect and read timeout, tried 3 times (botocore/config.py; the "legacy" retry mode).
+# A Price List page answers in about a second; so at most 5 s to connect and 10 s to read, tried twice:
+# 30 s at worst, which the command says before it asks.
+# https://botocore.amazonaws.com/v1/documentation/api/latest/reference/config.html
+PRICING_TIMEOUTS: dict[str, float] = {"connect_timeout": 5.0, "read_timeout": 10.0}
+PRICING_ATTEMPTS = 2
 PRICING_API_REGION = "us-east-1"  # the Price List API endpoints: us-east-1, eu-central-1, ap-south-1
 SERVICE_CODE = "AmazonSageMaker"
 COMPONENT = "Training"
@@ -98,15 +105,23 @@ def fetch_prices(region: str = DEFAULT_REGION, client: Any = None) -> dict[str, 
     """All SageMaker Training on-demand prices in `region` from the Price List API (paginated)."""
     if client is None:
         import boto3
+        from botocore.config import Config
 
-        client = boto3.client("pricing", region_name=PRICING_API_REGION)
+        client = boto3.client("pricing", region_name=PRICING_API_REGION, config=Config(
+            **PRICING_TIMEOUTS, retries={"total_max_attempts": PRICING_ATTEMPTS, "mode": "standard"}))
     filters = [
         {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
         {"Type": "TERM_MATCH", "Field": "component", "Value": COMPONENT},
     ]
     prices: dict[str, float] = {}
     try:
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectTimeoutError,
+            NoCredentialsError,
+            ReadTimeoutError,
+        )
     except ImportError as exc:  # pragma: no cover - boto3 is a dependency
         raise PricingError(f"boto3/botocore are needed for --refresh ({exc})") from None
     try:
@@ -123,6 +138,11 @@ def fetch_prices(region: str = DEFAULT_REGION, client: Any = None) -> dict[str, 
                 "AccessDenied": "the credentials need pricing:GetProducts",
                 "ThrottlingException": "the Price List API throttled the request; try again shortly"}.get(code, "")
         raise PricingError(f"AWS Pricing API error {code}: {msg}{'; ' + hint if hint else ''}") from None
+    except (ReadTimeoutError, ConnectTimeoutError) as exc:
+        raise PricingError(f"AWS Pricing API did not answer ({exc}; {PRICING_ATTEMPTS} tries of at most "
+                           f"{PRICING_TIMEOUTS['connect_timeout']:g} s to connect and "
+                           f"{PRICING_TIMEOUTS['read_timeout']:g} s to answer); the cached and embedded prices "
+                           "are unchanged") from None
     except BotoCoreError as exc:
         raise PricingError(f"AWS Pricing API unreachable: {exc}") from None
     if not prices:

@@ -238,9 +238,9 @@ def register(app: typer.Typer) -> None:
         inputs: InputsOpt = None,
         loss: LossOpt = None,
         lengths: LengthsOpt = None,
-        padding: PaddingOpt = "longest",
+        padding: PaddingOpt = None,
         run_steps: RunStepsOpt = None,
-        run_seed: RunSeedOpt = 0,
+        run_seed: RunSeedOpt = None,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         if batch_size is None and global_batch_size is None:
@@ -300,9 +300,9 @@ def register(app: typer.Typer) -> None:
         inputs: InputsOpt = None,
         loss: LossOpt = None,
         lengths: LengthsOpt = None,
-        padding: PaddingOpt = "longest",
+        padding: PaddingOpt = None,
         run_steps: RunStepsOpt = None,
-        run_seed: RunSeedOpt = 0,
+        run_seed: RunSeedOpt = None,
     ) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
         from planner.explain import explain

@@ -105,21 +105,22 @@ def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class SpaceSpec(BaseModel):
-    """The values asked for; None = the default for the model and instance types."""
+    """The values asked for; None = the default for the model and instance types. Whole numbers are strict:
+    `lora_ranks: [true]` is no rank (pydantic's lax mode reads true as 1)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    instance_counts: tuple[Annotated[int, Field(ge=1, le=MAX_SEARCH_INSTANCES)], ...] | None = None
-    batch_sizes: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
-    seq_lens: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    instance_counts: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SEARCH_INSTANCES)], ...] | None = None
+    batch_sizes: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    seq_lens: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
     precisions: tuple[Precision, ...] | None = None
-    checkpointing: tuple[bool, ...] | None = None
-    grad_accums: tuple[Annotated[int, Field(ge=1, le=MAX_GRAD_ACCUM)], ...] | None = None
+    checkpointing: tuple[Annotated[bool, Field(strict=True)], ...] | None = None  # not 0/1 or "yes"
+    grad_accums: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_GRAD_ACCUM)], ...] | None = None
     optimizers: tuple[OptimizerName, ...] | None = None
     optimizer_impls: tuple[OptimizerImpl, ...] | None = None
     attentions: tuple[Attention, ...] | None = None
     parallelisms: tuple[Parallelism, ...] | None = None
-    lora_ranks: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
+    lora_ranks: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
     lora_target_sets: tuple[str, ...] | None = None
     base_dtypes: tuple[BaseDtype, ...] | None = None
     frameworks: tuple[Framework, ...] | None = None

@@ -42,7 +42,14 @@ from planner.search.local import descend
 from planner.search.objective import EstimateFn, Objective
 from planner.search.polish import polish_points, polish_reserve
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
-from planner.search.storage import StorageSpec, StudyLock, open_storage, parse_storage, remove_if_empty
+from planner.search.storage import (
+    StorageSpec,
+    StudyLock,
+    open_storage,
+    parse_storage,
+    release_locks,
+    remove_if_empty,
+)
 from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep, sweep_model
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -594,6 +601,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     file = spec.file
     created = file is not None and not file.exists()
     made_root = not results_dir.exists()
+    folder_made = storage is None and not folder.exists()
     if storage is None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -603,7 +611,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
 
     def leave_nothing() -> None:
         """A search that stored no trial leaves no storage file, study folder or results folder it made."""
-        remove_if_empty(spec, created)
+        remove_if_empty(spec, created, folder_made)
         if made_root:
             with contextlib.suppress(OSError):
                 results_dir.rmdir()
@@ -630,5 +638,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     except BaseException:
         leave_nothing()
         raise
+    finally:
+        release_locks(spec)
     return result_of(run, objective)
 

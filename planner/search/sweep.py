@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlannerError
 from planner.search.limits import (
@@ -69,9 +69,9 @@ DEFAULT_MAX_MEMORY_FRACTION = 0.95
 DEFAULT_TRIALS = 100
 
 
-GlobalBatch = Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]
-SeqLen = Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)]
-DatasetSize = Annotated[int, Field(ge=1, le=MAX_DATASET_SIZE)]
+GlobalBatch = Annotated[int, Field(strict=True, ge=1, le=MAX_GLOBAL_BATCH)]
+SeqLen = Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)]
+DatasetSize = Annotated[int, Field(strict=True, ge=1, le=MAX_DATASET_SIZE)]
 
 
 class _Strict(BaseModel):
@@ -91,6 +91,16 @@ class Recipe(_Strict):
     padding: str = "longest"  # with a file: longest | bucketed | max | exact
     run_steps: int | None = None  # None: until the peak stops moving
     run_seed: int = 0
+
+    @model_validator(mode="after")
+    def _run_fields_need_lengths(self) -> Recipe:
+        """padding, run_steps and run_seed shape a run of varying lengths: without `lengths` they would
+        change nothing, so they are refused (as `--padding` without `--lengths` is)."""
+        if self.lengths is None:
+            for name, unset in (("padding", "longest"), ("run_steps", None), ("run_seed", 0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} only with lengths (a run of varying lengths)")
+        return self
 
     def run_request(self):
         """The run every estimate replays (planner.run.simulate.RunRequest), or None."""
@@ -346,8 +356,11 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
         if sweep.inputs is None:
             raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
                                f"model {sweep.model}")
+        from planner.models.user_module import check_build
+
         load_function(sweep.model, "--model")
         load_function(sweep.inputs, "--inputs")
+        check_build(sweep.model, sweep.model_options)
         if sweep.loss is not None:
             load_function(sweep.loss, "--loss")
     else:
