@@ -150,11 +150,12 @@ def print_estimate(est: Estimate) -> None:
         line = f"Cost: ${c.price_per_hour:,.2f}/hour, ${c.usd_per_million_samples:,.2f} per million samples"
         if c.usd_per_epoch is not None:
             line += f", ${c.usd_per_epoch:,.2f} and {c.hours_per_epoch:,.2f} h per epoch"
-        console.print(line)
-        if c.price_stale:
-            from planner.cli.prices_cmd import stale_line
+        console.print(line, highlight=False)
+        from planner.prices import cost_provenance, stale_hint
 
-            console.print(stale_line(c.price_region, 1), highlight=False)
+        console.print(f"  {cost_provenance(c)}", highlight=False)
+        if c.price_stale:
+            console.print(f"  {stale_hint(c.price_region)}", highlight=False)
     elif est.throughput:
         console.print(f"Cost: no price for {est.instance} (see `planner prices`)", highlight=False)
     for note in est.notes:
