@@ -198,3 +198,34 @@ def cost_provenance(cost: Any, hint: bool = False) -> str:
     """`provenance` of a `spec.Cost` (`hint`: with the refresh command when stale)."""
     line = provenance(cost.price_region, cost.price_date, cost.price_source, cost.price_stale)
     return line + (f" ({stale_hint(cost.price_region)})" if hint and cost.price_stale else "")
+
+
+def price_records(instances: list[str], region: str = DEFAULT_REGION) -> list[dict[str, Any]]:
+    """Each instance type's on-demand price with its provenance (region, date, source, stale) and how it is
+    billed: SageMaker bills the whole instance, every GPU of it, whatever a configuration uses (a one-GPU
+    strategy on a 4-GPU instance pays for four). For the outputs of a search (best.json, the report)."""
+    from planner.hardware import get_instance
+
+    cache = load_cache()
+    out = []
+    for name in instances:
+        price, date, source = lookup(name, cache, region)
+        out.append({"instance": name, "usd_per_hour": price, "region": region, "date": date, "source": source,
+                    "stale": None if price is None else is_stale(name, date), "gpus": get_instance(name).gpus,
+                    "billed": "per instance-hour, all of its GPUs"})
+    return out
+
+
+def provenance_summary(records: list[dict[str, Any]]) -> list[str]:
+    """`provenance` of several instance types' prices, one line per distinct (region, date, source, stale)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for r in records:
+        if r["usd_per_hour"] is None:
+            continue
+        key = (r["region"], r["date"], short_source(str(r["source"])), bool(r["stale"]))
+        groups.setdefault(key, []).append(str(r["instance"]))
+    lines = []
+    for (region, date, source, stale), names in groups.items():
+        line = provenance(region, date, source, stale)
+        lines.append(line if len(records) == 1 else f"{line} ({len(names)} type{'s' if len(names) != 1 else ''})")
+    return lines

@@ -254,18 +254,15 @@ def print_result(result: SearchResult, top: int) -> None:
     multi = len(types) > 1 or "instances" in shown
     best = best_row(frame, result.target, result.direction)
     if len(best):
-        b = best.iloc[0]
-        console.print(
-            f"[bold]best:[/] {_instance_text(b)}, micro-batch {_int(b['batch_size'])} x accumulation "
-            f"{_int(b['grad_accum'])} x {_int(b['world_size'])} GPUs = global batch {_int(b['global_batch_size'])}, "
-            f"seq {_int(b['seq_len'])}, {b['precision']}, {'checkpointing' if b['checkpointing'] else 'no checkpointing'}, "
-            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}", highlight=False)
-        console.print(
-            f"      {_num(b['samples_per_s'], ',.1f')} samples/s; {_num(b[time_col])} h and "
-            f"{_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per million samples'} at "
-            f"{_num(b['price_per_hour'], prefix='$')}/h; peak {_num(b['peak_device_gib'])} of "
-            f"{_num(b['gpu_memory_gib'])} GiB ({b['verdict']}; band's high end "
-            f"{_num(b['peak_device_high_gib'])})", highlight=False)
+        for line in best_lines(best.iloc[0], time_col, cost_col, per_job):
+            console.print(line, highlight=False, soft_wrap=True)
+    from planner.prices import price_records, provenance_summary, stale_hint
+
+    records = price_records(list(types), result.sweep.region)
+    for line in provenance_summary(records):
+        console.print(line, highlight=False, soft_wrap=True)
+    if any(r["stale"] for r in records):
+        console.print(stale_hint(result.sweep.region), highlight=False, soft_wrap=True)
     heads = ["#"] + (["instance"] if multi else []) + ["configuration", "peak GiB", "samples/s", time_head,
                                                        cost_head]
     table = _table(f"Top {top} configurations (micro x accum x GPUs)", heads)
@@ -303,6 +300,44 @@ def print_result(result: SearchResult, top: int) -> None:
             table.add_row(_int(row["seq_len"]), *([_instance_text(row)] if multi else []), _config_text(row, shown),
                           _num(row["samples_per_s"], ",.1f"), _num(row[cost_col], prefix="$"))
         console.print(table)
+
+
+def _joined(parts: list[str], first: str, indent: str = "      ", width: int = 80) -> list[str]:
+    """Parts joined by ", " into lines of at most `width` columns, broken only between parts, so a figure
+    ("15.78 GiB") is never split across two lines."""
+    lines, line = [], first
+    for part in parts:
+        sep = "" if line in (first, indent) else ", "
+        if len(line) + len(sep) + len(part) > width and line not in (first, indent):
+            lines.append(line)
+            line, sep = indent, ""
+        line += sep + part
+    return [*lines, line]
+
+
+def best_lines(b: Any, time_col: str, cost_col: str, per_job: bool) -> list[str]:
+    """The best configuration in lines of at most 80 columns: what it is, what it does, what it costs and on
+    how many of the instance's GPUs (SageMaker bills every GPU of the instance)."""
+    from planner.hardware import get_instance
+
+    gpus, world = get_instance(str(b["instance"])).gpus, _int(b["world_size"])
+    n = int(b["instances"]) if b.get("instances") == b.get("instances") and b.get("instances") else 1
+    what = [f"{_instance_text(b)}", f"micro-batch {_int(b['batch_size'])} x accumulation {_int(b['grad_accum'])} "
+            f"x {world} GPUs = global batch {_int(b['global_batch_size'])}", f"seq {_int(b['seq_len'])}",
+            str(b["precision"]), "checkpointing" if b["checkpointing"] else "no checkpointing",
+            str(b["parallelism"]), str(b["attention"]), f"{b['optimizer']} {b['optimizer_impl']}"]
+    for dim, label in (("lora_r", "LoRA r"), ("lora_targets", "targets"), ("base_dtype", "base")):
+        value = b.get(dim)
+        if value is not None and value == value and value != "":
+            what.append(f"{label} {_int(value) if dim == 'lora_r' else value}")
+    used = (f"whole instance{'s' if n > 1 else ''}: {world} of {gpus * n} GPUs used" if world != str(gpus * n)
+            else f"{gpus * n} GPU{'s' if gpus * n != 1 else ''}")
+    does = [f"{_num(b['samples_per_s'], ',.1f')} samples/s",
+            f"{_num(b[time_col])} h and {_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per 1M samples'}",
+            f"at {_num(b['price_per_hour'], prefix='$')}/h ({used})",
+            f"peak {_num(b['peak_device_gib'])} of {_num(b['gpu_memory_gib'])} GiB ({b['verdict']})",
+            f"band's high end {_num(b['peak_device_high_gib'])} GiB"]
+    return _joined(what, "best: ") + _joined(does, "      ")
 
 
 def files_lines(result: SearchResult) -> list[str]:

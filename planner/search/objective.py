@@ -201,6 +201,12 @@ class Objective:
             constraints["global_batch"] = abs(gbs - target) / target - tol
             if constraints["global_batch"] > 0:
                 reasons.append(f"global batch {gbs} is not within {tol:.0%} of {target}")
+        elif self.space.global_batch_size is not None and gbs != self.space.global_batch_size:
+            # the recipe's global batch is kept exactly; a point whose estimate trains another is refused, named
+            constraints["global_batch"] = GLOBAL_BATCH_VIOLATION
+            reasons.append(f"global batch {gbs} (micro-batch {est.config.batch_size} x accumulation "
+                           f"{est.config.grad_accum} x {est.world_size} GPUs), not the recipe's "
+                           f"{self.space.global_batch_size}")
         cost = self._job_cost(est)
         values = self._values(est, cost)
         if values is None:

@@ -227,6 +227,11 @@ class SearchSpace(BaseModel):
         gpus = self.gpus[instance] * merged.get("instances", 1)
         if gpus == 1 and merged.get("parallelism") in PARALLELISMS:
             merged["parallelism"] = "single"
+        from planner.parallel import known
+
+        strategy = known(merged.get("parallelism", "auto"))  # None for auto: every GPU
+        if strategy is not None:  # the GPUs that train: one for `single` on a 4-GPU instance, not four
+            gpus = strategy.world_size(self.gpus[instance], merged.get("instances", 1))
         if self.global_batch_size is not None:
             per_step = merged["batch_size"] * gpus
             accum, rest = divmod(self.global_batch_size, per_step)
