@@ -54,3 +54,98 @@ def test_search_keeps_the_recipes_global_batch_on_one_gpu_of_four(tmp_path):
     assert "price: us-east-1, dated " in text
     best = json.loads((next((tmp_path / "b").iterdir()) / "best.json").read_text())
     assert best["prices"][0]["date"] == price["date"]
+
+
+# An example value for each estimate flag, as a user types it (the sweep gets the parsed value). A flag added
+# to `estimate` that is a TrainConfig field needs none: its TrainConfig default is used.
+EXAMPLES = {
+    "model": "gpt2", "instance": "ml.g5.2xlarge", "batch_size": "4", "global_batch_size": "16", "seq_len": "256",
+    "precision": "amp-bf16", "optimizer": "adamw", "optimizer_impl": "fused", "parallelism": "single",
+    "checkpointing": True, "attention": "sdpa", "grad_accum": "2", "instances": "1", "model_option": None,
+    "gradient_as_bucket_view": True, "cuda_context_mib": "500", "fragmentation": "0.1", "dataset_size": "1000",
+    "spot": True, "region": "us-east-1", "tf32": True, "lora_r": "8", "lora_alpha": "16",
+    "lora_targets": "c_attn", "lora_dropout": "0.05", "base_dtype": "bf16", "torch_version": "2.8",
+    "cuda_version": None, "transformers_version": None, "alloc_conf": "expandable_segments:True",
+    "plot": None, "json_out": None, "inputs": None, "loss": None, "lengths": "uniform:128-256",
+    "padding": "longest", "run_steps": "4", "run_seed": "1",
+}
+
+
+def _options(command: str) -> set[str]:
+    import typer.main
+
+    cmd = typer.main.get_command(app).commands[command]
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def test_every_estimate_flag_is_taken_by_explain_search_and_sweeps():
+    """The table (planner.cli.job_flags) is walked: each estimate flag is an explain flag, a search flag (its own
+    or derived), and has a sweep path that a sweep file accepts."""
+    from planner.cli.job_flags import job_flags
+    from planner.search.sweep import parse_sweep
+
+    flags = job_flags()
+    assert {f.name for f in flags} >= {"lora_r", "base_dtype", "lengths", "padding", "tf32", "fragmentation"}
+    explain, search = _options("explain"), _options("search")
+    for f in flags:
+        assert f.search, f"{f.flag}: no place in the search or sweeps; add it to job_flags.PLACES"
+        assert set(f.flags) <= explain, f.flag
+        assert f.flag in search, f.flag
+        if f.search == "output":
+            continue
+        section, _, key = f.sweep.partition(".")
+        example = EXAMPLES.get(f.name, "default")
+        if example == "default":  # a later TrainConfig field: its own default
+            from planner.spec import TrainConfig
+
+            example = TrainConfig.model_fields[f.name].default
+        if example is None:
+            continue
+        value = example
+        if section == "space":
+            from planner.search.space import parse_flag_list
+
+            value = list(parse_flag_list(key, str(example)))
+        elif section != "stack" and isinstance(example, str) and example.replace(".", "").isdigit():
+            value = float(example) if "." in example else int(example)
+        doc = {"model": "gpt2", "instance": "ml.g5.2xlarge"}
+        if key:
+            doc[section] = {key: value}
+        else:
+            doc[section] = value
+        sweep = parse_sweep(doc, "test")
+        got = getattr(sweep, section)
+        got = getattr(got, key) if key and not isinstance(got, dict) else (got[key] if key else got)
+        assert got in (value, tuple(value) if isinstance(value, list) else value), (f.flag, got, value)
+
+
+def test_search_takes_estimates_flags_as_a_fixed_value_or_a_list(tmp_path):
+    """`search --lora-r 8,16 --base-dtype nf4 --lengths ... --tf32 --fragmentation 0.1`: each lands where a sweep
+    would put it; one value is fixed, a list is explored; both spellings of a dimension is bad input."""
+    from planner.cli.job_flags import sweep_updates
+    from planner.cli.search_cmd import build_sweep
+
+    space: dict = {"batch_sizes": None}
+    held = sweep_updates({"lora_r": "8,16", "base_dtype": "nf4", "lengths": "uniform:128-256", "tf32": True,
+                          "fragmentation": 0.1, "batch_size": "4", "lora_targets": "q_proj,v_proj;all-linear"},
+                         space)
+    sw = build_sweep(sweep_file=None, model="llama-2-7b", model_options=None, instance="ml.g5.2xlarge", nodes=None,
+                     space=space, constraints={}, objective={}, search={}, held=held)
+    assert sw.space.lora_ranks == (8, 16) and sw.space.base_dtypes == ("nf4",)
+    assert sw.space.lora_target_sets == ("q_proj,v_proj", "all-linear") and sw.space.batch_sizes == (4,)
+    assert sw.recipe.lengths == "uniform:128-256" and sw.fixed["tf32"] is True
+    assert sw.estimate_kwargs()["runtime"] == {"fragmentation": 0.1}
+    r = run("search", "--batch-size", "4", "--batch-sizes", "8", "--results-dir", str(tmp_path))
+    assert r.exit_code == 2 and "--batch-size" in r.output and "not both" in r.output
+
+
+def test_a_qlora_search_labels_its_columns_and_names_its_targets(tmp_path):
+    r = run("search", "--model", "llama-2-7b", "--instance", "ml.g5.2xlarge", "--lora-r", "8",
+            "--base-dtype", "nf4,bf16", "--precision", "amp-bf16", "--global-batch-size", "16", "--seq-len", "512",
+            "--trials", "8", "--results-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert "base nf4" in r.stdout or "base bf16" in r.stdout
+    assert "lora_r=8" in r.stdout
+    assert not any(line.endswith(" ") for line in r.stdout.splitlines())
+    best = json.loads((next(tmp_path.iterdir()) / "best.json").read_text())["best"]
+    assert best["lora_targets"] == "q_proj,v_proj" and best["global_batch_size"] == 16

@@ -56,7 +56,7 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
                 constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
                 recipe: dict[str, Any] | None = None, max_instances: int | None = None,
                 stack: dict[str, str] | None = None, inputs: str | None = None, loss: str | None = None,
-                region: str | None = None) -> Sweep:
+                region: str | None = None, held: dict[str, dict[str, Any]] | None = None) -> Sweep:
     """The sweep file (or the built-in default) with the flags that were given laid over it.
 
     The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
@@ -128,6 +128,11 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
         given = {k: v for k, v in values.items() if v is not None}
         if given:
             updates[key] = {**updates.get(key, {}), **given}
+    for section, values in (held or {}).items():  # estimate's flags held for every trial (job_flags)
+        if section == "fixed":
+            updates["fixed"] = {**updates.get("fixed", base.fixed), **values}
+        else:
+            updates[section] = {**updates.get(section, {}), **values}
     if not updates:
         return base
     merged = base.with_overrides(**updates)
@@ -175,9 +180,9 @@ def _config_text(row: Any, shown: set[str]) -> str:
         parts.append("ckpt" if row["checkpointing"] else "no-ckpt")
     if "lora_r" in shown:
         parts.append(f"r{_int(row.get('lora_r'))}")
-    for dim in ("lora_targets", "base_dtype"):
-        if dim in shown:
-            parts.append(str(row.get(dim) or "default"))
+    for dim, label in (("lora_targets", "targets"), ("base_dtype", "base")):  # labelled: "bf16" alone reads
+        if dim in shown:                                                     # as the precision
+            parts.append(f"{label} {row.get(dim) or 'default'}")
     return " ".join(parts)
 
 
@@ -340,6 +345,26 @@ def best_lines(b: Any, time_col: str, cost_col: str, per_job: bool) -> list[str]
     return _joined(what, "best: ") + _joined(does, "      ")
 
 
+def write_best_timeline(result: SearchResult, path: str) -> None:
+    """`--plot`: the best configuration estimated again and its memory timeline written (as `estimate --plot`)."""
+    from planner.estimate import estimate
+    from planner.hardware import get_instance
+    from planner.report.timeline_plot import write_timeline
+    from planner.search.results import best_row
+    from planner.search.sweep import sweep_model
+
+    b = best_row(result.frame, result.target, result.direction).iloc[0]
+    space = result.run.space
+    values = {dim: b[dim] for dim in space.values() if dim in b.index and b[dim] == b[dim]}
+    for dim, vals in space.values().items():  # numpy scalars back to the space's own values
+        values[dim] = next((v for v in vals if v == values.get(dim)), vals[0])
+    config = space.config(values)
+    sw = result.sweep
+    est = estimate(sweep_model(sw), config, get_instance(str(b["instance"])), dataset_size=sw.dataset_size(),
+                   spot=sw.objective.spot, **sw.estimate_kwargs())
+    write_timeline(est, path, model_options=dict(sw.model_options))
+
+
 def files_lines(result: SearchResult) -> list[str]:
     """Where the results went, in lines that fit 80 columns with the default study names: the folder on one
     line (a path is never broken), its files on the next; the storage by name when it sits in that folder."""
@@ -454,8 +479,11 @@ class _Progress:
 
 
 def register(app: typer.Typer) -> None:
+    from planner.cli.job_flags import search_takes
+
     @app.command("search")
     @handles_errors
+    @search_takes
     def search(
         instance: Annotated[str | None, typer.Option(
             "--instance", "-i", help="Instance type(s): NAME, A,B,C or all (default: the sweep's).")] = None,
@@ -526,6 +554,9 @@ def register(app: typer.Typer) -> None:
         alloc_conf: AllocConfOpt = None,
         progress: Annotated[bool | None, typer.Option(
             "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
+        plot: Annotated[str | None, typer.Option(
+            "--plot", help="Write the best configuration's memory timeline to FILE.png or FILE.html.")] = None,
+        job: dict[str, Any] | None = None,
     ) -> None:
         """Search instance type and count, parallelism, precision, checkpointing, micro-batch, attention and
         optimizer kernels for the best way to run a training recipe; prints the best, the top configurations
@@ -541,11 +572,15 @@ def register(app: typer.Typer) -> None:
             from planner.errors import unknown
 
             raise unknown("--sampler", sampler, ["tpe", "grid", "random"])
+        from planner.cli.job_flags import sweep_updates
+
+        space = {"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
+                 "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
+                 "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms}
+        held = sweep_updates(job or {}, space)  # estimate's flags: --batch-size 8, --lora-r 8,16, --tf32 ...
         sw = build_sweep(
             sweep_file=sweep, model=model, model_options=model_option, instance=instance, nodes=nodes,
-            space={"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
-                   "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
-                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms},
+            space=space,
             constraints={"max_memory_fraction": max_memory_fraction, "global_batch_size": global_batch_size,
                          "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len,
                          "accept_tight": accept_tight},
@@ -554,7 +589,7 @@ def register(app: typer.Typer) -> None:
             recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
             max_instances=max_instances,
             stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-            inputs=inputs, loss=loss, region=region,
+            inputs=inputs, loss=loss, region=region, held=held,
         )
         check_writable_dir(results_dir, "--results-dir")  # before any trial: the result files go there
         quiet_interrupted_trials()
@@ -577,6 +612,10 @@ def register(app: typer.Typer) -> None:
             if result.files:
                 for line in files_lines(result):
                     console.print(line, highlight=False, soft_wrap=True)
+        if plot and not result.all_infeasible:
+            write_best_timeline(result, plot)
+            if not json_out:
+                console.print(f"timeline of the best written to {plot}", highlight=False)
         if result.all_infeasible:
             err_console.print(f"[bold red]error:[/] {infeasible_message(result)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)

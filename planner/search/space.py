@@ -23,6 +23,7 @@ from planner.errors import PlannerError
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
+    BASE_DTYPES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PARALLELISMS,
@@ -257,13 +258,16 @@ class SearchSpace(BaseModel):
 
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
+             "base_dtypes": ("auto", *BASE_DTYPES),
              "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS}
     return table[name]
 
 
 # The largest value of each integer dimension (planner.search.limits).
 INT_LIMITS = {"batch_sizes": MAX_SPACE_VALUE, "seq_lens": MAX_SPACE_VALUE, "grad_accums": MAX_GRAD_ACCUM,
-              "instance_counts": MAX_SEARCH_INSTANCES}
+              "instance_counts": MAX_SEARCH_INSTANCES, "lora_ranks": MAX_SPACE_VALUE}
+# A LoRA target set is itself comma-separated (q_proj,v_proj): several sets to explore are split by ";".
+SET_SEPARATOR = ";"
 
 
 def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tuple[Any, ...] | None:
@@ -272,6 +276,12 @@ def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tu
     if text is None:
         return None
     flag = flag or FLAGS[field]
+    if field == "lora_target_sets":  # "q_proj,v_proj;all-linear": two sets; spaces around names dropped
+        sets = tuple(",".join(n.strip() for n in t.split(",") if n.strip()) for t in text.split(SET_SEPARATOR))
+        if not all(sets):
+            raise PlannerError(flag, text, "module names separated by commas (q_proj,v_proj) or all-linear; "
+                               "several sets to explore separated by ;")
+        return sets
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise PlannerError(flag, text, "a comma-separated list with at least one value")

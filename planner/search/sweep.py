@@ -11,6 +11,7 @@ recipe:                             # the training job: what the user cannot tra
   dataset_size: 1000000             # samples per epoch
   epochs: 3
 stack: {torch: "2.8", alloc_conf: "expandable_segments:True"}   # passed to every estimate (optional)
+runtime: {cuda_context_mib: 500, fragmentation: 0.1}   # as estimate's --cuda-context-mib, --fragmentation
 fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant
 space: {batch_sizes: [8, 16, 32], precisions: [amp-fp16], instance_counts: [1, 2, 4]}  # left out = default
 constraints: {max_memory_fraction: 0.95, accept_tight: false}
@@ -119,6 +120,18 @@ class StackSpec(_Strict):
         return out or None
 
 
+class RuntimeSpec(_Strict):
+    """Runtime overrides every estimate of the sweep gets, as `estimate --cuda-context-mib / --fragmentation`."""
+
+    cuda_context_mib: float | None = None
+    fragmentation: float | None = None
+
+    def overrides(self) -> dict[str, Any] | None:
+        from planner.memory.runtime import overrides_from_flags
+
+        return overrides_from_flags(self.cuda_context_mib, self.fragmentation)
+
+
 class Constraints(_Strict):
     """What a configuration must satisfy to count as feasible."""
 
@@ -160,6 +173,7 @@ class Sweep(_Strict):
     region: str = "us-east-1"  # where the instances are priced (planner.prices)
     recipe: Recipe = Recipe()
     stack: StackSpec = StackSpec()
+    runtime: RuntimeSpec = RuntimeSpec()
     fixed: dict[str, Any] = Field(default_factory=dict)
     space: SpaceSpec = SpaceSpec()
     constraints: Constraints = Constraints()
@@ -206,6 +220,9 @@ class Sweep(_Strict):
         run = self.recipe.run_request()
         if run is not None:
             out["run"] = run
+        runtime = self.runtime.overrides()
+        if runtime:
+            out["runtime"] = runtime
         if self.traced():  # estimate() builds and traces it itself, once per shape class
             out |= {"model_options": dict(self.model_options), "inputs": self.inputs, "loss": self.loss}
         return out
@@ -222,6 +239,8 @@ class Sweep(_Strict):
         """What decides a trial's value on one instance type: runs with the same definition may share a
         study. The sampler, seed and trial count are left out (they change the path, not the values)."""
         unused = {k for k in ("inputs", "loss") if getattr(self, k) is None}  # older definitions stay equal
+        if self.runtime == RuntimeSpec():
+            unused.add("runtime")
         no_run = set() if self.recipe.lengths is not None else {"lengths", "padding", "run_steps", "run_seed"}
         return self.model_dump(mode="json", exclude={"name": True, "description": True, "search": True,
                                                      "instance": True, **dict.fromkeys(unused, True),
