@@ -12,6 +12,7 @@ from rich.console import Console
 
 from planner.errors import FLAG_OF_FIELD, PlannerError, interrupted, one_line  # noqa: F401  (re-exported)
 
+
 class _Console(Console):
     """A rich Console whose lines end where their text ends: rich pads wrapped lines and tables to the width,
     which leaves trailing spaces in every piped line (and in a file a user diffs)."""

@@ -34,6 +34,7 @@ from planner.cli.common import (
     parse_model_options,
     stack_from_flags,
 )
+from planner.cli.job_flags import declare, same_flags
 from planner.cli.lora_opts import (
     BaseDtypeOpt,
     LoraAlphaOpt,
@@ -43,7 +44,6 @@ from planner.cli.lora_opts import (
     lora_fields,
     lora_flags,
 )
-from planner.cli.job_flags import declare, same_flags
 from planner.cli.options import build_config
 from planner.cli.prices_cmd import PriceRegionOpt
 from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
