@@ -149,3 +149,30 @@ def test_a_qlora_search_labels_its_columns_and_names_its_targets(tmp_path):
     assert not any(line.endswith(" ") for line in r.stdout.splitlines())
     best = json.loads((next(tmp_path.iterdir()) / "best.json").read_text())["best"]
     assert best["lora_targets"] == "q_proj,v_proj" and best["global_batch_size"] == 16
+
+
+def test_the_report_says_what_the_search_did(tmp_path):
+    """The header names the objective the search ran with (not None), prices have their provenance, the top
+    table shows whole accumulation steps, $/job and the columns that tell rows apart, and log axes and the
+    importance chart read as a person reads them."""
+    import re
+
+    from planner.report import figures as F
+
+    r = run("search", "--model", "bert-base-uncased", "--instance", "ml.g5.2xlarge,ml.g5.12xlarge", "--seq-len",
+            "128,256", "--trials", "24", "--study", "rep", "--results-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    r = run("report", "--study", "rep", "--results-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "objective <code>cost</code>" in page and "<code>None</code>" not in page
+    assert "Price: us-east-1, dated " in page
+    table = page[page.index("<table class='trials'>"):]
+    table = table[:table.index("</table>")]
+    for head in ("accum", "parallelism", "attention", "$/job"):
+        assert f"<th>{head}</th>" in table
+    assert "$/epoch" not in table and not re.search(r"<td>\d+\.00</td><td>\d+</td><td>\d+</td>", table)
+    assert "batch_size_index" not in page
+    assert F.param_label("batch_size_index") == "micro-batch"
+    assert F.log_ticks(0.38, 3.9) == [0.5, 1.0, 2.0]
+    assert F.oom_label_sides([16.0, 22.5, 24.0, 80.0]) == ["top", "top", "bottom", "top"]
