@@ -110,8 +110,8 @@ def job_flags() -> list[JobFlag]:
     """Every estimate flag with its place in the search and in a sweep file."""
     from planner.spec import TrainConfig
 
-    if not _ESTIMATE:
-        import planner.cli.main  # noqa: F401  (registers the commands, estimate first)
+    if not _ESTIMATE:  # planner.cli.main registers estimate before the commands that derive from it
+        raise RuntimeError("the estimate command is not registered yet (import planner.cli.main)")
     out = []
     for param in inspect.signature(_ESTIMATE[0], eval_str=True).parameters.values():
         search, sweep = PLACES.get(param.name) or (
