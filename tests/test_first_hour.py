@@ -176,3 +176,36 @@ def test_the_report_says_what_the_search_did(tmp_path):
     assert F.param_label("batch_size_index") == "micro-batch"
     assert F.log_ticks(0.38, 3.9) == [0.5, 1.0, 2.0]
     assert F.oom_label_sides([16.0, 22.5, 24.0, 80.0]) == ["top", "top", "bottom", "top"]
+
+
+def test_words_agree_with_the_code(tmp_path):
+    """--help's trial budget is the code's; "did you mean" puts the name that begins as typed first; a module
+    without --inputs fails at once (before torch loads); the DDP-bucket legend only where DDP buckets are."""
+    import subprocess
+    import sys
+
+    from planner.search.study import default_trials
+
+    help_text = " ".join(run("search", "--help").stdout.split())
+    per = default_trials(3) - default_trials(2)
+    assert f"default {default_trials(1)}, plus {per} per further instance type" in help_text
+    r = run("estimate", "--model", "bert-large")
+    assert r.exit_code == 2 and "did you mean bert-large-uncased," in r.output
+    code = ("import sys; from typer.testing import CliRunner; from planner.cli.main import app; "
+            "r = CliRunner().invoke(app, ['estimate', '--model', 'examples/custom_lm.py:build']); "
+            "print(r.exit_code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()
+    assert out == ["2", "False"]
+    single = run("estimate", "--model", "gpt2", "--instance", "ml.g5.2xlarge", "--batch-size", "2").stdout
+    ddp = run("estimate", "--model", "gpt2", "--instance", "ml.g5.12xlarge", "--batch-size", "2").stdout
+    assert "DDP gradient buckets" not in single and "DDP gradient buckets" in ddp
+
+
+def test_a_piped_search_prints_no_progress_and_groups_what_failed_alike(tmp_path):
+    r = run("search", "--model", "bert-base-uncased", "--instance", "ml.p3.2xlarge,ml.p3.8xlarge,ml.g5.xlarge",
+            "--precisions", "amp-bf16", "--seq-len", "128", "--trials", "12", "--results-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert "trials," not in r.stderr  # no "search ...: 5/12 trials, 5 s" lines into a pipe or a log
+    text = " ".join(r.stdout.split())
+    assert "nothing found on p3.2xlarge, p3.8xlarge: even the smallest start" in text
+    assert text.count("nothing found") == 1

@@ -116,6 +116,15 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
     return est, run
 
 
+def _ddp_buckets(est: Estimate) -> bool:
+    """Whether this run has DDP's gradient buckets (a DDP-style strategy over several GPUs, without
+    gradient_as_bucket_view): single-GPU and DataParallel runs have none, so their legend must not say so."""
+    from planner.parallel import known
+
+    strategy = known(est.config.parallelism)
+    return bool(strategy and strategy.ddp_buckets and est.world_size > 1 and not est.config.gradient_as_bucket_view)
+
+
 def print_estimate(est: Estimate) -> None:
     cfg = est.config
     console.print(f"[bold]{est.model}[/] on [bold]{est.instance}[/] ({est.gpu}), {cfg.parallelism} over "
@@ -143,8 +152,8 @@ def print_estimate(est: Estimate) -> None:
     print_table(console, "Memory of one GPU", [Col("term", min=24), Col("bytes", "right", whole=True),
                                                 Col("", "right", whole=True)],
                 [[name, f"{value:,}", fmt_bytes(value)] for name, value in rows],
-                caption="temporaries and buffers: DDP gradient buckets, cuBLAS workspaces, optimizer and AMP "
-                        "temporaries (JSON key memory_bytes.buffers)")
+                caption="temporaries and buffers: " + ("DDP gradient buckets, " if _ddp_buckets(est) else "")
+                        + "cuBLAS workspaces, optimizer and AMP temporaries (JSON key memory_bytes.buffers)")
 
     keys = ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers")
     heads = ("params", "grads", "optim", "activ", "batch", PHASE_LABELS["buffers"])

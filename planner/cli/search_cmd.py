@@ -28,12 +28,14 @@ from planner.cli.common import (
 )
 from planner.io import check_writable_dir, dumps_json
 from planner.search.limits import (
+    DEFAULT_TRIALS,
     MAX_DATASET_SIZE,
     MAX_EPOCHS,
     MAX_GLOBAL_BATCH,
     MAX_SEARCH_INSTANCES,
     MAX_SEED,
     MAX_TRIALS,
+    TRIALS_PER_EXTRA_TYPE,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -416,6 +418,7 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
     unpriced = [n for n in missing if unfit.get(n, "").startswith("no price for")]
     counts = frame["instance"].value_counts()
     lines = []
+    same_reason: dict[str, list[str]] = {}  # types whose smallest start fails for the same reason: one line
     if unpriced:  # their start fits: only the $ per job to rank them by is missing
         names = ", ".join(n.removeprefix("ml.") for n in unpriced)
         lines.append(f"unpriced here, so not ranked by $ per job ({len(unpriced)} type{'s' if len(unpriced) != 1 else ''}; "
@@ -427,12 +430,23 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
         if name in unpriced:
             continue
         if name in unfit:
-            lines.append(f"{short}: nothing found; even its smallest start (micro-batch, checkpointing and "
-                         f"sharding as far as the space allows) fails: {unfit[name]}")
+            same_reason.setdefault(_reason_kind(unfit[name], name), []).append(short)
         else:
             lines.append(f"{short}: no feasible configuration found in its {n} trial{'s' if n != 1 else ''} "
                          f"(not proven impossible: search it alone, --instance {short})")
+    for reason, names in same_reason.items():
+        lines.append(f"nothing found on {', '.join(names)}: even the smallest start (micro-batch, "
+                     f"checkpointing and sharding as far as the space allows) fails: {reason}")
     return lines
+
+
+def _reason_kind(reason: str, instance: str) -> str:
+    """A start's failure without the figures that differ by instance type (its GPU's memory, its peak), so
+    types that fail alike share one line: "--precision amp-bf16 needs bf16 (V100 has none)" stays as is."""
+    import re
+
+    reason = re.sub(rf"{re.escape(instance)}\b", "these types", reason)
+    return re.sub(r"\d+(\.\d+)? ?GiB", "N GiB", reason) if "GiB" in reason else reason
 
 
 # Seconds between status lines when stderr is not a terminal (a log, CI): a bar would print nothing useful.
@@ -440,12 +454,13 @@ STATUS_INTERVAL_S = 5.0
 
 
 class _Progress:
-    """A rich progress bar on a terminal; a status line every STATUS_INTERVAL_S seconds when piped."""
+    """A rich progress bar on a terminal; when piped, a status line every STATUS_INTERVAL_S seconds only if
+    `--progress` asked for it (a log or a pipe gets no lines it did not ask for)."""
 
-    def __init__(self, bar: bool) -> None:
+    def __init__(self, bar: bool, status: bool = False) -> None:
         import time
 
-        self.bar = bar
+        self.bar, self.status = bar, status
         self.start = self.last = time.monotonic()
         self.task: Any = None
         self.progress: Any = None
@@ -462,6 +477,8 @@ class _Progress:
             if self.task is None:
                 self.task = self.progress.add_task("search", total=total)
             self.progress.update(self.task, completed=done, total=total)
+            return
+        if not self.status:
             return
         now = time.monotonic()
         if now - self.last >= STATUS_INTERVAL_S or (done >= total and now - self.start >= STATUS_INTERVAL_S):
@@ -498,8 +515,9 @@ def register(app: typer.Typer) -> None:
             "--region", help="Region whose SageMaker prices the cost uses (default: the sweep's, us-east-1).")] = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
-            min=1, max=MAX_TRIALS, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
-                        "further instance type; grid: the whole grid).")] = None,
+            min=1, max=MAX_TRIALS, help=f"Finished trials wanted in the study, shared by every worker (default "
+                                     f"{DEFAULT_TRIALS}, plus {TRIALS_PER_EXTRA_TYPE} per further instance type; "
+                                     "grid: the whole grid).")] = None,
         sampler: Annotated[str | None, typer.Option(help="tpe (default; grid when the space has no more points than --trials), grid (exhaustive) or random.")] = None,
         seed: Annotated[int | None, typer.Option(
             min=0, max=MAX_SEED, help="Sampler seed (default 0); each further worker on the same study adds its number.")] = None,
@@ -593,11 +611,13 @@ def register(app: typer.Typer) -> None:
         )
         check_writable_dir(results_dir, "--results-dir")  # before any trial: the result files go there
         quiet_interrupted_trials()
-        bar = sys.stderr.isatty() and not json_out if progress is None else progress
+        # a bar on a terminal; piped or logged, nothing unless --progress asks (then a status line every 5 s)
+        bar = sys.stderr.isatty() and not json_out if progress is None else (progress and sys.stderr.isatty())
+        status = bool(progress) and not bar
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,
                       results_dir=results_dir)
         try:
-            with _Progress(bar) as report:
+            with _Progress(bar, status) as report:
                 result = run_search(sw, progress=report, **kwargs)
         except SearchInterrupted as stop:
             err_console.print(interrupted_message(stop), highlight=False, soft_wrap=True)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlannerError
+from planner.search.limits import DEFAULT_TRIALS as _DEFAULT_TRIALS
 from planner.search.limits import (
     MAX_DATASET_SIZE,
     MAX_EPOCHS,
@@ -66,7 +67,7 @@ REFERENCE_EPOCHS = 3
 DEFAULT_MAX_MEMORY_FRACTION = 0.95
 # TPE trials per instance type when no count is given: benchmarks/search_benchmark.py shows TPE
 # reaching >= 99% of the exhaustive grid's optimum on the default space within this budget.
-DEFAULT_TRIALS = 100
+DEFAULT_TRIALS = _DEFAULT_TRIALS  # planner.search.limits: one number for the search, the sweep and --help
 
 
 GlobalBatch = Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]
@@ -348,11 +349,11 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
     from planner.models.user_module import is_reference, load_function
     from planner.program.sources import require_tracing_libraries
 
+    if is_reference(sweep.model) and sweep.inputs is None:  # one line at once, before torch loads
+        raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
+                           f"model {sweep.model}")
     require_tracing_libraries(sweep.model)  # before the user's file is imported: all that is missing, once
     if is_reference(sweep.model):
-        if sweep.inputs is None:
-            raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
-                               f"model {sweep.model}")
         load_function(sweep.model, "--model")
         load_function(sweep.inputs, "--inputs")
         if sweep.loss is not None:
