@@ -303,7 +303,8 @@ def register(app: typer.Typer) -> None:
         for i, s in enumerate(steps, 1):
             console.print(Text(f"\n{i}. {s.title}", style="bold cyan"))
             for line in s.lines:  # wrapped lines keep the indent; no word is cut, no line padded with spaces
-                wrapped = textwrap.fill(line, width, initial_indent="   ", subsequent_indent="   ",
+                lead = "   " + line[:len(line) - len(line.lstrip(" "))]  # a nested line keeps its indent
+                wrapped = textwrap.fill(line.lstrip(" "), width, initial_indent=lead, subsequent_indent=lead,
                                         break_long_words=False, break_on_hyphens=False)
                 console.print(Text(wrapped), soft_wrap=True)
         if flags["plot"]:
