@@ -209,3 +209,43 @@ def test_a_piped_search_prints_no_progress_and_groups_what_failed_alike(tmp_path
     text = " ".join(r.stdout.split())
     assert "nothing found on p3.2xlarge, p3.8xlarge: even the smallest start" in text
     assert text.count("nothing found") == 1
+
+
+PTR_MODEL = '''
+import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 32)
+        self.out = torch.nn.Linear(32, 100)
+        self.same = self.emb.weight.data_ptr() == self.out.weight.data_ptr()  # as tied-weight checks do
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).sum()
+
+
+def build():
+    return M()
+
+
+def batch(batch_size, seq_len):
+    return {"ids": torch.randint(0, 100, (batch_size, seq_len))}
+'''
+
+
+def test_no_fake_tensor_warning_reaches_the_user(tmp_path):
+    """A module that reads a data pointer while being built (transformers' tied-weight checks do) made torch
+    warn "Accessing the data pointer of FakeTensor is deprecated" into the output; the tracer silences it."""
+    import warnings
+
+    path = tmp_path / "ptr_model.py"
+    path.write_text(PTR_MODEL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run("estimate", "--model", f"{path}:build", "--inputs", f"{path}:batch", "--instance", "ml.g5.2xlarge",
+                "--batch-size", "2", "--seq-len", "16")
+    assert r.exit_code == 0, r.output
+    assert not [w for w in caught if "data pointer" in str(w.message)]
+    assert "data pointer" not in r.output
