@@ -249,3 +249,14 @@ def test_no_fake_tensor_warning_reaches_the_user(tmp_path):
     assert r.exit_code == 0, r.output
     assert not [w for w in caught if "data pointer" in str(w.message)]
     assert "data pointer" not in r.output
+
+
+def test_a_sweeps_runtime_section_is_checked_naming_the_file():
+    import pytest
+
+    from planner.errors import PlannerError
+    from planner.search.sweep import parse_sweep
+
+    with pytest.raises(PlannerError) as exc:
+        parse_sweep({"model": "gpt2", "instance": "ml.g5.2xlarge", "runtime": {"fragmentation": 99}}, "x.yaml")
+    assert exc.value.field == "x.yaml: runtime"

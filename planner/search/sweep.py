@@ -324,7 +324,7 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
 
     for field, call in (("model", lambda: sweep_model(sweep)),
                         ("instance", sweep.instance_names), ("stack", stack),
-                        ("recipe.lengths", sweep.recipe.run_request)):
+                        ("recipe.lengths", sweep.recipe.run_request), ("runtime", sweep.runtime.overrides)):
         try:
             call()
         except PlannerError as exc:
