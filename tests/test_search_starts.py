@@ -89,6 +89,7 @@ def test_a_type_that_cannot_run_the_job_says_so_with_the_reason(tmp_path):
     assert not start["ml.g4dn.xlarge"].feasible and "GPU memory" in start["ml.g4dn.xlarge"].reason
     lines = _missing_lines(result, list(sweep.instance_names()))
     assert len(lines) == 1 and lines[0].startswith("nothing found on g4dn.xlarge: even the smallest start")
+    assert "N GiB" not in lines[0] and "GPU memory" in lines[0]
 
 
 def test_a_type_without_a_proof_is_reported_as_not_found_in_its_trials(tmp_path):

@@ -418,7 +418,8 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
     unpriced = [n for n in missing if unfit.get(n, "").startswith("no price for")]
     counts = frame["instance"].value_counts()
     lines = []
-    same_reason: dict[str, list[str]] = {}  # types whose smallest start fails for the same reason: one line
+    # types whose smallest start fails the same way (figures aside): one line
+    same_reason: dict[str, list[tuple[str, str]]] = {}
     if unpriced:  # their start fits: only the $ per job to rank them by is missing
         names = ", ".join(n.removeprefix("ml.") for n in unpriced)
         lines.append(f"unpriced here, so not ranked by $ per job ({len(unpriced)} type{'s' if len(unpriced) != 1 else ''}; "
@@ -430,23 +431,30 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
         if name in unpriced:
             continue
         if name in unfit:
-            same_reason.setdefault(_reason_kind(unfit[name], name), []).append(short)
+            same_reason.setdefault(_reason_kind(unfit[name], name), []).append(
+                (short, unfit[name].replace(name, "these types")))
         else:
             lines.append(f"{short}: no feasible configuration found in its {n} trial{'s' if n != 1 else ''} "
                          f"(not proven impossible: search it alone, --instance {short})")
-    for reason, names in same_reason.items():
+    for group in same_reason.values():
+        names = [short for short, _ in group]
+        reasons = {reason for _, reason in group}
+        # the reason as printed for that type: the same words for all, or the first type's figures named
+        why = group[0][1] if len(reasons) == 1 else f"on {names[0]}: {group[0][1]}"
+        if len(group) == 1:
+            why = why.replace("these types", names[0])
         lines.append(f"nothing found on {', '.join(names)}: even the smallest start (micro-batch, "
-                     f"checkpointing and sharding as far as the space allows) fails: {reason}")
+                     f"checkpointing and sharding as far as the space allows) fails: {why}")
     return lines
 
 
 def _reason_kind(reason: str, instance: str) -> str:
-    """A start's failure without the figures that differ by instance type (its GPU's memory, its peak), so
-    types that fail alike share one line: "--precision amp-bf16 needs bf16 (V100 has none)" stays as is."""
+    """A start's failure without what differs by instance type (its name, its GPU's memory, its peak): the key
+    that groups types failing alike into one line."""
     import re
 
-    reason = re.sub(rf"{re.escape(instance)}\b", "these types", reason)
-    return re.sub(r"\d+(\.\d+)? ?GiB", "N GiB", reason) if "GiB" in reason else reason
+    reason = reason.replace(instance, "these types")
+    return re.sub(r"\d[\d.,-]*", "N", reason)  # a key only: what is printed keeps its figures
 
 
 # Seconds between status lines when stderr is not a terminal (a log, CI): a bar would print nothing useful.
