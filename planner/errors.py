@@ -37,10 +37,14 @@ def closest(value: str, choices: Iterable[str], n: int = 3) -> list[str]:
     import difflib
 
     choices = list(choices)
-    found = difflib.get_close_matches(value, choices, n=n, cutoff=0.5)
-    if not found:
-        found = [c for c in choices if value.lower() in c.lower()][:n]
-    return found
+    low = value.lower()
+    # Names that begin with what was typed come first ("bert-large" -> bert-large-uncased, not roberta-large,
+    # which difflib ranks higher for sharing more letters), then those that contain it, then the similar.
+    starts = [c for c in choices if c.lower().startswith(low)]
+    contains = [c for c in choices if low in c.lower() and c not in starts]
+    similar = difflib.get_close_matches(value, choices, n=n, cutoff=0.5)
+    found = list(dict.fromkeys([*starts, *contains, *similar]))
+    return found[:n]
 
 
 def unknown(field: str, value: str, choices: Iterable[str]) -> PlannerError:

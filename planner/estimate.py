@@ -77,8 +77,12 @@ def estimate(
     results/calibration.json or $PLANNER_CALIBRATION (planner.memory.runtime.load_calibration), {} uses none.
     """
     from planner.models.user_module import is_reference, refuse_inputs_unless_own
-    from planner.program.sources import is_traced_config, require_tracing_libraries
     from planner.spec import MAX_DATASET_SIZE
+
+    if is_reference(model) and inputs is None:  # before the tracer (and torch) load: seconds for one line
+        raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
+                           f"function) for --model {model}")
+    from planner.program.sources import is_traced_config, require_tracing_libraries
 
     if dataset_size is not None and not 1 <= dataset_size <= MAX_DATASET_SIZE:
         raise PlannerError("--dataset-size", dataset_size, f"an integer >= 1 and <= {MAX_DATASET_SIZE:,} (2^53)")

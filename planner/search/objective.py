@@ -240,6 +240,12 @@ class Objective:
             constraints["global_batch"] = abs(gbs - target) / target - tol
             if constraints["global_batch"] > 0:
                 reasons.append(f"global batch {gbs} is not within {tol:.0%} of {target}")
+        elif self.space.global_batch_size is not None and gbs != self.space.global_batch_size:
+            # the recipe's global batch is kept exactly; a point whose estimate trains another is refused, named
+            constraints["global_batch"] = GLOBAL_BATCH_VIOLATION
+            reasons.append(f"global batch {gbs} (micro-batch {est.config.batch_size} x accumulation "
+                           f"{est.config.grad_accum} x {est.world_size} GPUs), not the recipe's "
+                           f"{self.space.global_batch_size}")
         cost = self._job_cost(est)
         values = self._values(est, cost)
         if values is None:
@@ -249,7 +255,8 @@ class Objective:
         feasible = all(v <= 0 for v in constraints.values())
         attrs: dict[str, Any] = {"reason": "; ".join(reasons)} if reasons else {}
         attrs |= {
-            "config": est.config.model_dump(mode="json") | {"world_size": est.world_size, "instance": est.instance},
+            "config": est.config.model_dump(mode="json") | {"world_size": est.world_size, "instance": est.instance}
+            | self._lora_targets(est),
             "memory_bytes": mem.model_dump() | _run_peaks(est) | {"gpu_memory": est.gpu_memory_bytes, "usable": est.usable_memory_bytes,
                                                 "headroom": est.headroom_bytes, "limit": limit,
                                                 "peak_phase": est.peak_phase, "verdict": est.verdict,
@@ -262,6 +269,15 @@ class Objective:
             attrs["run"] = est.run.model_dump(include={"steps", "peak_reserved_bytes", "peak_device_bytes",
                                                        "peak_step", "peak_step_length", "growth_bytes"})
         return Evaluation(values, feasible, "; ".join(reasons), constraints, attrs)
+
+    def _lora_targets(self, est: Estimate) -> dict[str, Any]:
+        """An adapter run's targets as resolved (peft's default for the model type named, never ""), so
+        best.json and the table say which modules were adapted."""
+        if not est.config.lora or est.config.lora_targets or isinstance(self.model, str):
+            return {}
+        from planner.adapters.lora import plan
+
+        return {"lora_targets": list(plan(self.model, est.config).targets)}
 
     def _job_cost(self, est: Estimate) -> dict[str, Any]:
         """The estimate's cost with the job's figures (hours and $ for dataset_size × epochs samples)."""

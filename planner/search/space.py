@@ -23,6 +23,7 @@ from planner.errors import PlannerError
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
+    BASE_DTYPES,
     FRAMEWORKS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -236,6 +237,11 @@ class SearchSpace(BaseModel):
         gpus = self.gpus[instance] * merged.get("instances", 1)
         if gpus == 1 and merged.get("parallelism") in PARALLELISMS:
             merged["parallelism"] = "single"
+        from planner.parallel import known
+
+        strategy = known(merged.get("parallelism", "auto"))  # None for auto: every GPU
+        if strategy is not None:  # the GPUs that train: one for `single` on a 4-GPU instance, not four
+            gpus = strategy.world_size(self.gpus[instance], merged.get("instances", 1))
         if self.global_batch_size is not None:
             per_step = merged["batch_size"] * gpus
             accum, rest = divmod(self.global_batch_size, per_step)
@@ -261,13 +267,16 @@ class SearchSpace(BaseModel):
 
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
-             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "frameworks": FRAMEWORKS}
+             "base_dtypes": ("auto", *BASE_DTYPES), "frameworks": FRAMEWORKS,
+             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS}
     return table[name]
 
 
 # The largest value of each integer dimension (planner.search.limits).
 INT_LIMITS = {"batch_sizes": MAX_SPACE_VALUE, "seq_lens": MAX_SPACE_VALUE, "grad_accums": MAX_GRAD_ACCUM,
-              "instance_counts": MAX_SEARCH_INSTANCES}
+              "instance_counts": MAX_SEARCH_INSTANCES, "lora_ranks": MAX_SPACE_VALUE}
+# A LoRA target set is itself comma-separated (q_proj,v_proj): several sets to explore are split by ";".
+SET_SEPARATOR = ";"
 
 
 def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tuple[Any, ...] | None:
@@ -276,6 +285,12 @@ def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tu
     if text is None:
         return None
     flag = flag or FLAGS[field]
+    if field == "lora_target_sets":  # "q_proj,v_proj;all-linear": two sets; spaces around names dropped
+        sets = tuple(",".join(n.strip() for n in t.split(",") if n.strip()) for t in text.split(SET_SEPARATOR))
+        if not all(sets):
+            raise PlannerError(flag, text, "module names separated by commas (q_proj,v_proj) or all-linear; "
+                               "several sets to explore separated by ;")
+        return sets
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise PlannerError(flag, text, "a comma-separated list with at least one value")

@@ -69,8 +69,8 @@ JOURNAL_FILE = "journal.log"
 # moves of its descent (planner.search.local: 1-3 moves on the reference job, ~3 trials a type in all). Not more: with every type
 # already at its own search's best (benchmarks/search_benchmark.py), further TPE trials over 55 types
 # would cost ~10 ms each in sampling alone and stretch `--instance all` past its 5 s.
-DEFAULT_TRIALS = 100
-TRIALS_PER_EXTRA_TYPE = 2
+from planner.search.limits import DEFAULT_TRIALS, TRIALS_PER_EXTRA_TYPE  # noqa: E402  (the help text reads them)
+
 ProgressFn = Callable[[str, int, int], None]  # (label, finished trials, target)
 # From this many types, a study's descents replay far more than compiled.COMPILE_AFTER steps, so the compiled
 # replay is loaded before them rather than after ~0.4 s of replays in Python that it would then repeat faster.

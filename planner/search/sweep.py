@@ -11,6 +11,7 @@ recipe:                             # the training job: what the user cannot tra
   dataset_size: 1000000             # samples per epoch
   epochs: 3
 stack: {torch: "2.8", alloc_conf: "expandable_segments:True"}   # passed to every estimate (optional)
+runtime: {cuda_context_mib: 500, fragmentation: 0.1}   # as estimate's --cuda-context-mib, --fragmentation
 fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant; {framework: deepspeed,
                                          # ds_config: ds.json} reads a DeepSpeed config next to the file
 space: {batch_sizes: [8, 16, 32], precisions: [amp-fp16], instance_counts: [1, 2, 4]}  # left out = default
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlannerError
+from planner.search.limits import DEFAULT_TRIALS as _DEFAULT_TRIALS
 from planner.search.limits import (
     MAX_DATASET_SIZE,
     MAX_EPOCHS,
@@ -66,7 +68,7 @@ REFERENCE_EPOCHS = 3
 DEFAULT_MAX_MEMORY_FRACTION = 0.95
 # TPE trials per instance type when no count is given: benchmarks/search_benchmark.py shows TPE
 # reaching >= 99% of the exhaustive grid's optimum on the default space within this budget.
-DEFAULT_TRIALS = 100
+DEFAULT_TRIALS = _DEFAULT_TRIALS  # planner.search.limits: one number for the search, the sweep and --help
 
 
 GlobalBatch = Annotated[int, Field(strict=True, ge=1, le=MAX_GLOBAL_BATCH)]
@@ -130,6 +132,18 @@ class StackSpec(_Strict):
         return out or None
 
 
+class RuntimeSpec(_Strict):
+    """Runtime overrides every estimate of the sweep gets, as `estimate --cuda-context-mib / --fragmentation`."""
+
+    cuda_context_mib: float | None = None
+    fragmentation: float | None = None
+
+    def overrides(self) -> dict[str, Any] | None:
+        from planner.memory.runtime import overrides_from_flags
+
+        return overrides_from_flags(self.cuda_context_mib, self.fragmentation)
+
+
 class Constraints(_Strict):
     """What a configuration must satisfy to count as feasible."""
 
@@ -171,6 +185,7 @@ class Sweep(_Strict):
     region: str = "us-east-1"  # where the instances are priced (planner.prices)
     recipe: Recipe = Recipe()
     stack: StackSpec = StackSpec()
+    runtime: RuntimeSpec = RuntimeSpec()
     fixed: dict[str, Any] = Field(default_factory=dict)
     space: SpaceSpec = SpaceSpec()
     constraints: Constraints = Constraints()
@@ -217,6 +232,9 @@ class Sweep(_Strict):
         run = self.recipe.run_request()
         if run is not None:
             out["run"] = run
+        runtime = self.runtime.overrides()
+        if runtime:
+            out["runtime"] = runtime
         if self.traced():  # estimate() builds and traces it itself, once per shape class
             out |= {"model_options": dict(self.model_options), "inputs": self.inputs, "loss": self.loss}
         return out
@@ -233,6 +251,8 @@ class Sweep(_Strict):
         """What decides a trial's value on one instance type: runs with the same definition may share a
         study. The sampler, seed and trial count are left out (they change the path, not the values)."""
         unused = {k for k in ("inputs", "loss") if getattr(self, k) is None}  # older definitions stay equal
+        if self.runtime == RuntimeSpec():
+            unused.add("runtime")
         no_run = set() if self.recipe.lengths is not None else {"lengths", "padding", "run_steps", "run_seed"}
         return self.model_dump(mode="json", exclude={"name": True, "description": True, "search": True,
                                                      "instance": True, **dict.fromkeys(unused, True),
@@ -326,7 +346,7 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
 
     for field, call in (("model", lambda: sweep_model(sweep)),
                         ("instance", sweep.instance_names), ("stack", stack),
-                        ("recipe.lengths", sweep.recipe.run_request)):
+                        ("recipe.lengths", sweep.recipe.run_request), ("runtime", sweep.runtime.overrides)):
         try:
             call()
         except PlannerError as exc:
@@ -351,11 +371,11 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
     from planner.models.user_module import is_reference, load_function
     from planner.program.sources import require_tracing_libraries
 
+    if is_reference(sweep.model) and sweep.inputs is None:  # one line at once, before torch loads
+        raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
+                           f"model {sweep.model}")
     require_tracing_libraries(sweep.model)  # before the user's file is imported: all that is missing, once
     if is_reference(sweep.model):
-        if sweep.inputs is None:
-            raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
-                               f"model {sweep.model}")
         from planner.models.user_module import check_build
 
         load_function(sweep.model, "--model")
