@@ -4,6 +4,8 @@ its prices come from. Driven through the CLI as a user drives it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
@@ -67,7 +69,8 @@ EXAMPLES = {
     "lora_targets": "c_attn", "lora_dropout": "0.05", "base_dtype": "bf16", "torch_version": "2.8",
     "cuda_version": None, "transformers_version": None, "alloc_conf": "expandable_segments:True",
     "plot": None, "json_out": None, "inputs": None, "loss": None, "lengths": "uniform:128-256",
-    "padding": "longest", "run_steps": "4", "run_seed": "1",
+    "padding": "longest", "run_steps": "4", "run_seed": "1", "framework": "torchtitan",
+    "ds_config": None,  # a file: read when the search starts (test_search_reads_a_ds_config_file_when_it_starts)
 }
 
 
@@ -113,6 +116,8 @@ def test_every_estimate_flag_is_taken_by_explain_search_and_sweeps():
             doc[section] = {key: value}
         else:
             doc[section] = value
+        if section == "recipe" and key in ("padding", "run_steps", "run_seed"):  # these need a run of lengths
+            doc[section]["lengths"] = EXAMPLES["lengths"]
         sweep = parse_sweep(doc, "test")
         got = getattr(sweep, section)
         got = getattr(got, key) if key and not isinstance(got, dict) else (got[key] if key else got)
@@ -260,3 +265,16 @@ def test_a_sweeps_runtime_section_is_checked_naming_the_file():
     with pytest.raises(PlannerError) as exc:
         parse_sweep({"model": "gpt2", "instance": "ml.g5.2xlarge", "runtime": {"fragmentation": 99}}, "x.yaml")
     assert exc.value.field == "x.yaml: runtime"
+
+
+def test_search_reads_a_ds_config_file_when_it_starts(tmp_path):
+    """`search --ds-config FILE` is read before any trial: a file that does not parse is one line naming the flag,
+    exit 2, and no study folder is left behind."""
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    r = subprocess.run([sys.executable, "-m", "planner", "search", "--model", "gpt2", "--instance", "ml.g5.2xlarge",
+                        "--framework", "deepspeed", "--ds-config", str(bad), "--trials", "2", "--no-progress"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--ds-config" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists()

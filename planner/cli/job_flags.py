@@ -53,7 +53,7 @@ PLACES: dict[str, tuple[str, str]] = {
     "lora_targets": ("space:lora_target_sets", "space.lora_target_sets"),
     "base_dtype": ("space:base_dtypes", "space.base_dtypes"),
     "framework": ("space:frameworks", "space.frameworks"),
-    "ds_config": ("same", "fixed.ds_config"),
+    "ds_config": ("fixed", "fixed.ds_config"),  # the file is read when the search starts
     "lengths": ("recipe", "recipe.lengths"),
     "padding": ("recipe", "recipe.padding"),
     "run_steps": ("recipe", "recipe.run_steps"),

@@ -132,6 +132,11 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
             updates[key] = {**updates.get(key, {}), **given}
     for section, values in (held or {}).items():  # estimate's flags held for every trial (job_flags)
         if section == "fixed":
+            values = dict(values)
+            if "ds_config" in values:  # --ds-config FILE: read now (one line if it does not parse), as a sweep's
+                from planner.parallel.ds_config import read_ds_config
+
+                values["deepspeed"] = read_ds_config(values.pop("ds_config"), "--ds-config").model_dump()
             updates["fixed"] = {**updates.get("fixed", base.fixed), **values}
         else:
             updates[section] = {**updates.get(section, {}), **values}
