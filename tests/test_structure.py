@@ -153,7 +153,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.estimate",),  # the one entry point of an estimate
     ("planner.pipeline", "planner.run"),  # resolve → step → verdict; runs of varying length
     ("planner.memory", "planner.perf", "planner.program", "planner.adapters"),  # interpreters, the tracer
-    ("planner.parallel", "planner.families", "planner.models"),  # registries: strategies, families, models
+    ("planner.parallel", "planner.families", "planner.models", "planner.ir"),  # registries; the op vocabulary
     ("planner.spec", "planner.data", "planner.alloc_conf", "planner.hardware", "planner.dlc", "planner.prices",
      "planner.caches", "planner.identity_cache", "planner.errors", "planner.io", "planner.units", "planner.env",
      "planner._startup"),  # the data model, sourced facts, small shared pieces
