@@ -53,10 +53,9 @@ import numpy as np
 
 from planner import caches
 from planner.errors import PlannerError
-from planner.families import family
+from planner.families.forms import parameter_tensors
 from planner.identity_cache import per_object
 from planner.memory.parallel import dataparallel_replica_io_bytes
-from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
 from planner.parallel import resolve_name
@@ -74,7 +73,7 @@ from planner.perf.roofline import (
     time_kernels,
     time_table,
 )
-from planner.spec import GPU, DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
+from planner.spec import GPU, Instance, ModelSpec, Throughput, TrainConfig
 
 GB = 1e9
 TFLOP = 1e12
@@ -154,23 +153,6 @@ def half_collective_seconds(nbytes: float, instance: Instance, instances: int,
 
 
 # ---- optimizer -----------------------------------------------------------------------------------
-
-
-def parameter_tensors(block: Block) -> int:
-    """How many parameter tensors a block holds (launch overhead of the for-loop optimizer)."""
-    layer = block.layer
-    if isinstance(layer, DenseSpec):
-        return 2 if layer.bias else 1
-    if not isinstance(layer, TransformerSpec):
-        return 2  # BatchNorm weight + bias
-    norm = 2 if layer.norm == "layernorm" else 1
-    if block.role == "layer":
-        mlp = 3 if family(layer.family).gated_mlp else 2
-        return 4 * (2 if layer.attention_bias else 1) + mlp * (2 if layer.mlp_bias else 1) + 2 * norm
-    if block.role == "embeddings":
-        return 1 + (layer.position_table > 0) + (layer.type_vocab_size > 0) + (
-            norm if family(layer.family).embedding_norm else 0)
-    return 2 if block.role in ("pooler", "head") else norm
 
 
 # ---- the prediction ------------------------------------------------------------------------------
@@ -368,9 +350,11 @@ _PARAMS: dict[int, tuple] = caches.table("planner.perf.throughput._PARAMS", scop
 
 
 def parameter_counts(model: ModelSpec) -> tuple[int, int]:
-    """(parameters, parameter tensors) of a model, once per model object."""
-    return per_object(_PARAMS, model, lambda m: (count_parameters(m)["total"],
-                                                 sum(parameter_tensors(b) for b in model_blocks(m))))
+    """(parameters, parameter tensors) of a model, once per model object. The tensors are the program's
+    (planner.families.forms.parameter_tensors, the module's `named_parameters()`): this used to count them
+    by its own rule, which gave GPT-2 198 tensors (four attention projections where GPT2Attention has c_attn
+    and c_proj) against the module's 148, and two for every head (BERT's masked-LM head has five)."""
+    return per_object(_PARAMS, model, lambda m: (count_parameters(m)["total"], len(parameter_tensors(m))))
 
 
 def shard_units(parallelism: str, n_tensors: int, layers: int | None) -> int:

@@ -115,3 +115,18 @@ def model_program(model: ModelSpec, ctx: Ctx) -> Program:
 
 _PROGRAMS: dict[int, dict] = caches.table("planner.families.forms._PROGRAMS", scope="step",
     key="ModelSpec identity (per_object) -> {Ctx: Program}")
+
+
+# The context the parameter list is read under: a model's parameter tensors do not depend on the batch, the
+# precision or the kernel (only its ops do), so any context gives the same list.
+PARAMETER_CONTEXT = Ctx(1, 1, "fp32", "sdpa", "cuda", False)
+
+
+def parameter_tensors(model: ModelSpec) -> tuple:
+    """Every parameter tensor of the model (planner.ir.ops.Param), as `module.named_parameters()` lists them
+    (tied tensors once): the program's, read once per model."""
+    return per_object(_PARAMETERS, model, lambda m: tuple(model_program(m, PARAMETER_CONTEXT).params))
+
+
+_PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS", scope="model",
+    key="ModelSpec identity (per_object): its parameter tensors")
