@@ -13,6 +13,14 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    `named_parameters()` confirms the program (tests/test_program.py). Only ZeRO-3 step times move (its
    per-unit NCCL calls follow the tensor count): 104 of 347 estimates, communication time only, step time
    by at most 3.5 %; memory unchanged everywhere.
+2. The speed kernel list is the program's (`perf.kernels.block_kernels` reads the layer forms' ops; its own
+   layer, embeddings and head lists are deleted). Where the two lists disagreed the module decides
+   (tests/test_program.py counts the ATen ops of real modules): RoBERTa looks up token types even without
+   them in the batch, RoBERTa's and DistilBERT's classifiers run dropout, DistilBERT's layer has no dropout
+   after out_lin, GPT-2's c_proj casts gelu_new's fp32 output under AMP. 150 of 347 estimates move, all of
+   RoBERTa / DistilRoBERTa / DistilBERT and GPT-2 under AMP (LoRA and QLoRA included), step time by at most
+   3.7 % (GPT-2 AMP: the added cast); BERT, Llama, Mistral and the multimodal model unchanged; memory
+   unchanged everywhere.
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 
