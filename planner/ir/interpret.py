@@ -38,12 +38,18 @@ def register(interpreter: str, *kinds: str) -> Callable[[Callable[..., Any]], Ca
     return put
 
 
+_LOADED: list[bool] = []
+
+
 def load_rules() -> None:
-    """Import every rule module (each registers on import)."""
+    """Import every rule module (each registers on import); once per process."""
+    if _LOADED:
+        return
     import importlib
 
     for m in RULE_MODULES:
         importlib.import_module(m)
+    _LOADED.append(True)
 
 
 def apply(interpreter: str, op: Op, ctx: Any) -> Any:

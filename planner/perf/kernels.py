@@ -357,12 +357,13 @@ def program_forward(block: Block, model: ModelSpec, sh: Shapes, causal_fraction:
     """Forward kernels of a transformer block, read from its program (planner.families.forms: the ops the
     layer form emits, each timed by its kind's rule in planner.perf.op_rules; issue 33). The attention op's
     kernels take the causal fraction counted, a speed constant, so they are made here."""
-    from planner.families.forms import model_program
+    from planner.families.forms import block_ops, load_forms
     from planner.ir.interpret import apply, load_rules
 
     load_rules()
+    load_forms()
     out: list[Kernel] = []
-    for op in model_program(model, sh).block(block.name).ops:
+    for op in block_ops(block, model, sh):  # this block only: the caller asks for one layer of a stack
         if op.kind.startswith("attention_") and op.kind != "attention_mask":
             out += attention(op.attrs["spec"], sh, causal_fraction)
         else:

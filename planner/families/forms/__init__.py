@@ -54,10 +54,15 @@ def layer_form(name: str) -> Callable[[LayerFn], LayerFn]:
 
 
 def load_forms() -> dict[str, LayerFn]:
-    """Import every module of this package (each form registers itself)."""
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
+    """Import every module of this package (each form registers itself); once per process."""
+    if not _FORMS_LOADED:
+        for info in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{info.name}")
+        _FORMS_LOADED.append(True)
     return FORMS
+
+
+_FORMS_LOADED: list[bool] = []
 
 
 def root_prefix(model: ModelSpec, block: Block) -> str:
