@@ -82,6 +82,12 @@ class Kernel:
     launches: int = 1  # CUDA launches per occurrence (foreach kernels over tensor lists)
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a matmul, for tile/wave efficiency
     collective: str = ""  # communication kernels: a COLLECTIVE_OVERLAP key ("allreduce", "dp_reduce", ...)
+    # What the kernel does for a parameter, so that a transform (LoRA's frozen base: planner.adapters.speed)
+    # selects kernels by what they are, not by their names (issue 33): "weight_grad" (dW = Xᵀ·dY of a
+    # parameter's matmul), "bias_grad", "table_grad" (an embedding table's gradient), "weight_cast" /
+    # "bias_cast" (autocast's 16-bit copy of a parameter), "grad_cast" (its gradient cast back to fp32).
+    param_work: str = ""
+    block_role: str = ""  # the role (planner.models.blocks) of the block the kernel belongs to
 
     @property
     def bytes(self) -> int:
@@ -134,6 +140,7 @@ def backward_of(k: Kernel) -> list[Kernel]:
         b, m, n, kk = k.gemm
         dx = gemm(f"{k.name}.grad_input", m, kk, n, k.dtype, b, kind=k.kind)
         dw = gemm(f"{k.name}.grad_weight", kk, n, m, k.dtype, b, kind=k.kind)
+        dw = _with(dw, param_work="weight_grad" if k.kind == "gemm" else "")  # bmm: both operands activations
         return [_with(x, phase="backward", count=k.count) for x in (dx, dw)]
     if k.kind == "attention":  # fused SDPA / flash: one backward kernel
         flops = BACKWARD_TO_FORWARD * k.flops + k.flops // 2
@@ -270,7 +277,8 @@ def embedding_backward(spec: TransformerSpec, sh: Shapes, forward: list[Kernel])
             continue  # built from the inputs: no gradient
         if table in rows:
             out.append(Kernel(f"{k.name}.backward", "memory_bound", 0, sh.n * (h * nbytes(w) + 8),
-                              rows[table] * h * nbytes(w) + sh.n * h * nbytes(w), w, "backward"))
+                              rows[table] * h * nbytes(w) + sh.n * h * nbytes(w), w, "backward",
+                              param_work="table_grad"))
         else:
             out += backward_of(k)
     return out
@@ -320,9 +328,11 @@ def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kerne
     for j, (w, bias) in enumerate(_weights(block)):
         for name, numel in ((f"weight{j}", w), (f"bias{j}", bias)):
             if numel:
-                fwd.append(elementwise(f"{block.name}.{name}.cast", numel, (F32,), (sh.low,), sh.low))
+                part = "weight_cast" if name.startswith("weight") else "bias_cast"
+                fwd.append(_with(elementwise(f"{block.name}.{name}.cast", numel, (F32,), (sh.low,), sh.low),
+                                 param_work=part))
                 bwd.append(_with(elementwise(f"{block.name}.{name}.grad_cast", numel, (sh.low,), (F32,), F32),
-                                   phase="backward"))
+                                   phase="backward", param_work="grad_cast"))
     return fwd, bwd
 
 
@@ -334,7 +344,7 @@ def bias_grads(forward: list[Kernel]) -> list[Kernel]:
             b, m, n, kk = k.gemm
             if k.bytes_read > b * (m * kk + kk * n) * nbytes(k.dtype):
                 out.append(_with(reduction(f"{k.name}.grad_bias", m * n, n, k.dtype), phase="backward",
-                                   count=k.count))
+                                   count=k.count, param_work="bias_grad"))
     return out
 
 
@@ -389,7 +399,7 @@ def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfi
     ks = casts + fwd + bwd + cast_grads
     if config.checkpointing and block.role == "layer" and isinstance(layer, TransformerSpec):
         ks += recompute_of(layer, fwd)
-    return ks
+    return [_with(k, block_role=block.role) for k in ks]
 
 
 def foreach_launches(tensors: int, elements: int, depth: int) -> int:
