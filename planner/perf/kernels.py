@@ -1,5 +1,11 @@
 """One training step as the list of CUDA kernels it launches, from the shared block enumeration.
 
+Which ops a transformer block runs is its program's (planner.families.forms emit the ops; planner.perf.op_rules
+turns each op kind into the kernels below: `program_forward`); this module holds the kernel rules (the
+primitives), the backward, cast and recompute kernels derived from a block's forward, the loss, the
+optimizer and the collectives (issue 33: it used to keep its own copy of each layer, which disagreed with
+the modules in five places, tests/test_program.py).
+
 Why a kernel list: a step's time is not FLOPs / peak. Much of a BERT step is memory-bound (LayerNorm,
 softmax, dropout, GELU, residual adds, casts, eager attention over s² scores, the optimizer), and small
 micro-batches are bound by how fast the CPU can launch kernels. Each `Kernel` carries what the roofline
