@@ -267,13 +267,15 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     full = trace(False)
     kept = trace(True) if cfg.checkpointing else full
     kept_by = {b.name: b.saved_bytes + b.retained_bytes for b in kept.blocks}
+    from planner.adapters.lora import ADAPTER_BYTES  # fp32 adapters: one constant for both front ends
+
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
     g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
     blocks = []
     for b in full.blocks:
         # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
         trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
-        full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
+        full_p, full_g = b.parameters * p_bytes, trained * (ADAPTER_BYTES if full.block_trainable else g_bytes)
         resident_p, resident_g, gathered, transient_g = share.block_bytes(full_p, full_g)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
@@ -284,7 +286,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
             retained_bytes=b.retained_bytes))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
-    opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
+    opt_bytes = ADAPTER_BYTES if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
     if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
