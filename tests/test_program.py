@@ -3,8 +3,10 @@
 - every op kind has a rule in every interpreter (a kind without one fails here);
 - the program's parameter tensors are the module's (`named_parameters()` on `meta`: names, shapes, order
   where the forward runs in registration order; GPT-2 148);
-- the program's saved storages equal planner.memory.activations' for every block (itself checked against
-  saved-tensor hooks in tests/test_activations.py), and, directly, the hooks on small CPU modules;
+- the program's saved storages equal planner.memory.activations' for every block (the activations model
+  now sums the program's ops for transformer blocks, so this holds the loss and the multimodal blocks and
+  the checkpoint/cast bookkeeping; before that switch it compared two independent copies over 113,344
+  blocks without a difference), and the saved-tensor hooks on small CPU modules directly;
 - its FLOPs equal planner.perf.flops', and its forward kernels planner.perf.kernels' except where the old
   kernel list disagreed with the module (KERNEL_DISAGREEMENTS, each checked on the real module below);
 - `planner estimate --json`'s program sums to `memory_bytes.parameters` and `.activations` on one GPU;

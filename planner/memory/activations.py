@@ -3,7 +3,9 @@
 Why this is not one formula: what a forward saves depends on the exact ops the modeling code runs, the
 attention kernel, the precision (and which ops autocast keeps in fp32) and the device's kernels. So each
 tensor group has its own small function below, returning the *storages* it saves (`Saved`: name, element
-count, dtype). A block's `saved_bytes` is their sum, each storage counted once, rounded the way the CUDA
+count, dtype). Which groups a transformer block has is its program's: the layer forms
+(planner.families.forms) emit the block's ops and planner.memory.op_saved maps each op kind to the functions
+below (`block_saved`, `layer_saved`; issue 33). A block's `saved_bytes` is their sum, each storage counted once, rounded the way the CUDA
 caching allocator rounds allocations. `tests/saved_tensors.py` measures the same thing on the real modules
 (saved-tensor hooks under FakeTensorMode) and `tests/test_activations.py` checks these functions against it.
 
@@ -239,7 +241,7 @@ def rmsnorm_saved(name: str, tokens: int, width: int, dtype: str, ctx: Ctx, inpu
 
 def activation_saved(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[list[Saved], str]:
     """The MLP nonlinearity on an up-projection output of `dtype`: what it saves (input included) and the
-    dtype of its output. The output itself is saved by the down-projection (see `mlp_saved`).
+    dtype of its output. The output itself is saved by the down-projection (planner.families.forms.common.mlp_ops).
 
     gelu / gelu_pytorch_tanh / silu: the C kernels save their input. relu: saves its output (which the
     down-projection saves too). gelu_new (GPT-2, transformers NewGELUActivation) is Python:
@@ -256,27 +258,6 @@ def activation_saved(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> t
                  Saved(f"{name}.half_x", numel, dtype), Saved(f"{name}.one_plus_tanh", numel, branch)],
                 promote(dtype, branch))
     raise ValueError(f"activation {act!r}: no saved-tensor formula (known: gelu, gelu_new, relu, silu)")
-
-
-def mlp_saved(spec: TransformerSpec, ctx: Ctx, in_dtype: str, gated: bool) -> list[Saved]:
-    """Feed-forward block after its (new) input tensor of `in_dtype`.
-
-    BERT/GPT-2: up (saves input) -> act -> down (saves the activation output): input, act's tensors, n·i.
-    Llama (gated): gate and up read the same input; silu saves the gate output; silu(g)·u saves both
-    factors; down saves the product: input, 4·n·i.
-    """
-    n, i, low = ctx.n, spec.intermediate_size, ctx.low
-    out = linear_inputs("mlp.input", n * spec.hidden_size, in_dtype, ctx, consumers=2 if gated else 1)
-    acts, act_out = activation_saved("mlp.act", spec.hidden_act, n * i, low, ctx)
-    out += acts
-    if gated:
-        out += [Saved("mlp.act_output", n * i, act_out), Saved("mlp.up", n * i, low)]
-        out += [Saved("mlp.product", n * i, promote(act_out, low))]
-    elif spec.hidden_act == "relu":
-        out += [Saved("mlp.act_output", n * i, act_out)]  # saved by relu and down-projection: one storage
-    else:
-        out += linear_inputs("mlp.act_output", n * i, act_out, ctx)
-    return out
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -371,103 +352,17 @@ def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: lis
 # ---------------------------------------------------------------------------------------- layers
 
 
-def encoder_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """One BERT / RoBERTa / DistilBERT layer (post-norm): Q,K,V Linear -> attention -> dense -> dropout ->
-    LayerNorm(+x) -> up -> GELU -> down -> dropout -> LayerNorm(+residual). HF BertLayer; DistilBERT's
-    TransformerBlock is the same without the dropout after the attention output projection.
-    """
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    out = linear_inputs("layer.input", n * h, act, ctx, consumers=3)
-    masked = mask_materialised(spec, ctx)
-    kernel = attention_kernel(spec, ctx, masked)
-    if kernel == "eager":
-        out += eager_attention_saved(spec, ctx, low, masked)
-    elif kernel == "math":
-        out += math_attention_saved(spec, ctx, masked)
-    else:
-        qkv = [Saved(f"attention.{x}", n * h, low) for x in "qkv"]
-        out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
-    if kernel in ("eager", "math"):
-        out.append(Saved("attention.context", n * h, low))  # transpose().contiguous(): saved by the dense
-    if family(spec.family).attention_output_dropout:  # DistilBERT's TransformerBlock has none after out_lin
-        out += dropout_saved("attention.output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    ln, ln_dtype = layernorm_saved("attention.output.LayerNorm", n, h, promote(low, act), ctx)
-    out += ln
-    out += mlp_saved(spec, ctx, ln_dtype, gated=False)
-    out += dropout_saved("output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    ln, _ = layernorm_saved("output.LayerNorm", n, h, promote(low, act), ctx)
-    return out + ln
-
-
-def gpt2_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """One GPT-2 block (pre-norm): ln_1 -> c_attn -> attention -> c_proj -> dropout -> +x -> ln_2 -> c_fc ->
-    gelu_new -> c_proj -> dropout -> +residual (transformers GPT2Block). q, k, v are views of the one
-    c_attn output (n·3h), which fused kernels save as a single storage.
-    """
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    ln, ln_dtype = layernorm_saved("ln_1", n, h, act, ctx)
-    out = ln
-    out += linear_inputs("attn.c_attn.input", n * h, ln_dtype, ctx)
-    masked = mask_materialised(spec, ctx)
-    kernel = attention_kernel(spec, ctx, masked)
-    if kernel == "eager":
-        out += eager_attention_saved(spec, ctx, low, masked)
-    elif kernel == "math":
-        out += math_attention_saved(spec, ctx, masked, v_storage=n * 3 * h)
-    else:
-        out += fused_attention_saved(spec, ctx, kernel, [Saved("attention.qkv", n * 3 * h, low)], masked)
-    if kernel in ("eager", "math"):
-        out.append(Saved("attention.context", n * h, low))
-    out += dropout_saved("attn.resid_dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    ln, ln_dtype = layernorm_saved("ln_2", n, h, promote(low, act), ctx)
-    out += ln
-    out += mlp_saved(spec, ctx, ln_dtype, gated=False)
-    out += dropout_saved("mlp.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    return out
-
-
-def llama_layer_saved(spec: TransformerSpec, ctx: Ctx, first: bool) -> list[Saved]:
-    """One Llama / Mistral decoder layer (pre-RMSNorm, rotary, GQA, SwiGLU; transformers LlamaDecoderLayer).
-
-    Rotary: q·cos + rotate_half(q)·sin saves cos and sin (1·s·d each, the model's dtype, shared by all
-    layers: counted on the first). The rotated q, k are in promote(low, act) (fp32 under AMP, cast back
-    to 16-bit by SDPA/matmul). With a 4-D mask (or eager) HF repeats k, v to all heads (`repeat_kv`);
-    without one SDPA gets enable_gqa and saves k, v at kv-head size.
-    """
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    d, a, kvh = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    H, KV = a * d, kvh * d
-    out = rmsnorm_saved("input_layernorm", n, h, act, ctx, input_is_new=True)
-    out += linear_inputs("self_attn.input", n * h, act, ctx, consumers=3)
-    if first:
-        out += [Saved("rotary.cos", ctx.s * d, act), Saved("rotary.sin", ctx.s * d, act)]
-    masked = mask_materialised(spec, ctx)
-    kernel = attention_kernel(spec, ctx, masked)
-    rot = promote(low, act)
-    if kernel == "eager":
-        out += eager_attention_saved(spec, ctx, rot, masked)
-        out.append(Saved("attention.context", n * H, low))
-    elif kernel == "math":
-        out += math_attention_saved(spec, ctx, masked)
-        out.append(Saved("attention.context", n * H, low))
-    else:
-        repeat = masked or kvh == a
-        kv_width = H if repeat else KV
-        qkv = [Saved("attention.q", n * H, low), Saved("attention.k", n * kv_width, low),
-               Saved("attention.v", n * kv_width, low)]
-        out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
-    out += rmsnorm_saved("post_attention_layernorm", n, h, act, ctx, input_is_new=True)
-    out += mlp_saved(spec, ctx, act, gated=True)
-    return out
-
-
 def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
-    form = family(spec.family).layer
-    if form == "post_norm_encoder":
-        return encoder_layer_saved(spec, ctx)
-    if form == "pre_norm_conv1d":
-        return gpt2_layer_saved(spec, ctx)
-    return llama_layer_saved(spec, ctx, first=index == 0)
+    """What one transformer layer saves: its layer form's ops (planner.families.forms), each op's storages by
+    its kind's rule (planner.memory.op_saved, which calls the piece functions above). Issue 33: the three
+    per-form functions that composed the pieces here were a second copy of each layer."""
+    from planner.families.forms import LayerArgs, load_forms
+    from planner.ir.interpret import apply, load_rules
+
+    load_rules()
+    traits = family(spec.family)
+    ops = load_forms()[traits.layer](LayerArgs(spec, traits, ctx, index, ""))
+    return [t for op in ops for t in apply("saved", op, ctx)]
 
 
 def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
@@ -487,98 +382,12 @@ def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved
 # ------------------------------------------------------------------------------ other transformer blocks
 
 
-def embeddings_saved(spec: TransformerSpec, ctx: Ctx, token_types_in_batch: bool) -> list[Saved]:
-    """Embedding lookups save their indices; token ids and a given token_type_ids are the batch's own
-    tensors (counted in MemoryBytes.batch), BERT's position ids are a buffer slice. New index tensors:
-    RoBERTa's position ids from input_ids (n int64) and its token types gathered through them (n int64),
-    BERT's token types gathered from the buffer when the batch has none (s int64), GPT-2's
-    `arange` position ids (s int64). Then LayerNorm (encoders) and dropout; Llama saves nothing here.
-    """
-    n, h, s, act = ctx.n, spec.hidden_size, ctx.s, ctx.act
-    out: list[Saved] = []
-    traits = family(spec.family)
-    if traits.position_ids == "from_input_ids":
-        out += [Saved("embeddings.position_ids", n, I64)]
-    if traits.token_types == "gathered" and not token_types_in_batch:
-        out += [Saved("embeddings.token_type_ids", n, I64)]
-    elif traits.token_types == "buffer" and not token_types_in_batch:
-        out += [Saved("embeddings.token_type_ids", s, I64)]
-    if traits.position_ids == "arange":
-        out += [Saved("embeddings.position_ids", s, I64)]
-    if traits.embedding_norm:
-        ln, _ = layernorm_saved("embeddings.LayerNorm", n, h, act, ctx)
-        out += ln
-    if traits.embedding_dropout:
-        out += dropout_saved("embeddings.dropout_mask", n * h, act, spec.embedding_dropout, ctx.backend)
-    return out
-
-
-def final_norm_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """GPT-2 ln_f (LayerNorm) or Llama norm (RMSNorm) on the residual stream, a new tensor of n·h."""
-    if family(spec.family).layer == "pre_norm_conv1d":  # GPT-2's ln_f is a LayerNorm
-        return layernorm_saved("ln_f", ctx.n, spec.hidden_size, ctx.act, ctx)[0]
-    return rmsnorm_saved("norm", ctx.n, spec.hidden_size, ctx.act, ctx, input_is_new=True)
-
-
 def first_token_input(name: str, spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     """A Linear applied to hidden[:, 0]: without autocast it saves that *view*, which keeps the whole last
     hidden state (n·h) alive; under autocast it saves a 16-bit copy of just b·h."""
     if ctx.amp:
         return [Saved(f"{name}.cast", ctx.b * spec.hidden_size, ctx.low)]
     return [Saved(f"{name}.last_hidden_state", ctx.n * spec.hidden_size, ctx.act)]
-
-
-def pooler_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """BertPooler: dense(hidden[:, 0]) -> tanh (saves its output, b·h)."""
-    return first_token_input("pooler.dense", spec, ctx) + [Saved("pooler.tanh", ctx.b * spec.hidden_size, ctx.low)]
-
-
-def classifier_dropout(spec: TransformerSpec) -> float:
-    return spec.classifier_dropout if spec.classifier_dropout is not None else spec.hidden_dropout
-
-
-def head_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """The task head before the loss (transformers *ForSequenceClassification / *ForMaskedLM / *LMHeadModel).
-
-    - BERT seq-cls: dropout(pooled) -> classifier (b·h).
-    - RoBERTa seq-cls (RobertaClassificationHead): dropout(hidden[:,0]) -> dense -> tanh -> dropout -> out_proj.
-    - DistilBERT seq-cls: pre_classifier(hidden[:,0]) -> ReLU -> dropout -> classifier.
-    - GPT-2 / Llama seq-cls: score on all n tokens, then indexing the last token saves 2 index vectors.
-    - masked-lm: dense -> GELU -> LayerNorm -> decoder (n·h each).
-    - causal-lm: lm_head saves the final norm's output (n·h).
-    """
-    b, n, h, low, act = ctx.b, ctx.n, spec.hidden_size, ctx.low, ctx.act
-    bh = b * h
-    if spec.head == "sequence-classification":
-        p = classifier_dropout(spec)
-        form = family(spec.family).classifier
-        if form == "pooled":
-            out = dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
-            return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
-        if form == "dense_tanh":
-            if p > 0:
-                out = dropout_saved("head.dropout_mask", bh, act, p, ctx.backend)
-                out += linear_inputs("classifier.dense.input", bh, act, ctx)
-            else:
-                out = first_token_input("classifier.dense", spec, ctx)
-            out += [Saved("classifier.tanh", bh, low)]
-            out += dropout_saved("classifier.dropout_mask2", bh, low, p, ctx.backend)
-            return out + ([Saved("classifier.out_proj.input", bh, low)] if p > 0 else [])
-        if form == "pre_classifier_relu":
-            out = first_token_input("pre_classifier", spec, ctx) + [Saved("relu", bh, low)]
-            out += dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
-            return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
-        # decoders: score over all tokens (the pooling index is saved by the loss block)
-        return linear_inputs("score.input", n * h, act, ctx)
-    if spec.head == "masked-lm":
-        out = linear_inputs("lm.transform.dense.input", n * h, act, ctx)
-        acts, act_out = activation_saved("lm.transform.act", spec.hidden_act, n * h, low, ctx)
-        ln, ln_dtype = layernorm_saved("lm.transform.LayerNorm", n, h, act_out, ctx)
-        out += acts + ln  # under CUDA autocast LayerNorm saves an fp32 copy of the GELU output instead
-        return out + linear_inputs("lm.decoder.input", n * h, ln_dtype, ctx)
-    if spec.head == "causal-lm":
-        return linear_inputs("lm_head.input", n * h, act, ctx)
-    return []
 
 
 def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
@@ -832,17 +641,14 @@ def block_saved(block: Block, model: ModelSpec, ctx: Ctx) -> list[Saved]:
     layer = block.layer
     if not isinstance(layer, TransformerSpec):
         return dense_block_saved(block, model, ctx)
-    if block.role == "embeddings":
-        return embeddings_saved(layer, ctx, model.inputs.token_type_ids)
     if block.role == "layer":
         return layer_saved(layer, ctx, block.index)
-    if block.role == "final_norm":
-        return final_norm_saved(layer, ctx)
-    if block.role == "pooler":
-        return pooler_saved(layer, ctx)
-    if block.role == "head":
-        return head_saved(layer, ctx)
-    raise ValueError(f"block role {block.role!r}")
+    from planner.families.forms import block_ops, load_forms
+    from planner.ir.interpret import apply, load_rules
+
+    load_rules()
+    load_forms()
+    return [t for op in block_ops(block, model, ctx) for t in apply("saved", op, ctx)]
 
 
 def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = "cuda", *,
