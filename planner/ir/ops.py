@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # Every op kind, with what it is. A kind added here needs a rule in every interpreter
 # (tests/test_program.py fails otherwise).
@@ -52,8 +52,7 @@ OP_KINDS: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class Param:
+class Param(NamedTuple):
     """One parameter tensor as `module.named_parameters()` names it (tied tensors appear once, with the
     module that registers them first)."""
 
@@ -65,8 +64,11 @@ class Param:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Op:
+    """One op. Treated as immutable (a transform makes new ops); not a frozen dataclass only because the
+    memory model builds a layer's ops for every new shape, and frozen initialisation is several times slower."""
+
     kind: str
     name: str
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -19,13 +19,23 @@ from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
 def width(spec: TransformerSpec, w: str) -> int:
     """A traits.Width in elements."""
+    if w == "h":
+        return spec.hidden_size
+    if w == "i":
+        return spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    return {"h": spec.hidden_size, "q": q, "kv": kv, "qkv": q + 2 * kv, "i": spec.intermediate_size,
-            "labels": spec.num_labels, "vocab": spec.vocab_size}[w]
+    if w == "q":
+        return q
+    if w == "kv":
+        return kv
+    if w == "qkv":
+        return q + 2 * kv
+    return spec.num_labels if w == "labels" else spec.vocab_size
 
 
 def has_bias(spec: TransformerSpec, lin: Linear) -> bool:
-    return {"yes": True, "no": False, "attention": spec.attention_bias, "mlp": spec.mlp_bias}[lin.bias]
+    b = lin.bias
+    return b == "yes" or (b == "attention" and spec.attention_bias) or (b == "mlp" and spec.mlp_bias)
 
 
 def linear_params(prefix: str, n_in: int, n_out: int, bias: bool, conv1d: bool = False,
@@ -57,10 +67,12 @@ def module_linear(spec: TransformerSpec, lin: Linear, prefix: str, rows: int, in
                   linear_params(prefix + lin.name + ".", n_in, n_out, bias, lin.conv1d), **attrs)
 
 
-def layer_norm(name: str, prefix: str, rows: int, w: int, in_dtype: str, ctx: Ctx) -> tuple[Op, str]:
-    """nn.LayerNorm and the dtype it returns (fp32 under CUDA autocast: layer_norm is on its fp32 list)."""
+def layer_norm(name: str, prefix: str, rows: int, w: int, in_dtype: str, ctx: Ctx, op_name: str = ""
+               ) -> tuple[Op, str]:
+    """nn.LayerNorm (module `prefix + name`; the op named `op_name` or `name`) and the dtype it returns (fp32
+    under CUDA autocast: layer_norm is on its fp32 list)."""
     out = F32 if ctx.amp and autocast_fp32_op("layer_norm", ctx.backend) else in_dtype
-    return Op("layer_norm", name, {"input": (rows, w), "output": (rows, w)},
+    return Op("layer_norm", op_name or name, {"input": (rows, w), "output": (rows, w)},
               (Param(f"{prefix}{name}.weight", (w,)), Param(f"{prefix}{name}.bias", (w,))),
               {"input": in_dtype, "compute": out, "output": out}), out
 

@@ -27,17 +27,10 @@ def encoder_layer(a: LayerArgs) -> list[Op]:
     resid = promote(low, act)
     ops.append(add("attention.residual_add", n * h, low, act, resid))
     norm1, norm2 = a.traits.layer_norm_names
-    ln, ln_dtype = layer_norm(norm1.rsplit(".", 1)[-1], a.prefix + (norm1.rsplit(".", 1)[0] + "." if "." in norm1
-                              else ""), n, h, resid, ctx)
-    ops.append(_renamed(ln, norm1))
+    ln, ln_dtype = layer_norm(norm1, a.prefix, n, h, resid, ctx)
+    ops.append(ln)
     ops += mlp_ops(spec, a.traits, ctx, a.prefix, ln_dtype, (up,), down)
     ops.append(dropout("output.dropout", n * h, low, spec.hidden_dropout))
     ops.append(add("mlp.residual_add", n * h, low, resid, resid))
-    ln, _ = layer_norm(norm2.rsplit(".", 1)[-1], a.prefix + (norm2.rsplit(".", 1)[0] + "." if "." in norm2 else ""),
-                       n, h, resid, ctx)
-    ops.append(_renamed(ln, norm2))
+    ops.append(layer_norm(norm2, a.prefix, n, h, resid, ctx)[0])
     return ops
-
-
-def _renamed(op: Op, name: str) -> Op:
-    return Op(op.kind, name, op.shapes, op.params, op.dtypes, op.attrs)
