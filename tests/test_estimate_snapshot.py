@@ -60,3 +60,18 @@ def test_grid_memory_and_time_unchanged():
 def test_traced_memory_and_time_unchanged(case):
     key, model, cfg, inst, extra = case
     assert _diff(SNAPSHOT[key], figures(model, cfg, inst, extra)) == []
+
+
+def test_the_grid_runs_without_torch():
+    """The analytic grid needs no torch (a fresh process computes a sample of it and never imports it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\nfrom tests.estimate_snapshot import grid_cases, figures\n"
+            "cases = grid_cases()\n"
+            "for key, m, cfg, inst, extra in cases[::23] + cases[-10:]:\n    figures(m, cfg, inst, extra)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.strip().splitlines()[-1] == "False"
