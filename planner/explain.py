@@ -608,9 +608,11 @@ def _run_step(model, est: Estimate, run: Any, model_options, extra) -> list[Step
     """The run of varying lengths (`planner.run.explain_run`), when there is one."""
     if est.run is None or run is None:
         return []
+    from planner.estimate import estimate
     from planner.run import explain_run
 
-    return [Step("A run of varying lengths", tuple(explain_run.lines(model, est, run, model_options, extra)),
+    lines = explain_run.lines(model, est, run, model_options, extra, estimate_fn=estimate)
+    return [Step("A run of varying lengths", tuple(lines),
                  {"run": est.run.model_dump(mode="json")})]
 
 
@@ -620,8 +622,10 @@ def _adapter_step(model: Any, est: Estimate, model_options: dict[str, Any] | Non
     if not est.config.lora or extra:
         return []
     from planner.adapters.explain import adapter_lines
+    from planner.estimate import estimate
 
-    return [Step("Adapters on a frozen base (LoRA)", tuple(adapter_lines(model, est, model_options)), figures)]
+    lines = adapter_lines(model, est, model_options, estimate_fn=estimate)
+    return [Step("Adapters on a frozen base (LoRA)", tuple(lines), figures)]
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:

@@ -302,7 +302,7 @@ class SoftwareStack(Frozen):
 
     @property
     def expandable_segments(self) -> bool:
-        from planner.memory.alloc_conf import parse_alloc_conf
+        from planner.alloc_conf import parse_alloc_conf
 
         return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
 

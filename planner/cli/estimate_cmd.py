@@ -276,7 +276,11 @@ def register(app: typer.Typer) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         est, _ = estimate_from_flags(locals())
         if json_out:
-            print(dumps_json(est.to_json(), indent=2))
+            from planner.estimate import program
+
+            out = est.to_json()
+            out["program"] = program(model, est, model_options=parse_model_options(model_option))
+            print(dumps_json(out, indent=2))
         else:
             print_estimate(est)
             if plot:

@@ -22,8 +22,7 @@ import re
 from typing import Any
 
 from planner import caches
-from planner.errors import PlannerError
-from planner.memory.alloc_conf import (  # noqa: F401  (re-exported: sw.table, sw.parse_version, ...)
+from planner.alloc_conf import (  # noqa: F401  (re-exported: sw.table, sw.parse_version, ...)
     STACKS_PATH,
     Version,
     _check_alloc_value,
@@ -33,6 +32,7 @@ from planner.memory.alloc_conf import (  # noqa: F401  (re-exported: sw.table, s
     parse_version,
     table,
 )
+from planner.errors import PlannerError
 from planner.parallel import get as strategy_of
 from planner.spec import GPU, SoftwareStack
 

@@ -31,7 +31,7 @@ from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len, tim
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-    from planner.search.study import SearchResult, StudyRun
+    from planner.search.records import SearchResult, StudyRun
 
 GIB = 1024**3
 THROUGHPUT_COLUMNS = ("samples_per_s", "tokens_per_s", "step_time_s", "mfu", "global_batch_size")
