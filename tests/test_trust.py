@@ -33,7 +33,7 @@ def test_search_best_line_table_best_json_and_estimate_give_one_peak(tmp_path):
         "binary": True})
     point = est.memory_bytes.peak_device / GIB
     assert abs(best["peak_device_gib"] - point) < 1e-9
-    printed = re.search(r"peak ([\d.,]+) of ([\d.,]+) GiB \((\w+); band's high end ([\d.,]+)\)",
+    printed = re.search(r"peak ([\d.,]+) of ([\d.,]+) GiB \((\w+)\), band's high end ([\d.,]+) GiB",
                         " ".join(result.stdout.split()))
     assert printed, result.stdout
     assert printed[1] == f"{point:,.2f}" and printed[4] == f"{est.peak_device_high_bytes / GIB:,.2f}"

@@ -116,10 +116,12 @@ def parse_price_list(price_list: Iterable[str | Mapping[str, Any]], region: str 
 
 def pricing_client() -> Any:
     """The Price List API client, bounded as PRICING_TIMEOUTS and PRICING_ATTEMPTS say (boto3 imported here:
-    only a refresh needs it)."""
+    only a refresh needs it). The default session is made anew: botocore keeps the credentials a session found
+    first, so one whose credentials went away would still sign and never read the public files."""
     import boto3
     from botocore.config import Config
 
+    boto3.setup_default_session()
     return boto3.client("pricing", region_name=PRICING_API_REGION, config=Config(
         **PRICING_TIMEOUTS, retries={"total_max_attempts": PRICING_ATTEMPTS, "mode": "standard"}))
 
