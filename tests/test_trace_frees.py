@@ -54,3 +54,23 @@ def test_callback_frees_equal_the_scan_with_lora():
     config = hf.hf_config_object(_tiny_configs()["Qwen2ForCausalLM"], "config.json", "sdpa")
     cfg = TrainConfig(batch_size=2, seq_len=8, lora_r=4, lora_targets=["q_proj", "v_proj"])
     _same(*_both(with_adapters(hf.builder(config, "config.json"), cfg), hf.batch_maker(config, "config.json"), cfg))
+
+
+def test_a_storage_whose_python_object_died_first_is_scanned_until_it_dies():
+    """The fallback: a callback for a storage still alive (its Python object died without it) moves it to
+    the scanned set; its free is recorded once, after the op where it really died."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planner.program.trace import _Recorder, storage_key
+
+    with FakeTensorMode():
+        rec = _Recorder("cuda", [])
+        t = torch.empty(16)
+        info = rec.register(t, "temporary", 0)
+        rec.dead.append(storage_key(t))  # as if its Python object had died
+        rec._poll(1)
+        assert rec.raw_events == [(0, "alloc", info.sid)] and storage_key(t) in rec.scanned
+        del t
+        rec._poll(2)
+    assert rec.raw_events == [(0, "alloc", info.sid), (2, "free", info.sid)] and not rec.scanned
