@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's planner, not another one installed
 RESNET = str(ROOT / "examples" / "resnet.py")
 ESTIMATES = {  # label: planner estimate arguments
     "t5-base 16x512": ["-m", "tests/data/t5-base.json", "-b", "16", "-s", "512"],
