@@ -142,3 +142,23 @@ def test_user_code_edited_is_traced_again(cache_dir, tmp_path):
     assert trace_cache.load(_files(cache_dir)[0].stem) is None
     os.remove(code)
     assert trace_cache.load(_files(cache_dir)[0].stem) is None
+
+
+def test_a_shape_class_that_cannot_be_traced_fails_again_without_tracing(cache_dir, tmp_path, monkeypatch):
+    from planner.errors import PlannerError
+    from planner.program import trace
+
+    code = tmp_path / "bn.py"
+    code.write_text(USER.replace("nn.ReLU()", "nn.BatchNorm1d(width)"))  # one sample: BatchNorm refuses
+    calls = []
+    original = trace.trace_step
+    monkeypatch.setattr(trace, "trace_step", lambda *a, **k: calls.append(1) or original(*a, **k))
+    config = TrainConfig(attention="sdpa", batch_size=1, seq_len=8)
+    caches.clear()
+    errors = []
+    for _ in range(2):
+        with pytest.raises(PlannerError) as exc:
+            sources.model_trace(f"{code}:build", config, inputs=f"{code}:batch")
+        errors.append(str(exc.value))
+    assert len(calls) == 1 and errors[0] == errors[1] and "per channel" in errors[0]
+    assert not cache_dir.exists() or not _files(cache_dir)  # a failure is not kept on disk

@@ -148,8 +148,26 @@ def is_traced_config(model: object) -> bool:
 SCALE_TRACES = True
 
 
-@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(source kind, its arguments, config JSON)")
+# Shape classes whose trace raised (a BatchNorm given one sample, data-dependent control flow): the same error
+# again without tracing again (a search proposes micro-batch 1 many times; each try cost a trace).
+_FAILED: dict[tuple, PlannerError] = caches.table("planner.program.sources._FAILED",
+                                                   key="(source kind, its arguments, config JSON)", scope="model")
+
+
 def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
+    """`_traced_at_batch`, remembering a shape class that cannot be traced."""
+    failed = _FAILED.get((kind, args, config_json))
+    if failed is not None:
+        raise failed
+    try:
+        return _traced_at_batch(kind, args, config_json)
+    except PlannerError as exc:
+        _FAILED[(kind, args, config_json)] = exc
+        raise
+
+
+@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(source kind, its arguments, config JSON)")
+def _traced_at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
     """The trace at the config's micro-batch: interpolated from the base batches' traces when it is not one
     of them (and they are the same program), else traced directly."""
     from planner.program.scale import BASE_BATCHES, scaled
