@@ -98,9 +98,14 @@ def _file_digest(path: str) -> str | None:
         return None
 
 
-def local_sources() -> tuple[tuple[str, str], ...]:
-    """(path, SHA-256) of every loaded Python file outside the standard library, site-packages and the
-    planner: the user's module and what it imported from beside it."""
+# module file -> its real path when it is local code (outside the standard library, site-packages and the
+# planner), else None: decided once per file, as a search stores a trace per shape class
+_LOCAL: dict[str, str | None] = caches.table("planner.program.trace_cache._LOCAL", key="module __file__",
+                                             scope="model")
+
+
+@caches.lru(1, scope="facts", key="() - this Python's library folders")
+def _library_folders() -> tuple[str, ...]:
     import site
     import sysconfig
 
@@ -108,13 +113,25 @@ def local_sources() -> tuple[tuple[str, str], ...]:
     skip = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
     skip |= {os.path.realpath(p) for p in (*site.getsitepackages(), site.getusersitepackages())}
     skip.add(str(PLANNER_ROOT))
+    return tuple(sorted(skip))
+
+
+def _local(file: str) -> str | None:
+    if file not in _LOCAL:
+        real = os.path.realpath(file)
+        inside = any(real == s or real.startswith(s + os.sep) for s in _library_folders())
+        _LOCAL[file] = None if inside or not real.endswith(".py") else real
+    return _LOCAL[file]
+
+
+def local_sources() -> tuple[tuple[str, str], ...]:
+    """(path, SHA-256) of every loaded Python file outside the standard library, site-packages and the
+    planner: the user's module and what it imported from beside it."""
     out: dict[str, str] = {}
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
-        if not isinstance(file, str) or not file.endswith(".py"):
-            continue
-        real = os.path.realpath(file)
-        if any(real == s or real.startswith(s + os.sep) for s in skip) or real in out:
+        real = _local(file) if isinstance(file, str) else None
+        if real is None or real in out:
             continue
         digest = _file_digest(real)
         if digest is not None:
