@@ -1,5 +1,12 @@
 """Speed and memory of the tracer (`planner.program.trace`), and its agreement with the analytic core (prints).
 
+First, issue 38: the first and the second `planner estimate --json` of T5-base, BART-base, Qwen2-0.5B (their
+config.json files, traced) and a user ResNet-18 (examples/resnet.py), each in a new process, with an empty
+trace cache before the first (a temporary PLANNER_CACHE_DIR): seconds of wall time and of CPU (user + sys;
+the wall time on a shared machine is noisy) and whether the two answers are identical; a catalog model for
+comparison. Targets: T5-base at 16 x 512 <= 3 s the first time, <= 1 s the second. Then a 100-trial
+`planner search` over a traced model (<= 30 s), in a new process with an empty trace cache.
+
 Targets (issue 12), each traced in a fresh process so its peak RSS is its own:
 - BERT-base (bert-base-uncased config, BertForSequenceClassification) at batch 32 × 512: <= 10 s, <= 2 GB;
 - Llama-3-8B dimensions (the catalog's llama-3-8b config, LlamaForCausalLM) at batch 1 × 2048, bf16:
@@ -7,18 +14,34 @@ Targets (issue 12), each traced in a fresh process so its peak RSS is its own:
 Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert (analytic) at 8 × 512, and a
 30-trial `planner search` over it (issue 12: a traced model is traced once per shape class, so a search over
 it stays interactive).
-Usage: python benchmarks/trace_benchmark.py [--quick]
+Usage: python benchmarks/trace_benchmark.py [--quick]   (--quick: the estimates of issue 38 only)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's planner, not another one installed
+RESNET = str(ROOT / "examples" / "resnet.py")
+ESTIMATES = {  # label: planner estimate arguments
+    "t5-base 16x512": ["-m", "tests/data/t5-base.json", "-b", "16", "-s", "512"],
+    "bart-base 16x512": ["-m", "tests/data/bart-base.json", "-b", "16", "-s", "512"],
+    "qwen2-0.5b 8x1024 bf16": ["-m", "tests/data/qwen2-0.5b.json", "-b", "8", "-s", "1024", "-p", "bf16",
+                               "-i", "ml.g5.xlarge"],
+    "user resnet-18 64x224": ["-m", f"{RESNET}:build", "--inputs", f"{RESNET}:batch", "--loss", f"{RESNET}:loss",
+                              "-b", "64", "-s", "224", "-i", "ml.g5.xlarge"],
+    "catalog bert-base 16x512": ["-m", "bert-base-uncased", "-b", "16", "-s", "512"],
+}
+SEARCH_TRIALS = 100
 CASES = {
     "bert-base 32x512 fp32": ("bert-base-uncased", "BertForSequenceClassification", 32, 512, "fp32"),
     "llama-3-8b 1x2048 bf16": ("llama-3-8b", "LlamaForCausalLM", 1, 2048, "bf16"),
@@ -61,12 +84,9 @@ def agreement() -> list[tuple[str, int, int]]:
         for k in ("activations", "optimizer_states", "batch", "peak_allocated")]
 
 
-def search(trials: int = 30) -> dict:
+def search(trials: int = SEARCH_TRIALS) -> dict:
     """A fresh `planner search` over examples/multimodal_bert.py on ml.p3.16xlarge (the default recipe):
     seconds, estimates made, direct traces (the rest come from the trace cache or are interpolated)."""
-    import tempfile
-    import time
-
     from planner.program import sources
     from planner.search.study import run_search
     from planner.search.sweep import Sweep
@@ -75,38 +95,83 @@ def search(trials: int = 30) -> dict:
     sweep = Sweep(name="trace-benchmark", model=f"{example}:build", inputs=f"{example}:batch",
                   instance="ml.p3.16xlarge")
     sources._user_trace.cache_clear()
-    sources._at_batch.cache_clear()
+    sources._traced_at_batch.cache_clear()
+    sources._FAILED.clear()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = run_search(sweep, trials=trials, results_dir=tmp, write_files=False)
     return {"seconds": time.perf_counter() - start, "trials": len(result.frame),
             "estimates": result.run.evaluations, "traces": sources._user_trace.cache_info().misses,
-            "interpolated": sources._at_batch.cache_info().misses}
+            "interpolated": sources._traced_at_batch.cache_info().misses}
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Run `cmd` in a new process: (wall seconds, CPU seconds user + sys, stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out.stdout
+
+
+def estimates() -> None:
+    """Issue 38: first and second estimate of each model, each in a new process, from an empty trace cache."""
+    print(f"{'estimate (new process each)':28s} {'1st wall':>8s} {'1st CPU':>8s} {'2nd wall':>8s} {'2nd CPU':>8s}"
+          f" {'same':>5s}")
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_CACHE_DIR": cache}
+        env.pop("PLANNER_TRACE_CACHE", None)
+        for label, args in ESTIMATES.items():
+            cmd = [sys.executable, "-m", "planner", "estimate", *args, "--json"]
+            w1, c1, o1 = timed(cmd, env)
+            w2, c2, o2 = timed(cmd, env)
+            print(f"{label:28s} {w1:8.2f} {c1:8.2f} {w2:8.2f} {c2:8.2f} {'yes' if o1 == o2 else 'NO':>5s}")
+    print("seconds; CPU = user + sys of the process")
+
+
+def search_timed() -> None:
+    """A SEARCH_TRIALS-trial search over examples/multimodal_bert.py in a new process, from an empty trace cache,
+    then again in another new process (the traces read back from the disk)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_CACHE_DIR": cache}
+        env.pop("PLANNER_TRACE_CACHE", None)
+        print()
+        for label in ("empty trace cache", "traces on disk"):
+            wall, cpu, out = timed([sys.executable, __file__, "--search-case"], env)
+            r = json.loads(out.strip().splitlines()[-1])
+            print(f"planner search over examples/multimodal_bert.py, ml.p3.16xlarge, new process, {label}: "
+                  f"{r['trials']} trials in {wall:.1f} s wall, {cpu:.1f} s CPU ({r['estimates']} estimates, "
+                  f"{r['traces']} traces made or read; the rest interpolated between micro-batches 2 and 4)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="BERT-base only")
+    parser.add_argument("--quick", action="store_true", help="the estimates of issue 38 only")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--search-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         print(json.dumps(one(args.case)))
         return 0
+    if args.search_case:
+        print(json.dumps(search(SEARCH_TRIALS)))
+        return 0
+    estimates()
+    if args.quick:
+        return 0
+    search_timed()
+    print()
     print(f"{'case':26s} {'seconds':>8s} {'peak RSS MB':>12s} {'ops':>7s} {'events':>7s} {'saved MiB':>10s}")
-    for name in list(CASES)[:1] if args.quick else CASES:
+    for name in CASES:
         out = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True, check=True,
                              cwd=ROOT, env={"PYTHONPATH": str(ROOT), **__import__("os").environ})
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{name:26s} {r['seconds']:8.1f} {r['rss_bytes'] / 1e6:12.0f} {r['ops']:7d} {r['events']:7d} "
               f"{r['saved_bytes'] / 2**20:10.1f}")
-    if not args.quick:
-        print("\nexamples/multimodal_bert.py (traced) vs multimodal-bert (analytic), 8 x 512 fp32, V100")
-        for key, t, a in agreement():
-            print(f"  {key:18s} {t:>15,d} {a:>15,d} {100 * (t - a) / a:+7.3f} %")
-        r = search()
-        print(f"\nplanner search over examples/multimodal_bert.py, ml.p3.16xlarge, fresh study: {r['trials']} trials "
-              f"in {r['seconds']:.1f} s ({r['estimates']} estimates, {r['traces']} traces; the rest cached or "
-              "interpolated between micro-batches 2 and 4)")
+    print("\nexamples/multimodal_bert.py (traced) vs multimodal-bert (analytic), 8 x 512 fp32, V100")
+    for key, t, a in agreement():
+        print(f"  {key:18s} {t:>15,d} {a:>15,d} {100 * (t - a) / a:+7.3f} %")
     return 0
 
 

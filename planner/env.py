@@ -24,6 +24,7 @@ LIMITS: dict[str, tuple[float, float, float, bool]] = {
 # name: the values it takes ("" = unset).
 CHOICES: dict[str, tuple[str, ...]] = {
     "PLANNER_COMPILED_REPLAY": ("", "0", "1"),
+    "PLANNER_TRACE_CACHE": ("", "0", "1"),  # 0: traces are not kept on disk (planner.program.trace_cache)
 }
 
 

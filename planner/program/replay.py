@@ -13,7 +13,7 @@ Storages the device does not hold (host RNG state, 0 bytes) are skipped: the all
 from __future__ import annotations
 
 from planner.memory import allocator, events
-from planner.program.trace import StepTrace
+from planner.program.records import StepTrace
 from planner.spec import AllocatorReplay
 
 PERMANENT = ("parameter", "buffer")

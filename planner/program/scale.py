@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.program import cuda
-from planner.program.trace import OpRecord, SavedRecord, StepTrace, StorageEvent, TensorMeta, block_memory
+from planner.program.records import OpRecord, SavedRecord, StepTrace, StorageEvent, TensorMeta, block_memory
 
 BASE_BATCHES = (2, 4)  # the two batch sizes traced (module docstring: why not 1)
 

@@ -3,20 +3,20 @@ hand-modelled families), and the trace cache.
 
 A model is traced once per shape class: (model, options, inputs, loss, batch, seq, precision, checkpointing,
 attention, optimizer, backend, flash_ok). Search evaluates many configurations of the same model, so the
-cache keeps a search over a traced model interactive (`TRACE_CACHE_SIZE` entries, least recently used out).
+cache keeps a search over a traced model interactive (`TRACE_CACHE_SIZE` entries, least recently used out);
+the traces are also kept on disk for the next process (`planner.program.trace_cache`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from planner import caches
 from planner.errors import PlannerError
+from planner.program import trace_cache
+from planner.program.records import StepTrace
 from planner.spec import TrainConfig
-
-if TYPE_CHECKING:  # pragma: no cover - torch is imported only when a model is traced (search start-up)
-    from planner.program.trace import StepTrace
 
 TRACE_CACHE_SIZE = 64  # traces kept per process; each holds its op and event lists (a few MB for 8B models)
 
@@ -40,14 +40,26 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
         raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
                            f"function) for --model {ref}")
     config = TrainConfig.model_validate_json(config_json)
-    from planner.adapters.traced import with_adapters
-    from planner.program.trace import trace_step
 
-    build = with_adapters(user_module.model_builder(ref, json.loads(options_json)), config)
-    return trace_step(build, user_module.batch_maker(inputs, json.loads(options_json)),
-                      config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
-                      flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
-                      enable_checkpointing=_checkpointing_for)
+    def make() -> StepTrace:
+        from planner.adapters.traced import with_adapters
+        from planner.program.trace import trace_step
+
+        build = with_adapters(user_module.model_builder(ref, json.loads(options_json)), config)
+        return trace_step(build, user_module.batch_maker(inputs, json.loads(options_json)),
+                          config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
+                          flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
+                          enable_checkpointing=_checkpointing_for)
+
+    return trace_cache.cached(_parts("user", (ref, options_json, inputs, loss, backend, flash_ok), config_json),
+                              make, user_code=True)
+
+
+def _absolute(*refs: str | None) -> list[str | None]:
+    """The absolute path of each FILE.py:FUNCTION (the same relative path elsewhere is another file)."""
+    import os
+
+    return [os.path.abspath(os.path.expanduser(r.rsplit(":", 1)[0])) if r else None for r in refs]
 
 
 @caches.lru(TRACE_CACHE_SIZE, scope="model", key="(config.json path, options, config JSON, backend, flash)")
@@ -55,17 +67,39 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
     from pathlib import Path
 
     from planner.models.hf_config import load_config_file
-    from planner.program import hf
 
     config = TrainConfig.model_validate_json(config_json)
-    hf_config = hf.hf_config_object(load_config_file(path), path, config.attention, json.loads(options_json))
+    raw = load_config_file(path)
     label = Path(path).stem if Path(path).stem != "config" else Path(path).parent.name
-    from planner.adapters.traced import with_adapters
-    from planner.program.trace import trace_step
 
-    return trace_step(with_adapters(hf.builder(hf_config, path), config), hf.batch_maker(hf_config, path), config,
-                      backend=backend,  # type: ignore[arg-type]
-                      flash_ok=flash_ok, name=label or path, source=path, enable_checkpointing=_checkpointing_for)
+    def make() -> StepTrace:
+        from planner.adapters.traced import with_adapters
+        from planner.program import hf
+        from planner.program.trace import trace_step
+
+        hf_config = hf.hf_config_object(raw, path, config.attention, json.loads(options_json))
+        return trace_step(with_adapters(hf.builder(hf_config, path), config), hf.batch_maker(hf_config, path),
+                          config, backend=backend,  # type: ignore[arg-type]
+                          flash_ok=flash_ok, name=label or path, source=path,
+                          enable_checkpointing=_checkpointing_for)
+
+    return trace_cache.cached(_parts("config", (path, options_json, backend, flash_ok), config_json), make)
+
+
+def _parts(kind: str, args: tuple, config_json: str) -> dict[str, Any]:
+    """What a trace is made from, for its key on disk (`trace_cache`): the model as given and as absolute
+    paths (the same relative path elsewhere is another model), a config.json's contents, and the arguments."""
+    import os
+
+    if kind == "user":
+        ref, options_json, inputs, loss, backend, flash_ok = args
+        return {"kind": kind, "model": ref, "files": _absolute(ref, inputs, loss), "options": options_json,
+                "inputs": inputs, "loss": loss, "config": config_json, "backend": backend, "flash_ok": flash_ok}
+    from planner.models.hf_config import load_config_file
+
+    path, options_json, backend, flash_ok = args
+    return {"kind": kind, "model": path, "file": os.path.abspath(path), "contents": load_config_file(path),
+            "options": options_json, "config": config_json, "backend": backend, "flash_ok": flash_ok}
 
 
 # What tracing a model needs, said once and up front: PyTorch runs the step on fake tensors, and transformers
@@ -114,8 +148,26 @@ def is_traced_config(model: object) -> bool:
 SCALE_TRACES = True
 
 
-@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(source kind, its arguments, config JSON)")
+# Shape classes whose trace raised (a BatchNorm given one sample, data-dependent control flow): the same error
+# again without tracing again (a search proposes micro-batch 1 many times; each try cost a trace).
+_FAILED: dict[tuple, PlannerError] = caches.table("planner.program.sources._FAILED",
+                                                   key="(source kind, its arguments, config JSON)", scope="model")
+
+
 def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
+    """`_traced_at_batch`, remembering a shape class that cannot be traced."""
+    failed = _FAILED.get((kind, args, config_json))
+    if failed is not None:
+        raise failed
+    try:
+        return _traced_at_batch(kind, args, config_json)
+    except PlannerError as exc:
+        _FAILED[(kind, args, config_json)] = exc
+        raise
+
+
+@caches.lru(TRACE_CACHE_SIZE, scope="model", key="(source kind, its arguments, config JSON)")
+def _traced_at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
     """The trace at the config's micro-batch: interpolated from the base batches' traces when it is not one
     of them (and they are the same program), else traced directly."""
     from planner.program.scale import BASE_BATCHES, scaled
@@ -123,16 +175,23 @@ def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
     direct = _user_trace if kind == "user" else _config_trace
     config = TrainConfig.model_validate_json(config_json)
     b = config.batch_size
-    if SCALE_TRACES and b > BASE_BATCHES[0] and b not in BASE_BATCHES:
-        b0, b1 = BASE_BATCHES
-        t0, t1 = (direct(*args[:-2], config.model_copy(update={"batch_size": x}).model_dump_json(), *args[-2:])
-                  for x in (b0, b1))
-        out = scaled(t0, t1, b0, b1, b)
-        if out is not None:
-            from dataclasses import replace
+    if not (SCALE_TRACES and b > BASE_BATCHES[0] and b not in BASE_BATCHES):
+        return direct(*args[:-2], config_json, *args[-2:])
+    b0, b1 = BASE_BATCHES
+    bases = [config.model_copy(update={"batch_size": x}).model_dump_json() for x in (b0, b1)]
 
-            return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b}"))
-    return direct(*args[:-2], config_json, *args[-2:])
+    def make() -> StepTrace:
+        t0, t1 = (direct(*args[:-2], base, *args[-2:]) for base in bases)
+        out = scaled(t0, t1, b0, b1, b)
+        if out is None:
+            return direct(*args[:-2], config_json, *args[-2:])
+        from dataclasses import replace
+
+        return replace(out, notes=(*out.notes, f"traced at micro-batches {b0} and {b1}, interpolated to {b}"))
+
+    # kept on disk as well: reading one trace back costs less than reading two and interpolating
+    parts = {"interpolated": [_parts(kind, args, base) for base in bases], "batch": b, "config": config_json}
+    return trace_cache.cached(parts, make, user_code=kind == "user")
 
 
 def model_trace(model: str, config: TrainConfig, *, options: dict[str, Any] | None = None,

@@ -31,7 +31,7 @@ from planner import caches
 from planner.perf.kernels import KINDS
 from planner.perf.roofline import PHASES, KernelTable
 from planner.perf.throughput import ThroughputConstants, table_throughput
-from planner.program.trace import OpRecord, StepTrace, TensorMeta
+from planner.program.records import OpRecord, StepTrace, TensorMeta
 from planner.spec import BYTES_PER_DTYPE, Instance, Throughput, TrainConfig
 
 GEMM_OPS = {"aten.mm.default": 0, "aten.addmm.default": 1, "aten.bmm.default": 0, "aten.baddbmm.default": 1}

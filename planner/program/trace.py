@@ -7,8 +7,9 @@ record, in order:
 
 - each op (`OpRecord`: name, phase, running module, input/output shapes and dtypes) for the roofline;
 - each storage allocated and freed (`StorageEvent`, CUDA-mapped bytes and dtype, a category) for the
-  allocator replay; a storage is new when an op output's storage was not live before, freed when its weak
-  reference expires (polled after every op);
+  allocator replay; a storage is new when an op output's storage was not live before, freed when it dies
+  (its Python object's weak-reference callback says so; the free is recorded after the op that follows, as
+  a scan of every live storage after every op would, `_Recorder.scan`);
 - each storage autograd saves for backward (`SavedRecord`, via `saved_tensors_hooks`), attributed to the
   top-level child module running when it was saved (the "block"), or "loss" after the model returned.
 
@@ -23,8 +24,9 @@ measurement in `tests/saved_tensors.py`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,101 +36,23 @@ from torch.utils._pytree import tree_flatten
 
 from planner.errors import PlannerError
 from planner.program import cuda
+from planner.program.records import (  # noqa: F401 - the records are read from here too
+    LOSS_BLOCK,
+    ROOT_BLOCK,
+    OpRecord,
+    SavedRecord,
+    StepTrace,
+    StorageEvent,
+    TensorMeta,
+    TracedBlock,
+    _block_order,
+    block_memory,
+)
 from planner.spec import Backend, TrainConfig
 
 AUTOCAST_DTYPE = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
 MODEL_DTYPE = {"fp32": torch.float32, "amp-bf16": torch.float32, "amp-fp16": torch.float32,
                "bf16": torch.bfloat16, "fp16": torch.float16}
-LOSS_BLOCK = "loss"
-ROOT_BLOCK = "(model)"  # ops of the root module's own forward, outside any child
-
-
-# ------------------------------------------------------------------------------------------ records
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class OpRecord:
-    """One ATen op of the step, in execution order (CPU op name; the kernel list for the roofline)."""
-
-    index: int
-    name: str  # e.g. "aten.mm.default"
-    phase: str  # forward, backward or optimizer
-    module: str  # qualified name of the module running ("" = the root / the loss)
-    inputs: tuple[TensorMeta, ...]
-    outputs: tuple[TensorMeta, ...]
-    flops: int = 0  # torch.utils.flop_counter's formula for the op (0 where it has none: memory-bound ops)
-    kernel: bool = True  # False for ops that launch no CUDA kernel (views, empty, detach): `_NO_KERNEL`
-
-
-@dataclass(frozen=True)
-class StorageEvent:
-    """A storage allocated or freed after op `op` (-1: before the step). `nbytes`: on the device, unrounded."""
-
-    op: int
-    action: str  # "alloc" or "free"
-    storage: int
-    nbytes: int
-    dtype: str
-    category: str  # parameter, buffer, batch, gradient, activation (saved), temporary, optimizer_state
-
-
-@dataclass(frozen=True)
-class SavedRecord:
-    """One storage saved for backward by the forward (each storage once)."""
-
-    storage: int
-    block: str
-    module: str
-    shape: tuple[int, ...]
-    dtype: str  # on the device
-    cpu_bytes: int
-    device_bytes: int  # allocator-rounded on CUDA
-    rule: str  # the cuda.py rule that changed it, if any
-
-
-@dataclass(frozen=True)
-class TracedBlock:
-    """One top-level child module (or the root's own ops, or the loss), in forward order."""
-
-    name: str
-    parameters: int
-    saved_bytes: int  # what its forward saves for backward (allocator-rounded)
-    forward_transient_bytes: int  # measured: peak unsaved temporaries while it runs
-    backward_transient_bytes: int  # measured: peak temporaries (activation gradients) in its backward
-    retained_bytes: int = 0  # model outputs it produced that the training loop keeps (logits)
-
-
-@dataclass(frozen=True)
-class StepTrace:
-    name: str
-    backend: str
-    parameters: dict[str, int]  # per top-level child + "total", shared weights once
-    gradient_shapes: tuple[tuple[int, ...], ...]
-    parameter_dtype_bytes: int
-    buffer_bytes: int
-    batch_bytes: int
-    blocks: tuple[TracedBlock, ...]
-    saved: tuple[SavedRecord, ...] = field(repr=False)
-    ops: tuple[OpRecord, ...] = field(repr=False)
-    events: tuple[StorageEvent, ...] = field(repr=False)
-    checkpointed: bool = False
-    notes: tuple[str, ...] = ()
-    op_blocks: tuple[str, ...] = field(default=(), repr=False)  # the block each op ran for (`_Recorder.block`)
-    block_parameters: dict[str, int] = field(default_factory=dict, repr=False)  # parameters per block
-    # parameters with requires_grad per block, only when some are frozen (LoRA: planner.adapters.traced)
-    block_trainable: dict[str, int] = field(default_factory=dict, repr=False)
-    retained_storages: tuple[tuple[str, int], ...] = field(default=(), repr=False)  # (block, storage) of outputs
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes saved for backward by one micro-batch's forward (`MemoryBytes.activations`)."""
-        return sum(b.saved_bytes for b in self.blocks)
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -156,15 +80,27 @@ class _StorageInfo:
     device: cuda.Storage
     block: str
     category: str = "temporary"
+    watch: weakref.ref | None = None  # on the storage's Python object: its callback reports the death
 
 
 class _Recorder(TorchDispatchMode):
-    """Sees every ATen op under FakeTensorMode; keeps the storage table and the op list."""
+    """Sees every ATen op under FakeTensorMode; keeps the storage table and the op list.
 
-    def __init__(self, backend: Backend, stack: list[str]):
+    Frees: a temporary storage's death is reported by a weak-reference callback on its Python object
+    (`torch.UntypedStorage` objects are kept alive by their C++ storage, so the object dies with the storage)
+    and recorded after the op that follows, in registration order: exactly the events of `scan=True`, which
+    checks every live temporary's weak reference after every op (49,600 ops × ~170 live storages = 8.5
+    million checks for T5-base at 16 x 512, a third of the trace's time; kept as the reference the tests
+    compare against). A callback whose storage is in fact still alive (a Python object that died without
+    its storage) moves that storage to the scanned set, so the events stay those of the scan."""
+
+    def __init__(self, backend: Backend, stack: list[str], *, scan: bool = False):
         super().__init__()
         self.backend = backend
         self.stack = stack
+        self.scan = scan
+        self.dead: list[int] = []  # storage keys whose Python object died since the last op
+        self.scanned: dict[int, _StorageInfo] = {}  # key -> info: storages whose Python object died before them
         self.phase = "forward"
         self.backward_block = ""
         self.ops: list[OpRecord] = []
@@ -196,6 +132,9 @@ class _Recorder(TorchDispatchMode):
         self.live[key] = info
         if category == "temporary":
             self.polled[key] = info
+            if not self.scan:
+                dead = self.dead
+                info.watch = weakref.ref(st, lambda _, key=key: dead.append(key))
         self.raw_events.append((op, "alloc", info.sid))
         return info
 
@@ -229,8 +168,37 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _poll(self, index: int) -> None:
-        """Free events for storages whose weak reference expired (the C check, without the Python wrapper:
-        this runs after every op)."""
+        """Free events, after op `index`, for the temporaries that died since the previous op."""
+        if self.scan:
+            self._scan(index)
+            return
+        if not self.dead and not self.scanned:
+            return
+        expired = _EXPIRED
+        gone: list[tuple[int, int]] = []  # (sid, key)
+        for key in self.dead:
+            info = self.polled.get(key)
+            if info is None or key in self.scanned:
+                continue
+            if expired(info.ref.cdata):
+                gone.append((info.sid, key))
+            else:  # the Python object died, the storage lives: watch it by scanning
+                self.scanned[key] = info
+        self.dead.clear()
+        for key, info in list(self.scanned.items()):
+            if expired(info.ref.cdata):
+                del self.scanned[key]
+                gone.append((info.sid, key))
+        gone.sort()  # registration order, as the scan walks `polled`
+        for sid, key in gone:
+            info = self.polled.pop(key)
+            if self.live.get(key) is info:
+                del self.live[key]
+            self.raw_events.append((index, "free", sid))
+
+    def _scan(self, index: int) -> None:
+        """The reference poller: free events for storages whose weak reference expired, checking every live
+        temporary (the C check, without the Python wrapper)."""
         expired = _EXPIRED
         gone = [key for key, info in self.polled.items() if expired(info.ref.cdata)]
         for key in gone:
@@ -527,24 +495,29 @@ FAKE_DATA_PTR_WARNING = "Accessing the data pointer of FakeTensor is deprecated"
 def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
-               enable_checkpointing: Callable[[torch.nn.Module], None] | None = None) -> StepTrace:
+               enable_checkpointing: Callable[[torch.nn.Module], None] | None = None,
+               scan_frees: bool = False) -> StepTrace:
     """`_trace_step` without torch's FakeTensor data-pointer warning in the user's output."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FAKE_DATA_PTR_WARNING, category=UserWarning)
         return _trace_step(build, make_batch, config, loss_fn=loss_fn, backend=backend, flash_ok=flash_ok,
-                           name=name, source=source, enable_checkpointing=enable_checkpointing)
+                           name=name, source=source, enable_checkpointing=enable_checkpointing,
+                           scan_frees=scan_frees)
 
 
 def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
-               enable_checkpointing: Callable[[torch.nn.Module], None] | None = None) -> StepTrace:
+               enable_checkpointing: Callable[[torch.nn.Module], None] | None = None,
+               scan_frees: bool = False) -> StepTrace:
     """One training step of `build()` on `make_batch(config.batch_size, config.seq_len)`, as a StepTrace.
 
     `build` and `make_batch` run inside FakeTensorMode, so parameters and inputs are fake from the start.
     `enable_checkpointing(module)` is called when `config.checkpointing` (HF models' per-layer checkpointing).
+    `scan_frees`: find frees by the reference scan of every live storage after every op (`_Recorder`; slow,
+    for the tests that check the callbacks give the same events).
     """
     from torch._subclasses import fake_tensor as ft
 
@@ -565,7 +538,7 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
         batch = _to_model_dtype(make_batch(config.batch_size, config.seq_len), MODEL_DTYPE[config.precision])
 
         with _module_stack(module) as stack:
-            rec = _Recorder(backend, stack)
+            rec = _Recorder(backend, stack, scan=scan_frees)
             rec.repeats = layer_repeats(module)
             named = list(module.named_parameters())  # shared weights once (remove_duplicate=True)
             parameters: dict[str, int] = {}
@@ -695,80 +668,3 @@ def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int
     return out
 
 
-def _block_order(op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...], retained: dict[str, int],
-                 forward_end: int, backward_end: int) -> list[str]:
-    """Blocks in the order the step memory walks them: forward order, except that the blocks backward
-    reaches take their places in the reverse of the order backward last reaches them (where their
-    gradients are complete and their activations freed: a model's embeddings and pooler share a block,
-    whose backward ends at the embeddings).
-
-    Why: a block's backward runs when autograd reaches it, and the timeline frees its activations and counts
-    its backward temporaries there. First forward appearance alone misplaces a block whose ops run at
-    both ends of the forward: a Hugging Face encoder-decoder's root shifts the labels first and computes the
-    logits bias and the loss last (BART, T5), so ordering it first put the loss's backward (the vocabulary-
-    sized fp32 gradients) after every layer's activations were freed: BART-base at b16 s512 amp-bf16 was
-    1.6 GiB under its measured peak (h200-2026-11-26 traced-memory-sites.txt)."""
-    order: list[str] = []
-    for i in range(forward_end):
-        if op_blocks[i] not in order:
-            order.append(op_blocks[i])
-    for b in [*(s.block for s in saved), *retained]:
-        if b not in order:
-            order.append(b)
-    last: dict[str, int] = {}
-    for i in range(forward_end, backward_end):
-        if op_blocks[i] in order:
-            last[op_blocks[i]] = i
-    slots = [i for i, b in enumerate(order) if b in last]
-    for i, b in zip(slots, sorted(last, key=last.__getitem__, reverse=True), strict=True):
-        order[i] = b
-    return order
-
-
-def block_memory(events: tuple[StorageEvent, ...], op_blocks: tuple[str, ...], saved: tuple[SavedRecord, ...],
-                 parameters: dict[str, int], retained: dict[str, int], forward_end: int, backward_end: int,
-                 backend: Backend, retained_ids: frozenset[int]) -> tuple[TracedBlock, ...]:
-    """Per block: saved bytes, and the measured transient peaks from replaying the storage events (a pure
-    function of the trace's records, so an interpolated trace gets its own: planner.program.scale).
-
-    A transient excludes the model outputs the loop keeps (`retained_ids`, the logits): the timeline counts
-    them as activations from the head's forward until the optimizer step (`TracedBlock.retained_bytes`), so
-    counting them in a backward transient too counted the logits twice (+n·V·4 bytes in every backward block
-    after the head; +2 MB per layer for gpt2-tiny at 4x128). They are subtracted only while alive, so the blocks
-    before the head keep their own temporaries."""
-    order = _block_order(op_blocks, saved, retained, forward_end, backward_end)
-    if LOSS_BLOCK in order:
-        order.remove(LOSS_BLOCK)
-    order.append(LOSS_BLOCK)
-    saved_by: dict[str, int] = {b: 0 for b in order}
-    for s in saved:
-        saved_by[s.block] += s.device_bytes
-
-    size = {e.storage: cuda.allocation_bytes(e.nbytes, backend) for e in events if e.action == "alloc"}
-    cat = {e.storage: e.category for e in events}
-    fwd = dict.fromkeys(order, 0)
-    bwd = dict.fromkeys(order, 0)
-    live = kept = grads = held = 0  # step storages alive; of them saved activations, parameter gradients, outputs
-    stream = iter((e.op, e.action, e.storage) for e in events)
-    pending = next(stream, None)
-    for i in range(backward_end):
-        while pending is not None and pending[0] <= i:
-            _, action, sid = pending
-            sign = 1 if action == "alloc" else -1
-            if cat[sid] in ("temporary", "activation", "gradient"):
-                live += sign * size[sid]
-                if cat[sid] == "activation":
-                    kept += sign * size[sid]
-                elif cat[sid] == "gradient":
-                    grads += sign * size[sid]
-                elif sid in retained_ids:
-                    held += sign * size[sid]
-            pending = next(stream, None)
-        block = op_blocks[i] or LOSS_BLOCK
-        extra = max(live - kept - grads - held, 0)
-        if i < forward_end:
-            fwd[block] = max(fwd.get(block, 0), extra)
-        else:
-            bwd[block] = max(bwd.get(block, 0), extra)
-    return tuple(TracedBlock(b, parameters.get(b, 0), saved_by.get(b, 0), max(fwd.get(b, 0), 0), bwd.get(b, 0),
-                             retained.get(b, 0)) for b in order)
