@@ -38,6 +38,12 @@ Verdict = Literal["fits", "tight", "oom"]
 # (fp32 for fp32 and AMP, 16-bit for pure 16-bit), as transformers loads it; "nf4" = QLoRA (bitsandbytes 4-bit
 # NormalFloat with double quantization, computing in the precision's 16-bit dtype).
 BaseDtype = Literal["auto", "fp32", "bf16", "fp16", "nf4"]
+# The training loop whose tensor lifetimes the step assumes (planner.memory.loops says when each one frees the
+# model's outputs and the gradients, with the source lines).
+Loop = Literal["plain", "hf-trainer", "accelerate", "lightning"]
+# How the model reaches the GPU: built in its training dtype ("direct"), or built in fp32 and cast
+# (`model.to(bf16)`), which leaves the fp32 build's segments in the caching allocator's pool.
+Load = Literal["direct", "cast"]
 BASE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "nf4")
 
 # Instances in one training job. SageMaker's per-account quotas (Service Quotas, "ml.<type> for training job
@@ -201,6 +207,8 @@ class TrainConfig(Frozen):
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     base_dtype: BaseDtype = "auto"
+    loop: Loop = "plain"
+    load: Load = "direct"
 
     @property
     def lora(self) -> bool:

@@ -34,6 +34,7 @@ from planner.cli.common import (
     parse_model_options,
     stack_from_flags,
 )
+from planner.cli.loop_opts import LoadOpt, LoopOpt, loop_fields, loop_flags
 from planner.cli.lora_opts import (
     BaseDtypeOpt,
     LoraAlphaOpt,
@@ -172,7 +173,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + loop_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -225,6 +226,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        loop: LoopOpt = "plain",
+        load: LoadOpt = "direct",
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -247,7 +250,8 @@ def register(app: typer.Typer) -> None:
                            spot, inputs, loss,
                            stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32,
                            region, run_request(lengths, padding, run_steps, run_seed),
-                           lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype))
+                           lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype)
+                           | loop_fields(loop, load))
         if plot:
             from planner.report.timeline_plot import write_timeline
 
@@ -284,6 +288,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        loop: LoopOpt = "plain",
+        load: LoadOpt = "direct",
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -307,7 +313,8 @@ def register(app: typer.Typer) -> None:
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
                            tf32=tf32, region=region, run=run,
-                           lora=lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype))
+                           lora=lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype)
+                           | loop_fields(loop, load))
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss, run=run)
         if json_out:

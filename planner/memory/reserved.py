@@ -27,7 +27,8 @@ REPLAY_FIRST_STEP = True
 # What the trace reads of a TrainConfig besides the step's block bytes: the activation records' fields
 # (estimate.ACTIVATION_FIELDS), the parameter dtype, the optimizer's tensors, the DDP bucket size.
 TRACE_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "optimizer", "optimizer_impl",
-                "bucket_cap_mb", "lora_r", "lora_targets", "lora_dropout", "base_dtype")
+                "bucket_cap_mb", "lora_r", "lora_targets", "lora_dropout", "base_dtype",
+                "loop", "load")
 
 
 class _Entry:

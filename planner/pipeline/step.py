@@ -201,6 +201,21 @@ class _Prepared:
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
+def _loop_fields(cfg: TrainConfig) -> dict[str, Any]:
+    """The StepMemory fields of `--loop` and `--load` (planner.memory.loops)."""
+    from planner.memory import loops
+
+    rule = loops.rule(cfg.loop)
+    if cfg.lora:
+        from planner.adapters.lora import DTYPE_BYTES, base_dtype
+
+        stored = DTYPE_BYTES.get(base_dtype(cfg), 4)  # nf4: quantized while loading, never cast
+    else:
+        stored = model_states.parameter_dtype_bytes(cfg.precision)
+    return {"outputs_die": rule.outputs_die, "grads_die": rule.grads_die,
+            "build_ratio": loops.build_ratio(cfg.load, stored)}
+
+
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
              calibration: dict[str, Any] | None = None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block.
@@ -241,6 +256,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
+        **_loop_fields(cfg),
     )
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
                      r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
@@ -302,6 +318,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
                                                                            cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
+        **_loop_fields(cfg),
     )
     notes = ["traced on CPU fake tensors, mapped to what CUDA does; throughput from the traced ops",
              *full.notes, *_notes(None, cfg), *inst.gpu.assumptions, *inst.assumptions]
