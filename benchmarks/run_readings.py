@@ -10,12 +10,11 @@ Each row is replayed with the SAME per-step lengths (`--padding exact`: the file
 order) and the same configuration: ml.p5e.48xlarge (one H200), `--parallelism single`, optimizer foreach,
 attention sdpa, `--seq-len` the run's longest length. Nothing here is fitted: the readings are held out.
 
-One difference of loop, replayed as measured: the readings' loop holds only the loss
-(`jobs/modeling.loss_of` returns `out.loss`, so the logits are freed when the forward returns), while the
-planner's step keeps the model's output (logits) until the step ends, as a loop holding `out` does (the
-shared readings, `results/validation/h200/shared-2026-11-26/`). `loop_keeps_logits(False)` sets the kept
-logits to none for the replay (`activations.head_output_bytes`); without it every prediction here is higher
-by the logits (BERT 0.93 GiB, GPT-2 3.07 GiB).
+The loop is an input, as measured: the readings' loop holds only the loss (`jobs/modeling.loss_of` returns
+`out.loss`, so the logits are freed when the forward returns), which is `--loop loss-only`
+(planner/memory/loops.py); the folder's env.json says so ("loop"). `--keep-logits` replays the plain loop
+instead (the logits held until the step ends, as the shared readings' loop holds `out`): every prediction
+is then higher by the logits (BERT 0.93 GiB, GPT-2 3.07 GiB).
 
 Columns: measured and predicted run peak reserved and allocated (GiB) with the error in %; for a varied
 row also its growth: its reserved peak over the fixed run's of the same model and allocator, measured and
@@ -27,7 +26,6 @@ Usage: python benchmarks/run_readings.py [--readings results/validation/h200/mea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -71,26 +69,13 @@ def load(path: Path = READINGS) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-@contextlib.contextmanager
-def loop_keeps_logits(keep: bool):
-    """The planner's step with (`keep`) or without the logits held until the step ends (see the doc)."""
-    import importlib
-
-    from planner.memory import activations
-
-    est_mod = importlib.import_module("planner.estimate")
-    real = activations.head_output_bytes
-    if not keep:
-        activations.head_output_bytes = lambda spec, ctx: 0
-    est_mod.clear_caches()
-    try:
-        yield
-    finally:
-        activations.head_output_bytes = real
-        est_mod.clear_caches()
+def folder_loop(path: Path) -> str:
+    """The loop that measured the runs (the readings folder's env.json "loop"; plain without one)."""
+    env = path.parent / "env.json"
+    return (json.loads(env.read_text()).get("loop") if env.exists() else None) or "plain"
 
 
-def predict(row: dict) -> Compared:
+def predict(row: dict, loop: str = "loss-only") -> Compared:
     """The planner's run of `row`'s lengths, configured as the row was measured."""
     import importlib
 
@@ -100,7 +85,7 @@ def predict(row: dict) -> Compared:
 
     lengths = row["lengths"]
     cfg = TrainConfig(batch_size=row["b"], seq_len=max(lengths), precision=row["precision"], attention="sdpa",
-                      parallelism="single", optimizer="adamw", optimizer_impl="foreach")
+                      parallelism="single", optimizer="adamw", optimizer_impl="foreach", loop=loop)
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "lengths.txt"
         f.write_text("\n".join(map(str, lengths)) + "\n")
@@ -112,8 +97,8 @@ def predict(row: dict) -> Compared:
 
 
 def compare(path: Path = READINGS, keep_logits: bool = False) -> list[Compared]:
-    with loop_keeps_logits(keep_logits):
-        return [predict(r) for r in load(path)]
+    loop = "plain" if keep_logits else folder_loop(path)
+    return [predict(r, loop) for r in load(path)]
 
 
 def _fixed_of(rows: list[Compared], c: Compared) -> Compared | None:

@@ -40,7 +40,7 @@ Verdict = Literal["fits", "tight", "oom"]
 BaseDtype = Literal["auto", "fp32", "bf16", "fp16", "nf4"]
 # The training loop whose tensor lifetimes the step assumes (planner.memory.loops says when each one frees the
 # model's outputs and the gradients, with the source lines).
-Loop = Literal["plain", "hf-trainer", "accelerate", "lightning"]
+Loop = Literal["plain", "hf-trainer", "accelerate", "lightning", "loss-only"]
 # How the model reaches the GPU: built in its training dtype ("direct"), or built in fp32 and cast
 # (`model.to(bf16)`), which leaves the fp32 build's segments in the caching allocator's pool.
 Load = Literal["direct", "cast"]

@@ -12,7 +12,8 @@ from planner.memory.loops import DEFAULT_LOOP, LOAD_NAMES, LOOP_NAMES
 
 LoopOpt = Annotated[str, typer.Option(
     "--loop", help="Training loop whose tensor lifetimes to assume: plain (zero_grad at the end, outputs held "
-                   "to the end), hf-trainer, accelerate or lightning.")]
+                   "to the end), hf-trainer, accelerate, lightning, or loss-only (outputs freed before "
+                   "backward).")]
 LoadOpt = Annotated[str, typer.Option(
     "--load", help="direct: the model is built in its training dtype; cast: built in fp32, then cast (the fp32 "
                    "segments stay reserved).")]

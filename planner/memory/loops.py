@@ -50,6 +50,10 @@ LOOPS: dict[str, LoopRule] = {r.name: r for r in (
              " training_step (its outputs are locals: only the loss is returned), then zero_grad_fn"
              " (`_make_zero_grad_fn`: 'zeroes the gradients before back-propagation'), then backward_fn;"
              " optimizer.step(closure). The previous step's gradients live through the forward"),
+    LoopRule("loss-only", "forward-end", "step-end",
+             "a plain loop whose forward is a function returning only the loss, so the outputs die before"
+             " backward: this project's benchmarks/gpu_session.py train_step (`out = loss_fn(model, batch)`,"
+             " jobs/modeling.py loss_of) and jobs/probe.py; zero_grad(set_to_none=True) after optimizer.step()"),
 )}
 LOOP_NAMES: tuple[str, ...] = tuple(LOOPS)
 LOAD_NAMES: tuple[str, ...] = ("direct", "cast")

@@ -77,6 +77,15 @@ def _peak(row: dict[str, Any], key: str) -> int:
     return max(int(row[step][phase][key]) for step in ("step1", "step2") for phase in PHASES)
 
 
+def _named(row: dict[str, Any], env: dict[str, Any], key: str, default: str) -> str:
+    """The row's `loop` / `load` name, else the folder's (env.json), else the default. A row's "load" that is
+    not a name is the load phase's memory reading, not the load path."""
+    for src in (row, env):
+        if isinstance(src.get(key), str):
+            return src[key]
+    return default
+
+
 def load_steps(folder: Path) -> list[Reading]:
     """Every successful step of a readings folder."""
     env = _env(folder)
@@ -89,7 +98,8 @@ def load_steps(folder: Path) -> list[Reading]:
         config = TrainConfig(batch_size=row["b"], seq_len=row["s"], precision=row["precision"],
                              attention=row.get("attention", "sdpa"), checkpointing=bool(row.get("ckpt")),
                              optimizer_impl=row.get("optimizer_impl", "foreach"), parallelism="single",
-                             tf32=bool(row.get("tf32")))
+                             tf32=bool(row.get("tf32")), loop=_named(row, env, "loop", "plain"),
+                             load=_named(row, env, "load", "direct"))
         out.append(Reading(folder.name, i, row["model"], config, INSTANCE_FOR_GPU[gpu], gpu, _stack(env),
                            float(row["step_time_s"]), _peak(row, "max_alloc"), _peak(row, "max_res"),
                            _peak(row, "used")))
