@@ -178,6 +178,10 @@ def _config_text(row: Any, shown: set[str]) -> str:
     for dim in ("lora_targets", "base_dtype"):
         if dim in shown:
             parts.append(str(row.get(dim) or "default"))
+    for dim, default in (("loop", "plain"), ("load", "direct")):  # (rows at the defaults do not carry them)
+        if dim in shown:
+            value = row.get(dim)
+            parts.append(value if isinstance(value, str) else default)
     return " ".join(parts)
 
 
@@ -484,6 +488,10 @@ def register(app: typer.Typer) -> None:
                                                             "eager.")] = None,
         parallelisms: Annotated[str | None, typer.Option(
             help="ddp, zero1, zero2, zero3, fsdp, dp (default all), single, auto.")] = None,
+        loop: Annotated[str | None, typer.Option(
+            "--loop", help="Training loop(s): plain (default), hf-trainer, accelerate, lightning, loss-only.")] = None,
+        load: Annotated[str | None, typer.Option(
+            "--load", help="direct (default) or cast (built in fp32, then cast), or both: direct,cast.")] = None,
         results_dir: Annotated[Path, typer.Option(help="Where results/<study>/ goes.")] = Path("results"),
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
@@ -510,7 +518,8 @@ def register(app: typer.Typer) -> None:
             sweep_file=sweep, model=model, model_options=model_option, instance=instance, nodes=nodes,
             space={"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
                    "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
-                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms},
+                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms,
+                   "loops": loop, "loads": load},
             constraints={"max_memory_fraction": max_memory_fraction, "global_batch_size": global_batch_size,
                          "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len,
                          "accept_tight": accept_tight},
