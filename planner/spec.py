@@ -284,6 +284,15 @@ class SoftwareStack(Frozen):
 
         return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
 
+    @property
+    def max_split_size(self) -> int | None:
+        """max_split_size_mb in bytes (None: unlimited, the default). CUDAAllocatorConfig parses the value in
+        MiB and keeps `val * 1024 * 1024`."""
+        from planner.memory.alloc_conf import parse_alloc_conf
+
+        mb = parse_alloc_conf(self.alloc_conf, self.torch).get("max_split_size_mb")
+        return None if mb is None else int(float(mb) * 1024 * 1024)
+
 
 class BandTerm(Frozen):
     """One term of the whole-device peak with its uncertainty: low <= point <= high (bytes)."""

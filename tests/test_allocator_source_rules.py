@@ -121,3 +121,21 @@ def test_garbage_collection_threshold_acts_only_with_a_memory_fraction():
     gc = estimate("gpt2", cfg, "ml.g5.xlarge", with_throughput=False,
                   stack={"alloc_conf": "garbage_collection_threshold:0.6"})
     assert gc.memory_bytes.peak_reserved == plain.memory_bytes.peak_reserved
+
+
+def test_max_split_size_mb_reaches_the_estimate_replay():
+    """PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N (CUDAAllocatorConfig: the value in MiB, kept as
+    `val * 1024 * 1024`) is replayed by the estimate, not only parsed: the step's trace replayed with that
+    limit gives the estimate's reserved peak."""
+    from planner.estimate import _prepare, estimate
+    from planner.memory.reserved import _build_trace
+    from planner.spec import SoftwareStack, TrainConfig
+
+    cfg = TrainConfig(batch_size=8, seq_len=1024, precision="amp-bf16")
+    conf = "max_split_size_mb:64"
+    assert SoftwareStack(torch="2.8", cuda="12.8", transformers="4.46", alloc_conf=conf).max_split_size == 64 * MiB
+    e = estimate("gpt2", cfg, "ml.g5.xlarge", with_throughput=False, stack={"alloc_conf": conf})
+    prep = _prepare("gpt2", cfg, "ml.g5.xlarge", None, "cuda", None)
+    trace = _build_trace(prep.spec, prep.cfg, prep.step, prep.activations, 1.0, 1.0, 1.0, "cuda")
+    limited = replay(trace.events, max_split_size=64 * MiB).peak_reserved
+    assert e.allocator.peak_reserved == limited != replay(trace.events).peak_reserved
