@@ -92,3 +92,15 @@ def test_module_to_frees_each_fp32_parameter_after_its_copy():
     assert all(p.data_ptr() not in ptrs for p in model.parameters())
     assert loops.build_ratio("cast", 2) == 2 and loops.build_ratio("cast", 4) == 0
     assert loops.build_ratio("direct", 2) == 0
+
+
+def test_explain_says_what_the_loop_and_load_change():
+    from planner.explain import loop_lines
+
+    kw = dict(batch_size=1, seq_len=128, precision="bf16")
+    default = estimate_mod.estimate("gpt2", TrainConfig(**kw), "ml.g5.xlarge", with_throughput=False)
+    assert loop_lines(default) == []
+    other = estimate_mod.estimate("gpt2", TrainConfig(**kw, loop="lightning", load="cast"), "ml.g5.xlarge",
+                                  with_throughput=False)
+    text = " ".join(loop_lines(other))
+    assert "Loop lightning" in text and "before its backward" in text and "built in fp32" in text
