@@ -104,3 +104,19 @@ def test_explain_says_what_the_loop_and_load_change():
                                   with_throughput=False)
     text = " ".join(loop_lines(other))
     assert "Loop lightning" in text and "before its backward" in text and "built in fp32" in text
+
+
+def test_search_space_takes_loops_and_loads_as_dimensions_or_fixed():
+    from planner.hardware import get_instance
+    from planner.search.space import SpaceSpec, parse_flag_list, resolve_space
+
+    space = resolve_space(SpaceSpec(loops=("plain", "hf-trainer"), batch_sizes=(4,), seq_lens=(128,),
+                                    precisions=("bf16",), checkpointing=(False,), parallelisms=("single",)),
+                          "gpt2", get_instance("ml.g5.xlarge"), fixed={"load": "cast"})
+    assert space.searched()["loop"] == ("plain", "hf-trainer")
+    config = space.config({"instance": "ml.g5.xlarge", "loop": "hf-trainer", "optimizer_impl": "fused",
+                           "attention": "sdpa"})
+    assert (config.loop, config.load) == ("hf-trainer", "cast")
+    assert parse_flag_list("loops", "plain,lightning") == ("plain", "lightning")
+    with pytest.raises(Exception, match="--loop"):
+        parse_flag_list("loops", "bogus")
