@@ -98,9 +98,13 @@ def base_is_low(config: TrainConfig) -> bool:
 
 
 def input_requires_grad(config: TrainConfig) -> bool:
-    """Whether the embeddings' output requires grad: `enable_input_require_grads`, which QLoRA's
-    prepare_model_for_kbit_training and checkpointed PEFT training call."""
-    return config.base_dtype == "nf4" or config.checkpointing
+    """Whether the embeddings' output requires grad: `enable_input_require_grads`, which only checkpointing
+    calls. transformers 5.24 `_activation_checkpointing_enable` calls it for every text model; peft 0.21.2
+    `PeftModel.__init__` calls it only `if getattr(model, "is_gradient_checkpointing", True)` and not for a
+    quantized base; `prepare_model_for_kbit_training` (peft/utils/other.py) only under
+    `use_gradient_checkpointing`. So QLoRA without checkpointing leaves the embeddings' output without a
+    gradient, as LoRA does (checked on a tiny Llama on the CPU: tests/test_lora_loading.py)."""
+    return config.checkpointing
 
 
 def adapter_saved(module: LinearModule, numel: int, src: str, config: TrainConfig, backend: str,
