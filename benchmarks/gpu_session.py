@@ -18,6 +18,17 @@ appends JSON lines to its own file in DIR:
   maximum length, with the default allocator and with expandable segments; every step's length and peaks.
 * lora.jsonl: LoRA (peft) on a 16-bit base and QLoRA (bitsandbytes NF4, double quantization) steps.
 * traced.jsonl: models outside the catalog (Hugging Face configs), with the tracer's batch convention.
+* late.jsonl (`late`): 200-step varying-length runs whose longest batches come late (lengths >= a cutoff kept
+  out of the first 150 steps), default allocator and expandable segments; every step's length and peaks.
+* vocab.jsonl (`vocab`): Qwen2-0.5B (151,936-token vocabulary) at several shapes, phase peaks of steps 1-3.
+* qlora_nockpt.jsonl (`qlora_nockpt`): QLoRA on Llama-2-7B at 2 x 1,024 without and with checkpointing.
+* load.jsonl (`load`): LoRA on Llama-2-7B built in bf16, built in fp32 and cast, and cast + empty_cache.
+* loops.jsonl (`loops`): one BERT-base AMP bf16 32 x 512 training under a plain loop, the Hugging Face
+  Trainer, Accelerate and Lightning; per-step peaks (reset at the step's start, read after its optimizer
+  step) and wall time.
+* fsdp.jsonl (`fsdp`): a ~1.1 B Llama-style model on one GPU in a one-process group: plain + autocast,
+  FSDP2 (fully_shard) with and without a MixedPrecisionPolicy, without resharding after forward, LoRA on a
+  bf16 base, and FSDP1 with MixedPrecision; phase peaks of steps 1 and 2 and the step time.
 * env.json, log.txt.
 
 `--device cpu` runs tiny shapes of every section on the CPU (no memory figures): a check of the script itself
@@ -124,7 +135,8 @@ def prepare(out: Path) -> None:
     sys.path.insert(0, str(ROOT))
     from planner.models.catalog import get_model
 
-    names = sorted({r["model"] for r in STEP_ROWS + LAUNCH_ROWS + LORA_ROWS} | {r[0] for r in RUNS})
+    rows = STEP_ROWS + LAUNCH_ROWS + LORA_ROWS + QLORA_NOCKPT_ROWS + LOAD_ROWS + [LOOP_ROW]
+    names = sorted({r["model"] for r in rows} | {r[0] for r in RUNS + LATE_RUNS})
     specs = {n: get_model(n).model_dump(mode="json") for n in names}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"specs": specs, "hf_configs": HF_CONFIGS}))
@@ -463,14 +475,26 @@ def lora_row(ctx: dict, row: dict) -> dict:
         layer["hf_config"].update({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
                                    "num_attention_heads": 4, "num_key_value_heads": 4})
     meter.reset()
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = build_catalog(spec, "sdpa", False, device)
-    finally:
-        torch.set_default_dtype(old)
     out: dict[str, Any] = dict(row)
+    load = row.get("load_path", "direct")
+    if load == "direct":  # built in bf16 where it runs
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = build_catalog(spec, "sdpa", False, device)
+        finally:
+            torch.set_default_dtype(old)
+    else:  # built in fp32 on the device, then cast (the fp32 segments stay reserved unless emptied)
+        model = build_catalog(spec, "sdpa", False, device)
+        out["load_fp32"] = meter.read()
+        model = model.to(torch.bfloat16)
+        if load == "cast+empty_cache":
+            out["load_cast"] = meter.read()
+            gc.collect()
+            if meter.cuda:
+                torch.cuda.empty_cache()
     out["load_bf16"] = meter.read()
+    empty = row.get("empty_cache", True)  # the first lora rows emptied the cache after peft; the load rows do not
     if row["base"] == "nf4":
         out["quantized_linears"] = quantize_nf4(torch, model, device)
         model.is_loaded_in_4bit = True
@@ -490,7 +514,10 @@ def lora_row(ctx: dict, row: dict) -> dict:
     out.update(trainable=int(trainable), total=int(total),
                param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                trainable_dtypes=sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}))
-    clear(torch)
+    if empty:
+        clear(torch)
+    else:
+        gc.collect()
     meter.reset()
     out["load"] = meter.read()
     batch = catalog_batch(spec, row["b"], row["s"], device)
@@ -536,6 +563,380 @@ def section_lora(ctx: dict) -> None:
                     lambda c, r=row: lora_row(c, r), "")
 
 
+# ----------------------------------------------------------------------------------------- issue 36 and 32
+# Varying-length runs whose longest batches come late: (model, micro-batch, precision, min, max, grid step,
+# steps, cutoff, steps kept under the cutoff). Lengths >= cutoff are redrawn below it in the first
+# `early` steps, and the maximum length is placed once in the late part if the draw left it out.
+LATE_RUNS = [("bert-base-uncased", 32, "amp-bf16", 64, 512, 8, 200, 480, 150),
+             ("gpt2", 16, "fp32", 128, 1024, 8, 200, 960, 150)]
+VOCAB_ROWS = ([{"model": "qwen2-0.5b", "b": b, "s": s, "precision": "amp-bf16"}
+               for b, s in ((4, 512), (8, 1024), (4, 2048), (16, 512))]
+              + [{"model": "qwen2-0.5b", "b": 8, "s": 1024, "precision": "fp32"}])
+QLORA_NOCKPT_ROWS = [{"name": "qlora", "model": "llama-2-7b", "b": 2, "s": 1024, "r": 16, "alpha": 32,
+                      "base": "nf4", "ckpt": c} for c in (False, True)]
+# The load path: built in bf16 on the GPU (direct), built in fp32 on the GPU then .to(bfloat16) (cast), and
+# cast followed by torch.cuda.empty_cache() (cast+empty_cache). No other empty_cache in these rows.
+LOAD_ROWS = [{"name": "lora", "model": "llama-2-7b", "b": 4, "s": 512, "r": 16, "alpha": 32, "base": "bf16",
+              "ckpt": True, "load_path": mode, "empty_cache": False}
+             for mode in ("direct", "cast", "cast+empty_cache")]
+LOOP_ROW = {"model": "bert-base-uncased", "b": 32, "s": 512, "precision": "amp-bf16", "steps": 4}
+LOOPS = ("plain", "hf-trainer", "accelerate", "lightning")
+# A Llama-style model of about 1.1 B parameters (issue 32); TINY_FSDP for --device cpu.
+FSDP_CONFIG = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "intermediate_size": 5632, "vocab_size": 32000, "max_position_embeddings": 4096,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+               "attention_dropout": 0.0}
+TINY_FSDP = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 256, "vocab_size": 1000}
+FSDP_ROWS = [
+    {"variant": "a-plain-autocast", "wrap": "none", "policy": False, "autocast": True},
+    {"variant": "b-fsdp2-policy", "wrap": "fsdp2", "policy": True, "autocast": False},
+    {"variant": "c-fsdp2-autocast", "wrap": "fsdp2", "policy": False, "autocast": True},
+    {"variant": "d-fsdp2-policy-no-reshard", "wrap": "fsdp2", "policy": True, "autocast": False,
+     "reshard_after_forward": False},
+    {"variant": "e-fsdp2-policy-lora-bf16-base", "wrap": "fsdp2", "policy": True, "autocast": False, "lora": True},
+    {"variant": "f-fsdp1-mixed-precision", "wrap": "fsdp1", "policy": True, "autocast": False},
+]
+FSDP_SHAPE = {"b": 2, "s": 2048}
+FSDP_CKPT = ("transformers gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
+             "on every LlamaDecoderLayer, applied before wrapping")
+
+
+def draw_late_lengths(lo: int, hi: int, step: int, n: int, cutoff: int, early: int, seed: int) -> list[int]:
+    """A seeded uniform draw on the grid, with every length >= cutoff in the first `early` steps redrawn below
+    it, and `hi` placed once (at a seeded late step) when the late part did not draw it."""
+    rng = random.Random(seed)
+    grid = list(range(lo, hi + 1, step))
+    low = [x for x in grid if x < cutoff]
+    lengths = [rng.choice(low) if i < early else rng.choice(grid) for i in range(n)]
+    if hi not in lengths[early:]:
+        lengths[rng.randrange(early, n)] = hi
+    return lengths
+
+
+def section_late(ctx: dict) -> None:
+    """Both models with the default allocator first, then with expandable segments (what a tight budget
+    skips last)."""
+    for alloc_conf in ("", "expandable_segments:True"):
+        for model_name, b, precision, lo, hi, step, n, cutoff, early in LATE_RUNS:
+            if ctx["tiny"]:
+                b, lo, hi, n, cutoff, early = 2, 8, 32, 8, 24, 6
+            lengths = draw_late_lengths(lo, hi, step, n, cutoff, early, seed=0)
+            extra = {"cutoff": cutoff, "early_steps": early, "grid": [lo, hi, step], "seed": 0}
+            row = {"model": model_name, "b": b, "precision": precision, "kind": "late", "alloc_conf": alloc_conf}
+            t0 = time.monotonic()
+            ctx["fork"](f"late {model_name} {alloc_conf or 'default'}", "late.jsonl", row,
+                        lambda c, m=model_name, bb=b, p=precision, ls=lengths, a=alloc_conf, x=extra:
+                        {**one_run(c, m, bb, p, ls, "late", a), **x}, alloc_conf)
+            ctx["log"](f"  wall {time.monotonic() - t0:.1f}s")
+
+
+def vocab_row(ctx: dict, row: dict) -> dict:
+    """A traced-style Qwen2 row with three measured steps (the second step's reserved jump)."""
+    torch, device = ctx["torch"], ctx["device"]
+    config = {**HF_CONFIGS[row["model"]], **(TINY_HF[row["model"]] if ctx["tiny"] else {})}
+    meter = Meter(torch, device)
+    out: dict[str, Any] = {**row, "attention": "sdpa", "hf_config": config, "base_used": meter.used()}
+    meter.reset()
+    model, conf = hf_build(config, "sdpa", device)
+    out["load"] = meter.read()
+    out["params"] = sum(p.numel() for p in model.parameters())
+    batch = hf_batch(conf, row["b"], row["s"], device)
+    opt = make_optimizer(torch, model.parameters(), "foreach")
+    times = []
+    for i in (1, 2, 3):
+        t0 = time.perf_counter()
+        out[f"step{i}"] = train_step(torch, model, opt, batch, row["precision"], device, None, meter)
+        times.append(time.perf_counter() - t0)
+    out["step_times_s"] = times  # phase-by-phase (synchronised) steps, the first one cold
+    return out
+
+
+def section_vocab(ctx: dict) -> None:
+    for row in VOCAB_ROWS:
+        if ctx["tiny"]:
+            row = {**row, **TINY}
+        ctx["fork"](f"vocab {row['b']}x{row['s']} {row['precision']}", "vocab.jsonl", row,
+                    lambda c, r=row: vocab_row(c, r), "")
+
+
+def section_qlora_nockpt(ctx: dict) -> None:
+    for row in QLORA_NOCKPT_ROWS:
+        if ctx["tiny"]:
+            row = {**row, "b": 1, "s": 16}
+        ctx["fork"](f"qlora_nockpt ckpt={row['ckpt']} b{row['b']}x{row['s']}", "qlora_nockpt.jsonl", row,
+                    lambda c, r=row: lora_row(c, r), "")
+
+
+def section_load(ctx: dict) -> None:
+    for row in LOAD_ROWS:
+        if ctx["tiny"]:
+            row = {**row, "b": 1, "s": 16}
+        ctx["fork"](f"load {row['load_path']}", "load.jsonl", row, lambda c, r=row: lora_row(c, r), "")
+
+
+# ---- loops
+class StepClock:
+    """Per-step peaks and wall time: `begin` at a step's start, `end` after its optimizer step."""
+
+    def __init__(self, torch: Any, device: Any):
+        self.meter, self.steps, self.t0 = Meter(torch, device), [], 0.0
+
+    def begin(self) -> None:
+        self.meter.reset()
+        self.t0 = time.perf_counter()
+
+    def end(self) -> None:
+        reading = self.meter.read()
+        self.steps.append({"step": len(self.steps) + 1, "time_s": time.perf_counter() - self.t0, **reading})
+
+
+class LossModule:
+    """A wrapper whose forward returns {"loss": ...} (what Trainer and Lightning take), built lazily so that
+    torch.nn is imported only in the child."""
+
+    @staticmethod
+    def wrap(torch: Any, model: Any) -> Any:
+        class Wrapped(torch.nn.Module):
+            def __init__(self, inner: Any):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, **batch: Any) -> dict:
+                return {"loss": loss_fn(self.inner, batch)}
+
+        return Wrapped(model)
+
+
+def loop_dataset(spec: dict, b: int, s: int, steps: int) -> list[dict]:
+    """steps * b samples of random token ids on the CPU, one dict per sample (collated by the loop)."""
+    full = catalog_batch(spec, b * steps, s, "cpu")
+    if "attention_mask" in full and b > 1 and s > 1:  # one padded position per batch, as make_batch makes
+        full["attention_mask"][b - 1::b, -1] = 0
+    return [{k: v[i] for k, v in full.items()} for i in range(b * steps)]
+
+
+def loop_row(ctx: dict, loop: str, row: dict) -> dict:
+    torch, device, spec = ctx["torch"], ctx["device"], ctx["specs"][row["model"]]
+    b, s, n = row["b"], row["s"], row["steps"]
+    clock = StepClock(torch, device)
+    out: dict[str, Any] = {**row, "loop": loop, "base_used": clock.meter.used()}
+    clock.meter.reset()
+    model = build_catalog(spec, "sdpa", False, device)
+    out["load"] = clock.meter.read()
+    data = loop_dataset(spec, b, s, n)
+    if loop == "plain":
+        opt = make_optimizer(torch, model.parameters(), "foreach")
+        phases = []
+        for i in range(n):
+            batch = {k: v.to(device) for k, v in torch.utils.data.default_collate(data[i * b:(i + 1) * b]).items()}
+            clock.begin()
+            phases.append(train_step(torch, model, opt, batch, row["precision"], device, None, clock.meter))
+            clock.end()
+            clock.steps[-1].update({k: max(p.get(k, 0) for p in phases[-1].values()) for k in ("max_alloc",
+                                    "max_res")} if clock.meter.cuda else {})
+            clock.steps[-1]["phases"] = phases[-1]
+            del batch
+        out["api"] = "torch loop: autocast bf16 forward, backward, AdamW(foreach) step, zero_grad(set_to_none)"
+    elif loop == "hf-trainer":
+        import tempfile
+
+        import transformers
+
+        class Reader(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+                clock.begin()
+
+            def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+                clock.end()
+
+        with tempfile.TemporaryDirectory() as tmp:
+            args = transformers.TrainingArguments(
+                output_dir=tmp, bf16=True, per_device_train_batch_size=b, max_steps=n, learning_rate=1e-5,
+                eval_strategy="no", save_strategy="no", report_to="none", dataloader_num_workers=0,
+                logging_strategy="no", disable_tqdm=True, remove_unused_columns=False, optim="adamw_torch",
+                use_cpu=device.type == "cpu")
+            trainer = transformers.Trainer(model=LossModule.wrap(torch, model), args=args, train_dataset=data,
+                                           data_collator=torch.utils.data.default_collate, callbacks=[Reader()])
+            trainer.train()
+        out["api"] = (f"transformers {transformers.__version__} Trainer(bf16=True, optim=adamw_torch); peaks reset "
+                      "in on_step_begin, read in on_step_end")
+    elif loop == "accelerate":
+        import accelerate
+
+        acc = accelerate.Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
+        opt = make_optimizer(torch, model.parameters(), "foreach")
+        model, opt = acc.prepare(model, opt)
+        for i in range(n):
+            batch = {k: v.to(acc.device) for k, v in torch.utils.data.default_collate(data[i * b:(i + 1) * b]).items()}
+            clock.begin()
+            loss = loss_fn(model, batch)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            clock.end()
+            del loss, batch
+        out["api"] = (f"accelerate {accelerate.__version__} Accelerator(mixed_precision='bf16'), prepare(model, "
+                      "AdamW(foreach)), accelerator.backward")
+    elif loop == "lightning":
+        try:
+            import lightning as L  # noqa: N812
+        except ImportError:
+            import pytorch_lightning as L  # noqa: N812
+
+        inner = model
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.inner = inner
+
+            def training_step(self, batch, idx):  # noqa: ANN001
+                return loss_fn(self.inner, batch)
+
+            def configure_optimizers(self):
+                return make_optimizer(torch, self.parameters(), "foreach")
+
+        class Reader(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, idx):  # noqa: ANN001
+                clock.begin()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx):  # noqa: ANN001
+                clock.end()
+
+        loader = torch.utils.data.DataLoader(data, batch_size=b, num_workers=0)
+        trainer = L.Trainer(precision="bf16-mixed", max_steps=n, logger=False, enable_checkpointing=False,
+                            devices=1, accelerator="gpu" if device.type == "cuda" else "cpu", callbacks=[Reader()],
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(Module(), loader)
+        out["api"] = (f"{L.__name__} {L.__version__} Trainer(precision='bf16-mixed'); peaks reset in "
+                      "on_train_batch_start, read in on_train_batch_end (after the optimizer step)")
+    out["steps"] = clock.steps
+    out["step_time_s"] = statistics.median(x["time_s"] for x in clock.steps[1:]) if len(clock.steps) > 1 else None
+    return out
+
+
+def section_loops(ctx: dict) -> None:
+    row = {**LOOP_ROW, **(TINY if ctx["tiny"] else {})}
+    for loop in LOOPS:
+        if loop == "lightning" and not any(_has(m) for m in ("lightning", "pytorch_lightning")):
+            ctx["log"]("loops lightning: skipped (neither lightning nor pytorch_lightning is installed)")
+            continue
+        t0 = time.monotonic()
+        ctx["fork"](f"loop {loop}", "loops.jsonl", {**row, "loop": loop}, lambda c, lp=loop: loop_row(c, lp, row), "")
+        ctx["log"](f"  wall {time.monotonic() - t0:.1f}s")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# ---- FSDP on one GPU (issue 32)
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fsdp_row(ctx: dict, row: dict) -> dict:
+    torch, device = ctx["torch"], ctx["device"]
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = {**FSDP_CONFIG, **(TINY_FSDP if ctx["tiny"] else {})}
+    shape = {"b": 2, "s": 32} if ctx["tiny"] else FSDP_SHAPE
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=0, world_size=1)
+    try:
+        meter = Meter(torch, device)
+        out: dict[str, Any] = {**row, **shape, "model": "llama-style", "llama_config": config, "backend": backend,
+                               "checkpointing": FSDP_CKPT, "base_used": meter.used()}
+        meter.reset()
+        conf = LlamaConfig(**config, use_cache=False, attn_implementation="sdpa")
+        base_dtype = torch.bfloat16 if row.get("lora") else torch.float32
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(base_dtype)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(conf).train()
+        finally:
+            torch.set_default_dtype(old)
+        out["params"] = sum(p.numel() for p in model.parameters())
+        out["build"] = meter.read()
+        import modeling
+
+        modeling.enable_checkpointing(model)
+        if row.get("lora"):
+            import peft
+
+            model.enable_input_require_grads()
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=16, lora_alpha=32, lora_dropout=0.05, bias="none", task_type="CAUSAL_LM",
+                target_modules=LORA_TARGETS))
+            out["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            out["trainable_dtypes"] = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+        layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+        bf16 = torch.bfloat16
+        if row["wrap"] == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kwargs: dict[str, Any] = {"reshard_after_forward": row.get("reshard_after_forward", True)}
+            if row["policy"]:
+                kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+            for layer in layers:
+                fully_shard(layer, **kwargs)
+            fully_shard(model, **kwargs)
+            out["api"] = (f"torch {torch.__version__} torch.distributed.fsdp.fully_shard per LlamaDecoderLayer and "
+                          f"root, reshard_after_forward={kwargs['reshard_after_forward']}, mp_policy="
+                          + ("MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)" if row["policy"]
+                             else "none"))
+        elif row["wrap"] == "fsdp1":
+            import functools
+
+            from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+            cls = type(layers[0])
+            model = FullyShardedDataParallel(
+                model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={cls}),
+                mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32, buffer_dtype=bf16),
+                use_orig_params=True, device_id=torch.cuda.current_device() if device.type == "cuda" else None)
+            out["api"] = (f"torch {torch.__version__} FullyShardedDataParallel(auto_wrap_policy="
+                          "transformer_auto_wrap_policy({LlamaDecoderLayer}), MixedPrecision(param_dtype=bfloat16, "
+                          "reduce_dtype=float32, buffer_dtype=bfloat16), use_orig_params=True)")
+        else:
+            out["api"] = f"torch {torch.__version__} plain module, fp32 parameters, torch.autocast(bfloat16)"
+        out["load"] = meter.read()
+        batch = {"input_ids": torch.randint(0, config["vocab_size"], (shape["b"], shape["s"]), device=device)}
+        batch["labels"] = batch["input_ids"].clone()
+        opt = make_optimizer(torch, [p for p in model.parameters() if p.requires_grad], "foreach")
+        precision = "amp-bf16" if row["autocast"] else "fp32"
+        out["step1"] = train_step(torch, model, opt, batch, precision, device, None, meter)
+        out["step2"] = train_step(torch, model, opt, batch, precision, device, None, meter)
+        times = timed(torch, lambda: train_step(torch, model, opt, batch, precision, device, None), 3, warmup=0)
+        out["step_times_s"], out["step_time_s"] = times, statistics.median(times)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def section_fsdp(ctx: dict) -> None:
+    for row in FSDP_ROWS:
+        if row["wrap"] == "fsdp1" and ctx["device"].type != "cuda":
+            ctx["log"](f"fsdp {row['variant']}: skipped on the CPU (FullyShardedDataParallel needs an accelerator)")
+            continue
+        t0 = time.monotonic()
+        ctx["fork"](f"fsdp {row['variant']}", "fsdp.jsonl", row, lambda c, r=row: fsdp_row(c, r), "")
+        ctx["log"](f"  wall {time.monotonic() - t0:.1f}s")
+
+
 # ----------------------------------------------------------------------------------------- plumbing
 def guarded(torch: Any, row: dict, fn: Any) -> dict:
     """A row's result, or its OOM / error as the result."""
@@ -546,6 +947,9 @@ def guarded(torch: Any, row: dict, fn: Any) -> dict:
         clear(torch)
         return {**row, "status": "oom" if oom else "error", "error": f"{type(exc).__name__}: {exc}"[:400],
                 "trace": "" if oom else traceback.format_exc()[-1500:]}
+
+
+SECTIONS = ("runs", "lora", "steps", "launch", "traced", "late", "vocab", "qlora_nockpt", "load", "loops", "fsdp")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -564,6 +968,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prepare":
         prepare(Path(args.out))
         return 0
+    unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
+    if unknown:
+        print(f"--sections: unknown {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -616,10 +1024,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{label}: child exited with status {status}")
 
     ctx["fork"] = fork
+    ctx["log"] = log
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
     from importlib import metadata
 
-    for mod in ("transformers", "peft", "bitsandbytes"):  # not imported here: bitsandbytes would start CUDA
+    # Versions read from the installed metadata, not by importing (bitsandbytes would start CUDA here).
+    for mod in ("transformers", "peft", "bitsandbytes", "accelerate", "pytorch-lightning", "lightning"):
         try:
             env[mod] = metadata.version(mod)
         except metadata.PackageNotFoundError:
@@ -651,10 +1061,13 @@ def main(argv: list[str] | None = None) -> int:
     fork("env", "env.jsonl", {}, write_env, "")
     with contextlib.suppress(FileNotFoundError):
         (out / "env.jsonl").unlink()
-    sections = {"runs": section_runs, "lora": section_lora}
+    sections = {"runs": section_runs, "lora": section_lora, "late": section_late, "vocab": section_vocab,
+                "qlora_nockpt": section_qlora_nockpt, "load": section_load, "loops": section_loops,
+                "fsdp": section_fsdp}
     in_child = {"steps": ("steps.jsonl", section_steps), "launch": ("launch.jsonl", section_launch),
                 "traced": ("traced.jsonl", section_traced)}
     for name in args.sections.split(","):
+        section_start = time.monotonic()
         log(f"section {name}")
         if name in sections:
             sections[name](ctx)
@@ -666,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
                 f({**c, "emit": lambda obj: e(obj) if time.monotonic() - start < args.budget_s + 60 else None})
                 return {"section": "done"}
             fork(name, "sections.jsonl", {"section": name}, whole, "")
+        log(f"section {name} wall {time.monotonic() - section_start:.1f}s")
     with contextlib.suppress(FileNotFoundError):
         (out / "sections.jsonl").unlink()
     log("done")
