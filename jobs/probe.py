@@ -211,6 +211,10 @@ class Plan:
     # built in the dtype it trains in ("direct") or in fp32 and then cast ("cast")
     loop: str = "plain"
     load: str = "direct"
+    # whose FSDP mixed precision runs (the planner's --framework): torchtitan = FSDP2 MixedPrecisionPolicy
+    # (bf16 params, fp32 reduce, no autocast); accelerate = FSDP1 MixedPrecision (all 16-bit); lightning = FSDP1
+    # MixedPrecision(param fp32, reduce 16-bit) + autocast; pytorch = autocast around FSDP2
+    framework: str = "pytorch"
     extra: dict[str, Any] = field(default_factory=dict)
     # A run of varying lengths: step k's batch is padded to step_lengths[k] (one step per entry; warmup_steps
     # of them untimed). Empty: warmup_steps + measure_steps steps at seq_len.
@@ -262,6 +266,7 @@ def make_plan(request: dict[str, Any]) -> Plan:
         base_dtype=cfg.get("base_dtype") or "auto",
         loop=cfg.get("loop") or "plain",
         load=cfg.get("load") or "direct",
+        framework=cfg.get("framework") or "pytorch",
     )
 
 
@@ -641,6 +646,8 @@ def wrap_parallel(model: Any, plan: Plan, device: Any) -> tuple[Any, dict[str, A
 
     info: dict[str, Any] = {"parallelism": plan.parallelism}
     p = plan.parallelism
+    if plan.framework in ("megatron", "deepspeed"):
+        raise Unsupported(f"framework={plan.framework}: the probe job runs PyTorch's own wrappers only")
     if p in ("single",) or (p == "dp" and plan.world_size == 1):
         return model, info
     if p == "dp":
@@ -667,27 +674,45 @@ def wrap_parallel(model: Any, plan: Plan, device: Any) -> tuple[Any, dict[str, A
         layer_names |= set(getattr(m, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
     info.update(reshard_after_forward=reshard, wrapped=sorted({type(m).__name__ for m in layers}))
+    low = _low_dtype(plan)
+    fsdp1 = plan.framework in ("accelerate", "lightning")
     try:  # FSDP2 (per-parameter DTensor sharding), PyTorch >= 2.6
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:
         fully_shard = None
-    if fully_shard is not None:
+    if fully_shard is not None and not fsdp1:
+        kw: dict[str, Any] = {"reshard_after_forward": reshard}
+        if plan.framework == "torchtitan" and low is not None:  # torchtitan's defaults: bf16 params, fp32 reduce
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+            info["mp_policy"] = f"param {low}, reduce float32"
         for m in layers:
-            fully_shard(m, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(m, **kw)
+        fully_shard(model, **kw)
         info["fsdp"] = "fully_shard (FSDP2)"
         return model, info
     if device.type != "cuda":
         raise Unsupported("FSDP1 needs a GPU")
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     strategy = ShardingStrategy.FULL_SHARD if reshard else ShardingStrategy.SHARD_GRAD_OP
     policy = ModuleWrapPolicy({type(m) for m in layers}) if layers else None
-    info["fsdp"] = f"FullyShardedDataParallel ({strategy.name})"
+    mixed = None
+    if low is not None and plan.framework == "accelerate":  # accelerate: param, reduce and buffers 16-bit
+        mixed = MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low)
+    elif low is not None and plan.framework == "lightning":  # Lightning bf16-mixed: fp32 params, 16-bit reduce
+        mixed = MixedPrecision(param_dtype=torch.float32, reduce_dtype=low, buffer_dtype=low)
+    info["fsdp"] = f"FullyShardedDataParallel ({strategy.name})" + (f", {mixed}" if mixed else "")
     return FSDP(model, sharding_strategy=strategy, use_orig_params=True, auto_wrap_policy=policy,
-                device_id=device), info
+                device_id=device, mixed_precision=mixed), info
+
+
+def _low_dtype(plan: Plan) -> Any:
+    """The 16-bit dtype of an AMP precision (None otherwise)."""
+    import torch
+
+    return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(plan.precision)
 
 
 # ---------------------------------------------------------------------------------------- probe
@@ -704,6 +729,9 @@ class Ctx:
 
 def _autocast(plan: Plan, device: Any) -> Any:
     import torch
+
+    if plan.framework == "torchtitan" and plan.parallelism == "fsdp" and plan.world_size > 1:
+        return contextlib.nullcontext()  # torchtitan's maybe_enable_amp: fully_shard's policy, no autocast
 
     if plan.precision == "amp-fp16":
         return torch.autocast(device_type=device.type, dtype=torch.float16)

@@ -81,7 +81,11 @@ def _precision_lines(est: Estimate) -> list[str]:
             continue
         lines.append(f"{name:<16}{n:>14,}{fmt_bytes(4 * n):>14}{fmt_bytes(2 * n):>18}")
     p = est.config.precision
-    if p.startswith("amp"):
+    from planner.memory.framework_layout import layout
+
+    if p.startswith("amp") and layout(est.config).kind != "autocast":
+        pass  # a mixed-precision policy or a 16-bit engine: the framework's lines below say how it stores them
+    elif p.startswith("amp"):
         lines.append(f"{p}: PyTorch autocast keeps fp32 parameters ({fmt_bytes(4 * total)}) and casts weights to "
                      "16 bit on the fly; those casts are cached for the forward and saved for backward "
                      "(counted with the activations). GradScaler adds only a few scalars.")
@@ -98,6 +102,33 @@ def _precision_lines(est: Estimate) -> list[str]:
     lines.append("The ZeRO paper's 16 bytes/parameter (fp16 params + fp32 master + Adam) is DeepSpeed's mixed "
                  "precision; PyTorch AMP with AdamW costs 4 (params) + 4 (grads) + 8 (Adam) = 16 bytes as well, "
                  "but all in fp32.")
+    return lines + _framework_lines(est)
+
+
+def _framework_lines(est: Estimate) -> list[str]:
+    """What --framework changes here: its layout, and under FSDP with AMP why autocast and a mixed-precision
+    policy differ (the autocast weight cache against the 16-bit units)."""
+    from planner.memory.framework_layout import describe, layout
+    from planner.parallel.frameworks import get as framework
+
+    cfg = est.config
+    fw, lay = framework(cfg.framework), layout(cfg)
+    lines = [f"Framework: {fw.label} runs {cfg.parallelism} as {fw.runs(cfg.parallelism)}."]
+    if describe(lay):
+        lines.append(describe(lay) + ".")
+    total = est.parameters["total"]
+    if strategy_of(cfg.parallelism).fsdp and cfg.precision.startswith("amp"):
+        if lay.autocast_cache:
+            lines.append(f"Why this differs from an FSDP mixed-precision policy (--framework torchtitan or "
+                         f"accelerate): autocast's cache keeps the 16-bit cast of each unsharded parameter until the "
+                         f"forward ends, {fmt_bytes(2 * total)} for the whole model at its end, on every GPU "
+                         "whatever the sharding; a policy all-gathers each unit in 16 bits and frees it after the "
+                         "unit's forward, so only the units computing or prefetched are held.")
+        elif lay.kind == "policy":
+            lines.append(f"Why this differs from --framework pytorch (torch.autocast around FSDP2): there the "
+                         f"unsharded fp32 parameters are leaves, so autocast caches each one's 16-bit cast until the "
+                         f"forward ends, {fmt_bytes(2 * total)} at its end; here no autocast runs and no full "
+                         "16-bit copy exists.")
     return lines
 
 
@@ -541,6 +572,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
     else:
         figures[-1]["fixes"] = fixes
     run_step = _run_step(model or est.model, est, run, model_options, extra)
+    adapter_step = _adapter_step(model or est.model, est, model_options, extra)  # figures of its own, like run_step
     steps = [
         Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
         Step(f"Memory of each GPU on {inst.name}", (
@@ -556,7 +588,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
              (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
         Step("Their storage at each precision", tuple(_precision_lines(est))),
         Step("Gradients and optimizer states", tuple(_state_lines(est))),
-        *_adapter_step(model or est.model, est, model_options, extra),
+        *adapter_step,
         Step('The "computational graph": saved activations',
              tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
         Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
@@ -566,7 +598,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("Verdict", verdict_lines + _speed_bound_lines(est)
              + _amp_lines(model or est.model, est, model_options, extra, figures[-1])),
     ]
-    plain = [s for s in steps if all(s is not x for x in [*side_by_side, *run_step])]
+    plain = [s for s in steps if all(s is not x for x in [*side_by_side, *run_step, *adapter_step])]
     for step, numbers in zip(plain, figures, strict=True):
         step.figures.update(numbers)
     return steps

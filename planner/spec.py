@@ -44,6 +44,11 @@ Loop = Literal["plain", "hf-trainer", "accelerate", "lightning", "loss-only"]
 # How the model reaches the GPU: built in its training dtype ("direct"), or built in fp32 and cast
 # (`model.to(bf16)`), which leaves the fp32 build's segments in the caching allocator's pool.
 Load = Literal["direct", "cast"]
+# Whose training loop and parallel wrappers run the step (planner.parallel.frameworks): how --precision is
+# applied (autocast, FSDP's mixed-precision policy, Megatron's or DeepSpeed's 16-bit engine with fp32 master
+# weights) and each framework's defaults (prefetch, reshard after forward, buckets).
+Framework = Literal["pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning"]
+FRAMEWORKS: tuple[str, ...] = ("pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning")
 BASE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "nf4")
 
 # Instances in one training job. SageMaker's per-account quotas (Service Quotas, "ml.<type> for training job
@@ -182,6 +187,25 @@ class ModelSpec(Frozen):
 # --------------------------------------------------------------------------------------- training
 
 
+class DeepSpeedSettings(Frozen):
+    """What of a DeepSpeed config (ds_config JSON) changes memory and speed. Defaults are DeepSpeed's own
+    (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig: reduce_bucket_size and allgather_bucket_size
+    pp_int(5e8), stage3_prefetch_bucket_size pp_int(5e7), stage3_param_persistence_threshold pp_int(1e5),
+    stage3_max_live_parameters pp_int(1e9), contiguous_gradients True, overlap_comm None: True at stage 3,
+    else False). Element counts, not bytes."""
+
+    stage: int | None = Field(None, ge=0, le=3)  # zero_optimization.stage (None: not given)
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None  # bf16.enabled / fp16.enabled (None: not given)
+    reduce_bucket_size: int = Field(500_000_000, ge=0)
+    allgather_bucket_size: int = Field(500_000_000, ge=0)
+    prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    param_persistence_threshold: int = Field(100_000, ge=0)
+    max_live_parameters: int = Field(1_000_000_000, ge=0)
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None
+    source: str = ""  # the file it was read from
+
+
 class TrainConfig(Frozen):
     """One training configuration, per GPU. `batch_size` is the micro-batch on one GPU."""
 
@@ -209,6 +233,10 @@ class TrainConfig(Frozen):
     base_dtype: BaseDtype = "auto"
     loop: Loop = "plain"
     load: Load = "direct"
+    # Whose layouts and defaults apply (planner.parallel.frameworks); "pytorch": a plain loop with autocast.
+    framework: Framework = "pytorch"
+    # DeepSpeed's settings from the job's ds_config (--ds-config FILE); None: DeepSpeed's defaults.
+    deepspeed: DeepSpeedSettings | None = None
 
     @property
     def lora(self) -> bool:

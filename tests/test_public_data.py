@@ -16,6 +16,7 @@ from planner.probes.public import (
     MIB,
     THROUGHPUT_FILE,
     load_public_memory,
+    load_public_sharded,
     load_public_sources,
     load_public_throughput,
     public_dir,
@@ -27,6 +28,7 @@ HELD_OUT = ("tlkh/transformers-benchmarking", "perf_train_gpu_one", "bingbertsqu
 
 MEMORY = load_public_memory()
 THROUGHPUT = load_public_throughput()
+SHARDED = load_public_sharded()  # FSDP / ZeRO runs (tests/test_frameworks.py, benchmarks/public_sharded.py)
 SOURCES = load_public_sources()
 
 
@@ -37,7 +39,7 @@ def test_enough_rows_from_enough_sources():
 
 
 def test_every_row_is_cited():
-    for row in MEMORY + THROUGHPUT:
+    for row in MEMORY + THROUGHPUT + SHARDED:
         src = SOURCES[row.source_id]
         assert src.url.startswith("https://"), row.id
         assert row.where.strip() and row.quote.strip(), row.id
@@ -50,7 +52,7 @@ def test_no_held_out_source_is_used():
 
 
 def test_every_source_is_used():
-    used = {r.source_id for r in MEMORY + THROUGHPUT}
+    used = {r.source_id for r in MEMORY + THROUGHPUT + SHARDED}
     # hf-run-clm documents the defaults that the run_clm issues rely on; it carries no row of its own
     assert set(SOURCES) - used <= {"hf-run-clm"}
 

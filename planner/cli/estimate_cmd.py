@@ -34,6 +34,7 @@ from planner.cli.common import (
     parse_model_options,
     stack_from_flags,
 )
+from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt, framework_fields, framework_flags
 from planner.cli.loop_opts import LoadOpt, LoopOpt, loop_fields, loop_flags
 from planner.cli.lora_opts import (
     BaseDtypeOpt,
@@ -104,7 +105,8 @@ def print_estimate(est: Estimate) -> None:
                   f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}"
                   f"{' (TF32 matmuls)' if cfg.tf32 else ''}, "
                   f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
-                  f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}")
+                  f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}"
+                  f"{'' if cfg.framework == 'pytorch' else ', framework ' + cfg.framework}")
     if est.stack:
         from planner.memory.stack import describe
 
@@ -173,7 +175,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + loop_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -228,6 +230,8 @@ def register(app: typer.Typer) -> None:
         base_dtype: BaseDtypeOpt = "auto",
         loop: LoopOpt = "plain",
         load: LoadOpt = "direct",
+        framework: FrameworkOpt = "pytorch",
+        ds_config: DsConfigOpt = None,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -244,13 +248,15 @@ def register(app: typer.Typer) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         if batch_size is None and global_batch_size is None:
             batch_size = 8
+        fw = framework_fields(framework, ds_config, parallelism, precision)
+        parallelism = fw.pop("parallelism", parallelism)
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
                            spot, inputs, loss,
                            stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32,
                            region, run_request(lengths, padding, run_steps, run_seed),
-                           lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype)
+                           lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype) | fw
                            | loop_fields(loop, load))
         if plot:
             from planner.report.timeline_plot import write_timeline
@@ -290,6 +296,8 @@ def register(app: typer.Typer) -> None:
         base_dtype: BaseDtypeOpt = "auto",
         loop: LoopOpt = "plain",
         load: LoadOpt = "direct",
+        framework: FrameworkOpt = "pytorch",
+        ds_config: DsConfigOpt = None,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,
@@ -307,13 +315,15 @@ def register(app: typer.Typer) -> None:
 
         if batch_size is None and global_batch_size is None:
             batch_size = 8
+        fw = framework_fields(framework, ds_config, parallelism, precision)
+        parallelism = fw.pop("parallelism", parallelism)
         run = run_request(lengths, padding, run_steps, run_seed)
         est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
                            optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
                            model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
                            stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
                            tf32=tf32, region=region, run=run,
-                           lora=lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype)
+                           lora=lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype) | fw
                            | loop_fields(loop, load))
         steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
                         inputs=inputs, loss=loss, run=run)

@@ -168,9 +168,10 @@ def _config_text(row: Any, shown: set[str]) -> str:
     parts = [f"{_int(row['batch_size'])}x{_int(row['grad_accum'])}x{_int(gpus)}"]
     if "seq_len" in shown:
         parts.append(f"s{_int(row['seq_len'])}")
-    for dim in ("precision", "parallelism", "attention", "optimizer", "optimizer_impl"):
+    for dim in ("precision", "parallelism", "attention", "optimizer", "optimizer_impl", "framework"):
         if dim in shown:
-            parts.append(str(row[dim]))
+            value = row.get(dim)
+            parts.append(value if isinstance(value, str) else "pytorch")  # NaN: a plain-PyTorch trial
     if "checkpointing" in shown:
         parts.append("ckpt" if row["checkpointing"] else "no-ckpt")
     if "lora_r" in shown:
@@ -183,6 +184,13 @@ def _config_text(row: Any, shown: set[str]) -> str:
             value = row.get(dim)
             parts.append(value if isinstance(value, str) else default)
     return " ".join(parts)
+
+
+def _fixed_text(value: Any) -> str:
+    """A fixed value as the user gave it: a ds_config by its file (or stage), not its every field."""
+    if isinstance(value, dict) and "reduce_bucket_size" in value:
+        return value.get("source") or f"ds_config stage {value.get('stage')}"
+    return str(value)
 
 
 def _instance_text(row: Any) -> str:
@@ -242,7 +250,7 @@ def print_result(result: SearchResult, top: int) -> None:
     shown = set(run.space.searched())
     fixed = {k: v for k, v in run.space.constants().items() if k not in shown and k != "instance"}
     if fixed:
-        console.print("fixed: " + ", ".join(f"{k}={v}" for k, v in fixed.items()), highlight=False)
+        console.print("fixed: " + ", ".join(f"{k}={_fixed_text(v)}" for k, v in fixed.items()), highlight=False)
     if run.space.dropped:
         from planner.search.space import dropped_reason
 
@@ -263,7 +271,8 @@ def print_result(result: SearchResult, top: int) -> None:
             f"[bold]best:[/] {_instance_text(b)}, micro-batch {_int(b['batch_size'])} x accumulation "
             f"{_int(b['grad_accum'])} x {_int(b['world_size'])} GPUs = global batch {_int(b['global_batch_size'])}, "
             f"seq {_int(b['seq_len'])}, {b['precision']}, {'checkpointing' if b['checkpointing'] else 'no checkpointing'}, "
-            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}", highlight=False)
+            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}"
+            + (f", {b['framework']}" if isinstance(b.get("framework"), str) else ""), highlight=False)
         console.print(
             f"      {_num(b['samples_per_s'], ',.1f')} samples/s; {_num(b[time_col])} h and "
             f"{_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per million samples'} at "
@@ -492,6 +501,9 @@ def register(app: typer.Typer) -> None:
             "--loop", help="Training loop(s): plain (default), hf-trainer, accelerate, lightning, loss-only.")] = None,
         load: Annotated[str | None, typer.Option(
             "--load", help="direct (default) or cast (built in fp32, then cast), or both: direct,cast.")] = None,
+        frameworks: Annotated[str | None, typer.Option(
+            help="pytorch (default), torchtitan, megatron, deepspeed, accelerate, lightning: whose layouts "
+                 "apply.")] = None,
         results_dir: Annotated[Path, typer.Option(help="Where results/<study>/ goes.")] = Path("results"),
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
@@ -519,7 +531,7 @@ def register(app: typer.Typer) -> None:
             space={"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
                    "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
                    "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms,
-                   "loops": loop, "loads": load},
+                   "frameworks": frameworks, "loops": loop, "loads": load},
             constraints={"max_memory_fraction": max_memory_fraction, "global_batch_size": global_batch_size,
                          "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len,
                          "accept_tight": accept_tight},

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from planner import parallel as strategies
 from planner.errors import PlannerError
 from planner.memory import batch as batch_mem
+from planner.parallel.frameworks import check as check_framework
 from planner.spec import Instance, ModelSpec, TrainConfig
 
 ZERO_STAGE = {name: s.sharding.zero_stage for name, s in strategies.STRATEGIES.items()}
@@ -27,6 +28,7 @@ def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
                            "use ddp, zero1-3 or fsdp with --instances > 1")
     if s.uses_one_gpu and config.instances > 1:
         raise PlannerError("--parallelism", p, "single uses one GPU; use ddp, zero1-3 or fsdp with --instances > 1")
+    check_framework(config.framework, p)
     return config.model_copy(update={"parallelism": p})
 
 

@@ -28,9 +28,11 @@ def _fsdp_units(n_tensors: int, layers: int | None) -> int:
 
 
 _ALLREDUCE = Collective("ddp.allreduce", "allreduce", per_micro_step=False, launches="buckets")
-_ZERO_ALLGATHER = Collective("zero.all_gather", "all_gather", per_micro_step=False, launches="one")
-_FSDP = (Collective("fsdp.all_gather.forward", "fsdp_all_gather", per_micro_step=True, launches="units"),
-         Collective("fsdp.all_gather.backward", "fsdp_all_gather_backward", per_micro_step=True, launches="units"),
+_ZERO_ALLGATHER = Collective("zero.all_gather", "all_gather", per_micro_step=False, launches="one", payload="params")
+_FSDP = (Collective("fsdp.all_gather.forward", "fsdp_all_gather", per_micro_step=True, launches="units",
+                    payload="params"),
+         Collective("fsdp.all_gather.backward", "fsdp_all_gather_backward", per_micro_step=True, launches="units",
+                    payload="params"),
          Collective("fsdp.reduce_scatter", "fsdp_reduce_scatter", per_micro_step=True, launches="units"))
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
@@ -57,7 +59,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero3", "ZeRO-3", Sharding(True, True, True), loop_zero_grad=False, rank=4, communication=_FSDP,
              units=_zero3_units, notes="Every model state sharded; parameters all-gathered per module."),
     Strategy("fsdp", "FSDP FULL_SHARD", Sharding(True, True, True), loop_zero_grad=False, rank=4,
-             communication=_FSDP, units=_fsdp_units,
+             communication=_FSDP, units=_fsdp_units, fsdp=True,
              notes="PyTorch FSDP FULL_SHARD: ZeRO-3 semantics, one flat all-gather per wrapped unit."),
 )}
 

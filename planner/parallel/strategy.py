@@ -39,7 +39,8 @@ class Sharding:
 # How many NCCL calls a collective is issued as, and how many bytes it moves: names the speed model resolves
 # (planner.perf.kernels.comm_kernels) against the step's gradient bytes, bucket cap and wrapped units.
 Launches = Literal["buckets", "units", "dp_chunks", "one", "none"]
-Payload = Literal["grads", "flatten", "dp_io", "none"]
+# "params": the parameters all-gathered (ZeRO/FSDP), in the framework's gather dtype, frozen ones included
+Payload = Literal["grads", "params", "flatten", "dp_io", "none"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class Strategy:
     # (parameter tensors, transformer layers or None)
     units: Callable[[int, int | None], int] = _one_unit
     rank: int = 0  # simplicity: lower is simpler to run; a search prefers it among equals
+    # PyTorch's FSDP wrapper: which one (FSDP1/FSDP2) and its mixed precision are the framework's
+    # (planner.parallel.frameworks)
+    fsdp: bool = False
     notes: str = ""
 
     @property

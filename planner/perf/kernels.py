@@ -552,7 +552,8 @@ DP_COALESCE_BYTES = 10485760
 
 
 def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
-                          bucket_cap_mb: float, units: int = 1, dp_io_bytes: int = 0) -> tuple[Kernel, ...]:
+                          bucket_cap_mb: float, units: int = 1, dp_io_bytes: int = 0,
+                          param_bytes: int | None = None) -> tuple[Kernel, ...]:
     """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
     bytes each GPU sends (`bytes_read`) per occurrence, `count` occurrences per optimizer step and `launches`
     NCCL calls per occurrence (each pays NCCL's latency: planner.perf.collectives.nccl_latency_s).
@@ -583,7 +584,10 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
         return ()
     calls = {"buckets": max(1, math.ceil(grad_bytes / (bucket_cap_mb * 2**20))), "units": max(1, units),
              "dp_chunks": max(1, math.ceil(grad_bytes / DP_COALESCE_BYTES)), "one": 1, "none": 0}
-    payload = {"grads": grad_bytes, "flatten": 2 * grad_bytes, "dp_io": dp_io_bytes, "none": 0}
+    # `param_bytes`: what the all-gathers move (the framework's gather dtype, frozen parameters included);
+    # None: as many bytes as the gradients (every parameter trains, gathered in its own dtype)
+    params = grad_bytes if param_bytes is None else param_bytes
+    payload = {"grads": grad_bytes, "params": params, "flatten": 2 * grad_bytes, "dp_io": dp_io_bytes, "none": 0}
     return tuple(Kernel(c.name, "communication", 0, payload[c.payload], payload[c.payload], F32, "step",
                         count=grad_accum if c.per_micro_step else 1, launches=calls[c.launches],
                         collective=c.collective)

@@ -251,6 +251,7 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
         c = c.model_copy(update={"allow_tf32": True})
     table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention)
     n_params, n_tensors = parameter_counts(model)
+    gather_params = n_params  # ZeRO-3/FSDP gather every parameter, frozen ones too
     if config.lora:  # only the adapters have gradients to reduce and an optimizer step
         from planner.adapters.lora import plan
 
@@ -260,12 +261,13 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     one_process = strategy_of(resolve_parallelism(config, instance)).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
-                            c, layers=layers, dp_io_bytes=io)
+                            c, layers=layers, dp_io_bytes=io, gather_params=gather_params)
 
 
 def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int, config: TrainConfig,
                      instance: Instance, constants: ThroughputConstants | None = None, *,
-                     layers: int | None = None, dp_io_bytes: int = 0) -> Throughput:
+                     layers: int | None = None, dp_io_bytes: int = 0, gather_params: int | None = None
+                     ) -> Throughput:
     """`predict_throughput` from a micro-step's kernel table, whoever built it (the analytic kernel list, or
     a traced model's own ops: planner.program.speed), the parameter and parameter-tensor counts and the
     tokens per sample. `layers` (FSDP's wrapped units; None: guessed from the tensors) and `dp_io_bytes`
@@ -295,10 +297,20 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
                          host_seconds(m.launches - m.backward_launches, c.cpu_dispatch_s, instance), p)
 
     sharded = strategy.shards
-    grad_bytes = n_params * PARAM_BYTES[config.precision]
+    # bytes each collective moves per parameter: the framework's reduce and gather dtypes
+    # (planner.memory.framework_layout: 16-bit gathers under an FSDP policy, DeepSpeed or Megatron)
+    from planner.memory.framework_layout import layout as state_layout
+
+    lay = state_layout(config.model_copy(update={"parallelism": parallelism}))
+    # ZeRO-3/FSDP gather every parameter (frozen ones too); ZeRO-1/2 gather only what the optimizer updated
+    gathered = gather_params if gather_params is not None and strategy.sharding.parameters else n_params
+    reduced = gathered if (lay.frozen_grads and sharded) else n_params  # FSDP1 flat gradients cover frozen ones
+    grad_bytes = reduced * lay.reduce_comm_bytes
+    param_bytes = gathered * lay.gather_comm_bytes
     comm_total, exposed = _communication_times(
         (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
-         shard_units(parallelism, n_tensors, layers), dp_io_bytes), backward, forward, instance, n_inst, c)
+         shard_units(parallelism, n_tensors, layers), dp_io_bytes,
+         None if param_bytes == grad_bytes else param_bytes), backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors

@@ -12,7 +12,7 @@ from typing import Any
 from planner import caches
 from planner.identity_cache import per_object
 from planner.memory import batch as batch_mem
-from planner.memory import model_states, optimizer, parallel, timeline
+from planner.memory import framework_layout, model_states, optimizer, parallel, timeline
 from planner.memory import stack as sw
 from planner.parallel import get as strategy_of
 from planner.pipeline.resolve import (
@@ -118,18 +118,19 @@ _BLOCKS: dict[tuple, tuple] = caches.table("planner.pipeline.step._BLOCKS", scop
 
 
 def _block_memory(model: ModelSpec, activations: tuple, config: TrainConfig,
-                  share: parallel.Sharding) -> tuple[timeline.BlockMemory, ...]:
+                  share: parallel.Sharding, lay: framework_layout.StateLayout | None = None
+                  ) -> tuple[timeline.BlockMemory, ...]:
     """Each block (and the final "loss" entry of `activations`) as resident on this GPU; cached per model,
     activation records (one object per shape, `_activations`), dtypes and sharding: a search meets one shape
     on many instance types and counts."""
-    p_bytes = model_states.parameter_dtype_bytes(config.precision)
-    g_bytes = model_states.gradient_dtype_bytes(config.precision)
+    lay = lay or framework_layout.layout(config)
+    p_bytes, g_bytes = lay.param_bytes, lay.grad_bytes
     lora = _lora_key(config)
-    key = (id(model), id(activations), p_bytes, g_bytes, share, lora)
+    key = (id(model), id(activations), p_bytes, g_bytes, share, lora, lay)
     hit = _BLOCKS.get(key)
     if hit is not None and hit[0] is model and hit[1] is activations:
         return hit[2]
-    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share, _lora_bytes(model, config))
+    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share, _lora_bytes(model, config), lay)
     if len(_BLOCKS) >= ACTIVATION_CACHE_SIZE:
         _BLOCKS.clear()
     _BLOCKS[key] = (model, activations, blocks)
@@ -141,27 +142,32 @@ def _lora_key(config: TrainConfig) -> tuple | None:
     return (config.lora_r, config.lora_targets, config.base_dtype) if config.lora else None
 
 
-def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, int]] | None:
-    """Block -> (parameter bytes, gradient bytes) of a LoRA run (planner.adapters.lora); None without one."""
+def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, int, int, int]] | None:
+    """Block -> (parameter bytes, gradient bytes, parameters, trainable parameters) of a LoRA run
+    (planner.adapters.lora); None without one."""
     if not config.lora:
         return None
     from planner.adapters.lora import plan
 
-    return {name: (b.param_bytes, b.grad_bytes) for name, b in plan(model, config).blocks.items()}
+    return {name: (b.param_bytes, b.grad_bytes, b.trainable + b.frozen, b.trainable)
+            for name, b in plan(model, config).blocks.items()}
 
 
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
-                     share: parallel.Sharding, lora: dict[str, tuple[int, int]] | None = None
-                     ) -> tuple[timeline.BlockMemory, ...]:
+                     share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
+                     lay: framework_layout.StateLayout | None = None) -> tuple[timeline.BlockMemory, ...]:
     facts = _model_facts(model)
     out = []
     for act in activations:  # every block in forward order, then "loss"
-        full_p = facts.by_block.get(act.block, 0) * p_bytes
-        full_g = facts.gradients_by_block.get(act.block, 0) * g_bytes
+        n_params = facts.by_block.get(act.block, 0)
+        n_trained = facts.gradients_by_block.get(act.block, 0)
+        full_p, full_g = n_params * p_bytes, n_trained * g_bytes
         if lora is not None:
-            full_p, full_g = lora.get(act.block, (0, 0))
-        resident_p, resident_g, gathered, transient_g = share.block_bytes(full_p, full_g)
+            full_p, full_g, n_params, n_trained = lora.get(act.block, (0, 0, 0, 0))
+        laid = lay.block_bytes(share.parameters, share.gradients, n_params, full_p, n_trained, full_g) if lay else None
+        resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
         saved_casts = 0 if act.checkpointed else act.weight_cast_bytes
+        cache = max(act.autocast_cache_bytes - saved_casts, 0) if lay is None or lay.autocast_cache else 0
         out.append(timeline.BlockMemory(
             name=act.block,
             param_bytes=resident_p,
@@ -173,7 +179,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             forward_transient_bytes=act.forward_transient_bytes,
             backward_transient_bytes=act.backward_transient_bytes,
             checkpointed=act.checkpointed,
-            forward_cache_bytes=max(act.autocast_cache_bytes - saved_casts, 0),
+            forward_cache_bytes=cache,
             retained_bytes=act.retained_output_bytes,
         ))
     return tuple(out)
@@ -214,6 +220,13 @@ def _loop_fields(cfg: TrainConfig) -> dict[str, Any]:
         stored = model_states.parameter_dtype_bytes(cfg.precision)
     return {"outputs_die": rule.outputs_die, "grads_die": rule.grads_die,
             "build_ratio": loops.build_ratio(cfg.load, stored)}
+def _optimizer_config(cfg: TrainConfig, lay: framework_layout.StateLayout) -> TrainConfig:
+    """Megatron and DeepSpeed step Adam with fused multi-tensor kernels whatever the loop would pick
+    (megatron/core/optimizer/__init__.py imports Transformer Engine's / apex's FusedAdam; deepspeed/runtime/
+    engine.py _configure_basic_optimizer builds FusedAdam for Adam/AdamW without CPU offload)."""
+    if lay.kind in ("megatron", "deepspeed") and cfg.optimizer in ("adam", "adamw"):
+        return cfg.model_copy(update={"optimizer_impl": "fused"})
+    return cfg
 
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
@@ -227,10 +240,14 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     facts = _model_facts(spec)
     counts = dict(facts.counts)
     total_params = counts["total"]
-    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
+    lay = framework_layout.layout(cfg)
+    p_bytes = lay.state_param_bytes
 
-    activations = _activations(spec, cfg, backend, inst.gpu.flash_attention)
-    block_mem = _block_memory(spec, activations, cfg, share)
+    # a 16-bit model without autocast (FSDP's policy, Megatron, DeepSpeed) saves what pure 16-bit training does
+    act_cfg = cfg if lay.activation_precision == cfg.precision else cfg.model_copy(
+        update={"precision": lay.activation_precision})
+    activations = _activations(spec, act_cfg, backend, inst.gpu.flash_attention)
+    block_mem = _block_memory(spec, activations, cfg, share, lay)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
     # optimizers keep states only for tensors with a .grad (facts.gradient_shapes)
@@ -242,19 +259,25 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         full_grad_bytes = lora.trainable * ADAPTER_BYTES
         states = optimizer.optimizer_state_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
         opt_temp = optimizer.optimizer_temporary_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
+        trained = lora.trainable
     else:
-        states, opt_temp = _optimizer_bytes(facts, cfg, p_bytes, share.optimizer_states)
+        states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
+        trained = sum(facts.gradients_by_block.values()) or total_params
+    # Megatron / DeepSpeed: fp32 master weights beside the states, DeepSpeed's fp32 gradient partition at the step
+    states += int(trained * lay.master_bytes * share.optimizer_states)
+    opt_temp += int(trained * lay.step_grad_bytes * share.optimizer_states)
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
         module_buffer_bytes=facts.buffer_bytes,
-        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, full_grad_bytes),
+        ddp_bucket_bytes=lay.bucket_bytes() if lay.replace_ddp_buckets else parallel.ddp_bucket_bytes(
+            cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
         optimizer_temporary_bytes=opt_temp,
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
-                                                                           cfg.optimizer_impl),
+        grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
+            view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
         **_loop_fields(cfg),
     )
@@ -283,14 +306,15 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     full = trace(False)
     kept = trace(True) if cfg.checkpointing else full
     kept_by = {b.name: b.saved_bytes + b.retained_bytes for b in kept.blocks}
-    p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
-    g_bytes = model_states.gradient_dtype_bytes(cfg.precision)
+    lay = framework_layout.layout(cfg)  # the framework's dtypes (the trace itself runs as --precision says)
+    p_bytes, g_bytes = lay.param_bytes, lay.grad_bytes
     blocks = []
     for b in full.blocks:
         # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
         trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
         full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
-        resident_p, resident_g, gathered, transient_g = share.block_bytes(full_p, full_g)
+        laid = lay.block_bytes(share.parameters, share.gradients, b.parameters, full_p, trained, full_g)
+        resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
             name=b.name, param_bytes=resident_p, grad_bytes=resident_g,
@@ -300,7 +324,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
             retained_bytes=b.retained_bytes))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
-    opt_bytes = 4 if full.block_trainable else p_bytes  # adapters are fp32 whatever the precision
+    opt_bytes = 4 if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
     if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
@@ -308,15 +332,17 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
-        ddp_bucket_bytes=parallel.ddp_bucket_bytes(cfg, model_states.gradient_bytes(full.parameters.get(
-            "trainable", total), cfg)),
+        ddp_bucket_bytes=lay.bucket_bytes() if lay.replace_ddp_buckets else parallel.ddp_bucket_bytes(
+            cfg, model_states.gradient_bytes(full.parameters.get("trainable", total), cfg)),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=full.batch_bytes,
-        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states),
-        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, cfg, opt_bytes,
-                                                                      share.optimizer_states),
-        grads_resident=cfg.grad_accum > 1 or sw.zero_grad_keeps_gradients(view.stack, cfg.parallelism,
-                                                                           cfg.optimizer_impl),
+        optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states)
+        + int(full.parameters.get("trainable", total) * lay.master_bytes * share.optimizer_states),
+        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes,
+                                                                      share.optimizer_states)
+        + int(full.parameters.get("trainable", total) * lay.step_grad_bytes * share.optimizer_states),
+        grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
+            view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
         **_loop_fields(cfg),
     )
@@ -337,9 +363,13 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
 def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     """Notes on the configuration (spec None: a traced model, no model-specific notes)."""
     notes = []
-    if strategy_of(cfg.parallelism).ddp_buckets and not cfg.gradient_as_bucket_view:
+    lay = framework_layout.layout(cfg)
+    if strategy_of(cfg.parallelism).ddp_buckets and not cfg.gradient_as_bucket_view and not lay.replace_ddp_buckets:
         notes.append("DDP keeps gradient buckets as large as the gradients; gradient_as_bucket_view=True "
                      "would save them")
+    layout_line = framework_layout.describe(lay)
+    if layout_line and (cfg.framework != "pytorch" or strategy_of(cfg.parallelism).sharding.parameters):
+        notes.append(layout_line)
     if strategy_of(cfg.parallelism).one_process:
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")

@@ -25,10 +25,12 @@ from planner.errors import PlannerError
 from planner.parallel import is_default
 from planner.spec import (
     ATTENTIONS,
+    FRAMEWORKS,
     OPTIMIZERS,
     PARALLELISMS,
     PRECISIONS,
     Attention,
+    Framework,
     Instance,
     OptimizerImpl,
     OptimizerName,
@@ -40,6 +42,7 @@ from planner.spec import (
 PUBLIC_DIR_ENV = "PLANNER_PUBLIC_DIR"  # override where results/public/ is read from
 MEMORY_FILE = "memory/runs.csv"
 THROUGHPUT_FILE = "throughput/runs.csv"
+SHARDED_FILE = "sharded/runs.csv"
 SOURCES_FILE = "sources.csv"
 MIB = 1 << 20
 # A published training speed above this is a typo, not a measurement (samples/s of one run, all GPUs).
@@ -150,6 +153,27 @@ class ThroughputRun(PublicRun):
     @property
     def samples_per_s_per_gpu(self) -> float:
         return self.samples_per_s / self.gpus
+
+
+class ShardedRun(MemoryRun):
+    """A published FSDP / ZeRO run (`sharded/runs.csv`): a memory row plus whose framework ran it and its LoRA
+    adapters, if any. `seq_len_kind` "max": samples were padded to their longest, so `seq_len` is an upper
+    bound (a fit predicted there holds at any shorter length; an OOM predicted there may not)."""
+
+    framework: Framework = "pytorch"
+    seq_len_kind: Literal["fixed", "max"] = "fixed"
+    lora_r: int | None = Field(None, ge=1)
+    lora_alpha: float | None = None
+    lora_targets: str = ""  # "q_proj,v_proj"
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+
+    def train_config(self) -> TrainConfig:
+        base = super().train_config()
+        extra: dict[str, Any] = {"framework": self.framework}
+        if self.lora_r is not None:
+            extra |= {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                      "lora_targets": tuple(t for t in self.lora_targets.split(",") if t)}
+        return base.model_copy(update=extra)
 
 
 # ---- the GPU a row ran on --------------------------------------------------------------------------
@@ -270,6 +294,19 @@ def load_public_memory(root: Path | None = None) -> list[MemoryRun]:
                                "given together with peak_mib, and only then")
         if row.peak_mib is not None and not math.isfinite(row.peak_mib):
             raise PlannerError(f"{MEMORY_FILE} row {row.id} peak_mib", row.peak_mib, "a finite number of MiB")
+    return rows
+
+
+def load_public_sharded(root: Path | None = None) -> list[ShardedRun]:
+    """Validated rows of `results/public/sharded/runs.csv` (FSDP / ZeRO runs, LoRA ones included)."""
+    base = root or public_dir()
+    rows = _parse(ShardedRun, base / SHARDED_FILE)
+    _check(rows, base, SHARDED_FILE)
+    for row in rows:
+        if (row.peak_mib is None) != (row.peak_kind is None):
+            raise PlannerError(f"{SHARDED_FILE} row {row.id} peak_kind", row.peak_kind,
+                               "given together with peak_mib, and only then")
+        assert row.framework in FRAMEWORKS
     return rows
 
 

@@ -67,6 +67,8 @@ def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
                 "lora_targets": targets if isinstance(targets, str) else ",".join(targets)}
     if config.get("loop", "plain") != "plain" or config.get("load", "direct") != "direct":  # a loop/load study
         row |= {"loop": config.get("loop", "plain"), "load": config.get("load", "direct")}
+    if config.get("framework", "pytorch") != "pytorch":  # whose layouts the trial's estimate used
+        row["framework"] = config["framework"]
     row["world_size"] = config.get("world_size")
     row["verdict"] = mem.get("verdict")
     row["peak_device_gib"] = mem["peak_device"] / GIB if "peak_device" in mem else math.nan

@@ -24,12 +24,14 @@ from planner.memory.loops import DEFAULT_LOOP, LOAD_NAMES, LOOP_NAMES
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
+    FRAMEWORKS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PARALLELISMS,
     PRECISIONS,
     Attention,
     BaseDtype,
+    Framework,
     Instance,
     Load,
     Loop,
@@ -63,6 +65,8 @@ DIMENSIONS: dict[str, str] = {
     # the training loop and load path (planner.memory.loops): the user's, one value unless a sweep lists several
     "loop": "loops",
     "load": "loads",
+    # whose layouts apply (planner.parallel.frameworks); a strategy a framework lacks is an infeasible point
+    "framework": "frameworks",
 }
 # Flag of each SpaceSpec field, so an error names what the user typed.
 FLAGS: dict[str, str] = {field: "--" + field.replace("_", "-") for field in DIMENSIONS.values()}
@@ -90,18 +94,20 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "base_dtypes": ("auto",),
     "loops": (DEFAULT_LOOP,),
     "loads": ("direct",),
+    "frameworks": ("pytorch",),
 }
 # The LoRA dimensions' values when a sweep asks for no adapters (TrainConfig's defaults).
 LORA_UNSET: dict[str, Any] = {"lora_r": None, "lora_targets": "", "base_dtype": "auto"}
 # Dimensions not reported as constants at these values: no adapters, and the default loop and load.
-QUIET_DEFAULTS: dict[str, Any] = {**LORA_UNSET, "loop": DEFAULT_LOOP, "load": "direct"}
+QUIET_DEFAULTS: dict[str, Any] = {**LORA_UNSET, "framework": "pytorch", "loop": DEFAULT_LOOP, "load": "direct"}
 # Numeric dimensions, sampled as an index into their sorted values (see SearchSpace.parameters).
 ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum")
 INDEX_SUFFIX = "_index"
 # TrainConfig fields a sweep may fix besides the dimensions (e.g. gradient_as_bucket_view: true).
 FIXABLE: tuple[str, ...] = tuple(f for f in TrainConfig.model_fields if f not in DIMENSIONS)
 # `fixed.instances` (and `--instances N`) stays accepted: it fixes the instance-count dimension.
-FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype", "loop", "load")
+FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype", "framework", "loop",
+                                     "load")
 
 
 def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -130,6 +136,7 @@ class SpaceSpec(BaseModel):
     base_dtypes: tuple[BaseDtype, ...] | None = None
     loops: tuple[Loop, ...] | None = None
     loads: tuple[Load, ...] | None = None
+    frameworks: tuple[Framework, ...] | None = None
 
     @field_validator("*")
     @classmethod
@@ -180,6 +187,7 @@ class SearchSpace(BaseModel):
     base_dtypes: tuple[BaseDtype, ...] = ("auto",)
     loops: tuple[Loop, ...] = (DEFAULT_LOOP,)
     loads: tuple[Load, ...] = ("direct",)
+    frameworks: tuple[Framework, ...] = ("pytorch",)
     global_batch_size: PositiveInt | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields
     dropped: dict[str, tuple[Any, ...]] = Field(default_factory=dict)  # defaults left out, per field
@@ -267,8 +275,8 @@ class SearchSpace(BaseModel):
 
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
-             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "loops": LOOP_NAMES,
-             "loads": LOAD_NAMES}
+             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "frameworks": FRAMEWORKS,
+             "loops": LOOP_NAMES, "loads": LOAD_NAMES}
     return table[name]
 
 

@@ -11,7 +11,8 @@ recipe:                             # the training job: what the user cannot tra
   dataset_size: 1000000             # samples per epoch
   epochs: 3
 stack: {torch: "2.8", alloc_conf: "expandable_segments:True"}   # passed to every estimate (optional)
-fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant
+fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant; {framework: deepspeed,
+                                         # ds_config: ds.json} reads a DeepSpeed config next to the file
 space: {batch_sizes: [8, 16, 32], precisions: [amp-fp16], instance_counts: [1, 2, 4]}  # left out = default
 constraints: {max_memory_fraction: 0.95, accept_tight: false}
 objective: {target: cost, spot: false}     # cost ($/job), time (hours/job), throughput, pareto
@@ -276,6 +277,17 @@ def load_sweep(path: str | Path) -> Sweep:
     if isinstance(data, dict):
         data = {**data, **{k: _relative_to(path, data[k]) for k in ("model", "inputs", "loss")
                            if isinstance(data.get(k), str)}}
+    if isinstance(data, dict) and isinstance(data.get("fixed"), dict) and isinstance(data["fixed"].get("ds_config"),
+                                                                                      str):
+        # fixed: {ds_config: ds.json}, next to the sweep
+        from planner.parallel.ds_config import read_ds_config
+
+        fixed = dict(data["fixed"])
+        ds_path = fixed.pop("ds_config")
+        if not Path(ds_path).exists() and (path.parent / ds_path).exists():
+            ds_path = str(path.parent / ds_path)
+        fixed["deepspeed"] = read_ds_config(ds_path, f"{path}: fixed.ds_config").model_dump()
+        data = {**data, "fixed": fixed}
     sweep = parse_sweep(data, str(path))
     if "name" not in data:  # a file's stem names its study
         sweep = sweep.model_copy(update={"name": path.stem})

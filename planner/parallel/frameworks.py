@@ -1,0 +1,204 @@
+"""The training frameworks, one record each: whose layouts and defaults apply to a parallelism strategy.
+
+The planner's strategies (planner.parallel.registry) say WHAT is sharded; a framework says HOW its code does
+it: how `--precision amp-*` is applied (op-level autocast, or FSDP's module-level mixed-precision policy, or a
+16-bit model with fp32 master weights in the optimizer), which FSDP (FSDP1 `FullyShardedDataParallel` or FSDP2
+`fully_shard`) and with which options, which strategies it offers at all. Memory
+(planner.memory.framework_layout), speed and the explanation read these records, never a framework's name.
+
+Every field cites the source line it follows (`sources`). Adding a framework: one record here and its name in
+spec.Framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from planner.errors import PlannerError
+
+# How --precision amp-* is applied under a sharded-parameter strategy (fsdp):
+# - "autocast": torch.autocast around a loop; FSDP gathers the parameters in their own dtype (fp32).
+# - "policy": FSDP's mixed-precision policy; units are all-gathered in `param_dtype` (16-bit), no autocast.
+# - "policy-fp32": Lightning's "bf16-mixed"/"16-mixed": a policy with param_dtype fp32, 16-bit reduce, and
+#   autocast around the forward.
+FsdpPrecision = Literal["autocast", "policy", "policy-fp32"]
+# How a framework holds model states outside FSDP:
+# - "autocast": fp32 parameters and gradients, torch.autocast casts (a plain loop, Accelerate, Lightning).
+# - "megatron": bf16/fp16 parameters, fp32 main gradients, fp32 master weights in the optimizer.
+# - "deepspeed": DeepSpeed's fp16/bf16 engine: 16-bit parameters and gradients, fp32 master partition.
+Engine = Literal["autocast", "megatron", "deepspeed"]
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One framework and the traits the planner reads from it (module docstring)."""
+
+    name: str
+    label: str
+    # planner strategy -> what this framework runs for it; a strategy not listed is refused (exit 2)
+    strategies: Mapping[str, str]
+    engine: Engine = "autocast"
+    fsdp: Literal["fsdp1", "fsdp2"] | None = None  # which FSDP runs `--parallelism fsdp`
+    fsdp_precision: FsdpPrecision = "autocast"
+    reduce_fp32: bool = False  # gradients reduce-scattered in fp32 (a policy's reduce_dtype=float32)
+    # FSDP1 `use_orig_params=True`: frozen and trainable parameters share one FlatParameter per unit, and the
+    # flat gradient covers the frozen ones too. FSDP2 shards and grads per parameter.
+    flat_params: bool = False
+    reshard_after_forward: bool = True  # FULL_SHARD / fully_shard default
+    units_in_flight: int = 2  # unsharded units at once: the one computing + the one prefetched
+    # DeepSpeed strategies run through a framework's DeepSpeed integration (Accelerate, Lightning)
+    deepspeed_strategies: tuple[str, ...] = ()
+    loss: str = "cross-entropy on the model's logits, upcast to fp32 (transformers' ForCausalLMLoss)"
+    sources: tuple[str, ...] = field(default_factory=tuple)
+    notes: str = ""
+
+    def runs(self, strategy: str) -> str | None:
+        """What this framework runs for a planner strategy, or None if it has no such strategy."""
+        return self.strategies.get(strategy)
+
+    def engine_for(self, strategy: str) -> Engine:
+        """The engine holding model states under `strategy` (DeepSpeed's for the strategies a framework hands
+        to its DeepSpeed integration)."""
+        return "deepspeed" if strategy in self.deepspeed_strategies else self.engine
+
+
+_FSDP2_SOURCES = (
+    "pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fsdp_api.py MixedPrecisionPolicy: 'Unlike autocast, this "
+    "applies mixed precision at the module level ... low-precision activations are saved for backward'; "
+    "param_dtype casts the sharded parameter before the all-gather, reduce_dtype the gradients before the "
+    "reduce-scatter",
+    "pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fully_shard.py fully_shard(reshard_after_forward=True): "
+    "parameters freed after forward and all-gathered again in backward; the next unit's all-gather is "
+    "issued while the current one computes (implicit prefetching, one unit ahead)",
+    "pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce: unsharded "
+    "gradients copied into a reduce-scatter input of reduce_dtype, then freed",
+)
+_AUTOCAST_CACHE = ("pytorch/pytorch aten/src/ATen/autocast_mode.cpp cached_cast: a cast is cached when the "
+                   "argument is a leaf that requires grad; the cache is cleared when the outermost autocast exits")
+_FSDP1_FLAT = ("pytorch/pytorch torch/distributed/fsdp/fully_sharded_data_parallel.py (use_orig_params docstring): "
+               "'FSDP supports mixing frozen and non-frozen, but we recommend not doing so since then the gradient "
+               "memory usage will be higher than expected (namely, equivalent to not freezing those parameters)'")
+
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
+    Framework(
+        "pytorch", "a plain PyTorch loop",
+        strategies={"single": "one GPU", "dp": "nn.DataParallel", "ddp": "DistributedDataParallel",
+                    "zero1": "ZeroRedundancyOptimizer over DDP", "zero2": "ZeRO-2 (the planner's generic rule)",
+                    "zero3": "ZeRO-3 (the planner's generic rule)",
+                    "fsdp": "FSDP2 fully_shard, with torch.autocast around the step"},
+        fsdp="fsdp2", fsdp_precision="autocast",
+        sources=(*_FSDP2_SOURCES, _AUTOCAST_CACHE,
+                 "pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam.to_unsharded: the "
+                 "unsharded parameter is registered as an nn.Parameter (a leaf): autocast caches its cast"),
+        notes="fp32 parameters; autocast casts each weight to 16 bits at its first use and caches the cast until "
+              "the forward ends. Under FSDP the unsharded parameters are leaves, so the cache keeps a 16-bit "
+              "copy of every unit the forward has run (a 16-bit copy of the whole model at its end)."),
+    Framework(
+        "torchtitan", "torchtitan",
+        strategies={"single": "one GPU, torch.autocast", "ddp": "replicate (DDP), torch.autocast",
+                    "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)"},
+        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True,
+        sources=(*_FSDP2_SOURCES,
+                 "pytorch/torchtitan torchtitan/config/job_config.py Training.mixed_precision_param = 'bfloat16', "
+                 "mixed_precision_reduce = 'float32' (@6404b932): applied 'via fully_shard when "
+                 "data_parallel_shard_degree > 1', via torch.autocast under DDP or one device",
+                 "pytorch/torchtitan torchtitan/distributed/utils.py maybe_enable_amp: 'FSDP handles mixed "
+                 "precision internally' (nullcontext) else torch.autocast"),
+        notes="FSDP2 with a mixed-precision policy: fp32 sharded parameters, each unit all-gathered in bf16 "
+              "while it computes (and the next one prefetched), gradients reduce-scattered in fp32."),
+    Framework(
+        "megatron", "Megatron-LM (Megatron Core)",
+        strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
+                    "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
+        engine="megatron",
+        loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
+        sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
+                 "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
+                 "(param 2 + grad 4 + fp32 master 4 + Adam 4 + 4)",
+                 "NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel.py: a contiguous main-grad "
+                 "buffer allocated when the model is wrapped (grad_reduce_in_fp32 -> fp32), kept for the run",
+                 "NVIDIA/Megatron-LM megatron/core/transformer/module.py Float16Module: the model's parameters "
+                 "converted to bf16/fp16, no autocast"),
+        notes="bf16 parameters (2 B), fp32 main gradients (4 B) in a buffer that lives for the run, fp32 master "
+              "weights and Adam states (12 B) in the optimizer: 18 B per parameter, 6 + 12/DP with the "
+              "distributed optimizer. No FSDP1/FSDP2 (Megatron's own FSDP is not modelled)."),
+    Framework(
+        "deepspeed", "DeepSpeed",
+        strategies={"single": "DeepSpeed engine, ZeRO stage 0", "ddp": "DeepSpeed engine, ZeRO stage 0",
+                    "zero1": "ZeRO stage 1", "zero2": "ZeRO stage 2", "zero3": "ZeRO stage 3"},
+        engine="deepspeed", deepspeed_strategies=("single", "ddp", "zero1", "zero2", "zero3"),
+        sources=("microsoft/DeepSpeed deepspeed/runtime/zero/config.py DeepSpeedZeroConfig defaults: "
+                 "reduce_bucket_size 5e8, allgather_bucket_size 5e8, stage3_prefetch_bucket_size 5e7, "
+                 "stage3_param_persistence_threshold 1e5, stage3_max_live_parameters 1e9, contiguous_gradients "
+                 "True",
+                 "microsoft/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py: 16-bit model, fp32 partition of "
+                 "the master weights (single_partition_of_fp32_groups), ipg_buffer of reduce_bucket_size "
+                 "elements (two with overlap_comm) when contiguous_gradients",
+                 "microsoft/DeepSpeed deepspeed/runtime/zero/stage3.py: parameters partitioned in 16 bits, "
+                 "fetched per sub-module with prefetch up to stage3_prefetch_bucket_size elements; fp32 "
+                 "partitioned master weights and gradients; a reduce bucket of reduce_bucket_size elements",
+                 "Rajbhandari et al. 2020 (ZeRO) §3.1: mixed-precision Adam holds 2 + 2 + 12 = 16 B per parameter"),
+        notes="fp16/bf16 engine: 16-bit parameters and gradients, fp32 master weights and Adam states "
+              "partitioned by the ZeRO stage; bucket buffers from the ds_config. No FSDP."),
+    Framework(
+        "accelerate", "Hugging Face Accelerate",
+        strategies={"single": "one GPU, autocast", "dp": "nn.DataParallel", "ddp": "DDP, autocast",
+                    "zero1": "DeepSpeed ZeRO-1 (DeepSpeedPlugin)", "zero2": "DeepSpeed ZeRO-2 (DeepSpeedPlugin)",
+                    "zero3": "DeepSpeed ZeRO-3 (DeepSpeedPlugin)",
+                    "fsdp": "FSDP1 FullyShardedDataParallel, MixedPrecision(param, reduce, buffer = bf16)"},
+        fsdp="fsdp1", fsdp_precision="policy", reduce_fp32=False, flat_params=True,
+        deepspeed_strategies=("zero1", "zero2", "zero3"),
+        sources=("huggingface/accelerate src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin."
+                 "set_mixed_precision: MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype) "
+                 "for mixed_precision fp16/bf16",
+                 "huggingface/accelerate src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin: "
+                 "use_orig_params (accelerate config's fsdp_use_orig_params, true by default in `accelerate "
+                 "config`; ASSUMPTION where a job does not say), backward_prefetch BACKWARD_PRE, "
+                 "sharding_strategy FULL_SHARD",
+                 "huggingface/accelerate src/accelerate/accelerator.py prepare_model: the forward is also wrapped "
+                 "in autocast; with 16-bit parameters its casts are no-ops (nothing cached)",
+                 _FSDP1_FLAT),
+        notes="FSDP1 with MixedPrecision(bf16 everywhere): fp32 flat shards, each unit all-gathered in 16 bits, "
+              "gradients reduced in 16 bits. With LoRA and use_orig_params, the flat gradient covers the frozen "
+              "weights too."),
+    Framework(
+        "lightning", "PyTorch Lightning / Fabric",
+        strategies={"single": "one GPU, autocast", "ddp": "DDPStrategy, autocast",
+                    "zero1": "DeepSpeedStrategy stage 1", "zero2": "DeepSpeedStrategy stage 2",
+                    "zero3": "DeepSpeedStrategy stage 3",
+                    "fsdp": "FSDPStrategy (FSDP1), FSDPPrecision: param fp32, reduce 16-bit, autocast"},
+        fsdp="fsdp1", fsdp_precision="policy-fp32", reduce_fp32=False, flat_params=True,
+        deepspeed_strategies=("zero1", "zero2", "zero3"),
+        sources=("Lightning-AI/pytorch-lightning src/lightning/fabric/plugins/precision/fsdp.py @03f57f9c "
+                 "FSDPPrecision.mixed_precision_config: 'bf16-mixed': param_dtype = torch.float32, reduce_dtype "
+                 "= buffer_dtype = torch.bfloat16; 'bf16-true': all bf16",
+                 "Lightning-AI/pytorch-lightning src/lightning/fabric/plugins/precision/amp.py MixedPrecision."
+                 "forward_context: torch.autocast around the forward",
+                 "pytorch/pytorch torch/distributed/fsdp/_flat_param.py FlatParamHandle._use_unsharded_views: in "
+                 "forward the original parameters are views of the flat parameter (not leaves): autocast does "
+                 "not cache their casts",
+                 _FSDP1_FLAT),
+        notes="FSDP1 with Lightning's 'bf16-mixed': units all-gathered in fp32 and cast by autocast per op "
+              "(the casts are saved for backward, not cached), gradients reduced in bf16."),
+)}
+
+DEFAULT = "pytorch"
+
+
+def get(name: str) -> Framework:
+    """The record of a framework name; PlannerError (exit 2) naming --framework otherwise."""
+    try:
+        return FRAMEWORKS[name]
+    except KeyError:
+        raise PlannerError("--framework", name, ", ".join(FRAMEWORKS)) from None
+
+
+def check(framework: str, strategy: str) -> Framework:
+    """The framework's record, refusing a strategy it does not have (e.g. Megatron with FSDP)."""
+    f = get(framework)
+    if f.runs(strategy) is None:
+        raise PlannerError("--parallelism", strategy,
+                           f"a strategy {f.label} runs ({', '.join(f.strategies)}) with --framework {f.name}")
+    return f
