@@ -7,9 +7,11 @@ loops,load,qlora_nockpt` measured them (see its docstring and the README next to
 - loops.jsonl: BERT-base b32 × 512, AMP bf16, AdamW foreach, 4 steps under a plain loop, transformers'
   Trainer, Accelerate and Lightning; peaks reset at each step's start. Every one of these loops computes the
   loss in a function that returns only the loss (`loss_fn`), so the outputs die when the forward returns: the
-  plain and Accelerate rows are compared as `--loop loss-only` (Accelerate's own example keeps `outputs` to the
-  next forward, which is what `--loop accelerate` assumes; this reading's loop does not), the Trainer row as
-  `--loop hf-trainer`, the Lightning row as `--loop lightning`.
+  plain row is compared as `--loop loss-only`, the Trainer row as `--loop hf-trainer`, the Lightning row as
+  `--loop lightning`, the Accelerate row as `--loop accelerate` (whose fp32 copy of the outputs at the
+  forward's end, accelerate's `convert_outputs_to_fp32`, sets this row's peak; `--loop accelerate` also keeps
+  the outputs to the next forward, as accelerate's example loop does and this reading's loop does not: the
+  backward then holds the logits, which here stays below that forward-end peak).
 - load.jsonl: LoRA r16 (q, k, v, o; dropout 0.05) on Llama-2-7B in bf16 with checkpointing, 4 × 512, built in
   bf16 (`--load direct`), built in fp32 and cast (`--load cast`), and cast then `torch.cuda.empty_cache()`
   (not modelled: compared as `cast`, marked).
@@ -31,7 +33,7 @@ DEFAULT = ROOT / "results/validation/h200/measured-2026-11-27"
 INSTANCE = "ml.p5e.48xlarge"  # one H200, as measured
 GiB = 2**30
 # the planner's loop for each reading's loop (see the module doc)
-LOOP_OF_READING = {"plain": "loss-only", "hf-trainer": "hf-trainer", "accelerate": "loss-only",
+LOOP_OF_READING = {"plain": "loss-only", "hf-trainer": "hf-trainer", "accelerate": "accelerate",
                    "lightning": "lightning"}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # gpu_session.py LORA_TARGETS
 

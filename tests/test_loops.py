@@ -60,6 +60,9 @@ def test_each_loop_frees_outputs_and_gradients_when_its_source_says():
     first = {lp: _at(p, "forward", p[1].label) for lp, p in by.items()}
     # Accelerate's example loop still holds the previous step's outputs in the next forward
     assert first["accelerate"].bytes["activations"] - first["plain"].bytes["activations"] == retained
+    # Accelerate's mixed precision converts the 16-bit outputs to fp32 at the forward's end (a transient)
+    end = {lp: _at(p, "forward", "end of forward") for lp, p in by.items()}
+    assert end["accelerate"].bytes["buffers"] - end["plain"].bytes["buffers"] == 2 * retained
     # Lightning zeroes the gradients after the forward: the previous step's live through it
     assert first["lightning"].bytes["gradients"] - first["plain"].bytes["gradients"] == grads
 

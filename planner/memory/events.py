@@ -421,7 +421,7 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
     shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks), step.outputs_die,
-             step.grads_die, bool(step.build_ratio))
+             step.grads_die, bool(step.build_ratio), bool(step.outputs_fp32_bytes))
     lens = tuple(map(len, values))
     key = (shape, lens)
     known = _STRUCTURES.get(key)
@@ -452,7 +452,7 @@ _STRUCTURES: dict[tuple, _Laid] = caches.table("planner.memory.events._STRUCTURE
 (B_PARAMS, B_GATHERED, B_SAVED, B_KEPT, B_CACHE, B_LOGITS, B_FORWARD_TMP, B_RECOMPUTED, B_BACKWARD_TMP, B_GRADS,
  B_UNSHARDED, B_BUILD) = range(12)
 BLOCK_SLOTS = 12
-S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS = range(7)
+S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS, S_OUTPUTS_FP32 = range(8)
 
 
 def _positive(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -487,7 +487,8 @@ def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes:
                                                            else ())) if step.build_ratio else ())
     raw += (_one(step.module_buffer_bytes), buckets(step.ddp_bucket_bytes, bucket_cap_bytes),
             _one(step.batch_bytes), _one(step.extra_forward_bytes), _one(step.workspace_bytes),
-            split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes))
+            split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes),
+            _one(step.outputs_fp32_bytes))
     return raw  # no size is <= 0: `_one` and `split` make none, BlockTensors and the optimizer's hold none
 
 
@@ -565,7 +566,10 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
         mark("forward", name)
         free(tmp)
         free(gathered)
+    top = len(blocks) * BLOCK_SLOTS
+    converted = alloc("outputs.fp32 copy", top + S_OUTPUTS_FP32)  # Accelerate's convert_outputs_to_fp32
     mark("forward", "end of forward")
+    free(converted)
     free(cache_ids)
     t.forward_end = len(t.kind)  # where the previous step's carried tensors die (`_one_step`)
     if step.outputs_die == "forward-end":  # the loop returned only the loss (planner.memory.loops)

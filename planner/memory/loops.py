@@ -30,6 +30,8 @@ class LoopRule:
     outputs_die: Moment  # the model's outputs (logits)
     grads_die: Moment  # the gradients (`zero_grad(set_to_none=True)`)
     source: str
+    # the framework returns the model's 16-bit outputs converted to fp32 under mixed precision
+    outputs_to_fp32: bool = False
 
 
 LOOPS: dict[str, LoopRule] = {r.name: r for r in (
@@ -44,7 +46,11 @@ LOOPS: dict[str, LoopRule] = {r.name: r for r in (
     LoopRule("accelerate", "next-forward", "step-end",
              "huggingface/accelerate examples/nlp_example.py training_function: `outputs = model(**batch)`;"
              " `accelerator.backward(loss)`; `optimizer.step()`; `lr_scheduler.step()`; `optimizer.zero_grad()`:"
-             " `outputs` is rebound only when the next forward returns"),
+             " `outputs` is rebound only when the next forward returns. Under mixed precision"
+             " Accelerator.prepare wraps the forward: `model.forward ="
+             " convert_outputs_to_fp32(autocast_context(model_forward_func))` (accelerate 1.15 accelerator.py"
+             " l. 1830; utils/operations.py ConvertOutputsToFp32), an fp32 copy of the 16-bit logits at the"
+             " forward's end", outputs_to_fp32=True),
     LoopRule("lightning", "forward-end", "next-backward",
              "Lightning 2.x src/lightning/pytorch/loops/optimization/automatic.py: Closure.closure runs"
              " training_step (its outputs are locals: only the loss is returned), then zero_grad_fn"

@@ -63,6 +63,9 @@ class StepMemory:
     grads_die: str = "step-end"
     # --load cast: the fp32 build behind each parameter byte (loops.build_ratio; 0: built in its dtype).
     build_ratio: int = 0
+    # Accelerate's mixed precision returns the model's 16-bit outputs converted to fp32 (loops.LoopRule): a copy
+    # alive at the end of the forward only.
+    outputs_fp32_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _rows(step: StepMemory) -> list[Row]:
         kept += b.kept_bytes + b.retained_bytes
         cache += b.forward_cache_bytes
     rows.append(("forward", "end of forward", params, grads + carried_grads, states, kept + cache + carried, batch,
-                 base_buffers))
+                 base_buffers + step.outputs_fp32_bytes))
     if step.outputs_die == "forward-end":  # the loop returned only the loss: the outputs die before backward
         kept -= outputs_total
 
