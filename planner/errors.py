@@ -12,7 +12,24 @@ class PlannerError(ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed if isinstance(allowed, str) else ", ".join(str(a) for a in allowed)
-        super().__init__(f"{field}={value!r} is not allowed: {self.allowed}")
+        super().__init__(f"{field}={short_repr(value)} is not allowed: {self.allowed}")
+
+
+# The longest value an error line shows: a value built from a file (a list of a million entries, a YAML
+# document) would make a line of millions of characters.
+MAX_VALUE_CHARS = 200
+
+
+def short_repr(value: object) -> str:
+    """repr(value), cut to MAX_VALUE_CHARS with '...' (reprlib keeps big containers cheap to print)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = MAX_VALUE_CHARS
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 20
+    r.maxlevel = 4
+    text = r.repr(value)
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."
 
 
 def closest(value: str, choices: Iterable[str], n: int = 3) -> list[str]:
@@ -20,10 +37,14 @@ def closest(value: str, choices: Iterable[str], n: int = 3) -> list[str]:
     import difflib
 
     choices = list(choices)
-    found = difflib.get_close_matches(value, choices, n=n, cutoff=0.5)
-    if not found:
-        found = [c for c in choices if value.lower() in c.lower()][:n]
-    return found
+    low = value.lower()
+    # Names that begin with what was typed come first ("bert-large" -> bert-large-uncased, not roberta-large,
+    # which difflib ranks higher for sharing more letters), then those that contain it, then the similar.
+    starts = [c for c in choices if c.lower().startswith(low)]
+    contains = [c for c in choices if low in c.lower() and c not in starts]
+    similar = difflib.get_close_matches(value, choices, n=n, cutoff=0.5)
+    found = list(dict.fromkeys([*starts, *contains, *similar]))
+    return found[:n]
 
 
 def unknown(field: str, value: str, choices: Iterable[str]) -> PlannerError:
@@ -66,6 +87,6 @@ def one_line(exc: BaseException) -> str:
             # A TrainConfig field is a flag on the command line: batch_size -> --batch-size.
             field = (FLAG_OF_FIELD.get(loc[0], "--" + loc[0].replace("_", "-")) if len(loc) == 1
                      else ".".join(loc) or "input")
-            parts.append(f"{field}={e.get('input')!r}: {e['msg']}")
+            parts.append(f"{field}={short_repr(e.get('input'))}: {e['msg']}")
         return "; ".join(parts)
     return str(exc).replace("\n", " ")

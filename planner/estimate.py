@@ -77,8 +77,12 @@ def estimate(
     results/calibration.json or $PLANNER_CALIBRATION (planner.memory.runtime.load_calibration), {} uses none.
     """
     from planner.models.user_module import is_reference, refuse_inputs_unless_own
-    from planner.program.sources import is_traced_config, require_tracing_libraries
     from planner.spec import MAX_DATASET_SIZE
+
+    if is_reference(model) and inputs is None:  # before the tracer (and torch) load: seconds for one line
+        raise PlannerError("--inputs", None, f"give --inputs FILE.py:FUNCTION (a batch(batch_size, seq_len) "
+                           f"function) for --model {model}")
+    from planner.program.sources import is_traced_config, require_tracing_libraries
 
     if dataset_size is not None and not 1 <= dataset_size <= MAX_DATASET_SIZE:
         raise PlannerError("--dataset-size", dataset_size, f"an integer >= 1 and <= {MAX_DATASET_SIZE:,} (2^53)")
@@ -125,3 +129,21 @@ def run_steps():
 
     return EstimateSteps(prepare=_prepare, calibrated=_calibrated, timeline_peaks=_timeline_peaks,
                          band_terms=_band_terms)
+
+
+def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, Any] | None = None,
+            backend: str = "cuda") -> dict[str, Any]:
+    """`program.blocks[]` of `planner estimate --json` for an estimate `est` of `model`: its blocks' ops with
+    their parameters, saved bytes, FLOPs, bytes moved and launches (planner.pipeline.program_report).
+    Built on request only (a search never pays for it), from the estimate's resolved configuration."""
+    from planner.models.user_module import is_reference
+    from planner.program.sources import is_traced_config
+
+    if is_reference(model) or is_traced_config(model):
+        return {"front_end": "traced", "blocks": []}
+    from planner.memory.parallel import sharding
+    from planner.pipeline.program_report import program_report
+
+    spec = _resolve_model(model, model_options)
+    return program_report(spec, est.config, sharding(est.config, est.world_size), backend=backend,
+                          flash_ok=_resolve_instance(est.instance).gpu.flash_attention)

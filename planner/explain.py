@@ -506,32 +506,38 @@ def _estimate_figures(est: Estimate) -> dict[str, Any]:
             "samples_per_s": tp.samples_per_s if tp else None}
 
 
-def _figures(est: Estimate) -> list[dict[str, Any]]:
-    """The numbers of each step, in the order of `explain`'s steps (the side-by-side and verdict steps fill
-    theirs as they compute them)."""
+def _figures(est: Estimate) -> dict[str, dict[str, Any]]:
+    """The numbers of each step, by the step they belong to (the side-by-side and verdict steps fill theirs as
+    they compute them). Named rather than listed in step order: a step that only some runs have (adapters, a
+    run of lengths, DDP beside DataParallel) must not shift the numbers of the steps after it."""
     j = est.to_json()
     m = j["memory_bytes"]
     tp = j.get("throughput") or {}
-    return [
-        {"config": j["config"], "world_size": est.world_size, "instance": est.instance, "stack": j.get("stack")},
-        {"gpus_per_instance": None, "gpu_memory_bytes": est.gpu_memory_bytes, "cuda_context_bytes": m["cuda_context"],
-         "nccl_bytes": m["nccl"], "usable_memory_bytes": est.usable_memory_bytes},
-        {"parallelism": est.config.parallelism, "parameters_bytes": m["parameters"], "gradients_bytes": m["gradients"],
-         "optimizer_states_bytes": m["optimizer_states"]},
-        {"parameters": dict(est.parameters)},
-        {"parameters_bytes": m["parameters"]},
-        {"gradients_bytes": m["gradients"], "optimizer_states_bytes": m["optimizer_states"]},
-        {"activations_bytes": m["activations"]},
-        {"batch_bytes": m["batch"]},
-        {"phases": j["phases"], "peak_phase": est.peak_phase, "peak_allocated_bytes": m["peak_allocated"]},
-        {"memory_bytes": m, "peak_device_low_bytes": est.peak_device_low_bytes,
-         "peak_device_high_bytes": est.peak_device_high_bytes, "band": j.get("band")},
-        {"verdict": est.verdict, "fits": est.fits, "peak_device_bytes": m["peak_device"],
-         "peak_device_low_bytes": est.peak_device_low_bytes, "peak_device_high_bytes": est.peak_device_high_bytes,
-         "gpu_memory_bytes": est.gpu_memory_bytes, "headroom_bytes": est.headroom_bytes, "peak_phase": est.peak_phase,
-         "samples_per_s": tp.get("samples_per_s"), "step_time_s": tp.get("step_time_s"), "mfu": tp.get("mfu"),
-         "breakdown_s": tp.get("breakdown_s")},
-    ]
+    return {
+        "assumptions": {"config": j["config"], "world_size": est.world_size, "instance": est.instance,
+                        "stack": j.get("stack"), "cost": j.get("cost")},
+        "gpu": {"gpus_per_instance": None, "gpu_memory_bytes": est.gpu_memory_bytes,
+                "cuda_context_bytes": m["cuda_context"], "nccl_bytes": m["nccl"],
+                "usable_memory_bytes": est.usable_memory_bytes},
+        "storage": {"parallelism": est.config.parallelism, "parameters_bytes": m["parameters"],
+                    "gradients_bytes": m["gradients"], "optimizer_states_bytes": m["optimizer_states"]},
+        "components": {"parameters": dict(est.parameters)},
+        "precision": {"parameters_bytes": m["parameters"]},
+        "states": {"gradients_bytes": m["gradients"], "optimizer_states_bytes": m["optimizer_states"]},
+        "adapters": {"lora_r": est.config.lora_r, "lora_alpha": est.config.lora_alpha,
+                     "lora_targets": list(est.config.lora_targets), "base_dtype": est.config.base_dtype},
+        "activations": {"activations_bytes": m["activations"]},
+        "data": {"batch_bytes": m["batch"]},
+        "phases": {"phases": j["phases"], "peak_phase": est.peak_phase, "peak_allocated_bytes": m["peak_allocated"]},
+        "beyond": {"memory_bytes": m, "peak_device_low_bytes": est.peak_device_low_bytes,
+                   "peak_device_high_bytes": est.peak_device_high_bytes, "band": j.get("band")},
+        "verdict": {"verdict": est.verdict, "fits": est.fits, "peak_device_bytes": m["peak_device"],
+                    "peak_device_low_bytes": est.peak_device_low_bytes,
+                    "peak_device_high_bytes": est.peak_device_high_bytes, "gpu_memory_bytes": est.gpu_memory_bytes,
+                    "headroom_bytes": est.headroom_bytes, "peak_phase": est.peak_phase,
+                    "samples_per_s": tp.get("samples_per_s"), "step_time_s": tp.get("step_time_s"),
+                    "mfu": tp.get("mfu"), "breakdown_s": tp.get("breakdown_s"), "cost": j.get("cost")},
+    }
 
 
 def explain(est: Estimate, model: ModelSpec | str | None = None,
@@ -560,7 +566,12 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
     both = (requested_parallelism == "auto" and est.config.parallelism == AUTO_MULTI_GPU and est.config.instances == 1
             and est.world_size > 1)
     figures = _figures(est)
-    figures[1]["gpus_per_instance"] = inst.gpus
+    figures["gpu"]["gpus_per_instance"] = inst.gpus
+    if est.config.lora and not extra:  # the targets and base storage as resolved (peft's defaults named)
+        from planner.adapters.lora import plan
+
+        lora = plan(spec, est.config)
+        figures["adapters"].update(lora_targets=list(lora.targets), base_dtype=lora.base_dtype)
     side: dict[str, Any] = {}
     side_by_side = [Step("DDP, which auto chose, and nn.DataParallel side by side",
                          tuple(_ddp_vs_dp_lines(model or est.model, est, model_options, extra, side)), side)
@@ -568,60 +579,73 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
     fixes: list[dict[str, Any]] = []
     verdict_lines = tuple(_verdict_lines(model or est.model, est, model_options, extra, fixes))
     if fixes and "largest_fitting_batch_size" in fixes[0]:
-        figures[-1].update(fixes.pop())
+        figures["verdict"].update(fixes.pop())
     else:
-        figures[-1]["fixes"] = fixes
+        figures["verdict"]["fixes"] = fixes
     run_step = _run_step(model or est.model, est, run, model_options, extra)
-    adapter_step = _adapter_step(model or est.model, est, model_options, extra)  # figures of its own, like run_step
-    steps = [
-        Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))),
+    f = figures
+    return [
+        Step("Assumptions", tuple(_assumption_lines(spec, est, model_options, requested_parallelism))
+             + tuple(_price_lines(est)), f["assumptions"]),
         Step(f"Memory of each GPU on {inst.name}", (
             f"{inst.gpus} × {g.name}, {fmt_bytes(g.memory_bytes)} nominal, {fmt_bytes(est.gpu_memory_bytes)} as the "
             "driver reports it; GPUs do not pool memory: each must hold its own share.",
             f"Not all of it is for tensors: CUDA context {fmt_bytes(rt.cuda_context_bytes)}, NCCL buffers "
             f"{fmt_bytes(est.memory_bytes.nccl)} sit outside PyTorch's allocator, so "
             f"{fmt_bytes(est.usable_memory_bytes)} is usable. Interconnect: {inst.interconnect}.",
-        )),
-        Step(f"How the model is stored under {est.config.parallelism}", tuple(_storage_lines(est))),
+        ), f["gpu"]),
+        Step(f"How the model is stored under {est.config.parallelism}", tuple(_storage_lines(est)), f["storage"]),
         *side_by_side,
         Step("Parameters of each component", tuple(spec.component_lines() if extra else _component_lines(spec)) +
-             (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",)),
-        Step("Their storage at each precision", tuple(_precision_lines(est))),
-        Step("Gradients and optimizer states", tuple(_state_lines(est))),
-        *adapter_step,
+             (f"Total: {est.parameters['total']:,} ({fmt_count(est.parameters['total'])}).",), f["components"]),
+        Step("Their storage at each precision", tuple(_precision_lines(est)), f["precision"]),
+        Step("Gradients and optimizer states", tuple(_state_lines(est)), f["states"]),
+        *_adapter_step(model or est.model, est, model_options, extra, f["adapters"]),
         Step('The "computational graph": saved activations',
-             tuple(spec.activation_lines() if extra else _activation_lines(spec, est))),
-        Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est))),
-        Step("Total by phase of one step", tuple(_phase_lines(est))),
-        Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est))),
+             tuple(spec.activation_lines() if extra else _activation_lines(spec, est)), f["activations"]),
+        Step("How parameters and data are stored", tuple(spec.data_lines() if extra else _data_lines(spec, est)),
+             f["data"]),
+        Step("Total by phase of one step", tuple(_phase_lines(est)), f["phases"]),
+        Step("What the GPU holds beyond your tensors", tuple(_beyond_tensors_lines(est)), f["beyond"]),
         *run_step,
         Step("Verdict", verdict_lines + _speed_bound_lines(est)
-             + _amp_lines(model or est.model, est, model_options, extra, figures[-1])),
+             + _amp_lines(model or est.model, est, model_options, extra, f["verdict"]), f["verdict"]),
     ]
-    plain = [s for s in steps if all(s is not x for x in [*side_by_side, *run_step, *adapter_step])]
-    for step, numbers in zip(plain, figures, strict=True):
-        step.figures.update(numbers)
-    return steps
+
+
+def _price_lines(est: Estimate) -> list[str]:
+    """Where the cost's price comes from (region, date, source, staleness), as `estimate` and `search` say it."""
+    if est.cost is None:
+        return []
+    from planner.prices import cost_provenance
+
+    return [f"Cost: ${est.cost.price_per_hour:,.2f}/hour for the job's "
+            f"{est.config.instances} instance{'s' if est.config.instances != 1 else ''} "
+            f"({cost_provenance(est.cost, hint=True)})."]
 
 
 def _run_step(model, est: Estimate, run: Any, model_options, extra) -> list[Step]:
     """The run of varying lengths (`planner.run.explain_run`), when there is one."""
     if est.run is None or run is None:
         return []
+    from planner.estimate import estimate
     from planner.run import explain_run
 
-    return [Step("A run of varying lengths", tuple(explain_run.lines(model, est, run, model_options, extra)),
+    lines = explain_run.lines(model, est, run, model_options, extra, estimate_fn=estimate)
+    return [Step("A run of varying lengths", tuple(lines),
                  {"run": est.run.model_dump(mode="json")})]
 
 
-def _adapter_step(model: Any, est: Estimate, model_options: dict[str, Any] | None, extra: dict[str, Any]
-                  ) -> list[Step]:
+def _adapter_step(model: Any, est: Estimate, model_options: dict[str, Any] | None, extra: dict[str, Any],
+                  figures: dict[str, Any]) -> list[Step]:
     """A LoRA / QLoRA run: where its memory goes, what a change of rank, targets, base or checkpointing does."""
     if not est.config.lora or extra:
         return []
     from planner.adapters.explain import adapter_lines
+    from planner.estimate import estimate
 
-    return [Step("Adapters on a frozen base (LoRA)", tuple(adapter_lines(model, est, model_options)))]
+    lines = adapter_lines(model, est, model_options, estimate_fn=estimate)
+    return [Step("Adapters on a frozen base (LoRA)", tuple(lines), figures)]
 
 
 def _beyond_tensors_lines(est: Estimate) -> list[str]:

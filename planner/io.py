@@ -93,13 +93,46 @@ def read_json(path: str | Path, what: str, expect: type | None = dict, *, nonfin
     return data
 
 
+# Values a YAML document may stand for once its aliases are expanded. PyYAML shares an aliased object instead
+# of copying it, so nine levels of nine aliases ("billion laughs") load at once, but any walk of the result
+# (validation, an error message printing the value, a JSON dump) visits 9^9 values: minutes and a 15-million-
+# character line. ASSUMPTION: a sweep holds tens of values; 100,000 leaves room for any hand-written file.
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_size(node: Any, memo: dict[int, int]) -> int:
+    """How many values `node` stands for with every alias expanded (a shared node counted at each use)."""
+    import yaml
+
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a node that contains itself (a recursive alias) counts once more, not forever
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = min(size, MAX_YAML_VALUES + 1)
+    return memo[id(node)]
+
+
 def read_yaml(path: str | Path, what: str, expect: type | None = dict) -> Any:
-    """Read and parse a YAML file (safe loader); the same checks as `read_json`."""
+    """Read and parse a YAML file (safe loader); the same checks as `read_json`, and at most
+    MAX_YAML_VALUES values once aliases are expanded."""
     import yaml
 
     text = read_text(path, what)
     try:
-        data = yaml.safe_load(text)
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+                raise PlannerError(what, str(path), f"YAML of at most {MAX_YAML_VALUES:,} values with its aliases "
+                                   "(&name / *name) expanded")
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

@@ -168,3 +168,64 @@ def price_per_hour(instance_name: str, region: str = DEFAULT_REGION) -> tuple[fl
     """(USD per instance-hour, date, source) in `region`: the refreshed cache when it lists the instance there,
     else the embedded row when it prices that region, else None with the reason as source."""
     return lookup(instance_name, load_cache(), region)
+
+
+def short_source(source: str) -> str:
+    """A price source's first clause (the whole text stays in the JSON outputs)."""
+    if not source:
+        return "unknown source"
+    if source.startswith("DERIVED"):
+        return "derived: EC2 price x1.25"
+    return source.split(" (")[0].split(",")[0].split(" http")[0][:60]
+
+
+def provenance(region: str, date: str, source: str, stale: bool | None) -> str:
+    """One line saying where a price comes from: region, date, source, and whether it is stale (`stale_hint`
+    says how to refresh it); every output that shows a cost prints it (estimate, explain, search, the report)."""
+    if source.startswith("given by the user"):
+        return "price: given by the user (--price-per-hour)"
+    when = f"dated {date}" if date else "undated"
+    line = f"price: {region or DEFAULT_REGION}, {when}, {short_source(source)}"
+    return line + (", STALE" if stale else "")
+
+
+def stale_hint(region: str) -> str:
+    """The command that refreshes a stale price."""
+    return f"refresh: planner prices --refresh --region {region or DEFAULT_REGION}"
+
+
+def cost_provenance(cost: Any, hint: bool = False) -> str:
+    """`provenance` of a `spec.Cost` (`hint`: with the refresh command when stale)."""
+    line = provenance(cost.price_region, cost.price_date, cost.price_source, cost.price_stale)
+    return line + (f" ({stale_hint(cost.price_region)})" if hint and cost.price_stale else "")
+
+
+def price_records(instances: list[str], region: str = DEFAULT_REGION) -> list[dict[str, Any]]:
+    """Each instance type's on-demand price with its provenance (region, date, source, stale) and how it is
+    billed: SageMaker bills the whole instance, every GPU of it, whatever a configuration uses (a one-GPU
+    strategy on a 4-GPU instance pays for four). For the outputs of a search (best.json, the report)."""
+    from planner.hardware import get_instance
+
+    cache = load_cache()
+    out = []
+    for name in instances:
+        price, date, source = lookup(name, cache, region)
+        out.append({"instance": name, "usd_per_hour": price, "region": region, "date": date, "source": source,
+                    "stale": None if price is None else is_stale(name, date), "gpus": get_instance(name).gpus,
+                    "billed": "per instance-hour, all of its GPUs"})
+    return out
+
+
+def provenance_summary(records: list[dict[str, Any]]) -> list[str]:
+    """`provenance` of several instance types' prices, one line per distinct (region, date, source, stale)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for r in records:
+        if r["usd_per_hour"] is None:
+            continue
+        key = (r["region"], r["date"], short_source(str(r["source"])), bool(r["stale"]))
+        groups.setdefault(key, []).append(str(r["instance"]))
+    lines = []
+    for (region, date, source, stale), names in groups.items():
+        line = provenance(region, date, source, stale)
+        lines.append(line if len(records) == 1 else f"{line} ({len(names)} type{'s' if len(names) != 1 else ''})")
+    return lines

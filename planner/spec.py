@@ -220,16 +220,18 @@ class TrainConfig(Frozen):
     grad_accum: int = Field(1, ge=1, le=MAX_GRAD_ACCUM)  # see MAX_GRAD_ACCUM
     instances: int = Field(1, ge=1, le=MAX_INSTANCES)  # SageMaker InstanceCount; see MAX_INSTANCES
     gradient_as_bucket_view: bool = False
-    bucket_cap_mb: float = Field(25.0, gt=0)
+    bucket_cap_mb: float = Field(25.0, gt=0, allow_inf_nan=False)
     # fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 = True; NGC containers and
     # HF's --tf32 turn it on; PyTorch's own default is off). Only Ampere and later have TF32.
     tf32: bool = False
     # LoRA adapters on a frozen base (planner.adapters): lora_r None trains every parameter (no adapters).
     # Defaults follow peft's LoraConfig: lora_alpha = 8, dropout 0, targets () = peft's default per model type.
     lora_r: int | None = Field(None, ge=1)
-    lora_alpha: float | None = None
+    # alpha scales the adapters' output by alpha / r: only a finite positive number means anything (NaN was
+    # printed as alpha=nan, and broke --json)
+    lora_alpha: float | None = Field(None, gt=0, allow_inf_nan=False)
     lora_targets: tuple[str, ...] = ()
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
     base_dtype: BaseDtype = "auto"
     loop: Loop = "plain"
     load: Load = "direct"
@@ -308,7 +310,7 @@ class SoftwareStack(Frozen):
 
     @property
     def expandable_segments(self) -> bool:
-        from planner.memory.alloc_conf import parse_alloc_conf
+        from planner.alloc_conf import parse_alloc_conf
 
         return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
 

@@ -90,9 +90,9 @@ def test_bytes_match_the_tensors_of_a_bert_layer():
     for op, r, w in rec.ops:
         seen[op].append((r, w))
     ks = {k.name: k for k in micro_kernels(spec, TrainConfig(batch_size=b, seq_len=s, attention="eager"))}
-    q = ks["layer.attention.query"]
+    q = ks["layer.attention.self.query"]
     assert (q.bytes_read, q.bytes_written) == seen["addmm"][0]
-    ln = ks["layer.attention.LayerNorm"]
+    ln = ks["layer.attention.output.LayerNorm"]
     assert (ln.bytes_read, ln.bytes_written) == seen["native_layer_norm"][0]
     gelu = ks["layer.mlp.act"]
     assert (gelu.bytes_read, gelu.bytes_written) == seen["gelu"][0]
@@ -105,7 +105,7 @@ def test_bytes_match_the_tensors_of_a_bert_layer():
     assert (gelu_b.bytes_read, gelu_b.bytes_written) == seen["gelu_backward"][0]
     ln_b = bwd["layer.output.LayerNorm.backward"]
     assert (ln_b.bytes_read, ln_b.bytes_written) == seen["native_layer_norm_backward"][0]
-    dx = bwd["layer.mlp.down.grad_input"]
+    dx = bwd["layer.output.dense.grad_input"]
     assert (dx.bytes_read, dx.bytes_written) == seen["mm"][0]
 
 

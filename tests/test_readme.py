@@ -67,3 +67,17 @@ def test_test_extra_lists_what_the_tests_import():
     # numpy comes with pandas, click with typer: transitive, but every test environment has them
     missing = {m for m in missing if m.split()[0] not in {"numpy", "click", "botocore"}}
     assert not missing, f"imported by tests but not in pyproject.toml: {sorted(missing)}"
+
+
+def test_readme_fits_a_newcomer_and_its_links_resolve():
+    """At most 300 lines, the two commands within the first 60 (one screen), and every link to docs/ (and from
+    docs/ back) names a file that exists."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 300
+    head = "\n".join(lines[:60])
+    assert "<!-- main-command -->" in head and "<!-- test-command -->" in head
+    assert readme_command("test-command") in head and readme_command("main-command") in head
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name}: link to {target} resolves to nothing"

@@ -88,7 +88,8 @@ def test_a_type_that_cannot_run_the_job_says_so_with_the_reason(tmp_path):
     assert start["ml.p4d.24xlarge"].feasible  # a sharded, checkpointed 7B fits 8 x A100-40GB
     assert not start["ml.g4dn.xlarge"].feasible and "GPU memory" in start["ml.g4dn.xlarge"].reason
     lines = _missing_lines(result, list(sweep.instance_names()))
-    assert len(lines) == 1 and lines[0].startswith("g4dn.xlarge: nothing found; even its smallest start")
+    assert len(lines) == 1 and lines[0].startswith("nothing found on g4dn.xlarge: even the smallest start")
+    assert "N GiB" not in lines[0] and "GPU memory" in lines[0]
 
 
 def test_a_type_without_a_proof_is_reported_as_not_found_in_its_trials(tmp_path):
@@ -146,7 +147,9 @@ def test_a_search_over_a_hand_modelled_model_never_imports_torch(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-def test_a_piped_search_prints_status_lines(tmp_path, monkeypatch):
+def test_a_piped_search_prints_status_lines_when_asked(tmp_path, monkeypatch):
+    """Piped, the search prints status lines only with --progress (issue 31: a log gets no lines it did not
+    ask for; tests/test_first_hour.py checks that none come without it)."""
     from typer.testing import CliRunner
 
     from planner.cli import search_cmd
@@ -154,7 +157,7 @@ def test_a_piped_search_prints_status_lines(tmp_path, monkeypatch):
 
     monkeypatch.setattr(search_cmd, "STATUS_INTERVAL_S", 0.0)  # a line per trial instead of every 5 s
     result = CliRunner().invoke(app, ["search", "--instance", "ml.p3.2xlarge,ml.g5.xlarge", "--trials", "3",
-                                      "--study", "piped", "--results-dir", str(tmp_path)])
+                                      "--study", "piped", "--results-dir", str(tmp_path), "--progress"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("search piped:")]
     assert lines and lines[-1].startswith("search piped: 3/3 trials")

@@ -43,20 +43,20 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _executed_nodes(tree: ast.AST):
+def _executed_nodes(tree: ast.AST, type_checking: bool = False):
     """Every node of `tree` except the bodies of `if TYPE_CHECKING:` blocks: those imports never run (they
     serve the type checker only), so they cannot make an import cycle."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """Module → the planner modules it imports (anywhere in the file, functions included; not the type checker's
     `if TYPE_CHECKING:` imports). `from a import b`
     counts as an import of `a.b` when that is a module, else of `a`; importing a package runs its __init__."""
@@ -64,7 +64,7 @@ def import_graph() -> dict[str, set[str]]:
     packages = {_module_name(p) for p in ROOT.rglob("__init__.py")}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for name, tree in mods.items():
-        for node in _executed_nodes(tree):
+        for node in _executed_nodes(tree, type_checking):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -142,8 +142,66 @@ def files_branching_on(names: frozenset[str]) -> list[str]:
     return hits
 
 
+# The declared layer order, top to bottom (ARCHITECTURE.md "Layers"): a module may import its own layer or any
+# layer below it, never one above. Every planner module belongs to exactly one entry (longest prefix wins), so
+# a new top-level module or package has to be placed here, on purpose.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("planner", "planner.__main__", "planner.cli", "planner.aws"),  # edges: the package API, commands, AWS
+    ("planner.report", "planner.probes"),  # the HTML report and figures; probe requests and readings
+    ("planner.search",),  # the Optuna search (calls the pipeline through estimate / build)
+    ("planner.explain", "planner.explain_traced", "planner.explain_where", "planner.build"),  # explanations
+    ("planner.estimate",),  # the one entry point of an estimate
+    ("planner.pipeline", "planner.run"),  # resolve → step → verdict; runs of varying length
+    ("planner.memory", "planner.perf", "planner.program", "planner.adapters"),  # interpreters, the tracer
+    ("planner.parallel", "planner.families", "planner.models", "planner.ir"),  # registries; the op vocabulary
+    ("planner.spec", "planner.data", "planner.alloc_conf", "planner.hardware", "planner.dlc", "planner.prices",
+     "planner.caches", "planner.identity_cache", "planner.errors", "planner.io", "planner.units", "planner.env",
+     "planner._startup"),  # the data model, sourced facts, small shared pieces
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of `module` (0 = top), by its longest declared prefix; -1 when none declares it."""
+    best, length = -1, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > length:
+                best, length = rank, len(p)
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where the imported module sits in a layer above the importer's. A package
+    importing its own submodules is not counted (its __init__ re-exports them)."""
+    return sorted((m, t) for m, ts in graph.items() for t in ts
+                  if not t.startswith(m + ".") and layer_of(t) < layer_of(m))
+
+
+def test_every_module_is_in_a_declared_layer():
+    assert [m for m in import_graph() if layer_of(m) < 0] == []
+
+
+def test_imports_go_down_the_declared_layers_only():
+    """Issue 33: spec imported memory.alloc_conf, adapters/explain and run/explain_run imported estimate,
+    probes imported the package top; each now sits where its layer says (the estimate function is passed in)."""
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_can_fail():
+    """The rule itself: an import from the data model up to the pipeline is reported."""
+    assert upward_imports({"planner.spec": {"planner.estimate"}, "planner.estimate": set()}) == [
+        ("planner.spec", "planner.estimate")]
+
+
 def test_no_import_cycles_even_through_function_level_imports():
     assert cycles(import_graph()) == []
+
+
+def test_no_import_cycles_even_through_the_type_checkers_imports():
+    """Issue 33: perf.collectives ↔ perf.throughput and search.results ↔ search.study were cycles through
+    `if TYPE_CHECKING:` imports: harmless at run time, but a knot for a reader and for the type checker.
+    The shared records moved down (perf.constants, search.records)."""
+    assert cycles(import_graph(type_checking=True)) == []
 
 
 def test_the_core_never_imports_the_cli_or_aws():
@@ -175,5 +233,7 @@ def test_architecture_is_at_the_project_root_and_names_each_extension_axis():
 if __name__ == "__main__":
     for c in cycles(import_graph()):
         print("cycle:", c)
+    for m, t in upward_imports(import_graph()):
+        print("upward:", m, "->", t)
     print("family:", files_branching_on(FAMILY_NAMES))
     print("parallelism:", files_branching_on(PARALLELISM_NAMES))

@@ -3,6 +3,7 @@ storage or checkpointing would save (each a full estimate of the changed configu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from planner.errors import PlannerError
@@ -28,8 +29,11 @@ def adapter_changes(cfg: TrainConfig) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def adapter_lines(model: Any, est: Estimate, model_options: dict[str, Any] | None) -> list[str]:
-    from planner.estimate import estimate
+def adapter_lines(model: Any, est: Estimate, model_options: dict[str, Any] | None, *,
+                  estimate_fn: Callable[..., Estimate]) -> list[str]:
+    """The explain step of an adapter run; `estimate_fn` is planner.estimate.estimate, passed in by the
+    explanation (the adapters sit below the pipeline and never import it: issue 33)."""
+    estimate = estimate_fn
 
     m, p = est.memory_bytes, est.parameters
     lines = [f"Trainable {p['trainable']:,} of {p['total']:,} parameters ({100 * p['trainable'] / p['total']:.2f} %); "

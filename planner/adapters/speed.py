@@ -14,8 +14,6 @@ with what a frozen base does not run taken out and what the adapters and a 4-bit
 
 from __future__ import annotations
 
-import re
-
 from planner.adapters import nf4
 from planner.adapters.activations import base_is_low
 from planner.adapters.lora import LoraPlan
@@ -24,16 +22,15 @@ from planner.models.blocks import model_blocks
 from planner.perf.kernels import F32, Kernel, Shapes, _fold, _with, backward_of, elementwise, gemm
 from planner.spec import ModelSpec, TrainConfig
 
-_FROZEN_GRADS = re.compile(r"\.grad_weight$|\.grad_bias$|\.weight\d+\.grad_cast$|\.bias\d+\.grad_cast$")
-_EMBEDDING_GRADS = re.compile(r"^embeddings\.(word|position|token_type)\.backward$")
-_LAYER_WEIGHT_CAST = re.compile(r"\.layer\.\d+\.weight\d+\.cast$")
-_ANY_CAST = re.compile(r"\.(weight|bias)\d+\.cast$")
+# What a frozen parameter does not need (planner.perf.kernels.Kernel.param_work): kernels are selected by what
+# they do, not by regular expressions over their names (issue 33).
+_FROZEN_GRADS = frozenset({"weight_grad", "bias_grad", "grad_cast"})
+_CASTS = frozenset({"weight_cast", "bias_cast"})
 
 
 def _trained_head(k: Kernel, lora: LoraPlan) -> bool:
     head = next((b for n, b in lora.blocks.items() if n.endswith(".head")), None)
-    return head is not None and head.trainable > 0 and k.name.startswith(("head.", "model.head.")) \
-        and not head.adapted
+    return head is not None and head.trainable > 0 and k.block_role == "head" and not head.adapted
 
 
 def adapter_kernels(m: LinearModule, sh: Shapes, config: TrainConfig) -> list[Kernel]:
@@ -63,11 +60,11 @@ def lora_kernels(model: ModelSpec, config: TrainConfig, kernels: list[Kernel], s
     """`kernels` (one micro-step of full training, folded) as the LoRA run of `lora` runs them."""
     out = []
     for k in kernels:
-        if (_FROZEN_GRADS.search(k.name) and not _trained_head(k, lora)) or _EMBEDDING_GRADS.match(k.name):
+        if (k.param_work in _FROZEN_GRADS and not _trained_head(k, lora)) or k.param_work == "table_grad":
             continue
-        if lora.base_dtype == "nf4" and _LAYER_WEIGHT_CAST.search(k.name):
+        if lora.base_dtype == "nf4" and k.param_work == "weight_cast" and k.block_role == "layer":
             continue
-        if base_is_low(config) and _ANY_CAST.search(k.name):
+        if base_is_low(config) and k.param_work in _CASTS:
             continue
         out.append(k)
     for block in model_blocks(model):

@@ -30,6 +30,9 @@ ROLE_ARN_RE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$"
 # S3 bucket naming rules: 3-63 chars, lowercase letters, digits, dots and hyphens, start/end alphanumeric.
 BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 # botocore retry policy: "adaptive" adds client-side rate limiting on throttling; 10 attempts in total.
+# botocore waits 60 s to connect and 60 s for each answer by default; a SageMaker or S3 control call answers in
+# about a second, so a silent endpoint is said sooner (planner.aws.pricing has the Price List API's own).
+CLIENT_TIMEOUTS: dict[str, float] = {"connect_timeout": 10.0, "read_timeout": 30.0}
 RETRY_CONFIG = {"max_attempts": 10, "mode": "adaptive"}
 THROTTLING_CODES = {"Throttling", "ThrottlingException", "TooManyRequestsException", "RequestLimitExceeded",
                     "SlowDown", "ProvisionedThroughputExceededException"}
@@ -180,7 +183,7 @@ class Aws:
         if service not in self._clients:
             from botocore.config import Config
 
-            self._clients[service] = self.session.client(service, config=Config(retries=RETRY_CONFIG))
+            self._clients[service] = self.session.client(service, config=Config(retries=RETRY_CONFIG, **CLIENT_TIMEOUTS))
         return self._clients[service]
 
     @property

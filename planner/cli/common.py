@@ -12,8 +12,18 @@ from rich.console import Console
 
 from planner.errors import FLAG_OF_FIELD, PlannerError, interrupted, one_line  # noqa: F401  (re-exported)
 
-console = Console()
-err_console = Console(stderr=True)
+
+class _Console(Console):
+    """A rich Console whose lines end where their text ends: rich pads wrapped lines and tables to the width,
+    which leaves trailing spaces in every piped line (and in a file a user diffs)."""
+
+    def _render_buffer(self, buffer: Any) -> str:
+        text = super()._render_buffer(buffer)
+        return "\n".join(line.rstrip(" ") for line in text.split("\n"))
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -35,6 +35,7 @@ from planner.cli.common import (
     stack_from_flags,
 )
 from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt, framework_fields, framework_flags
+from planner.cli.job_flags import declare, same_flags
 from planner.cli.loop_opts import LoadOpt, LoopOpt, loop_fields, loop_flags
 from planner.cli.lora_opts import (
     BaseDtypeOpt,
@@ -77,8 +78,6 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
     fields of the LoRA flags, `lora_opts.lora_fields`)."""
     from planner.estimate import estimate
     from planner.hardware import get_instance
-    from planner.io import number
-    from planner.memory.runtime import MAX_FRAGMENTATION, MAX_RUNTIME_BYTES
     from planner.prices import check_region, load_cache
 
     inst = get_instance(instance)
@@ -88,15 +87,46 @@ def run_estimate(model: str, instance: str, batch_size: int | None, global_batch
                           parallelism=parallelism, checkpointing=checkpointing, attention=attention,
                           grad_accum=grad_accum, instances=instances,
                           gradient_as_bucket_view=gradient_as_bucket_view, tf32=tf32, **(lora or {}))
-    overrides: dict[str, Any] = {}
-    if cuda_context_mib is not None:
-        number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
-        overrides["cuda_context_bytes"] = int(cuda_context_mib * 2**20)
-    if fragmentation is not None:
-        overrides["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
+    from planner.memory.runtime import overrides_from_flags
+
+    overrides = overrides_from_flags(cuda_context_mib, fragmentation)
     return estimate(model, config, inst, runtime=overrides or None, model_options=parse_model_options(model_option),
                     dataset_size=dataset_size, spot=spot, inputs=inputs, loss=loss, stack=stack, region=region,
                     run=run)
+
+
+def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
+    """The estimate of `estimate`'s flags (and so of explain's, which are the same), with the run request
+    behind it; writes the timeline when --plot asks."""
+    f = dict(flags)
+    batch_size = f["batch_size"]
+    if batch_size is None and f["global_batch_size"] is None:
+        batch_size = 8
+    run = run_request(f["lengths"], f["padding"], f["run_steps"], f["run_seed"])
+    fw = framework_fields(f["framework"], f["ds_config"], f["parallelism"], f["precision"])
+    f["parallelism"] = fw.pop("parallelism", f["parallelism"])
+    est = run_estimate(f["model"], f["instance"], batch_size, f["global_batch_size"], f["seq_len"], f["precision"],
+                       f["optimizer"], f["optimizer_impl"], f["parallelism"], f["checkpointing"], f["attention"],
+                       f["grad_accum"], f["instances"], f["model_option"], f["gradient_as_bucket_view"],
+                       f["cuda_context_mib"], f["fragmentation"], f["dataset_size"], f["spot"], f["inputs"],
+                       f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
+                                                   f["alloc_conf"]), f["tf32"], f["region"], run,
+                       lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
+                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]))
+    if f["plot"]:
+        from planner.report.timeline_plot import write_timeline
+
+        write_timeline(est, f["plot"], model_options=parse_model_options(f["model_option"]))
+    return est, run
+
+
+def _ddp_buckets(est: Estimate) -> bool:
+    """Whether this run has DDP's gradient buckets (a DDP-style strategy over several GPUs, without
+    gradient_as_bucket_view): single-GPU and DataParallel runs have none, so their legend must not say so."""
+    from planner.parallel import known
+
+    strategy = known(est.config.parallelism)
+    return bool(strategy and strategy.ddp_buckets and est.world_size > 1 and not est.config.gradient_as_bucket_view)
 
 
 def print_estimate(est: Estimate) -> None:
@@ -127,8 +157,8 @@ def print_estimate(est: Estimate) -> None:
     print_table(console, "Memory of one GPU", [Col("term", min=24), Col("bytes", "right", whole=True),
                                                 Col("", "right", whole=True)],
                 [[name, f"{value:,}", fmt_bytes(value)] for name, value in rows],
-                caption="temporaries and buffers: DDP gradient buckets, cuBLAS workspaces, optimizer and AMP "
-                        "temporaries (JSON key memory_bytes.buffers)")
+                caption="temporaries and buffers: " + ("DDP gradient buckets, " if _ddp_buckets(est) else "")
+                        + "cuBLAS workspaces, optimizer and AMP temporaries (JSON key memory_bytes.buffers)")
 
     keys = ("parameters", "gradients", "optimizer_states", "activations", "batch", "buffers")
     heads = ("params", "grads", "optim", "activ", "batch", PHASE_LABELS["buffers"])
@@ -153,11 +183,12 @@ def print_estimate(est: Estimate) -> None:
         line = f"Cost: ${c.price_per_hour:,.2f}/hour, ${c.usd_per_million_samples:,.2f} per million samples"
         if c.usd_per_epoch is not None:
             line += f", ${c.usd_per_epoch:,.2f} and {c.hours_per_epoch:,.2f} h per epoch"
-        console.print(line)
-        if c.price_stale:
-            from planner.cli.prices_cmd import stale_line
+        console.print(line, highlight=False)
+        from planner.prices import cost_provenance, stale_hint
 
-            console.print(stale_line(c.price_region, 1), highlight=False)
+        console.print(f"  {cost_provenance(c)}", highlight=False)
+        if c.price_stale:
+            console.print(f"  {stale_hint(c.price_region)}", highlight=False)
     elif est.throughput:
         console.print(f"Cost: no price for {est.instance} (see `planner prices`)", highlight=False)
     for note in est.notes:
@@ -241,100 +272,53 @@ def register(app: typer.Typer) -> None:
         inputs: InputsOpt = None,
         loss: LossOpt = None,
         lengths: LengthsOpt = None,
-        padding: PaddingOpt = "longest",
+        padding: PaddingOpt = None,
         run_steps: RunStepsOpt = None,
-        run_seed: RunSeedOpt = 0,
+        run_seed: RunSeedOpt = None,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
-        if batch_size is None and global_batch_size is None:
-            batch_size = 8
-        fw = framework_fields(framework, ds_config, parallelism, precision)
-        parallelism = fw.pop("parallelism", parallelism)
-        est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
-                           optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view, cuda_context_mib, fragmentation, dataset_size,
-                           spot, inputs, loss,
-                           stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf), tf32,
-                           region, run_request(lengths, padding, run_steps, run_seed),
-                           lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype) | fw
-                           | loop_fields(loop, load))
-        if plot:
-            from planner.report.timeline_plot import write_timeline
-
-            write_timeline(est, plot, model_options=parse_model_options(model_option))
+        est, _ = estimate_from_flags(locals())
         if json_out:
-            print(dumps_json(est.to_json(), indent=2))
+            from planner.estimate import program
+
+            out = est.to_json()
+            out["program"] = program(model, est, model_options=parse_model_options(model_option))
+            print(dumps_json(out, indent=2))
         else:
             print_estimate(est)
             if plot:
                 console.print(f"timeline written to {plot}")
 
+    declare(estimate_cmd)  # its flags are the job's: explain, search and sweeps derive theirs (job_flags)
+
     @app.command("explain")
     @handles_errors
-    def explain_cmd(
-        model: ModelOpt = DEFAULT_MODEL,
-        instance: InstanceOpt = DEFAULT_INSTANCE,
-        batch_size: BatchOpt = None,
-        global_batch_size: GlobalBatchOpt = None,
-        seq_len: SeqOpt = 512,
-        precision: PrecisionOpt = "fp32",
-        optimizer: OptimizerOpt = "adamw",
-        optimizer_impl: OptimizerImplOpt = "foreach",
-        parallelism: ParallelismOpt = "auto",
-        checkpointing: CheckpointingOpt = False,
-        attention: AttentionOpt = "auto",
-        grad_accum: GradAccumOpt = 1,
-        instances: InstancesOpt = 1,
-        model_option: ModelOptionOpt = None,
-        gradient_as_bucket_view: BucketViewOpt = False,
-        tf32: Tf32Opt = False,
-        region: PriceRegionOpt = "us-east-1",
-        lora_r: LoraROpt = None,
-        lora_alpha: LoraAlphaOpt = None,
-        lora_targets: LoraTargetsOpt = None,
-        lora_dropout: LoraDropoutOpt = 0.0,
-        base_dtype: BaseDtypeOpt = "auto",
-        loop: LoopOpt = "plain",
-        load: LoadOpt = "direct",
-        framework: FrameworkOpt = "pytorch",
-        ds_config: DsConfigOpt = None,
-        torch_version: TorchVersionOpt = None,
-        cuda_version: CudaVersionOpt = None,
-        transformers_version: TransformersVersionOpt = None,
-        alloc_conf: AllocConfOpt = None,
-        json_out: JsonOpt = False,
-        inputs: InputsOpt = None,
-        loss: LossOpt = None,
-        lengths: LengthsOpt = None,
-        padding: PaddingOpt = "longest",
-        run_steps: RunStepsOpt = None,
-        run_seed: RunSeedOpt = 0,
-    ) -> None:
+    @same_flags
+    def explain_cmd(**flags: Any) -> None:
         """Step by step: GPUs, storage, parameters, precision, gradients, activations, phases, verdict, fixes."""
         from planner.explain import explain
 
-        if batch_size is None and global_batch_size is None:
-            batch_size = 8
-        fw = framework_fields(framework, ds_config, parallelism, precision)
-        parallelism = fw.pop("parallelism", parallelism)
-        run = run_request(lengths, padding, run_steps, run_seed)
-        est = run_estimate(model, instance, batch_size, global_batch_size, seq_len, precision, optimizer,
-                           optimizer_impl, parallelism, checkpointing, attention, grad_accum, instances,
-                           model_option, gradient_as_bucket_view, inputs=inputs, loss=loss,
-                           stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-                           tf32=tf32, region=region, run=run,
-                           lora=lora_fields(lora_r, lora_alpha, lora_targets, lora_dropout, base_dtype) | fw
-                           | loop_fields(loop, load))
-        steps = explain(est, model, model_options=parse_model_options(model_option), requested_parallelism=parallelism,
-                        inputs=inputs, loss=loss, run=run)
+        est, run = estimate_from_flags(flags)
+        model, model_option = flags["model"], flags["model_option"]
+        json_out = flags["json_out"]
+        steps = explain(est, model, model_options=parse_model_options(model_option),
+                        requested_parallelism=flags["parallelism"], inputs=flags["inputs"], loss=flags["loss"],
+                        run=run)
         if json_out:
             print(dumps_json([{"step": i + 1, "title": s.title, "lines": list(s.lines), "figures": s.figures}
                               for i, s in enumerate(steps)], indent=2))
             return
-        from rich.padding import Padding
+        import textwrap
+
         from rich.text import Text
 
+        width = max(console.width - 3, 40)
         for i, s in enumerate(steps, 1):
             console.print(Text(f"\n{i}. {s.title}", style="bold cyan"))
-            for line in s.lines:  # wrapped lines keep the indent; no cell or word is cut
-                console.print(Padding(Text(line, overflow="fold"), (0, 0, 0, 3)))
+            for line in s.lines:  # wrapped lines keep the indent; no word is cut, no line padded with spaces
+                lead = "   " + line[:len(line) - len(line.lstrip(" "))]  # a nested line keeps its indent
+                wrapped = textwrap.fill(line.lstrip(" "), width, initial_indent=lead, subsequent_indent=lead,
+                                        break_long_words=False, break_on_hyphens=False)
+                console.print(Text(wrapped), soft_wrap=True)
+        if flags["plot"]:
+            console.print(f"timeline written to {flags['plot']}", highlight=False)

@@ -1,4 +1,5 @@
-"""`planner prices`: the SageMaker training prices the planner uses, and `--refresh` from the AWS Price List API."""
+"""`planner prices`: the SageMaker training prices the planner uses, and `--refresh` from the AWS Price List API
+(with AWS credentials) or its public bulk offer files (without)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import typer
 from planner.cli.common import JsonOpt, console, err_console, fail, handles_errors
 from planner.io import dumps_json
 
-RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Fetch current prices from the AWS Price List API "
-                                                            "and cache them in results/prices.json.")]
+RefreshOpt = Annotated[bool, typer.Option("--refresh", help="Fetch current prices (the AWS Price List API with "
+                                                            "credentials, its public offer files without) and "
+                                                            "cache them in results/prices.json.")]
 RegionOpt = Annotated[str, typer.Option("--region", help="Region to price (the API itself is called in us-east-1).")]
 PriceRegionOpt = Annotated[str, typer.Option("--region", help="Region whose SageMaker prices the cost uses.")]
 REFRESH_HINT = "planner prices --refresh --region {region}"

@@ -7,6 +7,7 @@ planner.probes.store, comparisons from planner.probes.validate / calibrate.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -285,6 +286,8 @@ def register(app: typer.Typer) -> None:
 
         if not local:
             raise PlannerError("--no-local", True, "`planner probe launch` for SageMaker")
+        if device is not None and not re.fullmatch(r"cpu|cuda(:\d{1,3})?", device):
+            raise PlannerError("--device", device, "cpu, cuda or cuda:N (the probe runs PyTorch on this machine)")
         check_torch()
         from planner.io import number
 

@@ -13,26 +13,42 @@ from planner.units import fmt_bytes
 LengthsOpt = Annotated[str | None, typer.Option(
     "--lengths", help="A run of varying lengths: uniform:MIN-MAX[:STEP] (each batch's padded length) or a "
                       "file of per-sample token lengths (.txt, .csv, .parquet, .npy).")]
-PaddingOpt = Annotated[str, typer.Option(
+PaddingOpt = Annotated[str | None, typer.Option(
     "--padding", help="With a length file: longest (random batches padded to their longest), bucketed "
                       "(grouped by length), max (padded to --seq-len), exact (each value is one "
-                      "step's padded length, in order).")]
+                      "step's padded length, in order). Default longest.")]
 RunStepsOpt = Annotated[int | None, typer.Option(
     "--run-steps", help="Steps to simulate (default: until the memory peak stops moving).")]
-RunSeedOpt = Annotated[int, typer.Option("--run-seed", help="Seed of the run's draw of lengths.")]
+RunSeedOpt = Annotated[int | None, typer.Option("--run-seed", help="Seed of the run's draw of lengths "
+                                                                   "(default 0).")]
 
 
-def run_request(lengths: str | None, padding: str, run_steps: int | None, run_seed: int):
-    """The run the flags ask for, or None (one step)."""
+def run_request(lengths: str | None, padding: str | None, run_steps: int | None, run_seed: int | None):
+    """The run the flags ask for, or None (one step). Every run flag needs --lengths: without it the step is
+    one step, and a flag that changes nothing is refused rather than ignored."""
     if lengths is None:
         from planner.errors import PlannerError
 
-        if run_steps is not None:
-            raise PlannerError("--run-steps", run_steps, "only with --lengths")
+        for flag, value in (("--padding", padding), ("--run-steps", run_steps), ("--run-seed", run_seed)):
+            if value is not None:
+                raise PlannerError(flag, value, "only with --lengths (a run of varying lengths)")
         return None
     from planner.run.simulate import request
 
-    return request(lengths, padding=padding, steps=run_steps, seed=run_seed)
+    req = request(lengths, padding=padding or "longest", steps=run_steps, seed=0 if run_seed is None else run_seed)
+    if req.steps is not None and req.steps > SLOW_RUN_STEPS:
+        from planner.cli.common import err_console
+
+        err_console.print(f"note: --run-steps {req.steps:,} replays every step of the run, once for estimate and "
+                          "again for each fix explain weighs: minutes on a 7B model (the default, until the "
+                          "peak stops moving, takes seconds)", highlight=False, soft_wrap=True)
+    return req
+
+
+# Steps above which a run is said to be slow before it starts (issue 37). Measured on this project's 2-core
+# machine: the replay costs ~0.1 ms per step per replay on BERT-base (estimate --run-steps 100000: 19 s) and
+# more on a 7B model (explain of Llama-2-7B --run-steps 100000: over 400 s; 800 steps: 5 s).
+SLOW_RUN_STEPS = 5_000
 
 
 def run_lines(est: Estimate) -> list[str]:

@@ -28,12 +28,14 @@ from planner.cli.common import (
 )
 from planner.io import check_writable_dir, dumps_json
 from planner.search.limits import (
+    DEFAULT_TRIALS,
     MAX_DATASET_SIZE,
     MAX_EPOCHS,
     MAX_GLOBAL_BATCH,
     MAX_SEARCH_INSTANCES,
     MAX_SEED,
     MAX_TRIALS,
+    TRIALS_PER_EXTRA_TYPE,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +58,7 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
                 constraints: dict[str, Any], objective: dict[str, Any], search: dict[str, Any],
                 recipe: dict[str, Any] | None = None, max_instances: int | None = None,
                 stack: dict[str, str] | None = None, inputs: str | None = None, loss: str | None = None,
-                region: str | None = None) -> Sweep:
+                region: str | None = None, held: dict[str, dict[str, Any]] | None = None) -> Sweep:
     """The sweep file (or the built-in default) with the flags that were given laid over it.
 
     The recipe flags (--global-batch-size, --seq-len, --dataset-size, --epochs) set the sweep's `recipe:`;
@@ -128,6 +130,16 @@ def build_sweep(*, sweep_file: Path | None, model: str | None, model_options: li
         given = {k: v for k, v in values.items() if v is not None}
         if given:
             updates[key] = {**updates.get(key, {}), **given}
+    for section, values in (held or {}).items():  # estimate's flags held for every trial (job_flags)
+        if section == "fixed":
+            values = dict(values)
+            if "ds_config" in values:  # --ds-config FILE: read now (one line if it does not parse), as a sweep's
+                from planner.parallel.ds_config import read_ds_config
+
+                values["deepspeed"] = read_ds_config(values.pop("ds_config"), "--ds-config").model_dump()
+            updates["fixed"] = {**updates.get("fixed", base.fixed), **values}
+        else:
+            updates[section] = {**updates.get(section, {}), **values}
     if not updates:
         return base
     merged = base.with_overrides(**updates)
@@ -176,9 +188,9 @@ def _config_text(row: Any, shown: set[str]) -> str:
         parts.append("ckpt" if row["checkpointing"] else "no-ckpt")
     if "lora_r" in shown:
         parts.append(f"r{_int(row.get('lora_r'))}")
-    for dim in ("lora_targets", "base_dtype"):
-        if dim in shown:
-            parts.append(str(row.get(dim) or "default"))
+    for dim, label in (("lora_targets", "targets"), ("base_dtype", "base")):  # labelled: "bf16" alone reads
+        if dim in shown:                                                     # as the precision
+            parts.append(f"{label} {row.get(dim) or 'default'}")
     for dim, default in (("loop", "plain"), ("load", "direct")):  # (rows at the defaults do not carry them)
         if dim in shown:
             value = row.get(dim)
@@ -266,19 +278,15 @@ def print_result(result: SearchResult, top: int) -> None:
     multi = len(types) > 1 or "instances" in shown
     best = best_row(frame, result.target, result.direction)
     if len(best):
-        b = best.iloc[0]
-        console.print(
-            f"[bold]best:[/] {_instance_text(b)}, micro-batch {_int(b['batch_size'])} x accumulation "
-            f"{_int(b['grad_accum'])} x {_int(b['world_size'])} GPUs = global batch {_int(b['global_batch_size'])}, "
-            f"seq {_int(b['seq_len'])}, {b['precision']}, {'checkpointing' if b['checkpointing'] else 'no checkpointing'}, "
-            f"{b['parallelism']}, {b['attention']}, {b['optimizer']} {b['optimizer_impl']}"
-            + (f", {b['framework']}" if isinstance(b.get("framework"), str) else ""), highlight=False)
-        console.print(
-            f"      {_num(b['samples_per_s'], ',.1f')} samples/s; {_num(b[time_col])} h and "
-            f"{_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per million samples'} at "
-            f"{_num(b['price_per_hour'], prefix='$')}/h; peak {_num(b['peak_device_gib'])} of "
-            f"{_num(b['gpu_memory_gib'])} GiB ({b['verdict']}; band's high end "
-            f"{_num(b['peak_device_high_gib'])})", highlight=False)
+        for line in best_lines(best.iloc[0], time_col, cost_col, per_job):
+            console.print(line, highlight=False, soft_wrap=True)
+    from planner.prices import price_records, provenance_summary, stale_hint
+
+    records = price_records(list(types), result.sweep.region)
+    for line in provenance_summary(records):
+        console.print(line, highlight=False, soft_wrap=True)
+    if any(r["stale"] for r in records):
+        console.print(stale_hint(result.sweep.region), highlight=False, soft_wrap=True)
     heads = ["#"] + (["instance"] if multi else []) + ["configuration", "peak GiB", "samples/s", time_head,
                                                        cost_head]
     table = _table(f"Top {top} configurations (micro x accum x GPUs)", heads)
@@ -316,6 +324,66 @@ def print_result(result: SearchResult, top: int) -> None:
             table.add_row(_int(row["seq_len"]), *([_instance_text(row)] if multi else []), _config_text(row, shown),
                           _num(row["samples_per_s"], ",.1f"), _num(row[cost_col], prefix="$"))
         console.print(table)
+
+
+def _joined(parts: list[str], first: str, indent: str = "      ", width: int = 80) -> list[str]:
+    """Parts joined by ", " into lines of at most `width` columns, broken only between parts, so a figure
+    ("15.78 GiB") is never split across two lines."""
+    lines, line = [], first
+    for part in parts:
+        sep = "" if line in (first, indent) else ", "
+        if len(line) + len(sep) + len(part) > width and line not in (first, indent):
+            lines.append(line)
+            line, sep = indent, ""
+        line += sep + part
+    return [*lines, line]
+
+
+def best_lines(b: Any, time_col: str, cost_col: str, per_job: bool) -> list[str]:
+    """The best configuration in lines of at most 80 columns: what it is, what it does, what it costs and on
+    how many of the instance's GPUs (SageMaker bills every GPU of the instance)."""
+    from planner.hardware import get_instance
+
+    gpus, world = get_instance(str(b["instance"])).gpus, _int(b["world_size"])
+    n = int(b["instances"]) if b.get("instances") == b.get("instances") and b.get("instances") else 1
+    what = [f"{_instance_text(b)}", f"micro-batch {_int(b['batch_size'])} x accumulation {_int(b['grad_accum'])} "
+            f"x {world} GPUs = global batch {_int(b['global_batch_size'])}", f"seq {_int(b['seq_len'])}",
+            str(b["precision"]), "checkpointing" if b["checkpointing"] else "no checkpointing",
+            str(b["parallelism"]), str(b["attention"]), f"{b['optimizer']} {b['optimizer_impl']}"]
+    if isinstance(b.get("framework"), str):
+        what.append(f"framework {b['framework']}")
+    for dim, label in (("lora_r", "LoRA r"), ("lora_targets", "targets"), ("base_dtype", "base")):
+        value = b.get(dim)
+        if value is not None and value == value and value != "":
+            what.append(f"{label} {_int(value) if dim == 'lora_r' else value}")
+    used = (f"whole instance{'s' if n > 1 else ''}: {world} of {gpus * n} GPUs used" if world != str(gpus * n)
+            else f"{gpus * n} GPU{'s' if gpus * n != 1 else ''}")
+    does = [f"{_num(b['samples_per_s'], ',.1f')} samples/s",
+            f"{_num(b[time_col])} h and {_num(b[cost_col], prefix='$')} {'per job' if per_job else 'per 1M samples'}",
+            f"at {_num(b['price_per_hour'], prefix='$')}/h ({used})",
+            f"peak {_num(b['peak_device_gib'])} of {_num(b['gpu_memory_gib'])} GiB ({b['verdict']})",
+            f"band's high end {_num(b['peak_device_high_gib'])} GiB"]
+    return _joined(what, "best: ") + _joined(does, "      ")
+
+
+def write_best_timeline(result: SearchResult, path: str) -> None:
+    """`--plot`: the best configuration estimated again and its memory timeline written (as `estimate --plot`)."""
+    from planner.estimate import estimate
+    from planner.hardware import get_instance
+    from planner.report.timeline_plot import write_timeline
+    from planner.search.results import best_row
+    from planner.search.sweep import sweep_model
+
+    b = best_row(result.frame, result.target, result.direction).iloc[0]
+    space = result.run.space
+    values = {dim: b[dim] for dim in space.values() if dim in b.index and b[dim] == b[dim]}
+    for dim, vals in space.values().items():  # numpy scalars back to the space's own values
+        values[dim] = next((v for v in vals if v == values.get(dim)), vals[0])
+    config = space.config(values)
+    sw = result.sweep
+    est = estimate(sweep_model(sw), config, get_instance(str(b["instance"])), dataset_size=sw.dataset_size(),
+                   spot=sw.objective.spot, **sw.estimate_kwargs())
+    write_timeline(est, path, model_options=dict(sw.model_options))
 
 
 def files_lines(result: SearchResult) -> list[str]:
@@ -369,6 +437,8 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
     unpriced = [n for n in missing if unfit.get(n, "").startswith("no price for")]
     counts = frame["instance"].value_counts()
     lines = []
+    # types whose smallest start fails the same way (figures aside): one line
+    same_reason: dict[str, list[tuple[str, str]]] = {}
     if unpriced:  # their start fits: only the $ per job to rank them by is missing
         names = ", ".join(n.removeprefix("ml.") for n in unpriced)
         lines.append(f"unpriced here, so not ranked by $ per job ({len(unpriced)} type{'s' if len(unpriced) != 1 else ''}; "
@@ -380,12 +450,30 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
         if name in unpriced:
             continue
         if name in unfit:
-            lines.append(f"{short}: nothing found; even its smallest start (micro-batch, checkpointing and "
-                         f"sharding as far as the space allows) fails: {unfit[name]}")
+            same_reason.setdefault(_reason_kind(unfit[name], name), []).append(
+                (short, unfit[name].replace(name, "these types")))
         else:
             lines.append(f"{short}: no feasible configuration found in its {n} trial{'s' if n != 1 else ''} "
                          f"(not proven impossible: search it alone, --instance {short})")
+    for group in same_reason.values():
+        names = [short for short, _ in group]
+        reasons = {reason for _, reason in group}
+        # the reason as printed for that type: the same words for all, or the first type's figures named
+        why = group[0][1] if len(reasons) == 1 else f"on {names[0]}: {group[0][1]}"
+        if len(group) == 1:
+            why = why.replace("these types", names[0])
+        lines.append(f"nothing found on {', '.join(names)}: even the smallest start (micro-batch, "
+                     f"checkpointing and sharding as far as the space allows) fails: {why}")
     return lines
+
+
+def _reason_kind(reason: str, instance: str) -> str:
+    """A start's failure without what differs by instance type (its name, its GPU's memory, its peak): the key
+    that groups types failing alike into one line."""
+    import re
+
+    reason = reason.replace(instance, "these types")
+    return re.sub(r"\d[\d.,-]*", "N", reason)  # a key only: what is printed keeps its figures
 
 
 # Seconds between status lines when stderr is not a terminal (a log, CI): a bar would print nothing useful.
@@ -393,12 +481,13 @@ STATUS_INTERVAL_S = 5.0
 
 
 class _Progress:
-    """A rich progress bar on a terminal; a status line every STATUS_INTERVAL_S seconds when piped."""
+    """A rich progress bar on a terminal; when piped, a status line every STATUS_INTERVAL_S seconds only if
+    `--progress` asked for it (a log or a pipe gets no lines it did not ask for)."""
 
-    def __init__(self, bar: bool) -> None:
+    def __init__(self, bar: bool, status: bool = False) -> None:
         import time
 
-        self.bar = bar
+        self.bar, self.status = bar, status
         self.start = self.last = time.monotonic()
         self.task: Any = None
         self.progress: Any = None
@@ -416,6 +505,8 @@ class _Progress:
                 self.task = self.progress.add_task("search", total=total)
             self.progress.update(self.task, completed=done, total=total)
             return
+        if not self.status:
+            return
         now = time.monotonic()
         if now - self.last >= STATUS_INTERVAL_S or (done >= total and now - self.start >= STATUS_INTERVAL_S):
             self.last = now
@@ -432,8 +523,11 @@ class _Progress:
 
 
 def register(app: typer.Typer) -> None:
+    from planner.cli.job_flags import search_takes
+
     @app.command("search")
     @handles_errors
+    @search_takes
     def search(
         instance: Annotated[str | None, typer.Option(
             "--instance", "-i", help="Instance type(s): NAME, A,B,C or all (default: the sweep's).")] = None,
@@ -448,8 +542,9 @@ def register(app: typer.Typer) -> None:
             "--region", help="Region whose SageMaker prices the cost uses (default: the sweep's, us-east-1).")] = None,
         sweep: Annotated[Path | None, typer.Option("--sweep", help="YAML sweep file (see sweeps/).")] = None,
         trials: Annotated[int | None, typer.Option(
-            min=1, max=MAX_TRIALS, help="Finished trials wanted in the study, shared by every worker (default 100, plus 8 per "
-                        "further instance type; grid: the whole grid).")] = None,
+            min=1, max=MAX_TRIALS, help=f"Finished trials wanted in the study, shared by every worker (default "
+                                     f"{DEFAULT_TRIALS}, plus {TRIALS_PER_EXTRA_TYPE} per further instance type; "
+                                     "grid: the whole grid).")] = None,
         sampler: Annotated[str | None, typer.Option(help="tpe (default; grid when the space has no more points than --trials), grid (exhaustive) or random.")] = None,
         seed: Annotated[int | None, typer.Option(
             min=0, max=MAX_SEED, help="Sampler seed (default 0); each further worker on the same study adds its number.")] = None,
@@ -497,10 +592,6 @@ def register(app: typer.Typer) -> None:
                                                             "eager.")] = None,
         parallelisms: Annotated[str | None, typer.Option(
             help="ddp, zero1, zero2, zero3, fsdp, dp (default all), single, auto.")] = None,
-        loop: Annotated[str | None, typer.Option(
-            "--loop", help="Training loop(s): plain (default), hf-trainer, accelerate, lightning, loss-only.")] = None,
-        load: Annotated[str | None, typer.Option(
-            "--load", help="direct (default) or cast (built in fp32, then cast), or both: direct,cast.")] = None,
         frameworks: Annotated[str | None, typer.Option(
             help="pytorch (default), torchtitan, megatron, deepspeed, accelerate, lightning: whose layouts "
                  "apply.")] = None,
@@ -511,6 +602,9 @@ def register(app: typer.Typer) -> None:
         alloc_conf: AllocConfOpt = None,
         progress: Annotated[bool | None, typer.Option(
             "--progress/--no-progress", help="Progress bar (default: on a terminal).")] = None,
+        plot: Annotated[str | None, typer.Option(
+            "--plot", help="Write the best configuration's memory timeline to FILE.png or FILE.html.")] = None,
+        job: dict[str, Any] | None = None,
     ) -> None:
         """Search instance type and count, parallelism, precision, checkpointing, micro-batch, attention and
         optimizer kernels for the best way to run a training recipe; prints the best, the top configurations
@@ -526,12 +620,16 @@ def register(app: typer.Typer) -> None:
             from planner.errors import unknown
 
             raise unknown("--sampler", sampler, ["tpe", "grid", "random"])
+        from planner.cli.job_flags import sweep_updates
+
+        space = {"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
+                 "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
+                 "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms,
+                 "frameworks": frameworks}
+        held = sweep_updates(job or {}, space)  # estimate's flags: --batch-size 8, --lora-r 8,16, --tf32 ...
         sw = build_sweep(
             sweep_file=sweep, model=model, model_options=model_option, instance=instance, nodes=nodes,
-            space={"batch_sizes": batch_sizes, "seq_lens": seq_lens, "precisions": precisions,
-                   "checkpointing": checkpointing, "grad_accums": grad_accums, "optimizers": optimizers,
-                   "optimizer_impls": optimizer_impls, "attentions": attentions, "parallelisms": parallelisms,
-                   "frameworks": frameworks, "loops": loop, "loads": load},
+            space=space,
             constraints={"max_memory_fraction": max_memory_fraction, "global_batch_size": global_batch_size,
                          "global_batch_tolerance": global_batch_tolerance, "min_seq_len": min_seq_len,
                          "accept_tight": accept_tight},
@@ -540,15 +638,17 @@ def register(app: typer.Typer) -> None:
             recipe={"seq_len": seq_len, "dataset_size": dataset_size, "epochs": epochs},
             max_instances=max_instances,
             stack=stack_from_flags(torch_version, cuda_version, transformers_version, alloc_conf),
-            inputs=inputs, loss=loss, region=region,
+            inputs=inputs, loss=loss, region=region, held=held,
         )
         check_writable_dir(results_dir, "--results-dir")  # before any trial: the result files go there
         quiet_interrupted_trials()
-        bar = sys.stderr.isatty() and not json_out if progress is None else progress
+        # a bar on a terminal; piped or logged, nothing unless --progress asks (then a status line every 5 s)
+        bar = sys.stderr.isatty() and not json_out if progress is None else (progress and sys.stderr.isatty())
+        status = bool(progress) and not bar
         kwargs = dict(study=study, storage=storage, trials=trials, sampler=sampler, seed=seed,
                       results_dir=results_dir)
         try:
-            with _Progress(bar) as report:
+            with _Progress(bar, status) as report:
                 result = run_search(sw, progress=report, **kwargs)
         except SearchInterrupted as stop:
             err_console.print(interrupted_message(stop), highlight=False, soft_wrap=True)
@@ -563,6 +663,10 @@ def register(app: typer.Typer) -> None:
             if result.files:
                 for line in files_lines(result):
                     console.print(line, highlight=False, soft_wrap=True)
+        if plot and not result.all_infeasible:
+            write_best_timeline(result, plot)
+            if not json_out:
+                console.print(f"timeline of the best written to {plot}", highlight=False)
         if result.all_infeasible:
             err_console.print(f"[bold red]error:[/] {infeasible_message(result)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)

@@ -79,6 +79,16 @@ class Family:
     layer_linears: tuple[Linear, ...] = ()
     classifier_linears: tuple[Linear, ...] = ()
     lm_head_linears: tuple[Linear, ...] = ()
+    # Module names of the non-Linear parameters, as transformers registers them (planner.families.forms
+    # names each op's parameter tensors with them; tests/test_program.py checks them against the modules).
+    word_table: str = "embeddings.word_embeddings"  # under the base model
+    position_table_name: str = "embeddings.position_embeddings"
+    token_type_table: str = "embeddings.token_type_embeddings"
+    embedding_norm_name: str = "embeddings.LayerNorm"
+    layer_norm_names: tuple[str, str] = ("attention.output.LayerNorm", "output.LayerNorm")  # in layer order
+    final_norm_name: str = ""  # under the base model (decoders)
+    lm_head_norm: str = ""  # the masked-LM transform's norm, from the model's root
+    lm_head_bias: str = ""  # the masked-LM head's own (V,) bias parameter, from the model's root
 
     @property
     def encoder(self) -> bool:

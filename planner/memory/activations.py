@@ -3,7 +3,9 @@
 Why this is not one formula: what a forward saves depends on the exact ops the modeling code runs, the
 attention kernel, the precision (and which ops autocast keeps in fp32) and the device's kernels. So each
 tensor group has its own small function below, returning the *storages* it saves (`Saved`: name, element
-count, dtype). A block's `saved_bytes` is their sum, each storage counted once, rounded the way the CUDA
+count, dtype). Which groups a transformer block has is its program's: the layer forms
+(planner.families.forms) emit the block's ops and planner.memory.op_saved maps each op kind to the functions
+below (`block_saved`, `layer_saved`; issue 33). A block's `saved_bytes` is their sum, each storage counted once, rounded the way the CUDA
 caching allocator rounds allocations. `tests/saved_tensors.py` measures the same thing on the real modules
 (saved-tensor hooks under FakeTensorMode) and `tests/test_activations.py` checks these functions against it.
 
@@ -42,6 +44,26 @@ from dataclasses import dataclass, field
 
 from planner.errors import PlannerError
 from planner.families import family
+
+# The context record and the CUDA/CPU rules live in planner.ir.context (issue 33: the layer forms read them
+# too); re-exported here for the formulas below and their callers.
+from planner.ir.context import (  # noqa: E402, F401
+    BOOL,
+    F32,
+    FLASH_MAX_HEAD_DIM,
+    I64,
+    LOW_DTYPE,
+    Ctx,
+    attention_kernel,
+    autocast_fp32_op,
+    mask_bytes_dtype,
+    mask_materialised,
+    math_sdpa_dtype,
+    norm_stats_dtype,
+    promote,
+    sdpa_kernel,
+    sdpa_math_for_mask_grad,
+)
 from planner.models.blocks import Block, model_blocks
 from planner.spec import (
     BYTES_PER_DTYPE,
@@ -53,9 +75,6 @@ from planner.spec import (
     TransformerSpec,
 )
 
-F32, BOOL, I64 = "float32", "bool", "int64"
-LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
-
 # Allocation granularity of the CUDA caching allocator, bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize = 512): torch.cuda.memory_allocated counts every tensor rounded up to it.
 CUDA_ALLOCATION_ROUND_BYTES = 512
@@ -66,8 +85,6 @@ EFFICIENT_LSE_ALIGN = 32
 # Memory-efficient SDPA pads an unaligned bias's last dim (attention.cpp `preprocess_mask`,
 # mem_eff_alignment = 8; `pad_bias` pads by alignment - last % alignment and slices back).
 EFFICIENT_BIAS_ALIGN = 8
-# FlashAttention-2 (and SDPA's flash backend) supports head_dim <= 256 (sdp_utils.cpp check_head_dim_size_flash).
-FLASH_MAX_HEAD_DIM = 256
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -122,38 +139,8 @@ class BlockActivations:
         return clone
 
 
-@dataclass(frozen=True)
-class Ctx:
-    """Everything the formulas need about one micro-batch, precision, kernel choice and backend."""
-
-    b: int
-    s: int
-    precision: str
-    attention: str
-    backend: Backend
-    padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
-    flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
-
-    @property
-    def n(self) -> int:
-        return self.b * self.s
-
-    @property
-    def amp(self) -> bool:
-        return self.precision.startswith("amp-")
-
-    @property
-    def low(self) -> str:
-        return LOW_DTYPE[self.precision]
-
-    @property
-    def act(self) -> str:
-        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else LOW_DTYPE[self.precision]
 
 
-def promote(a: str, b: str) -> str:
-    """Type promotion between the floating dtypes we meet: fp32 wins, otherwise both are the same 16-bit."""
-    return F32 if F32 in (a, b) else a
 
 
 # ------------------------------------------------------------------------- CUDA vs CPU, one each
@@ -178,74 +165,14 @@ def dropout_saved(name: str, numel: int, dtype: str, p: float, backend: Backend)
     return [Saved(name, numel, BOOL if backend == "cuda" else dtype)]
 
 
-def norm_stats_dtype(dtype: str, backend: Backend) -> str:
-    """dtype of the per-row (LayerNorm) / per-feature (BatchNorm) statistics a norm saves: CUDA allocates
-    them in the accumulate type, fp32 (layer_norm_kernel.cu, Normalization.cuh); the CPU kernels in the
-    input's dtype (measured)."""
-    return F32 if backend == "cuda" else dtype
 
 
-def autocast_fp32_op(op: str, backend: Backend) -> bool:
-    """Whether autocast runs `op` in fp32 (casting 16-bit inputs up).
-
-    CUDA: AT_FORALL_FP32 / AT_FORALL_FP32_SET_OPT_DTYPE in ATen/autocast_mode.h (softmax, log_softmax,
-    layer_norm, pow, rsqrt, sum, nll_loss, binary_cross_entropy_with_logits, ...).
-    CPU: its own, shorter fp32 list: of the ops our models use only the losses (cross_entropy_loss, nll_loss,
-    binary_cross_entropy_with_logits); softmax, layer_norm, pow stay 16-bit (measured on torch 2.13).
-    """
-    cuda = {"softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss", "cross_entropy",
-            "bce_with_logits"}
-    cpu = {"cross_entropy", "nll_loss", "bce_with_logits"}
-    return op in (cuda if backend == "cuda" else cpu)
 
 
-def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: int,
-                mask_requires_grad: bool = False) -> str:
-    """Which kernel `F.scaled_dot_product_attention` runs in training: "math", "cpu_flash", "flash",
-    "efficient".
-
-    CPU (sdp_utils_cpp.cpp): the CPU flash kernel refuses dropout (check_for_dropout), so training with
-    attention dropout falls back to the math path. CUDA (sdp_utils.cpp priority flash > efficient > math):
-    flash needs 16-bit, no explicit mask, head_dim <= 256 and sm80+; otherwise the memory-efficient kernel
-    (any dtype, additive bias, dropout). attention="flash" means FlashAttention-2: always the flash kernel
-    (HF's FA2 path unpads instead of masking). Where a recent torch prefers cuDNN attention (sm90+), that
-    kernel saves the same q, k, v, output and fp32 row statistics as flash, so the flash formula applies.
-
-    A mask that requires grad (T5's learned position bias, `create_position_bias_mask` in transformers'
-    sdpa_attention.py) runs the math path on CUDA (`sdpa_math_for_mask_grad`). The fused choice is made
-    before anything else, so this holds for attention="flash" too: HF's FA2 cannot take a bias at all.
-    """
-    if ctx.backend == "cpu":
-        return "math" if dropout_p > 0 else "cpu_flash"
-    if masked and mask_requires_grad and sdpa_math_for_mask_grad(ctx.backend):
-        return "math"
-    if ctx.attention == "flash":
-        return "flash"
-    if not masked and dtype != F32 and ctx.flash_ok and head_dim <= FLASH_MAX_HEAD_DIM:
-        return "flash"
-    return "efficient"
 
 
-def sdpa_math_for_mask_grad(backend: Backend) -> bool:
-    """Whether SDPA runs its math path when the additive mask requires grad.
-
-    CUDA: measured on an H200, torch 2.11 (shared readings h200-2026-11-26, traced-memory-sites.txt): in
-    T5-base fp32, the 24 calls whose mask carries the learned position bias (encoder and decoder
-    self-attention) hold exactly the math path's saved tensors at line 158 of sdpa_attention.py (scaled q
-    and k, softmax, dropout mask, dropped probabilities and the folded v, 504 MiB each at b16 s512), while
-    the 12 cross-attention calls, whose zero bias needs no grad, hold only the memory-efficient output and
-    logsumexp. cuDNN refuses such a mask by source (sdp_utils_cpp.h `check_attn_mask_shape`:
-    `if (attn_mask.value().requires_grad()) return false;`). CPU: its flash kernel refuses it the same way.
-    """
-    return True
 
 
-def math_sdpa_dtype(dtype: str, backend: Backend) -> str:
-    """Compute dtype of SDPA's math path: it upcasts 16-bit q/k/v to fp32 on both devices (attention.cpp
-    `_scaled_dot_product_attention_math`: `query_.to(at::kFloat)` unless
-    `allowFP16BF16ReductionMathSDP()`, off by default; the same composite runs on CPU and CUDA; measured on
-    CPU, and the H200 T5 readings hold fp32 softmax and probabilities under AMP bf16)."""
-    return F32 if dtype != F32 else dtype
 
 
 def attention_lse(kernel: str, ctx: Ctx, heads: int) -> Saved:
@@ -314,7 +241,7 @@ def rmsnorm_saved(name: str, tokens: int, width: int, dtype: str, ctx: Ctx, inpu
 
 def activation_saved(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[list[Saved], str]:
     """The MLP nonlinearity on an up-projection output of `dtype`: what it saves (input included) and the
-    dtype of its output. The output itself is saved by the down-projection (see `mlp_saved`).
+    dtype of its output. The output itself is saved by the down-projection (planner.families.forms.common.mlp_ops).
 
     gelu / gelu_pytorch_tanh / silu: the C kernels save their input. relu: saves its output (which the
     down-projection saves too). gelu_new (GPT-2, transformers NewGELUActivation) is Python:
@@ -331,27 +258,6 @@ def activation_saved(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> t
                  Saved(f"{name}.half_x", numel, dtype), Saved(f"{name}.one_plus_tanh", numel, branch)],
                 promote(dtype, branch))
     raise ValueError(f"activation {act!r}: no saved-tensor formula (known: gelu, gelu_new, relu, silu)")
-
-
-def mlp_saved(spec: TransformerSpec, ctx: Ctx, in_dtype: str, gated: bool) -> list[Saved]:
-    """Feed-forward block after its (new) input tensor of `in_dtype`.
-
-    BERT/GPT-2: up (saves input) -> act -> down (saves the activation output): input, act's tensors, n·i.
-    Llama (gated): gate and up read the same input; silu saves the gate output; silu(g)·u saves both
-    factors; down saves the product: input, 4·n·i.
-    """
-    n, i, low = ctx.n, spec.intermediate_size, ctx.low
-    out = linear_inputs("mlp.input", n * spec.hidden_size, in_dtype, ctx, consumers=2 if gated else 1)
-    acts, act_out = activation_saved("mlp.act", spec.hidden_act, n * i, low, ctx)
-    out += acts
-    if gated:
-        out += [Saved("mlp.act_output", n * i, act_out), Saved("mlp.up", n * i, low)]
-        out += [Saved("mlp.product", n * i, promote(act_out, low))]
-    elif spec.hidden_act == "relu":
-        out += [Saved("mlp.act_output", n * i, act_out)]  # saved by relu and down-projection: one storage
-    else:
-        out += linear_inputs("mlp.act_output", n * i, act_out, ctx)
-    return out
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -437,134 +343,26 @@ def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: lis
     return out
 
 
-def attention_kernel(spec: TransformerSpec, ctx: Ctx, masked: bool) -> str:
-    """"eager" or the SDPA kernel (see `sdpa_kernel`) for this layer."""
-    if ctx.attention == "eager":
-        return "eager"
-    return sdpa_kernel(ctx, ctx.low, spec.attention_dropout, masked, spec.head_dim)
 
 
-def mask_materialised(spec: TransformerSpec, ctx: Ctx) -> bool:
-    """Whether HF builds a 4-D mask (masking_utils): always for decoders in eager, and for Mistral once
-    s >= sliding_window; otherwise only when the batch has padding (an all-ones mask is skipped for SDPA:
-    `_ignore_causal_mask_sdpa`, `_ignore_bidirectional_mask_sdpa`). FlashAttention-2 takes the 2-D mask and
-    unpads instead."""
-    if ctx.attention == "flash" and ctx.backend == "cuda":
-        return False
-    traits = family(spec.family)
-    if traits.decoder and ctx.attention == "eager":
-        return True
-    window = spec.hf_config.get("sliding_window") if traits.sliding_window else None
-    if window and ctx.s >= window:
-        return True  # a sliding window needs an explicit mask once s reaches it (local_attention_size)
-    return ctx.padded
 
 
-def mask_bytes_dtype(ctx: Ctx) -> str:
-    """HF's 4-D mask: bool for SDPA, additive in the model's dtype for eager."""
-    return BOOL if ctx.attention != "eager" else ctx.act
 
 
 # ---------------------------------------------------------------------------------------- layers
 
 
-def encoder_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """One BERT / RoBERTa / DistilBERT layer (post-norm): Q,K,V Linear -> attention -> dense -> dropout ->
-    LayerNorm(+x) -> up -> GELU -> down -> dropout -> LayerNorm(+residual). HF BertLayer; DistilBERT's
-    TransformerBlock is the same without the dropout after the attention output projection.
-    """
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    out = linear_inputs("layer.input", n * h, act, ctx, consumers=3)
-    masked = mask_materialised(spec, ctx)
-    kernel = attention_kernel(spec, ctx, masked)
-    if kernel == "eager":
-        out += eager_attention_saved(spec, ctx, low, masked)
-    elif kernel == "math":
-        out += math_attention_saved(spec, ctx, masked)
-    else:
-        qkv = [Saved(f"attention.{x}", n * h, low) for x in "qkv"]
-        out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
-    if kernel in ("eager", "math"):
-        out.append(Saved("attention.context", n * h, low))  # transpose().contiguous(): saved by the dense
-    if family(spec.family).attention_output_dropout:  # DistilBERT's TransformerBlock has none after out_lin
-        out += dropout_saved("attention.output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    ln, ln_dtype = layernorm_saved("attention.output.LayerNorm", n, h, promote(low, act), ctx)
-    out += ln
-    out += mlp_saved(spec, ctx, ln_dtype, gated=False)
-    out += dropout_saved("output.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    ln, _ = layernorm_saved("output.LayerNorm", n, h, promote(low, act), ctx)
-    return out + ln
-
-
-def gpt2_layer_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """One GPT-2 block (pre-norm): ln_1 -> c_attn -> attention -> c_proj -> dropout -> +x -> ln_2 -> c_fc ->
-    gelu_new -> c_proj -> dropout -> +residual (transformers GPT2Block). q, k, v are views of the one
-    c_attn output (n·3h), which fused kernels save as a single storage.
-    """
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    ln, ln_dtype = layernorm_saved("ln_1", n, h, act, ctx)
-    out = ln
-    out += linear_inputs("attn.c_attn.input", n * h, ln_dtype, ctx)
-    masked = mask_materialised(spec, ctx)
-    kernel = attention_kernel(spec, ctx, masked)
-    if kernel == "eager":
-        out += eager_attention_saved(spec, ctx, low, masked)
-    elif kernel == "math":
-        out += math_attention_saved(spec, ctx, masked, v_storage=n * 3 * h)
-    else:
-        out += fused_attention_saved(spec, ctx, kernel, [Saved("attention.qkv", n * 3 * h, low)], masked)
-    if kernel in ("eager", "math"):
-        out.append(Saved("attention.context", n * h, low))
-    out += dropout_saved("attn.resid_dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    ln, ln_dtype = layernorm_saved("ln_2", n, h, promote(low, act), ctx)
-    out += ln
-    out += mlp_saved(spec, ctx, ln_dtype, gated=False)
-    out += dropout_saved("mlp.dropout_mask", n * h, low, spec.hidden_dropout, ctx.backend)
-    return out
-
-
-def llama_layer_saved(spec: TransformerSpec, ctx: Ctx, first: bool) -> list[Saved]:
-    """One Llama / Mistral decoder layer (pre-RMSNorm, rotary, GQA, SwiGLU; transformers LlamaDecoderLayer).
-
-    Rotary: q·cos + rotate_half(q)·sin saves cos and sin (1·s·d each, the model's dtype, shared by all
-    layers: counted on the first). The rotated q, k are in promote(low, act) (fp32 under AMP, cast back
-    to 16-bit by SDPA/matmul). With a 4-D mask (or eager) HF repeats k, v to all heads (`repeat_kv`);
-    without one SDPA gets enable_gqa and saves k, v at kv-head size.
-    """
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    d, a, kvh = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    H, KV = a * d, kvh * d
-    out = rmsnorm_saved("input_layernorm", n, h, act, ctx, input_is_new=True)
-    out += linear_inputs("self_attn.input", n * h, act, ctx, consumers=3)
-    if first:
-        out += [Saved("rotary.cos", ctx.s * d, act), Saved("rotary.sin", ctx.s * d, act)]
-    masked = mask_materialised(spec, ctx)
-    kernel = attention_kernel(spec, ctx, masked)
-    rot = promote(low, act)
-    if kernel == "eager":
-        out += eager_attention_saved(spec, ctx, rot, masked)
-        out.append(Saved("attention.context", n * H, low))
-    elif kernel == "math":
-        out += math_attention_saved(spec, ctx, masked)
-        out.append(Saved("attention.context", n * H, low))
-    else:
-        repeat = masked or kvh == a
-        kv_width = H if repeat else KV
-        qkv = [Saved("attention.q", n * H, low), Saved("attention.k", n * kv_width, low),
-               Saved("attention.v", n * kv_width, low)]
-        out += fused_attention_saved(spec, ctx, kernel, qkv, masked)
-    out += rmsnorm_saved("post_attention_layernorm", n, h, act, ctx, input_is_new=True)
-    out += mlp_saved(spec, ctx, act, gated=True)
-    return out
-
-
 def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
-    form = family(spec.family).layer
-    if form == "post_norm_encoder":
-        return encoder_layer_saved(spec, ctx)
-    if form == "pre_norm_conv1d":
-        return gpt2_layer_saved(spec, ctx)
-    return llama_layer_saved(spec, ctx, first=index == 0)
+    """What one transformer layer saves: its layer form's ops (planner.families.forms), each op's storages by
+    its kind's rule (planner.memory.op_saved, which calls the piece functions above). Issue 33: the three
+    per-form functions that composed the pieces here were a second copy of each layer."""
+    from planner.families.forms import LayerArgs, load_forms
+    from planner.ir.interpret import apply, load_rules
+
+    load_rules()
+    traits = family(spec.family)
+    ops = load_forms()[traits.layer](LayerArgs(spec, traits, ctx, index, ""))
+    return [t for op in ops for t in apply("saved", op, ctx)]
 
 
 def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
@@ -584,98 +382,12 @@ def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved
 # ------------------------------------------------------------------------------ other transformer blocks
 
 
-def embeddings_saved(spec: TransformerSpec, ctx: Ctx, token_types_in_batch: bool) -> list[Saved]:
-    """Embedding lookups save their indices; token ids and a given token_type_ids are the batch's own
-    tensors (counted in MemoryBytes.batch), BERT's position ids are a buffer slice. New index tensors:
-    RoBERTa's position ids from input_ids (n int64) and its token types gathered through them (n int64),
-    BERT's token types gathered from the buffer when the batch has none (s int64), GPT-2's
-    `arange` position ids (s int64). Then LayerNorm (encoders) and dropout; Llama saves nothing here.
-    """
-    n, h, s, act = ctx.n, spec.hidden_size, ctx.s, ctx.act
-    out: list[Saved] = []
-    traits = family(spec.family)
-    if traits.position_ids == "from_input_ids":
-        out += [Saved("embeddings.position_ids", n, I64)]
-    if traits.token_types == "gathered" and not token_types_in_batch:
-        out += [Saved("embeddings.token_type_ids", n, I64)]
-    elif traits.token_types == "buffer" and not token_types_in_batch:
-        out += [Saved("embeddings.token_type_ids", s, I64)]
-    if traits.position_ids == "arange":
-        out += [Saved("embeddings.position_ids", s, I64)]
-    if traits.embedding_norm:
-        ln, _ = layernorm_saved("embeddings.LayerNorm", n, h, act, ctx)
-        out += ln
-    if traits.embedding_dropout:
-        out += dropout_saved("embeddings.dropout_mask", n * h, act, spec.embedding_dropout, ctx.backend)
-    return out
-
-
-def final_norm_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """GPT-2 ln_f (LayerNorm) or Llama norm (RMSNorm) on the residual stream, a new tensor of n·h."""
-    if family(spec.family).layer == "pre_norm_conv1d":  # GPT-2's ln_f is a LayerNorm
-        return layernorm_saved("ln_f", ctx.n, spec.hidden_size, ctx.act, ctx)[0]
-    return rmsnorm_saved("norm", ctx.n, spec.hidden_size, ctx.act, ctx, input_is_new=True)
-
-
 def first_token_input(name: str, spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     """A Linear applied to hidden[:, 0]: without autocast it saves that *view*, which keeps the whole last
     hidden state (n·h) alive; under autocast it saves a 16-bit copy of just b·h."""
     if ctx.amp:
         return [Saved(f"{name}.cast", ctx.b * spec.hidden_size, ctx.low)]
     return [Saved(f"{name}.last_hidden_state", ctx.n * spec.hidden_size, ctx.act)]
-
-
-def pooler_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """BertPooler: dense(hidden[:, 0]) -> tanh (saves its output, b·h)."""
-    return first_token_input("pooler.dense", spec, ctx) + [Saved("pooler.tanh", ctx.b * spec.hidden_size, ctx.low)]
-
-
-def classifier_dropout(spec: TransformerSpec) -> float:
-    return spec.classifier_dropout if spec.classifier_dropout is not None else spec.hidden_dropout
-
-
-def head_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
-    """The task head before the loss (transformers *ForSequenceClassification / *ForMaskedLM / *LMHeadModel).
-
-    - BERT seq-cls: dropout(pooled) -> classifier (b·h).
-    - RoBERTa seq-cls (RobertaClassificationHead): dropout(hidden[:,0]) -> dense -> tanh -> dropout -> out_proj.
-    - DistilBERT seq-cls: pre_classifier(hidden[:,0]) -> ReLU -> dropout -> classifier.
-    - GPT-2 / Llama seq-cls: score on all n tokens, then indexing the last token saves 2 index vectors.
-    - masked-lm: dense -> GELU -> LayerNorm -> decoder (n·h each).
-    - causal-lm: lm_head saves the final norm's output (n·h).
-    """
-    b, n, h, low, act = ctx.b, ctx.n, spec.hidden_size, ctx.low, ctx.act
-    bh = b * h
-    if spec.head == "sequence-classification":
-        p = classifier_dropout(spec)
-        form = family(spec.family).classifier
-        if form == "pooled":
-            out = dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
-            return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
-        if form == "dense_tanh":
-            if p > 0:
-                out = dropout_saved("head.dropout_mask", bh, act, p, ctx.backend)
-                out += linear_inputs("classifier.dense.input", bh, act, ctx)
-            else:
-                out = first_token_input("classifier.dense", spec, ctx)
-            out += [Saved("classifier.tanh", bh, low)]
-            out += dropout_saved("classifier.dropout_mask2", bh, low, p, ctx.backend)
-            return out + ([Saved("classifier.out_proj.input", bh, low)] if p > 0 else [])
-        if form == "pre_classifier_relu":
-            out = first_token_input("pre_classifier", spec, ctx) + [Saved("relu", bh, low)]
-            out += dropout_saved("head.dropout_mask", bh, low, p, ctx.backend)
-            return out + ([Saved("classifier.input", bh, low)] if p > 0 else [])
-        # decoders: score over all tokens (the pooling index is saved by the loss block)
-        return linear_inputs("score.input", n * h, act, ctx)
-    if spec.head == "masked-lm":
-        out = linear_inputs("lm.transform.dense.input", n * h, act, ctx)
-        acts, act_out = activation_saved("lm.transform.act", spec.hidden_act, n * h, low, ctx)
-        ln, ln_dtype = layernorm_saved("lm.transform.LayerNorm", n, h, act_out, ctx)
-        out += acts + ln  # under CUDA autocast LayerNorm saves an fp32 copy of the GELU output instead
-        return out + linear_inputs("lm.decoder.input", n * h, ln_dtype, ctx)
-    if spec.head == "causal-lm":
-        return linear_inputs("lm_head.input", n * h, act, ctx)
-    return []
 
 
 def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
@@ -929,17 +641,14 @@ def block_saved(block: Block, model: ModelSpec, ctx: Ctx) -> list[Saved]:
     layer = block.layer
     if not isinstance(layer, TransformerSpec):
         return dense_block_saved(block, model, ctx)
-    if block.role == "embeddings":
-        return embeddings_saved(layer, ctx, model.inputs.token_type_ids)
     if block.role == "layer":
         return layer_saved(layer, ctx, block.index)
-    if block.role == "final_norm":
-        return final_norm_saved(layer, ctx)
-    if block.role == "pooler":
-        return pooler_saved(layer, ctx)
-    if block.role == "head":
-        return head_saved(layer, ctx)
-    raise ValueError(f"block role {block.role!r}")
+    from planner.families.forms import block_ops, load_forms
+    from planner.ir.interpret import apply, load_rules
+
+    load_rules()
+    load_forms()
+    return [t for op in block_ops(block, model, ctx) for t in apply("saved", op, ctx)]
 
 
 def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = "cuda", *,

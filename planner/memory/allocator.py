@@ -468,6 +468,11 @@ def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_
     by_end: dict[int, int] = {}  # free block: addr + size -> addr
     seg_size: dict[int, int] = {}  # segment base -> bytes
     seg_small: dict[int, bool] = {}
+    # Segments that are one whole free block: what release_cached_blocks frees on an OOM retry. Kept as the
+    # free blocks change, so that a step far over capacity (an OOM retry at every new segment) does not scan
+    # every segment each time (issue 37: explain of Llama-2-7B over a run of lengths spent 70% of its time
+    # in that scan). A whole free block can only be a segment's base entry in `by_start`.
+    whole: set[int] = set()
     if start is not None:
         for size, addr, _seg, small in start.tails:
             (keys_small if small else keys_large).append(size << bits | addr)
@@ -477,6 +482,7 @@ def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_
         keys_large.sort()
         seg_size.update(start.segments)
         seg_small.update(start.pools)
+        whole.update(b for b, sz in seg_size.items() if by_start.get(b) == sz)
         next_addr, allocated = start.next_addr, start.allocated
         reserved = sum(seg_size.values())
         peak_alloc, peak_res, segments, peak_event, peak_tensor, peak_req, peak_seg = start.peaks
@@ -522,6 +528,8 @@ def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_
             by_start[addr] = size
             by_end[addr + size] = addr
             insort(keys, size << bits | addr)
+            if seg_size.get(addr) == size:
+                whole.add(addr)
             i += 1
             continue
         size = ((nbytes + 511) >> 9) << 9  # round_size
@@ -549,6 +557,7 @@ def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_
             del keys[j]
             del by_start[addr]
             del by_end[addr + bsize]
+            whole.discard(addr)
         else:  # alloc_block: a new segment (get_allocation_size), the OOM retry when over capacity
             if small:
                 grow = K_SMALL_BUFFER
@@ -559,13 +568,14 @@ def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_
             if cap is not None and reserved + grow > cap:
                 oom_retry = True
                 # release_cached_blocks: cudaFree every segment that is one whole free block
-                for base in [b for b, s in seg_size.items() if by_start.get(b) == s]:
+                for base in whole:
                     s = seg_size.pop(base)
                     del by_start[base]
                     del by_end[base + s]
                     k2 = keys_small if seg_small.pop(base) else keys_large
                     del k2[bisect_left(k2, s << bits | base)]
                     reserved -= s
+                whole.clear()
                 if reserved + grow > cap:
                     oom = True
             addr = next_addr
@@ -587,6 +597,7 @@ def fast_run(events: Sequence[Event], *, capacity_bytes: int | None = None, max_
                 by_start[addr] = grow
                 by_end[addr + grow] = addr
                 insort(keys, grow << bits | addr)
+                whole.add(addr)
                 i += 2
                 continue
         if split:

@@ -255,3 +255,18 @@ def _check_calibration_entry(entry: Mapping[str, Any], where: str) -> None:
     for key in ("n", "n_context", "n_throughput"):
         if entry.get(key) is not None:
             number(entry[key], f"{where}.{key}", low=0, high=2**53, integer=True)
+
+
+def overrides_from_flags(cuda_context_mib: float | None = None, fragmentation: float | None = None,
+                         ) -> dict[str, Any] | None:
+    """The runtime overrides of `--cuda-context-mib` / `--fragmentation` (and a sweep's `runtime:`), checked,
+    as `estimate(runtime=...)` takes them; None when neither is given."""
+    from planner.io import number
+
+    out: dict[str, Any] = {}
+    if cuda_context_mib is not None:
+        number(cuda_context_mib, "--cuda-context-mib", low=0, high=MAX_RUNTIME_BYTES / 2**20)
+        out["cuda_context_bytes"] = int(cuda_context_mib * 2**20)
+    if fragmentation is not None:
+        out["fragmentation"] = number(fragmentation, "--fragmentation", low=0, high=MAX_FRAGMENTATION)
+    return out or None

@@ -22,8 +22,7 @@ import re
 from typing import Any
 
 from planner import caches
-from planner.errors import PlannerError
-from planner.memory.alloc_conf import (  # noqa: F401  (re-exported: sw.table, sw.parse_version, ...)
+from planner.alloc_conf import (  # noqa: F401  (re-exported: sw.table, sw.parse_version, ...)
     STACKS_PATH,
     Version,
     _check_alloc_value,
@@ -33,6 +32,7 @@ from planner.memory.alloc_conf import (  # noqa: F401  (re-exported: sw.table, s
     parse_version,
     table,
 )
+from planner.errors import PlannerError
 from planner.parallel import get as strategy_of
 from planner.spec import GPU, SoftwareStack
 
@@ -135,6 +135,25 @@ def check_transformers(value: str) -> str:
     return fmt(v)
 
 
+def check_arch(cuda: str, gpu: GPU, torch: str | None = None, flag: str = "--cuda-version") -> None:
+    """A CUDA version that has kernels for the GPU (stacks.json cuda_arch): an H100 under CUDA 11.1 or a B200
+    under CUDA 12.1 cannot run, as a K80 cannot under today's builds."""
+    cc = ".".join(str(x) for x in gpu.compute_capability)
+    row = next((r for r in table()["cuda_arch"]["rows"] if r["cc"] == cc), None)
+    if row is None:
+        return
+    v = parse_version("--cuda-version", cuda)
+    first, last = parse_version("cuda", row["first"]), row["last"] and parse_version("cuda", row["last"])
+    if v >= first and (not last or v <= last):
+        return
+    span = f"CUDA {row['first']} or later" if not last else f"CUDA {row['first']} to {row['last']}"
+    stack = f"torch {torch} with CUDA {cuda}" if torch else f"CUDA {cuda}"
+    fix = "a newer --torch-version / --cuda-version" if v < first else "an older --cuda-version"
+    raise PlannerError(flag, torch if flag == "--torch-version" else cuda,
+                       f"{span} for {gpu.family} (compute capability {cc}): {stack} has no kernels for it "
+                       f"(NVIDIA CUDA release notes); give {fix}")
+
+
 # ---- the default stack and resolving the user's --------------------------------------------------
 
 
@@ -179,6 +198,7 @@ def resolve_stack(stack: SoftwareStack | dict[str, Any] | None, gpu: GPU) -> Sof
         return base
     if isinstance(stack, SoftwareStack):  # already resolved (e.g. Estimate.stack): check it, keep its flags
         check_cuda(check_torch(stack.torch), stack.cuda)
+        check_arch(stack.cuda, gpu, stack.torch)
         check_transformers(stack.transformers)
         parse_alloc_conf(stack.alloc_conf, stack.torch)
         return stack
@@ -204,6 +224,7 @@ def resolve_stack(stack: SoftwareStack | dict[str, Any] | None, gpu: GPU) -> Sof
     else:
         cuda = _torch_rows()[parse_version("torch", torch)]["cuda"][-1]
         why.append(f"CUDA {cuda} (newest build of torch {torch})")
+    check_arch(cuda, gpu, torch, "--cuda-version" if "cuda" in asked else "--torch-version")
     tf = check_transformers(asked["transformers"]) if "transformers" in asked else base.transformers
     why.append(f"transformers {tf} ({'given' if 'transformers' in asked else 'default'})")
     conf = asked.get("alloc_conf", "")

@@ -7,17 +7,19 @@ functions run inside the tracer's FakeTensorMode (`planner.program.trace`), so `
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from planner import caches
 from planner.errors import PlannerError
 
 # FILE.py:FUNCTION, the syntax of `--model`, `--inputs`, `--loss` and sweep `model:` / `inputs:` strings.
@@ -41,6 +43,68 @@ def refuse_inputs_unless_own(model: object, inputs: str | None, loss: str | None
                                "catalog models and config.json files itself")
 
 
+# How long the user's code may run at one call (the file's import, build, batch, loss) before the command stops
+# it with one line. Generous: building Llama-3-70B's modules on the meta device takes seconds; an endless loop
+# is said within the 30 s the tool allows itself before saying why it waits. PLANNER_USER_CODE_TIMEOUT_S
+# changes it (0: no limit).
+USER_CODE_TIMEOUT_S = 25.0
+
+
+def _timeout_s() -> float:
+    import math
+    import os
+
+    text = os.environ.get("PLANNER_USER_CODE_TIMEOUT_S")
+    if text is None:
+        return USER_CODE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise PlannerError("PLANNER_USER_CODE_TIMEOUT_S", text, "seconds, a finite number >= 0 (0: no limit)")
+    return value
+
+
+class _TimeUp(BaseException):
+    """Raised into the user's code by the timer (a BaseException, so their `except Exception` keeps going)."""
+
+
+@contextlib.contextmanager
+def user_code(flag: str, ref: str, what: str) -> Iterator[None]:
+    """Run the user's code (`what`: "importing x.py", "build") under a time limit, with its exits caught.
+
+    Why a timer signal in this process, not a thread or a subprocess: `build` must run here, inside the
+    tracer's FakeTensorMode, and return the module the tracer walks. A subprocess cannot hand a module back,
+    and a thread would build outside the mode (PyTorch keeps dispatch modes per thread: TorchDispatchModeTLS)
+    and allocate real weights. SIGALRM interrupts Python code between bytecodes, which stops an endless
+    Python loop; a single C call that never returns is not interruptible this way (the timer is left off
+    outside the main thread, where signals cannot be handled)."""
+    import signal
+    import threading
+
+    limit = _timeout_s()
+    timed = limit > 0 and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    previous = None
+    if timed:
+        def ring(_signum: int, _frame: Any) -> None:
+            raise _TimeUp
+
+        previous = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    except _TimeUp:
+        raise PlannerError(flag, ref, f"code that finishes: {what} ran for {limit:g} s and was stopped (an endless "
+                           "loop? PLANNER_USER_CODE_TIMEOUT_S raises the limit)") from None
+    except SystemExit as exc:
+        raise PlannerError(flag, ref, f"code that returns: {what} called sys.exit({exc.code!r})") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
 def last_line(exc: BaseException) -> str:
     """The exception's last line, as Python prints it (`ValueError: bad width`)."""
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -57,7 +121,11 @@ def _import(path: Path, flag: str, ref: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with user_code(flag, ref, f"importing {path}"):
+            spec.loader.exec_module(module)
+    except PlannerError:
+        del sys.modules[name]
+        raise
     except Exception as exc:  # noqa: BLE001 - any error in user code becomes one line
         del sys.modules[name]
         hint = (f" (install {exc.name} in this Python)" if isinstance(exc, ModuleNotFoundError) and exc.name
@@ -91,7 +159,8 @@ def model_builder(ref: str, options: dict[str, Any] | None = None) -> Callable[[
 
     def build() -> torch.nn.Module:
         try:
-            module = fn(**(options or {}))
+            with user_code("--model", ref, "build"):
+                module = fn(**(options or {}))
         except PlannerError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -101,6 +170,27 @@ def model_builder(ref: str, options: dict[str, Any] | None = None) -> Callable[[
         return module
 
     return build
+
+
+def check_build(ref: str, options: dict[str, Any] | None = None) -> None:
+    """Build the user's model once under FakeTensorMode (nothing allocated), so that a `build` that raises,
+    exits or never returns fails before a search creates its study, not in every trial."""
+    _checked_build(ref, json.dumps(options or {}, sort_keys=True, default=str), _file_version(ref))
+
+
+def _file_version(ref: str) -> object:
+    from planner.io import file_version
+
+    m = REFERENCE.match(ref)
+    return file_version(Path(m["file"]).expanduser()) if m else None
+
+
+@caches.lru(16, scope="model", key="(reference, options JSON, the file's path, mtime and size)")
+def _checked_build(ref: str, options_json: str, version: object) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model_builder(ref, json.loads(options_json))()
 
 
 def _accepted(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +216,10 @@ def batch_maker(ref: str, options: dict[str, Any] | None = None) -> Callable[[in
 
     def make(batch_size: int, seq_len: int) -> Any:
         try:
-            batch = fn(batch_size, seq_len, **extra)
+            with user_code("--inputs", ref, "batch"):
+                batch = fn(batch_size, seq_len, **extra)
+        except PlannerError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise PlannerError("--inputs", ref, f"batch raised {last_line(exc)}") from None
         if isinstance(batch, dict):
@@ -153,7 +246,8 @@ def loss_function(ref: str | None) -> Callable[[Any, Any], Any] | None:
     fn = load_function(ref, "--loss")
 
     def loss(output: Any, batch: Any) -> torch.Tensor:
-        value = fn(output, batch)
+        with user_code("--loss", ref, "loss"):
+            value = fn(output, batch)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise PlannerError("--loss", ref, "a function returning a scalar tensor")
         return value

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from planner.perf.throughput import ThroughputConstants
+    from planner.perf.constants import ThroughputConstants
     from planner.spec import Instance
 
 # collective -> ring steps as a function of ranks (NCCL tuning.cc `nsteps`)

@@ -1,5 +1,11 @@
 """One training step as the list of CUDA kernels it launches, from the shared block enumeration.
 
+Which ops a transformer block runs is its program's (planner.families.forms emit the ops; planner.perf.op_rules
+turns each op kind into the kernels below: `program_forward`); this module holds the kernel rules (the
+primitives), the backward, cast and recompute kernels derived from a block's forward, the loss, the
+optimizer and the collectives (issue 33: it used to keep its own copy of each layer, which disagreed with
+the modules in five places, tests/test_program.py).
+
 Why a kernel list: a step's time is not FLOPs / peak. Much of a BERT step is memory-bound (LayerNorm,
 softmax, dropout, GELU, residual adds, casts, eager attention over s² scores, the optimizer), and small
 micro-batches are bound by how fast the CPU can launch kernels. Each `Kernel` carries what the roofline
@@ -82,6 +88,12 @@ class Kernel:
     launches: int = 1  # CUDA launches per occurrence (foreach kernels over tensor lists)
     gemm: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a matmul, for tile/wave efficiency
     collective: str = ""  # communication kernels: a COLLECTIVE_OVERLAP key ("allreduce", "dp_reduce", ...)
+    # What the kernel does for a parameter, so that a transform (LoRA's frozen base: planner.adapters.speed)
+    # selects kernels by what they are, not by their names (issue 33): "weight_grad" (dW = Xᵀ·dY of a
+    # parameter's matmul), "bias_grad", "table_grad" (an embedding table's gradient), "weight_cast" /
+    # "bias_cast" (autocast's 16-bit copy of a parameter), "grad_cast" (its gradient cast back to fp32).
+    param_work: str = ""
+    block_role: str = ""  # the role (planner.models.blocks) of the block the kernel belongs to
 
     @property
     def bytes(self) -> int:
@@ -134,6 +146,7 @@ def backward_of(k: Kernel) -> list[Kernel]:
         b, m, n, kk = k.gemm
         dx = gemm(f"{k.name}.grad_input", m, kk, n, k.dtype, b, kind=k.kind)
         dw = gemm(f"{k.name}.grad_weight", kk, n, m, k.dtype, b, kind=k.kind)
+        dw = _with(dw, param_work="weight_grad" if k.kind == "gemm" else "")  # bmm: both operands activations
         return [_with(x, phase="backward", count=k.count) for x in (dx, dw)]
     if k.kind == "attention":  # fused SDPA / flash: one backward kernel
         flops = BACKWARD_TO_FORWARD * k.flops + k.flops // 2
@@ -250,60 +263,6 @@ def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     return [_with(k, launches=MASK_BUILD_LAUNCHES)]
 
 
-def transformer_layer(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
-    """Forward kernels of one layer, in HF's order (post-norm BERT/RoBERTa/DistilBERT, pre-norm GPT-2/Llama)."""
-    n, h, i, low, act = sh.n, spec.hidden_size, spec.intermediate_size, sh.low, sh.act
-    kv = spec.num_kv_heads * spec.head_dim
-    q = spec.num_heads * spec.head_dim
-    ab, mb = spec.attention_bias, spec.mlp_bias
-    p = spec.hidden_dropout
-    ks: list[Kernel] = []
-    traits = family(spec.family)
-    gated = traits.gated_mlp
-    if traits.conv1d:
-        ks.append(layernorm("ln_1", n, h, act, sh))
-        x = F32 if sh.amp else act
-        ks += linear("attn.c_attn", n, 3 * h, h, x, sh)
-    elif gated:
-        ks += rmsnorm("input_layernorm", n, h, act)
-        ks += linear("self_attn.q_proj", n, q, h, act, sh, ab) + linear("self_attn.k_proj", n, kv, h, act, sh, ab)
-        ks += linear("self_attn.v_proj", n, kv, h, act, sh, ab)
-        for t, width in (("q", q), ("k", kv)):  # RoPE: q·cos + cat(-x2, x1)·sin
-            ks += [elementwise(f"rope.{t}.mul_cos", n * width, (low, low), (low,), low),
-                   elementwise(f"rope.{t}.neg", n * width // 2, (low,), (low,), low),
-                   elementwise(f"rope.{t}.cat", n * width, (low,), (low,), low),
-                   elementwise(f"rope.{t}.mul_sin", n * width, (low, low), (low,), low),
-                   elementwise(f"rope.{t}.add", n * width, (low, low), (low,), low)]
-        if kv != q:  # repeat_kv: expand + reshape copies k and v to all heads
-            ks += [elementwise(f"repeat_kv.{t}", n * q, (low,), (low,), low) for t in ("k", "v")]
-    else:
-        for name in ("attention.query", "attention.key", "attention.value"):
-            ks += linear(name, n, h, h, act, sh, ab)
-    ks += attention(spec, sh, causal_fraction)
-    ks += linear("attention.output", n, h, q, low, sh, ab)
-    ks += dropout("attention.output.dropout", n * h, low, p)
-    resid = F32 if sh.amp else act
-    ks.append(elementwise("attention.residual_add", n * h, (low, act), (resid,), resid))
-    if traits.conv1d:
-        ks.append(layernorm("ln_2", n, h, resid, sh))
-        ks += linear("mlp.c_fc", n, i, h, F32 if sh.amp else act, sh)
-    elif gated:
-        ks += rmsnorm("post_attention_layernorm", n, h, resid)
-        ks += linear("mlp.gate_proj", n, i, h, resid, sh, mb) + linear("mlp.up_proj", n, i, h, resid, sh, mb)
-    else:
-        ks.append(layernorm("attention.LayerNorm", n, h, resid, sh))
-        ks += linear("intermediate.dense", n, i, h, F32 if sh.amp else act, sh, mb)
-    ks += activation("mlp.act", spec.hidden_act, n * i, low, sh)
-    if gated:
-        ks.append(elementwise("mlp.gate_mul_up", n * i, (low, low), (low,), low))
-    ks += linear("mlp.down", n, h, i, low, sh, mb)
-    ks += dropout("mlp.dropout", n * h, low, p)
-    ks.append(elementwise("mlp.residual_add", n * h, (low, resid), (resid,), resid))
-    if traits.encoder:
-        ks.append(layernorm("output.LayerNorm", n, h, resid, sh))
-    return ks
-
-
 def recompute_of(spec: TransformerSpec, forward: list[Kernel]) -> list[Kernel]:
     """What checkpoint re-runs: the whole forward, less Llama/Mistral's trailing down projection and residual
     add (early stop once every saved tensor is recovered: nothing saves their outputs)."""
@@ -311,20 +270,6 @@ def recompute_of(spec: TransformerSpec, forward: list[Kernel]) -> list[Kernel]:
     if family(spec.family).early_stop_skips_mlp_out:
         ks = [k for k in ks if ".mlp.down" not in k.name and ".mlp.residual_add" not in k.name]
     return [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in ks]
-
-
-def embeddings(spec: TransformerSpec, sh: Shapes, token_types: bool) -> list[Kernel]:
-    """Table look-ups (index_select: read n ids and n rows, write n rows), adds, LayerNorm, dropout."""
-    n, h, w = sh.n, spec.hidden_size, sh.act
-    tables = ["word"] + (["position"] if spec.position_table else []) + (["token_type"] if token_types and
-                                                                          spec.type_vocab_size else [])
-    ks = [_with(elementwise(f"embeddings.{t}", n * h, (w,), (w,), w), bytes_read=n * h * nbytes(w) + n * 8)
-          for t in tables]
-    ks += [elementwise(f"embeddings.add{j}", n * h, (w, w), (w,), w) for j in range(len(tables) - 1)]
-    if family(spec.family).embedding_norm:
-        ks.append(layernorm("embeddings.LayerNorm", n, h, w, sh))
-    ks += dropout("embeddings.dropout", n * h, F32 if sh.amp else w, spec.embedding_dropout)
-    return ks + attention_mask(spec, sh)
 
 
 def embedding_backward(spec: TransformerSpec, sh: Shapes, forward: list[Kernel]) -> list[Kernel]:
@@ -338,33 +283,11 @@ def embedding_backward(spec: TransformerSpec, sh: Shapes, forward: list[Kernel])
             continue  # built from the inputs: no gradient
         if table in rows:
             out.append(Kernel(f"{k.name}.backward", "memory_bound", 0, sh.n * (h * nbytes(w) + 8),
-                              rows[table] * h * nbytes(w) + sh.n * h * nbytes(w), w, "backward"))
+                              rows[table] * h * nbytes(w) + sh.n * h * nbytes(w), w, "backward",
+                              param_work="table_grad"))
         else:
             out += backward_of(k)
     return out
-
-
-def head(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
-    """The head's matmuls (as flops.head_flops) with their casts and nonlinearity."""
-    b, n, h, act = sh.b, sh.n, spec.hidden_size, sh.act
-    x = F32 if sh.amp else act
-    if spec.head == "masked-lm":
-        return (linear("lm.transform.dense", n, h, h, x, sh) + activation("lm.transform.act", spec.hidden_act,
-                n * h, sh.low, sh) + [layernorm("lm.transform.LayerNorm", n, h, sh.low, sh)]
-                + linear("lm.decoder", n, spec.vocab_size, h, x, sh))
-    if spec.head == "causal-lm":
-        return linear("lm_head", n, spec.vocab_size, h, x, sh, bias=False)
-    if spec.head == "sequence-classification":
-        labels = spec.num_labels
-        form = family(spec.family).classifier
-        if form == "score_all_tokens":
-            return linear("score", n, labels, h, x, sh, bias=False)
-        if form == "pooled":
-            return dropout("head.dropout", b * h, sh.low, spec.hidden_dropout) + linear(
-                "classifier", b, labels, h, sh.low, sh)
-        return (linear("classifier.dense", b, h, h, x, sh) + [elementwise("classifier.act", b * h, (sh.low,),
-                (sh.low,), sh.low)] + linear("classifier.out_proj", b, labels, h, sh.low, sh))
-    return []
 
 
 def loss(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
@@ -411,9 +334,11 @@ def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kerne
     for j, (w, bias) in enumerate(_weights(block)):
         for name, numel in ((f"weight{j}", w), (f"bias{j}", bias)):
             if numel:
-                fwd.append(elementwise(f"{block.name}.{name}.cast", numel, (F32,), (sh.low,), sh.low))
+                part = "weight_cast" if name.startswith("weight") else "bias_cast"
+                fwd.append(_with(elementwise(f"{block.name}.{name}.cast", numel, (F32,), (sh.low,), sh.low),
+                                 param_work=part))
                 bwd.append(_with(elementwise(f"{block.name}.{name}.grad_cast", numel, (sh.low,), (F32,), F32),
-                                   phase="backward"))
+                                   phase="backward", param_work="grad_cast"))
     return fwd, bwd
 
 
@@ -425,7 +350,7 @@ def bias_grads(forward: list[Kernel]) -> list[Kernel]:
             b, m, n, kk = k.gemm
             if k.bytes_read > b * (m * kk + kk * n) * nbytes(k.dtype):
                 out.append(_with(reduction(f"{k.name}.grad_bias", m * n, n, k.dtype), phase="backward",
-                                   count=k.count))
+                                   count=k.count, param_work="bias_grad"))
     return out
 
 
@@ -444,23 +369,30 @@ def first_token_backward(block: Block, sh: Shapes) -> list[Kernel]:
                    "backward", launches=2)]
 
 
+def program_forward(block: Block, model: ModelSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
+    """Forward kernels of a transformer block, read from its program (planner.families.forms: the ops the
+    layer form emits, each timed by its kind's rule in planner.perf.op_rules; issue 33). The attention op's
+    kernels take the causal fraction counted, a speed constant, so they are made here."""
+    from planner.families.forms import block_ops, load_forms
+    from planner.ir.interpret import apply, load_rules
+
+    load_rules()
+    load_forms()
+    out: list[Kernel] = []
+    for op in block_ops(block, model, sh):  # this block only: the caller asks for one layer of a stack
+        if op.kind.startswith("attention_") and op.kind != "attention_mask":
+            out += attention(op.attrs["spec"], sh, causal_fraction)
+        else:
+            out += apply("kernels", op, sh)
+    return out
+
+
 def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfig,
                   causal_fraction: float) -> list[Kernel]:
     """Forward, backward and recompute kernels of one block (count 1; the caller folds identical layers)."""
     layer = block.layer
     if isinstance(layer, TransformerSpec):
-        if block.role == "embeddings":
-            fwd = embeddings(layer, sh, model.inputs.token_type_ids)
-        elif block.role == "layer":
-            fwd = transformer_layer(layer, sh, causal_fraction)
-        elif block.role == "final_norm":
-            fwd = [layernorm("final_norm", sh.n, layer.hidden_size, F32 if sh.amp else sh.act, sh)] \
-                if layer.norm == "layernorm" else rmsnorm("final_norm", sh.n, layer.hidden_size, sh.act)
-        elif block.role == "pooler":
-            fwd = linear("pooler.dense", sh.b, layer.hidden_size, layer.hidden_size, F32 if sh.amp else sh.act, sh)
-            fwd.append(elementwise("pooler.tanh", sh.b * layer.hidden_size, (sh.low,), (sh.low,), sh.low))
-        else:
-            fwd = head(layer, sh)
+        fwd = program_forward(block, model, sh, causal_fraction)
     else:
         fwd = dense_block(block, sh)
     fwd = [_with(k, name=f"{block.role}.{k.name}" if block.role != "embeddings" else k.name) for k in fwd]
@@ -473,7 +405,7 @@ def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfi
     ks = casts + fwd + bwd + cast_grads
     if config.checkpointing and block.role == "layer" and isinstance(layer, TransformerSpec):
         ks += recompute_of(layer, fwd)
-    return ks
+    return [_with(k, block_role=block.role) for k in ks]
 
 
 def foreach_launches(tensors: int, elements: int, depth: int) -> int:

@@ -50,90 +50,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import Field
 
 from planner import caches
 from planner.errors import PlannerError
-from planner.families import family
+from planner.families.forms import parameter_tensors
 from planner.identity_cache import per_object
 from planner.memory.parallel import dataparallel_replica_io_bytes
-from planner.models.blocks import Block, model_blocks
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
 from planner.parallel import resolve_name
 from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
+from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
 from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
 from planner.perf.roofline import (
     PHASES,
     KernelTable,
-    RooflineConstants,
     by_kind,
     gpu_key,
     kernel_table,
     time_kernels,
     time_table,
 )
-from planner.spec import GPU, DenseSpec, Instance, ModelSpec, Throughput, TrainConfig, TransformerSpec
+from planner.spec import GPU, Instance, ModelSpec, Throughput, TrainConfig
 
 GB = 1e9
 TFLOP = 1e12
-
-
-class ThroughputConstants(RooflineConstants):
-    """Every constant of the throughput model (the roofline's and communication's); override any field with
-    `model_copy(update={...})`."""
-
-    causal_fraction: float = Field(
-        1.0, gt=0, le=1,
-        description="share of the s^2 attention FLOPs executed for causal models; 1.0 counts them full "
-                    "(FlopCounterMode convention); a causal flash kernel computes ~0.5")
-    allreduce_overlap: float = Field(
-        0.5, ge=0, le=1,
-        description="share of the gradient all-reduce hidden behind backward by DDP's bucketing "
-                    "(bucket_cap_mb=25: all but the last buckets overlap; ASSUMPTION)")
-    network_efficiency_efa: float = Field(
-        0.8, gt=0, le=1, description="share of the instance's network Gbps NCCL reaches over EFA (ASSUMPTION)")
-    network_efficiency_tcp: float = Field(
-        0.4, gt=0, le=1,
-        description="share of network Gbps NCCL reaches over TCP sockets without EFA; 'up to' figures are "
-                    "burst rates (ASSUMPTION)")
-    rank_speed_spread: float = Field(
-        0.055, ge=0, le=0.5,
-        description="spread (coefficient of variation) of per-GPU step speed: n synchronous GPUs wait "
-                    "rank_speed_spread x E[max of n standard normals] of the compute time for the slowest; "
-                    "fitted to the scaling of multi-GPU runs in results/public (benchmarks/fit_scaling.py); it "
-                    "also absorbs any other loss that grows with the GPU count (gradient bucket copies, NCCL "
-                    "kernels sharing SMs and HBM with backward)")
-    dp_replicate_overhead_s: float = Field(
-        0.01, ge=0,
-        description="DataParallel's per-micro-step cost beyond its copies and GIL-bound dispatch: starting "
-                    "one Python thread per replica (parallel_apply) and replicate()'s per-module Python "
-                    "copies (ASSUMPTION)")
-    dp_gil_share: float = Field(
-        1.0, ge=0, le=1,
-        description="share of each forward op's host time that holds the GIL, so that DataParallel's replica "
-                    "threads dispatch one after another (ASSUMPTION, an upper bound: ATen releases the GIL "
-                    "inside the op, the Python module call and argument parsing hold it)")
-    shard_overlap: float = Field(
-        0.5, ge=0, le=1,
-        description="share of a ZeRO-3/FSDP per-unit all-gather or reduce-scatter (all but the first unit of "
-                    "a phase) that runs hidden behind that phase's compute; NCCL kernels share SMs and HBM "
-                    "with it (ASSUMPTION, like allreduce_overlap: no public ZeRO-3/FSDP run here to fit it)")
-    nccl_base_latency_s: float = Field(
-        8.4e-6, ge=0,
-        description="fixed latency of one NCCL ring collective, Ring/Simple baseLat (NVIDIA/nccl "
-                    "src/graph/tuning.cc @01afd20: 8.4 us; SOURCED)")
-    nccl_hop_latency_nvlink_s: float = Field(
-        3.4e-6, ge=0, description="NCCL latency per ring step over NVLink, hwLat NVLINK Ring/Simple "
-                                  "(tuning.cc: 3.4 us; SOURCED)")
-    nccl_hop_latency_pci_s: float = Field(
-        5.7e-6, ge=0, description="NCCL latency per ring step over PCIe, hwLat PCI Ring/Simple (tuning.cc: "
-                                  "5.7 us; SOURCED)")
-    nccl_hop_latency_net_s: float = Field(
-        9.6e-6, ge=0, description="NCCL latency per ring step between instances, hwLat NET Ring/Simple "
-                                  "(tuning.cc: 9.6 us; SOURCED)")
 
 
 # ---- precision -----------------------------------------------------------------------------------
@@ -210,23 +153,6 @@ def half_collective_seconds(nbytes: float, instance: Instance, instances: int,
 
 
 # ---- optimizer -----------------------------------------------------------------------------------
-
-
-def parameter_tensors(block: Block) -> int:
-    """How many parameter tensors a block holds (launch overhead of the for-loop optimizer)."""
-    layer = block.layer
-    if isinstance(layer, DenseSpec):
-        return 2 if layer.bias else 1
-    if not isinstance(layer, TransformerSpec):
-        return 2  # BatchNorm weight + bias
-    norm = 2 if layer.norm == "layernorm" else 1
-    if block.role == "layer":
-        mlp = 3 if family(layer.family).gated_mlp else 2
-        return 4 * (2 if layer.attention_bias else 1) + mlp * (2 if layer.mlp_bias else 1) + 2 * norm
-    if block.role == "embeddings":
-        return 1 + (layer.position_table > 0) + (layer.type_vocab_size > 0) + (
-            norm if family(layer.family).embedding_norm else 0)
-    return 2 if block.role in ("pooler", "head") else norm
 
 
 # ---- the prediction ------------------------------------------------------------------------------
@@ -436,9 +362,11 @@ _PARAMS: dict[int, tuple] = caches.table("planner.perf.throughput._PARAMS", scop
 
 
 def parameter_counts(model: ModelSpec) -> tuple[int, int]:
-    """(parameters, parameter tensors) of a model, once per model object."""
-    return per_object(_PARAMS, model, lambda m: (count_parameters(m)["total"],
-                                                 sum(parameter_tensors(b) for b in model_blocks(m))))
+    """(parameters, parameter tensors) of a model, once per model object. The tensors are the program's
+    (planner.families.forms.parameter_tensors, the module's `named_parameters()`): this used to count them
+    by its own rule, which gave GPT-2 198 tensors (four attention projections where GPT2Attention has c_attn
+    and c_proj) against the module's 148, and two for every head (BERT's masked-LM head has five)."""
+    return per_object(_PARAMS, model, lambda m: (count_parameters(m)["total"], len(parameter_tensors(m))))
 
 
 def shard_units(parallelism: str, n_tensors: int, layers: int | None) -> int:

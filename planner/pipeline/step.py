@@ -308,13 +308,15 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     full = trace(False)
     kept = trace(True) if cfg.checkpointing else full
     kept_by = {b.name: b.saved_bytes + b.retained_bytes for b in kept.blocks}
+    from planner.adapters.lora import ADAPTER_BYTES  # fp32 adapters: one constant for both front ends
+
     lay = framework_layout.layout(cfg)  # the framework's dtypes (the trace itself runs as --precision says)
     p_bytes, g_bytes = lay.param_bytes, lay.grad_bytes
     blocks = []
     for b in full.blocks:
         # with adapters only the trainable parameters get gradients (fp32 adapters: planner.adapters.traced)
         trained = full.block_trainable.get(b.name, 0) if full.block_trainable else b.parameters
-        full_p, full_g = b.parameters * p_bytes, trained * (4 if full.block_trainable else g_bytes)
+        full_p, full_g = b.parameters * p_bytes, trained * (ADAPTER_BYTES if full.block_trainable else g_bytes)
         laid = lay.block_bytes(share.parameters, share.gradients, b.parameters, full_p, trained, full_g)
         resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
@@ -326,7 +328,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
             retained_bytes=b.retained_bytes))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
-    opt_bytes = 4 if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
+    opt_bytes = ADAPTER_BYTES if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
     if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)

@@ -39,11 +39,11 @@ def _pct(pred: float, meas: float) -> float | None:
 
 def check(readings: list[Reading], fitted: set[tuple[str, int]] | None = None) -> list[ReadingRow]:
     """One row per reading, re-estimated with today's formulas."""
-    import planner
+    from planner.estimate import estimate
 
     rows = []
     for r in readings:
-        est = planner.estimate(r.model, r.config, r.instance, stack=r.stack or None)
+        est = estimate(r.model, r.config, r.instance, stack=r.stack or None)
         m, thr = est.to_json()["memory_bytes"], est.throughput
         # the readings reset the peaks before each phase of the steps: a load peak (--load cast's fp32 build)
         # is not in them, so it is not in the prediction compared with them

@@ -117,9 +117,9 @@ def resolve_instance(instance: Any) -> Any:
 
 def predict(model: ModelSpec | str, config: TrainConfig, instance: Any, **user: Any) -> Any:
     """planner.estimate(...) -> Estimate (`user`: model_options, inputs, loss of a traced user module)."""
-    import planner
+    from planner.estimate import estimate
 
-    return planner.estimate(model, config, instance, **user)  # type: ignore[attr-defined]
+    return estimate(model, config, instance, **user)  # type: ignore[attr-defined]
 
 
 def resolve_parallelism(config: TrainConfig, gpus: int) -> str:

@@ -165,7 +165,7 @@ EstimateFn = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 def current_estimate(record: dict[str, Any]) -> dict[str, Any] | None:
     """planner.estimate(...) for the record's model spec, config and instance, with today's formulas."""
-    import planner
+    from planner.estimate import estimate
     from planner.spec import ModelSpec, TrainConfig
 
     spec = record.get("model_spec")
@@ -180,9 +180,9 @@ def current_estimate(record: dict[str, Any]) -> dict[str, Any] | None:
         from planner.models.user_module import shipped_references
 
         refs = shipped_references(spec, Path(tempfile.gettempdir()) / "planner_user_code")
-        est = planner.estimate(refs.pop("model"), config, record["instance"], backend=backend, **refs)
+        est = estimate(refs.pop("model"), config, record["instance"], backend=backend, **refs)
         return est.to_json()
-    est = planner.estimate(ModelSpec.model_validate(spec), config, record["instance"], backend=backend)
+    est = estimate(ModelSpec.model_validate(spec), config, record["instance"], backend=backend)
     return est.to_json()
 
 

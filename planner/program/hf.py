@@ -39,6 +39,33 @@ def enable_checkpointing(model: Any) -> None:
         raise PlannerError("--checkpointing", True, str(exc).split("\n")[0]) from None
 
 
+# The sizes of a config.json the tracer builds from, checked before transformers sees them: a count of layers or
+# a width that is not a positive integer would raise inside transformers (a library traceback), build nothing
+# (0 layers: a model of embeddings only, "fitting" trivially) or build for hours (10^6 layers on the meta device
+# are 10^6 modules). ASSUMPTION: the largest published configs hold 126 layers (Llama 3.1 405B), widths of
+# 16,384-53,248 and vocabularies of 262,144 (Gemma 3): the limits are far above them.
+MAX_LAYERS = 1024
+SIZE_LIMITS: dict[str, int] = {
+    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                     "num_decoder_layers"), MAX_LAYERS),
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "dim", "intermediate_size", "ffn_dim", "n_inner",
+                     "encoder_ffn_dim", "decoder_ffn_dim", "d_ff"), 2**20),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "encoder_attention_heads",
+                     "decoder_attention_heads", "head_dim"), 2**14),
+    "vocab_size": 2**24,
+}
+
+
+def check_sizes(cfg: dict[str, Any], path: str) -> None:
+    """Each size key present must be a whole number from 1 to its limit (SIZE_LIMITS); one line naming it."""
+    for key, limit in SIZE_LIMITS.items():
+        if key not in cfg or cfg[key] is None:
+            continue
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise PlannerError(f"{path}:{key}", value, f"a whole number from 1 to {limit:,}")
+
+
 def hf_config_object(config: dict[str, Any], path: str, attention: str, options: dict[str, Any] | None = None):
     """The transformers config, `options` (-o KEY=VALUE) overriding keys; unknown model_type is an error."""
     import transformers
@@ -49,6 +76,7 @@ def hf_config_object(config: dict[str, Any], path: str, attention: str, options:
     model_type = cfg.pop("model_type", None)
     if model_type is None:
         raise PlannerError("--model", path, "a config.json with a model_type")
+    check_sizes(cfg, path)
     cfg["use_cache"] = False  # a training step keeps no KV cache
     try:
         return AutoConfig.for_model(model_type, attn_implementation=ATTN_IMPLEMENTATION[attention], **cfg)
@@ -56,7 +84,16 @@ def hf_config_object(config: dict[str, Any], path: str, attention: str, options:
         if "Unrecognized" in str(exc) or "model_type" in str(exc):
             raise PlannerError(f"{path}:model_type", model_type,
                                f"a model type transformers {transformers.__version__} knows") from None
-        raise PlannerError("--model", path, f"transformers rejected the config: {str(exc).splitlines()[0]}") from None
+        raise PlannerError("--model", path, f"transformers rejected the config: {_reason(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub's strict dataclasses raise their own types
+        raise PlannerError("--model", path, f"transformers rejected the config: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The most specific line of a transformers / huggingface_hub error (its cause when it wraps one)."""
+    inner = exc.__cause__ or exc
+    text = " ".join(str(inner).split()) or type(inner).__name__
+    return text[:200]
 
 
 def model_class(hf_config: Any) -> Any:
@@ -78,10 +115,15 @@ def builder(hf_config: Any, path: str) -> Callable[[], Any]:
     def build() -> Any:
         """On the meta device (no weight init runs: some inits, e.g. trunc_normal_, read values), then
         storage-less fake CPU tensors via `to_empty` (the tracer calls this inside FakeTensorMode)."""
+        import warnings
+
         import torch
 
         try:
-            with torch.device("meta"):
+            # a warning from torch or transformers while building ("zero-element tensors") is no error of the
+            # user's: what fails below is said in one line
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 model = cls(hf_config) if cls is not None else AutoModel.from_config(hf_config)
             return empty_like_on_cpu(model)
         except Exception as exc:  # noqa: BLE001 - any transformers error becomes one line

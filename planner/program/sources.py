@@ -69,7 +69,7 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
 
 
 # What tracing a model needs, said once and up front: PyTorch runs the step on fake tensors, and transformers
-# builds config.json models and is what most own models (and examples/) import. The README says the same.
+# builds config.json models and is what most own models (and examples/) import. docs/own-model.md says the same.
 TRACING_LIBRARIES = ("torch", "transformers")
 
 

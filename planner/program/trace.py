@@ -518,7 +518,26 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         log.setLevel(level)
 
 
+# What torch says when code under FakeTensorMode reads a tensor's data pointer (transformers' tied-weight and
+# safetensors checks do; torch/_subclasses/fake_tensor.py, `_set_warn_deprecated_on_mutable_data_ptr`): the
+# pointer is meaningless for a fake tensor and the trace does not use it, so the warning is noise to a user.
+FAKE_DATA_PTR_WARNING = "Accessing the data pointer of FakeTensor is deprecated"
+
+
 def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
+               *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
+               flash_ok: bool = True, name: str = "model", source: str = "",
+               enable_checkpointing: Callable[[torch.nn.Module], None] | None = None) -> StepTrace:
+    """`_trace_step` without torch's FakeTensor data-pointer warning in the user's output."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FAKE_DATA_PTR_WARNING, category=UserWarning)
+        return _trace_step(build, make_batch, config, loss_fn=loss_fn, backend=backend, flash_ok=flash_ok,
+                           name=name, source=source, enable_checkpointing=enable_checkpointing)
+
+
+def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
                enable_checkpointing: Callable[[torch.nn.Module], None] | None = None) -> StepTrace:

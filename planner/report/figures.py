@@ -103,6 +103,54 @@ def cost_label(column: str) -> str:
     return {"usd_per_job": "$ per job", "usd_per_epoch": "$ per epoch"}.get(column, "$ per million samples")
 
 
+# What a person calls each searched parameter (the search samples numeric ones as an index: batch_size_index).
+PARAM_LABELS = {"batch_size": "micro-batch", "seq_len": "sequence length", "grad_accum": "accumulation",
+                "instances": "instances per job", "instance": "instance type", "optimizer_impl": "optimizer kernel",
+                "lora_r": "LoRA rank", "lora_targets": "LoRA targets", "base_dtype": "base dtype"}
+
+
+def param_label(name: str) -> str:
+    """`batch_size_index` -> "micro-batch"; a name without a label keeps its words."""
+    from planner.search.space import INDEX_SUFFIX
+
+    base = name.removesuffix(INDEX_SUFFIX)
+    return PARAM_LABELS.get(base, base.replace("_", " "))
+
+
+def log_ticks(low: float, high: float) -> list[float]:
+    """1-2-5 ticks covering [low, high] on a log axis: labelled ticks a person reads ("$0.5, $1, $2"), where
+    the plotting libraries label minor ticks "3 4 5 ... 100 2" or write 4×10⁻¹."""
+    import math
+
+    if not (low > 0 and high > 0 and math.isfinite(low) and math.isfinite(high)):
+        return []
+    ticks = []
+    for exp in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1):
+        for m in (1, 2, 5):
+            t = m * 10.0**exp
+            if low / 1.05 <= t <= high * 1.05:
+                ticks.append(t)
+    if len(ticks) < 2:  # a narrow range: its ends
+        ticks = sorted({low, high})
+    return ticks
+
+
+def tick_text(value: float, money: bool = False) -> str:
+    text = f"{value:,.0f}" if value >= 10 else f"{value:g}"
+    return f"${text}" if money else text
+
+
+def oom_label_sides(gpus: list[float]) -> list[str]:
+    """"top" or "bottom" for each OOM line (sorted by size): a line close to the previous one (within 8% of the
+    largest) puts its label at the other end, so the labels of near sizes (22 and 24 GiB) do not overlap."""
+    sides: list[str] = []
+    span = max(gpus) if gpus else 1.0
+    for i, gpu in enumerate(gpus):
+        near = i > 0 and gpu - gpus[i - 1] < 0.08 * span
+        sides.append(("bottom" if sides[-1] == "top" else "top") if near else "top")
+    return sides
+
+
 def oom_lines(frame: Any) -> list[tuple[str, float]]:
     """(instance types, GPU memory bytes) for each distinct GPU memory size in the table."""
     seen: dict[float, list[str]] = {}
@@ -164,10 +212,11 @@ def throughput_memory_figure(frame: Any) -> Any:
                 marker={"color": FEASIBLE_COLORS[ok], "size": 9, "opacity": 0.8, "symbol": symbols[inst],
                         "line": {"width": 0.5, "color": "white"}},
                 hovertemplate="%{text}<br>peak %{x:.2f} GiB, %{y:.1f} samples/s<extra></extra>"))
-    for names, gpu in oom_lines(frame):
-        # Vertical text along each line: labels of nearby GPU sizes cannot overlap.
+    lines = oom_lines(frame)
+    for (names, gpu), side in zip(lines, oom_label_sides([g for _, g in lines]), strict=True):
+        # Vertical text along each line, at alternate ends for nearby GPU sizes: labels cannot overlap.
         fig.add_vline(x=gpu / GIB, line={"color": OOM_COLOR, "dash": "dash", "width": 2},
-                      annotation_text=f"OOM: {names} ({gpu / GIB:.1f} GiB)", annotation_position="top left",
+                      annotation_text=f"OOM: {names} ({gpu / GIB:.1f} GiB)", annotation_position=f"{side} left",
                       annotation_textangle=-90, annotation_font_color=OOM_COLOR)
     fig.update_layout(title="Throughput vs peak memory of one GPU (infeasible: over the memory limit or a "
                             "constraint)", xaxis_title="peak memory of one GPU (GiB)",
@@ -190,16 +239,37 @@ def _by_family(fig: Any, data: Any, x: str, scale: float, symbols: dict[str, str
             marker={"color": [colors[i] for i in part["instance"]], "size": 9, "opacity": 0.85,
                     "symbol": [symbols[i] for i in part["instance"]], "line": {"width": 0.5, "color": "white"}},
             hovertemplate="%{text}<br>peak %{x:.2f} GiB, %{y:.1f} samples/s<extra></extra>"))
-    for _names, gpu in oom_lines(frame):
+    lines = oom_lines(frame)
+    for (_names, gpu), side in zip(lines, oom_label_sides([g for _, g in lines]), strict=True):
         fig.add_vline(x=gpu / GIB, line={"color": OOM_COLOR, "dash": "dash", "width": 1},
-                      annotation_text=f"OOM {gpu / GIB:.0f} GiB", annotation_position="top left",
+                      annotation_text=f"OOM {gpu / GIB:.0f} GiB", annotation_position=f"{side} left",
                       annotation_textangle=-90, annotation_font_color=OOM_COLOR)
     sizes = sorted({gpus_of(i) for i in data["instance"].unique()})
     fig.update_layout(title="Throughput vs peak memory: the best configurations of each instance type (colour: "
                             "GPU family; marker: GPUs per instance " + ", ".join(map(str, sizes)) + ")",
                       xaxis_title="peak memory of one GPU (GiB)", yaxis_title="samples/s (whole job)",
-                      template="plotly_white", height=520, yaxis={"type": "log"})
+                      template="plotly_white", height=520, yaxis=_log_axis(data["samples_per_s"]))
     return fig
+
+
+def _log_axis(values: Any, money: bool = False) -> dict[str, Any]:
+    """A plotly log axis with 1-2-5 ticks only (`log_ticks`)."""
+    ticks = log_ticks(float(values.min()), float(values.max())) if len(values) else []
+    axis: dict[str, Any] = {"type": "log"}
+    if ticks:
+        axis |= {"tickvals": ticks, "ticktext": [tick_text(t, money) for t in ticks]}
+    return axis
+
+
+def _mpl_log_axis(axis: Any, values: Any, money: bool = False) -> None:
+    """A matplotlib log axis with the same 1-2-5 ticks and no minor labels."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ticks = log_ticks(float(values.min()), float(values.max())) if len(values) else []
+    if ticks:
+        axis.set_major_locator(FixedLocator(ticks))
+        axis.set_major_formatter(FuncFormatter(lambda v, _pos: tick_text(v, money)))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _front_traces(feasible: Any, front: Any, x: str, per_instance: bool) -> list[Any]:
@@ -254,7 +324,8 @@ def pareto_cost_figure(feasible: Any, front: Any, cost: str) -> Any:
     fig.update_layout(title=f"Pareto front: throughput vs {cost_label(cost)} across instance types (colour: GPU "
                             "family; marker: GPUs per instance)",
                       xaxis_title=f"{cost_label(cost)} (log)", yaxis_title="samples/s (whole job)",
-                      template="plotly_white", height=500, xaxis={"type": "log"}, yaxis={"type": "log"})
+                      template="plotly_white", height=500, xaxis=_log_axis(feasible[cost], money=True),
+                      yaxis=_log_axis(feasible["samples_per_s"]))
     return fig
 
 
@@ -357,11 +428,15 @@ def throughput_memory_png(frame: Any) -> Any:
                 ax.scatter(part["mem_peak_device"] / GIB, part["samples_per_s"], color=FEASIBLE_COLORS[ok],
                            marker=markers[inst], alpha=0.8, edgecolors="white", linewidths=0.5,
                            label=f"{inst}: {what}" if with_instance else what)
-    ymax = ax.get_ylim()[1]
-    for names, gpu in oom_lines(frame):
+    if with_instance and len(data):
+        _mpl_log_axis(ax.yaxis, data["samples_per_s"])
+    ymin, ymax = ax.get_ylim()
+    lines = oom_lines(frame)
+    for (names, gpu), side in zip(lines, oom_label_sides([g for _, g in lines]), strict=True):
         ax.axvline(gpu / GIB, color=OOM_COLOR, linestyle="--", linewidth=1.4)
         label = f"OOM {gpu / GIB:.0f} GiB " if with_instance else f"OOM: {names} ({gpu / GIB:.1f} GiB) "
-        ax.text(gpu / GIB, ymax, label, color=OOM_COLOR, fontsize=8, va="top", ha="right", rotation=90)
+        ax.text(gpu / GIB, ymax if side == "top" else ymin, f" {label}" if side == "bottom" else label,
+                color=OOM_COLOR, fontsize=8, va=side, ha="right", rotation=90)
     ax.set_xlabel("peak memory of one GPU (GiB)")
     ax.set_ylabel("samples/s (whole job)")
     ax.set_title("Throughput vs peak memory of one GPU" + (" (best of each type; colour: GPU family, marker: "
@@ -418,6 +493,8 @@ def pareto_cost_png(feasible: Any, front: Any, cost: str) -> Any:
     _front_png(ax, feasible, front, cost, per_instance=False)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _mpl_log_axis(ax.xaxis, feasible[cost], money=True)
+    _mpl_log_axis(ax.yaxis, feasible["samples_per_s"])
     ax.set_xlabel(f"{cost_label(cost)} (log)")
     ax.set_title(f"Pareto front: throughput vs {cost_label(cost)} (colour: GPU family; marker: GPUs/instance)",
                  fontsize=10)

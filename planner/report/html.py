@@ -276,23 +276,61 @@ def _atomic_write(path: Path, text: str) -> None:
     write_text(path, text, "--out-dir")
 
 
+# Columns of the top table: what tells two configurations apart (attention and parallelism included, else rows
+# look identical), whole numbers as whole numbers, and the job's cost (the objective's unit), not an epoch's.
+TOP_COLUMNS = [("trial", "trial"), ("instance", "instance"), ("batch_size", "micro-batch"), ("grad_accum", "accum"),
+               ("world_size", "GPUs"), ("seq_len", "seq"), ("precision", "precision"), ("parallelism", "parallelism"),
+               ("attention", "attention"), ("optimizer_impl", "optimizer"), ("checkpointing", "ckpt"),
+               ("lora_r", "LoRA r"), ("lora_targets", "LoRA targets"), ("base_dtype", "base dtype"),
+               ("peak_device_gib", "peak GiB"), ("samples_per_s", "samples/s"),
+               ("hours_per_job", "h/job"), ("usd_per_job", "$/job"), ("usd_per_million_samples", "$/M samples")]
+WHOLE = {"trial", "batch_size", "grad_accum", "world_size", "seq_len", "lora_r"}
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if column in WHOLE and isinstance(value, int | float):
+        return f"{int(value):,}"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value).removeprefix("ml.") if column == "instance" else str(value)
+
+
 def _top_table(top: Any) -> str:
-    cols = [("trial", "trial"), ("instance", "instance"), ("batch_size", "micro-batch"), ("seq_len", "seq"),
-            ("precision", "precision"), ("checkpointing", "ckpt"), ("grad_accum", "accum"),
-            ("peak_device_gib", "peak GiB"), ("gpu_memory_gib", "GPU GiB"), ("samples_per_s", "samples/s"),
-            ("usd_per_epoch", "$/epoch"), ("usd_per_million_samples", "$/M samples")]
-    cols = [(c, h) for c, h in cols if c in top.columns]
+    cols = [(c, h) for c, h in TOP_COLUMNS if c in top.columns and not top[c].isna().all()]
+    if "usd_per_job" in dict(cols):  # one cost per row: the job's when there is one
+        cols = [(c, h) for c, h in cols if c != "usd_per_million_samples"]
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in cols)
     body = []
     for _, r in top.iterrows():
-        cells = []
-        for c, _ in cols:
-            v = r[c]
-            if isinstance(v, float):
-                v = "" if math.isnan(v) else (f"{v:,.2f}" if abs(v) < 1e4 else f"{v:,.0f}")
-            cells.append(f"<td>{html.escape(str(v))}</td>")
+        cells = [f"<td>{html.escape(_cell(c, r[c]))}</td>" for c, _ in cols]
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table class='trials'><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _target(definition: dict[str, Any]) -> str:
+    """The objective the search ran with: the definition's resolved `target` (the sweep's own may be None,
+    which means cost over several types, throughput on one)."""
+    return str(definition.get("target") or (definition.get("objective") or {}).get("target") or "?")
+
+
+def _price_lines(search: Search) -> list[str]:
+    """Where the prices behind the costs come from (region, date, source, staleness), per instance type."""
+    from planner.prices import price_records, provenance_summary, stale_hint
+
+    region = str(search.definition.get("region") or "us-east-1")
+    try:
+        names = [n for r in search.runs for n in r.instance.split(", ")]  # one study may hold several types
+        records = price_records(names, region)
+    except PlannerError:
+        return []
+    lines = [html.escape(line[0].upper() + line[1:]) for line in provenance_summary(records)]
+    if any(r["stale"] for r in records):
+        lines.append(html.escape(stale_hint(region)))
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -445,12 +483,28 @@ def _optuna_sections(search: Search, out: Path, pngs: list[Path]) -> list[Sectio
                                      f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})")
             continue
         fig.update_layout(title=f"Parameter importances: {run.instance}")
+        for trace in fig.data:  # the parameters by what a person calls them, not batch_size_index
+            if getattr(trace, "y", None) is not None:
+                names = [str(v) for v in trace.y]
+                trace.y = [F.param_label(v) for v in names]
+                for attr in ("hovertext", "hovertemplate"):
+                    hover = getattr(trace, attr, None)
+                    if isinstance(hover, list | tuple):
+                        setattr(trace, attr, [str(h).replace(n, F.param_label(n), 1)
+                                              for h, n in zip(hover, names, strict=False)])
         importances.figures.append(fig)
         stem = f"{importances.key}-{run.instance.removeprefix('ml.').replace('.', '-').replace(', ', '_').replace(' ', '-')}"
-        pngs.append(_optuna_png(lambda s=run.study, t=target: omp.plot_param_importances(s, target=t,
-                                                                                          target_name=name),
-                                out, stem, importances))
+        pngs.append(_optuna_png(lambda s=run.study, t=target: _relabelled(omp.plot_param_importances(
+            s, target=t, target_name=name)), out, stem, importances))
     return [history, importances]
+
+
+def _relabelled(ax: Any) -> Any:
+    """Optuna's matplotlib importances with the parameters named as a person calls them."""
+    labels = [F.param_label(t.get_text()) for t in ax.get_yticklabels()]
+    ax.set_yticks(ax.get_yticks(), labels)
+    ax.set_ylabel("parameter")
+    return ax
 
 
 def _finite_target(trials: list[Any]) -> Callable[[Any], float]:
@@ -557,8 +611,9 @@ def write_report(name: str, storage: str | None = None, *, top: int = 5, results
     feasible = int(frame["feasible"].sum())
     meta = [f"Model <code>{html.escape(str(d.get('model', '?')))}</code> on "
             f"{html.escape(', '.join(r.instance for r in search.runs))}; objective "
-            f"<code>{html.escape(str(d.get('objective', {}).get('target', '?')))}</code> ({search.direction}); "
+            f"<code>{html.escape(str(_target(d)))}</code> ({search.direction}); "
             f"{len(frame)} trials, {len(distinct)} distinct configurations, {feasible} feasible trials.",
+            *_price_lines(search),
             f"Storage <code>{html.escape(search.storage)}</code>"]
     path = out / "report.html"
     _write_plotly_js(out)

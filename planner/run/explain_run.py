@@ -3,6 +3,7 @@ each usual fix would save, every figure computed again through the same run mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from planner.run.simulate import RunRequest, with_fix
@@ -16,9 +17,13 @@ BUCKETS = 4
 
 
 def fixes(model: Any, est: Estimate, req: RunRequest, model_options: dict[str, Any] | None,
-          extra: dict[str, Any] | None = None) -> list[tuple[str, int, Estimate]]:
-    """(what, bytes saved on the run's reserved peak, the estimate with it), in the order tried."""
-    from planner.estimate import estimate
+          extra: dict[str, Any] | None = None, *, estimate_fn: Callable[..., Estimate]
+          ) -> list[tuple[str, int, Estimate]]:
+    """(what, bytes saved on the run's reserved peak, the estimate with it), in the order tried.
+
+    `estimate_fn` is planner.estimate.estimate, passed in by the explanation: the run model sits below the
+    pipeline and never imports it (issue 33)."""
+    estimate = estimate_fn
 
     run = est.run
     assert run is not None
@@ -56,7 +61,7 @@ def _quantile_cap(est: Estimate, req: RunRequest) -> int:
 
 
 def lines(model: Any, est: Estimate, req: RunRequest, model_options: dict[str, Any] | None,
-          extra: dict[str, Any] | None = None) -> list[str]:
+          extra: dict[str, Any] | None = None, *, estimate_fn: Callable[..., Estimate]) -> list[str]:
     """The explain step of a run."""
     r = est.run
     if r is None:
@@ -73,7 +78,7 @@ def lines(model: Any, est: Estimate, req: RunRequest, model_options: dict[str, A
     if r.padding_waste is not None:
         out.append(f"Padding: {r.padding_waste:.0%} of the tokens computed are padding.")
     out.append("What each fix would save on the run's reserved peak (same steps, same model):")
-    for label, saved, alt in fixes(model, est, req, model_options, extra):
+    for label, saved, alt in fixes(model, est, req, model_options, extra, estimate_fn=estimate_fn):
         word = "saves" if saved >= 0 else "adds"
         out.append(f"- {label}: {word} {fmt_bytes(abs(saved))} (peak reserved "
                    f"{fmt_bytes(alt.run.peak_reserved_bytes)}; verdict {alt.verdict})")

@@ -39,3 +39,8 @@ MAX_TRIALS = 10**7
 
 # Instances per job: the estimate's own limit (planner.spec.MAX_INSTANCES, $PLANNER_MAX_INSTANCES).
 MAX_SEARCH_INSTANCES = MAX_INSTANCES
+
+# The trial budget of a TPE search (planner.search.study.default_trials, which says why these numbers):
+# DEFAULT_TRIALS on one instance type, TRIALS_PER_EXTRA_TYPE more for each further type.
+DEFAULT_TRIALS = 100
+TRIALS_PER_EXTRA_TYPE = 2

@@ -83,6 +83,44 @@ def _reason(exc: Exception) -> str:
     return str(exc).replace("\n", " ")
 
 
+def check_values(space: SearchSpace, model: ModelSpec | str) -> None:
+    """Every value of every dimension, before the study is created: a value that no configuration can use
+    (a LoRA target the model lacks, target sets or base storage without ranks, a sequence beyond the model's
+    positions, a value TrainConfig refuses) is one line naming it, not a study of infeasible trials."""
+    from planner.adapters.targets import adapted
+    from planner.search.space import DIMENSIONS, FLAGS, LORA_UNSET
+
+    values = space.values()
+    where = {dim: f"{FLAGS[DIMENSIONS[dim]]} (space.{DIMENSIONS[dim]})" for dim in DIMENSIONS}
+    where["seq_len"] = "--seq-len (recipe.seq_len)"
+    ranks = [r for r in values["lora_r"] if r is not None]
+    if not ranks:
+        for dim in ("lora_targets", "base_dtype"):
+            asked = [v for v in values[dim] if v != LORA_UNSET[dim]]
+            if asked:
+                raise PlannerError(where[dim], asked[0], "only with adapters: give lora_ranks (--lora-ranks) too")
+    base = {dim: vals[0] for dim, vals in values.items()} | ({"lora_r": ranks[0]} if ranks else {})
+    limit = getattr(model, "max_positions", None)
+    for dim, vals in values.items():
+        if dim == "instance":
+            continue
+        for value in vals:
+            if dim in LORA_UNSET and value == LORA_UNSET[dim]:
+                continue
+            try:
+                point = space.point({**base, dim: value})
+            except ValidationError as exc:
+                raise PlannerError(where[dim], value, exc.errors()[0]["msg"]) from None
+            if dim == "seq_len" and limit is not None and value > limit:
+                raise PlannerError(where[dim], value, f"at most {limit:,}: {getattr(model, 'name', 'the model')} "
+                                   f"has {limit:,} positions")
+            if dim == "lora_targets" and point.config is not None and not isinstance(model, str):
+                try:
+                    adapted(model, point.config.lora_targets)
+                except PlannerError as exc:
+                    raise PlannerError(where[dim], value, f"{exc.value}: {exc.allowed}") from None
+
+
 class Objective:
     """Callable objective over a joint space (instance types × configurations); `estimate_fn` is
     injectable for tests, `estimate_kwargs` are passed to every estimate (e.g. a software stack)."""
@@ -113,6 +151,7 @@ class Objective:
             from planner.errors import one_line
 
             raise PlannerError("fixed", space.fixed, one_line(exc)) from None
+        check_values(space, model)
 
     @property
     def direction(self) -> str:
@@ -201,6 +240,12 @@ class Objective:
             constraints["global_batch"] = abs(gbs - target) / target - tol
             if constraints["global_batch"] > 0:
                 reasons.append(f"global batch {gbs} is not within {tol:.0%} of {target}")
+        elif self.space.global_batch_size is not None and gbs != self.space.global_batch_size:
+            # the recipe's global batch is kept exactly; a point whose estimate trains another is refused, named
+            constraints["global_batch"] = GLOBAL_BATCH_VIOLATION
+            reasons.append(f"global batch {gbs} (micro-batch {est.config.batch_size} x accumulation "
+                           f"{est.config.grad_accum} x {est.world_size} GPUs), not the recipe's "
+                           f"{self.space.global_batch_size}")
         cost = self._job_cost(est)
         values = self._values(est, cost)
         if values is None:
@@ -210,7 +255,8 @@ class Objective:
         feasible = all(v <= 0 for v in constraints.values())
         attrs: dict[str, Any] = {"reason": "; ".join(reasons)} if reasons else {}
         attrs |= {
-            "config": est.config.model_dump(mode="json") | {"world_size": est.world_size, "instance": est.instance},
+            "config": est.config.model_dump(mode="json") | {"world_size": est.world_size, "instance": est.instance}
+            | self._lora_targets(est),
             "memory_bytes": mem.model_dump() | _run_peaks(est) | {"gpu_memory": est.gpu_memory_bytes, "usable": est.usable_memory_bytes,
                                                 "headroom": est.headroom_bytes, "limit": limit,
                                                 "peak_phase": est.peak_phase, "verdict": est.verdict,
@@ -223,6 +269,15 @@ class Objective:
             attrs["run"] = est.run.model_dump(include={"steps", "peak_reserved_bytes", "peak_device_bytes",
                                                        "peak_step", "peak_step_length", "growth_bytes"})
         return Evaluation(values, feasible, "; ".join(reasons), constraints, attrs)
+
+    def _lora_targets(self, est: Estimate) -> dict[str, Any]:
+        """An adapter run's targets as resolved (peft's default for the model type named, never ""), so
+        best.json and the table say which modules were adapted."""
+        if not est.config.lora or est.config.lora_targets or isinstance(self.model, str):
+            return {}
+        from planner.adapters.lora import plan
+
+        return {"lora_targets": list(plan(self.model, est.config).targets)}
 
     def _job_cost(self, est: Estimate) -> dict[str, Any]:
         """The estimate's cost with the job's figures (hours and $ for dataset_size × epochs samples)."""

@@ -31,7 +31,7 @@ from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len, tim
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-    from planner.search.study import SearchResult, StudyRun
+    from planner.search.records import SearchResult, StudyRun
 
 GIB = 1024**3
 THROUGHPUT_COLUMNS = ("samples_per_s", "tokens_per_s", "step_time_s", "mfu", "global_batch_size")
@@ -270,9 +270,17 @@ def summary(result: SearchResult, k: int = 5) -> dict[str, Any]:
             "throughput_vs_seq_len": _records(seq_len_front(result), SUMMARY_COLUMNS),
             "throughput_vs_cost": _records(throughput_vs_cost(frame), SUMMARY_COLUMNS),
         },
+        "prices": _prices(result),
         "all_infeasible": result.all_infeasible,
         "infeasible_reasons": [{"trials": n, "reason": text} for n, text in infeasible_reasons(frame)],
     }
+
+
+def _prices(result: SearchResult) -> list[dict[str, Any]]:
+    """Each instance type's price with where and when it is from, and whether stale (planner.prices)."""
+    from planner.prices import price_records
+
+    return price_records(list(result.run.instances), result.sweep.region)
 
 
 def seq_len_front(result: SearchResult) -> pd.DataFrame:

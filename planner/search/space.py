@@ -24,6 +24,7 @@ from planner.memory.loops import DEFAULT_LOOP, LOAD_NAMES, LOOP_NAMES
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
+    BASE_DTYPES,
     FRAMEWORKS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -117,21 +118,22 @@ def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class SpaceSpec(BaseModel):
-    """The values asked for; None = the default for the model and instance types."""
+    """The values asked for; None = the default for the model and instance types. Whole numbers are strict:
+    `lora_ranks: [true]` is no rank (pydantic's lax mode reads true as 1)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    instance_counts: tuple[Annotated[int, Field(ge=1, le=MAX_SEARCH_INSTANCES)], ...] | None = None
-    batch_sizes: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
-    seq_lens: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    instance_counts: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SEARCH_INSTANCES)], ...] | None = None
+    batch_sizes: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    seq_lens: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
     precisions: tuple[Precision, ...] | None = None
-    checkpointing: tuple[bool, ...] | None = None
-    grad_accums: tuple[Annotated[int, Field(ge=1, le=MAX_GRAD_ACCUM)], ...] | None = None
+    checkpointing: tuple[Annotated[bool, Field(strict=True)], ...] | None = None  # not 0/1 or "yes"
+    grad_accums: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_GRAD_ACCUM)], ...] | None = None
     optimizers: tuple[OptimizerName, ...] | None = None
     optimizer_impls: tuple[OptimizerImpl, ...] | None = None
     attentions: tuple[Attention, ...] | None = None
     parallelisms: tuple[Parallelism, ...] | None = None
-    lora_ranks: tuple[Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
+    lora_ranks: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
     lora_target_sets: tuple[str, ...] | None = None
     base_dtypes: tuple[BaseDtype, ...] | None = None
     loops: tuple[Loop, ...] | None = None
@@ -250,6 +252,11 @@ class SearchSpace(BaseModel):
         gpus = self.gpus[instance] * merged.get("instances", 1)
         if gpus == 1 and merged.get("parallelism") in PARALLELISMS:
             merged["parallelism"] = "single"
+        from planner.parallel import known
+
+        strategy = known(merged.get("parallelism", "auto"))  # None for auto: every GPU
+        if strategy is not None:  # the GPUs that train: one for `single` on a 4-GPU instance, not four
+            gpus = strategy.world_size(self.gpus[instance], merged.get("instances", 1))
         if self.global_batch_size is not None:
             per_step = merged["batch_size"] * gpus
             accum, rest = divmod(self.global_batch_size, per_step)
@@ -275,14 +282,17 @@ class SearchSpace(BaseModel):
 
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
-             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "frameworks": FRAMEWORKS,
-             "loops": LOOP_NAMES, "loads": LOAD_NAMES}
+             "base_dtypes": ("auto", *BASE_DTYPES), "frameworks": FRAMEWORKS,
+             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "loops": LOOP_NAMES,
+             "loads": LOAD_NAMES}
     return table[name]
 
 
 # The largest value of each integer dimension (planner.search.limits).
 INT_LIMITS = {"batch_sizes": MAX_SPACE_VALUE, "seq_lens": MAX_SPACE_VALUE, "grad_accums": MAX_GRAD_ACCUM,
-              "instance_counts": MAX_SEARCH_INSTANCES}
+              "instance_counts": MAX_SEARCH_INSTANCES, "lora_ranks": MAX_SPACE_VALUE}
+# A LoRA target set is itself comma-separated (q_proj,v_proj): several sets to explore are split by ";".
+SET_SEPARATOR = ";"
 
 
 def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tuple[Any, ...] | None:
@@ -291,6 +301,12 @@ def parse_flag_list(field: str, text: str | None, flag: str | None = None) -> tu
     if text is None:
         return None
     flag = flag or FLAGS[field]
+    if field == "lora_target_sets":  # "q_proj,v_proj;all-linear": two sets; spaces around names dropped
+        sets = tuple(",".join(n.strip() for n in t.split(",") if n.strip()) for t in text.split(SET_SEPARATOR))
+        if not all(sets):
+            raise PlannerError(flag, text, "module names separated by commas (q_proj,v_proj) or all-linear; "
+                               "several sets to explore separated by ;")
+        return sets
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise PlannerError(flag, text, "a comma-separated list with at least one value")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,6 +78,11 @@ def parse_storage(text: str | None, default_file: Path) -> StorageSpec:
     else:
         spec = StorageSpec("rdb", text)
     file = spec.file
+    if spec.kind == "rdb" and text.split("://")[0].split("+")[0] == "sqlite" and file is None:
+        raise PlannerError("--storage", text, "an SQLite file to keep the trials in, sqlite:///PATH.db (sqlite:// "
+                           "is a database in memory, gone when the search ends)")
+    if file is not None and file.exists() and not file.is_dir() and not file.is_file():
+        raise PlannerError("--storage", text, "a regular file to keep the trials in (not a device or a pipe)")
     # A storage is where trials outlive the command: an empty path (`sqlite:///`), a folder or SQLite's
     # in-memory database would open, run every trial and keep none of them.
     if file is not None and (not str(file).strip() or str(file) in (".", ":memory:") or file.name == ""
@@ -93,12 +100,39 @@ class _FlockLock:
         self.path = path
         self._fd: int | None = None
 
-    def acquire(self) -> bool:
+    def acquire(self, blocking: bool = True) -> bool:
+        """Lock the file at `path`. `remove_if_free` may unlink it between our open and our flock: then the lock
+        we got is on a file nobody else will open, so open the path again until the locked file is the one
+        there (the usual pattern for removable lock files)."""
         import os
 
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return True
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                return True
+            os.close(fd)
+
+    def remove_if_free(self) -> None:
+        """Unlink the lock file when no process holds or waits on it, so that a finished search leaves no empty
+        lock files beside its journal. Unlinked while held, so that a worker who opened it before sees (in
+        `acquire`) that the path has moved on."""
+
+        if not self.path.exists() or not self.acquire(blocking=False):
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            self.release()
 
     def release(self) -> None:
         import os
@@ -124,11 +158,21 @@ def _journal_backend(path: Path) -> Any:
 
     class Backend(JournalFileBackend):
         def append_logs(self, logs: list[dict[str, Any]]) -> None:
-            text = "\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n"
+            """Whole records or none: a full disk (ENOSPC), a file-size limit (EFBIG) or any other failed
+            write cuts the file back to where this write began before the error goes up, so the journal
+            stays resumable once space is freed (write(2) may write part of a buffer, then fail)."""
+            data = memoryview(("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n")
+                              .encode("utf-8"))
             with get_lock_file(self._lock):
                 fd = os.open(self._file_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 try:
-                    os.write(fd, text.encode("utf-8"))
+                    start = os.fstat(fd).st_size  # the end: every writer appends under this lock
+                    try:
+                        while data:
+                            data = data[os.write(fd, data):]
+                    except BaseException:
+                        os.ftruncate(fd, start)  # shrinking needs no space
+                        raise
                 finally:
                     os.close(fd)
 
@@ -153,7 +197,7 @@ def open_storage(spec: StorageSpec) -> optuna.storages.BaseStorage:
             raise PlannerError("--storage", spec.target, "a journal file in an existing folder")
         from optuna.storages.journal import JournalStorage
 
-        _check_journal_end(path)
+        check_journal(path)
         try:  # replays every record: a cut or foreign file fails here, before anything is written
             return JournalStorage(_journal_backend(path))
         except OSError:
@@ -176,24 +220,71 @@ JOURNAL_DAMAGED = ("an Optuna journal whose every line is a whole record (was it
                    "it, or move it away to start the study afresh")
 
 
-def _check_journal_end(path: Path) -> None:
-    """A journal whose last record has no line end was cut (every record is written whole, in one write(2),
-    by `_journal_backend`). Optuna would skip that line and append after it, welding the next record onto it
-    and damaging the file for good; so refuse before anything is written. A writer of another worker may be
-    mid-write: look twice, a moment apart."""
-    for attempt in range(2):
+class JournalRecord(BaseModel):
+    """One line of an Optuna journal (optuna.storages.journal._storage: every record is a JSON object with
+    an `op_code`, a JournalOperation 0-10, and the `worker_id` that wrote it)."""
+
+    model_config = ConfigDict(extra="allow")
+    op_code: int = Field(ge=0, le=10)
+    worker_id: str
+
+
+RECORD_START = b'{"op_code"'  # how `_journal_backend` and Optuna's json.dumps begin every record
+
+
+def check_journal(path: Path) -> None:
+    """Hold a journal to `JournalRecord` before Optuna replays it (or anything is appended to it), and repair
+    a cut last record.
+
+    Every record is written whole by `_journal_backend` (a failed write is cut back), but a journal written
+    by an older planner, or cut by a machine crash, can end in part of a record. That part is dropped, under
+    the journal's write lock (so no writer is mid-record), and said on stderr: the whole records before it
+    are every finished trial, so the study resumes. Anything else that is not a whole record (a foreign or
+    binary file, an edited line) is refused without touching the file."""
+    import os
+    import sys
+
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    import stat
+
+    if not stat.S_ISREG(st.st_mode):
+        raise PlannerError("--storage", str(path), "a journal that is a regular file (not a device or a pipe)")
+    lock = _journal_lock(path)
+    existed = lock.path.exists()
+    lock.acquire()
+    try:
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        _check_records(path, data[:end])
+        tail = data[end:]
+        if tail:
+            if not tail.startswith(RECORD_START[: len(tail)]) or b"\x00" in tail:
+                raise PlannerError(f"journal {path}", "its last line is not an Optuna record", JOURNAL_DAMAGED)
+            with path.open("r+b") as f:
+                f.truncate(end)
+                os.fsync(f.fileno())
+            sys.stderr.write(f"note: journal {path}: its last record was cut short ({len(tail)} bytes: a full "
+                             "disk or a crash while writing); dropped it, every whole record kept\n")
+    finally:
+        lock.release()
+        if not existed:
+            lock.remove_if_free()
+
+
+def _check_records(path: Path, data: bytes) -> None:
+    import json
+
+    if b"\x00" in data:
+        raise PlannerError(f"journal {path}", "binary data", JOURNAL_DAMAGED)
+    for number, line in enumerate(data.split(b"\n")[:-1], 1):
         try:
-            with path.open("rb") as f:
-                if f.seek(0, 2) == 0:
-                    return
-                f.seek(-1, 2)
-                if f.read(1) == b"\n":
-                    return
-        except FileNotFoundError:
-            return
-        if attempt == 0:
-            time.sleep(0.2)
-    raise PlannerError(f"journal {path}", "its last record has no line end", JOURNAL_DAMAGED)
+            JournalRecord.model_validate(json.loads(line))
+        except (ValueError, ValidationError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            reason = _first_line(exc) if not isinstance(exc, ValidationError) else "not an Optuna record"
+            raise PlannerError(f"journal {path}", f"line {number}: {reason[:80]}", JOURNAL_DAMAGED) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -283,24 +374,56 @@ class StudyLock:
             yield
 
 
-def remove_if_empty(spec: StorageSpec, created: bool) -> None:
-    """A search that failed before writing a trial leaves no empty storage file (nor its lock and folder)."""
+def release_locks(spec: StorageSpec) -> None:
+    """Remove the lock files beside a journal or SQLite file that no other worker holds or waits on: a
+    finished search leaves its trials, not empty `.lock` / `.study-lock` files."""
+    if spec.file is None:
+        return
+    for suffix in (".lock", ".study-lock"):
+        _FlockLock(spec.file.with_name(spec.file.name + suffix)).remove_if_free()
+
+
+def _holds_trials(spec: StorageSpec) -> bool:
+    """Whether the storage file holds a trial, read without Optuna (which writes on open: its tables, a
+    migration) so that a full disk or a cut file can still be judged."""
+    import json
+    import sqlite3
+
+    file = spec.file
+    assert file is not None
+    if spec.kind == "journal":
+        with file.open("rb") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("op_code") == 4:  # JournalOperation.CREATE_TRIAL
+                        return True
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{file}?mode=ro", uri=True)) as db:
+            return bool(db.execute("SELECT count(*) FROM trials").fetchone()[0])
+    except sqlite3.Error:  # no trials table yet (created in part), or not a database this search finished
+        return False
+
+
+def remove_if_empty(spec: StorageSpec, created: bool, folder_made: bool = True) -> None:
+    """A search that failed before writing a trial leaves no storage file it made (nor its lock and folder):
+    also when the disk filled while the file was being made (a partial SQLite database)."""
     file = spec.file
     if not created or file is None or not file.exists():
+        release_locks(spec)
         return
     try:
-        storage = open_storage(spec)
-        if any(storage.get_all_trials(s._study_id, deepcopy=False) for s in storage.get_all_studies()):
+        if _holds_trials(spec):
+            release_locks(spec)
             return
-        if hasattr(storage, "engine"):
-            storage.engine.dispose()
-    except Exception:  # unreadable: leave it for the user to look at
+    except OSError:  # unreadable: leave it for the user to look at
         return
     for suffix in ("", ".lock", ".study-lock", "-wal", "-shm"):
         p = file.with_name(file.name + suffix)
         p.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        file.parent.rmdir()
+    if folder_made:  # the study folder the search made, not a folder the user named in --storage
+        with contextlib.suppress(OSError):
+            file.parent.rmdir()
 
 
 def load_study(name: str, storage: str | None, journal: Path) -> tuple[Any, str]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,13 +40,20 @@ from planner.errors import PlannerError, interrupted
 from planner.search.local import descend
 from planner.search.objective import EstimateFn, Objective
 from planner.search.polish import polish_points, polish_reserve
+from planner.search.records import SearchResult, Start, StudyRun  # noqa: F401  (re-exported)
 from planner.search.space import INDEX_SUFFIX, SearchSpace, gpu_can_run, resolve_space
-from planner.search.storage import StorageSpec, StudyLock, open_storage, parse_storage, remove_if_empty
+from planner.search.storage import (
+    StorageSpec,
+    StudyLock,
+    open_storage,
+    parse_storage,
+    release_locks,
+    remove_if_empty,
+)
 from planner.search.sweep import DEFAULT_SWEEP, Sweep, load_sweep, sweep_model
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
-    import pandas as pd
 
     from planner.spec import Instance
 
@@ -62,8 +68,8 @@ JOURNAL_FILE = "journal.log"
 # moves of its descent (planner.search.local: 1-3 moves on the reference job, ~3 trials a type in all). Not more: with every type
 # already at its own search's best (benchmarks/search_benchmark.py), further TPE trials over 55 types
 # would cost ~10 ms each in sampling alone and stretch `--instance all` past its 5 s.
-DEFAULT_TRIALS = 100
-TRIALS_PER_EXTRA_TYPE = 2
+from planner.search.limits import DEFAULT_TRIALS, TRIALS_PER_EXTRA_TYPE  # noqa: E402  (the help text reads them)
+
 ProgressFn = Callable[[str, int, int], None]  # (label, finished trials, target)
 # From this many types, a study's descents replay far more than compiled.COMPILE_AFTER steps, so the compiled
 # replay is loaded before them rather than after ~0.4 s of replays in Python that it would then repeat faster.
@@ -72,26 +78,6 @@ WARM_REPLAY_TYPES = 8
 
 def default_trials(types: int) -> int:
     return DEFAULT_TRIALS + TRIALS_PER_EXTRA_TYPE * (types - 1)
-
-
-@dataclass
-class StudyRun:
-    """The study after the search."""
-
-    study_name: str
-    space: SearchSpace
-    sampler: str  # the one used: tpe/random become grid when the space is no larger than the budget
-    target: int  # trials wanted in the study
-    new_trials: int  # trials this process wrote
-    evaluations: int  # estimate calls (cache misses) this process made
-    worker: int  # this process's worker number (0 for the first to join)
-    seed: int  # the sampler seed it used: the sweep's seed + worker
-    starts: list[Start] = field(default_factory=list)  # per-type starting trials (fresh multi-type studies)
-    trials: list[optuna.trial.FrozenTrial] = field(default_factory=list)
-
-    @property
-    def instances(self) -> tuple[str, ...]:
-        return self.space.instance_types
 
 
 class SearchInterrupted(KeyboardInterrupt):
@@ -110,31 +96,6 @@ class SearchInterrupted(KeyboardInterrupt):
         import optuna
 
         return sum(t.state == optuna.trial.TrialState.COMPLETE for t in self.run.trials)
-
-
-@dataclass
-class SearchResult:
-    name: str
-    storage: str  # URL without password, or the journal file
-    results_dir: Path
-    sweep: Sweep
-    target: str  # throughput, cost, time or pareto
-    directions: list[str]
-    run: StudyRun
-    frame: pd.DataFrame
-    files: dict[str, Path] = field(default_factory=dict)
-
-    @property
-    def direction(self) -> str:
-        return self.directions[0]
-
-    @property
-    def runs(self) -> list[StudyRun]:
-        return [self.run]
-
-    @property
-    def all_infeasible(self) -> bool:
-        return not bool(self.frame["feasible"].any()) if len(self.frame) else True
 
 
 def make_sampler(kind: str, space: SearchSpace, seed: int, objectives: int = 1) -> optuna.samplers.BaseSampler:
@@ -262,17 +223,6 @@ START_FALLBACKS: tuple[dict[str, Any], ...] = (
     {"checkpointing": True, "parallelism": "zero3"},
     {"checkpointing": True, "parallelism": "fsdp"},
 )
-
-
-@dataclass(frozen=True)
-class Start:
-    """The starting trial of one instance type: its parameters, and whether the memory model says it runs
-    (when it does not, even the smallest micro-batch with checkpointing failed: `reason` says why)."""
-
-    instance: str
-    params: dict[str, Any]
-    feasible: bool
-    reason: str = ""
 
 
 def _largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
@@ -594,6 +544,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     file = spec.file
     created = file is not None and not file.exists()
     made_root = not results_dir.exists()
+    folder_made = storage is None and not folder.exists()
     if storage is None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -603,7 +554,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
 
     def leave_nothing() -> None:
         """A search that stored no trial leaves no storage file, study folder or results folder it made."""
-        remove_if_empty(spec, created)
+        remove_if_empty(spec, created, folder_made)
         if made_root:
             with contextlib.suppress(OSError):
                 results_dir.rmdir()
@@ -630,5 +581,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     except BaseException:
         leave_nothing()
         raise
+    finally:
+        release_locks(spec)
     return result_of(run, objective)
 

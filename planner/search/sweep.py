@@ -11,6 +11,7 @@ recipe:                             # the training job: what the user cannot tra
   dataset_size: 1000000             # samples per epoch
   epochs: 3
 stack: {torch: "2.8", alloc_conf: "expandable_segments:True"}   # passed to every estimate (optional)
+runtime: {cuda_context_mib: 500, fragmentation: 0.1}   # as estimate's --cuda-context-mib, --fragmentation
 fixed: {gradient_as_bucket_view: true}   # other TrainConfig fields, held constant; {framework: deepspeed,
                                          # ds_config: ds.json} reads a DeepSpeed config next to the file
 space: {batch_sizes: [8, 16, 32], precisions: [amp-fp16], instance_counts: [1, 2, 4]}  # left out = default
@@ -32,9 +33,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlannerError
+from planner.search.limits import DEFAULT_TRIALS as _DEFAULT_TRIALS
 from planner.search.limits import (
     MAX_DATASET_SIZE,
     MAX_EPOCHS,
@@ -66,12 +68,12 @@ REFERENCE_EPOCHS = 3
 DEFAULT_MAX_MEMORY_FRACTION = 0.95
 # TPE trials per instance type when no count is given: benchmarks/search_benchmark.py shows TPE
 # reaching >= 99% of the exhaustive grid's optimum on the default space within this budget.
-DEFAULT_TRIALS = 100
+DEFAULT_TRIALS = _DEFAULT_TRIALS  # planner.search.limits: one number for the search, the sweep and --help
 
 
-GlobalBatch = Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]
-SeqLen = Annotated[int, Field(ge=1, le=MAX_SPACE_VALUE)]
-DatasetSize = Annotated[int, Field(ge=1, le=MAX_DATASET_SIZE)]
+GlobalBatch = Annotated[int, Field(strict=True, ge=1, le=MAX_GLOBAL_BATCH)]
+SeqLen = Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)]
+DatasetSize = Annotated[int, Field(strict=True, ge=1, le=MAX_DATASET_SIZE)]
 
 
 class _Strict(BaseModel):
@@ -91,6 +93,16 @@ class Recipe(_Strict):
     padding: str = "longest"  # with a file: longest | bucketed | max | exact
     run_steps: int | None = None  # None: until the peak stops moving
     run_seed: int = 0
+
+    @model_validator(mode="after")
+    def _run_fields_need_lengths(self) -> Recipe:
+        """padding, run_steps and run_seed shape a run of varying lengths: without `lengths` they would
+        change nothing, so they are refused (as `--padding` without `--lengths` is)."""
+        if self.lengths is None:
+            for name, unset in (("padding", "longest"), ("run_steps", None), ("run_seed", 0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} only with lengths (a run of varying lengths)")
+        return self
 
     def run_request(self):
         """The run every estimate replays (planner.run.simulate.RunRequest), or None."""
@@ -118,6 +130,18 @@ class StackSpec(_Strict):
     def given(self) -> dict[str, str] | None:
         out = {k: v for k, v in self.model_dump().items() if v is not None}
         return out or None
+
+
+class RuntimeSpec(_Strict):
+    """Runtime overrides every estimate of the sweep gets, as `estimate --cuda-context-mib / --fragmentation`."""
+
+    cuda_context_mib: float | None = None
+    fragmentation: float | None = None
+
+    def overrides(self) -> dict[str, Any] | None:
+        from planner.memory.runtime import overrides_from_flags
+
+        return overrides_from_flags(self.cuda_context_mib, self.fragmentation)
 
 
 class Constraints(_Strict):
@@ -161,6 +185,7 @@ class Sweep(_Strict):
     region: str = "us-east-1"  # where the instances are priced (planner.prices)
     recipe: Recipe = Recipe()
     stack: StackSpec = StackSpec()
+    runtime: RuntimeSpec = RuntimeSpec()
     fixed: dict[str, Any] = Field(default_factory=dict)
     space: SpaceSpec = SpaceSpec()
     constraints: Constraints = Constraints()
@@ -207,6 +232,9 @@ class Sweep(_Strict):
         run = self.recipe.run_request()
         if run is not None:
             out["run"] = run
+        runtime = self.runtime.overrides()
+        if runtime:
+            out["runtime"] = runtime
         if self.traced():  # estimate() builds and traces it itself, once per shape class
             out |= {"model_options": dict(self.model_options), "inputs": self.inputs, "loss": self.loss}
         return out
@@ -223,6 +251,8 @@ class Sweep(_Strict):
         """What decides a trial's value on one instance type: runs with the same definition may share a
         study. The sampler, seed and trial count are left out (they change the path, not the values)."""
         unused = {k for k in ("inputs", "loss") if getattr(self, k) is None}  # older definitions stay equal
+        if self.runtime == RuntimeSpec():
+            unused.add("runtime")
         no_run = set() if self.recipe.lengths is not None else {"lengths", "padding", "run_steps", "run_seed"}
         return self.model_dump(mode="json", exclude={"name": True, "description": True, "search": True,
                                                      "instance": True, **dict.fromkeys(unused, True),
@@ -316,7 +346,7 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
 
     for field, call in (("model", lambda: sweep_model(sweep)),
                         ("instance", sweep.instance_names), ("stack", stack),
-                        ("recipe.lengths", sweep.recipe.run_request)):
+                        ("recipe.lengths", sweep.recipe.run_request), ("runtime", sweep.runtime.overrides)):
         try:
             call()
         except PlannerError as exc:
@@ -341,13 +371,16 @@ def sweep_model(sweep: Sweep) -> ModelSpec | str:
     from planner.models.user_module import is_reference, load_function
     from planner.program.sources import require_tracing_libraries
 
+    if is_reference(sweep.model) and sweep.inputs is None:  # one line at once, before torch loads
+        raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
+                           f"model {sweep.model}")
     require_tracing_libraries(sweep.model)  # before the user's file is imported: all that is missing, once
     if is_reference(sweep.model):
-        if sweep.inputs is None:
-            raise PlannerError("--inputs", None, f"FILE.py:FUNCTION (a batch(batch_size, seq_len) function) for "
-                               f"model {sweep.model}")
+        from planner.models.user_module import check_build
+
         load_function(sweep.model, "--model")
         load_function(sweep.inputs, "--inputs")
+        check_build(sweep.model, sweep.model_options)
         if sweep.loss is not None:
             load_function(sweep.loss, "--loss")
     else:

@@ -2,7 +2,8 @@
 
 Kept apart from planner.memory.stack (which resolves a whole software stack from a GPU) so that the data
 model (`spec.SoftwareStack.expandable_segments`) can parse its own allocator setting without importing the
-stack resolver, which imports the data model: one direction, no cycle.
+stack resolver, which imports the data model: one direction, no cycle. It sits beside the data model, below
+planner.memory (it was planner.memory.alloc_conf until issue 33: the data model imported up a layer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from planner import caches
 from planner.errors import PlannerError
 
-STACKS_PATH = Path(__file__).resolve().parent.parent / "data" / "stacks.json"
+STACKS_PATH = Path(__file__).resolve().parent / "data" / "stacks.json"
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.\d+)*(?:[+-].*)?\s*$")
 
 Version = tuple[int, int]

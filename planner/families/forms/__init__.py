@@ -1,0 +1,137 @@
+"""Layer forms: each emits the ops of one block of a hand-modelled family (planner.ir.ops), once, for every
+interpreter (parameters, FLOPs, kernels, saved memory) to read.
+
+One file per layer form (`post_norm_encoder.py`, `pre_norm_conv1d.py`, `pre_norm_gated.py`), each registering
+its layer with `@layer_form(name)`; the blocks every form shares (embeddings, final norm, pooler, heads, the
+loss, the multimodal model's dense and batch-norm blocks) are in `common.py`. The forms are found by listing
+this package, so a new layer form is one file here, plus its name in `traits.LayerForm` and the family
+record that uses it (three files); a family whose layers have an existing form is one record in
+planner/families/registry.py (with its config.json reader in planner.models.hf_config).
+
+Why the program is built per context record (planner.ir.context.Ctx): the ops a layer runs depend on it
+(which attention kernel, whether HF builds a 4-D mask, the dtypes under autocast), as they do in PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner import caches
+from planner.families import family
+from planner.families.traits import Family
+from planner.identity_cache import per_object
+from planner.ir.context import Ctx
+from planner.ir.ops import Op, Program, ProgramBlock
+from planner.models.blocks import Block, model_blocks
+from planner.spec import ModelSpec, TransformerSpec
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """What a form needs to emit one transformer layer."""
+
+    spec: TransformerSpec
+    traits: Family
+    ctx: Ctx
+    index: int  # the layer's index (Llama's first layer saves the rotary tables)
+    prefix: str  # the parameter names' prefix of this layer, e.g. "transformer.h.3."
+
+
+LayerFn = Callable[[LayerArgs], list[Op]]
+FORMS: dict[str, LayerFn] = {}
+
+
+def layer_form(name: str) -> Callable[[LayerFn], LayerFn]:
+    """Decorator: `fn` emits the ops of one layer of form `name` (a traits.LayerForm)."""
+    def put(fn: LayerFn) -> LayerFn:
+        FORMS[name] = fn
+        return fn
+
+    return put
+
+
+def load_forms() -> dict[str, LayerFn]:
+    """Import every module of this package (each form registers itself); once per process."""
+    if not _FORMS_LOADED:
+        for info in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{info.name}")
+        _FORMS_LOADED.append(True)
+    return FORMS
+
+
+_FORMS_LOADED: list[bool] = []
+
+
+def root_prefix(model: ModelSpec, block: Block) -> str:
+    """Where the block's module sits in the whole model: the model itself for a one-transformer model
+    (transformers' *For* classes), `component.index.` inside the multimodal model's nn.Sequential parts."""
+    if len(model.components) == 1 and len(model.components[0].layers) == 1:
+        return ""
+    comp = next(c for c in model.components if c.name == block.component)
+    layer_index = next(i for i, layer in enumerate(comp.layers) if layer is block.layer)
+    return f"{comp.name}.{layer_index}."
+
+
+def base_prefix(model: ModelSpec, block: Block, spec: TransformerSpec) -> str:
+    """The base model's prefix: `bert.`, `transformer.`, `model.` under a head; none for a bare base model."""
+    root = root_prefix(model, block)
+    return root + (f"{family(spec.family).base_prefix}." if spec.head != "base" else "")
+
+
+def block_ops(block: Block, model: ModelSpec, ctx: Ctx) -> list[Op]:
+    """The ops of one block of planner.models.blocks."""
+    from planner.families.forms import common
+
+    layer = block.layer
+    if not isinstance(layer, TransformerSpec):
+        return common.dense_ops(block, model, ctx, root_prefix(model, block))
+    traits = family(layer.family)
+    base = base_prefix(model, block, layer)
+    if block.role == "layer":
+        forms = FORMS or load_forms()
+        args = LayerArgs(layer, traits, ctx, block.index, base + traits.layer_prefix.format(i=block.index))
+        return forms[traits.layer](args)
+    if block.role == "embeddings":
+        return common.embedding_ops(layer, traits, ctx, base, model.inputs.token_type_ids)
+    if block.role == "final_norm":
+        return common.final_norm_ops(layer, traits, ctx, base)
+    if block.role == "pooler":
+        return common.pooler_ops(layer, ctx, base)
+    return common.head_ops(layer, traits, ctx, root_prefix(model, block))
+
+
+def model_program(model: ModelSpec, ctx: Ctx) -> Program:
+    """Every block's ops in forward order, then a "loss" block (as planner.memory.activations lists them).
+    Made once per (model, context) and kept: the estimate's JSON and the tests read it."""
+    table = per_object(_PROGRAMS, model, lambda m: {})
+    hit = table.get(ctx)
+    if hit is None:
+        from planner.families.forms import common
+
+        load_forms()
+        blocks = [ProgramBlock(b.name, b.role, tuple(block_ops(b, model, ctx))) for b in model_blocks(model)]
+        blocks.append(ProgramBlock("loss", "loss", tuple(common.loss_ops(model, ctx))))
+        hit = table[ctx] = Program(tuple(blocks))
+    return hit
+
+
+_PROGRAMS: dict[int, dict] = caches.table("planner.families.forms._PROGRAMS", scope="step",
+    key="ModelSpec identity (per_object) -> {Ctx: Program}")
+
+
+# The context the parameter list is read under: a model's parameter tensors do not depend on the batch, the
+# precision or the kernel (only its ops do), so any context gives the same list.
+PARAMETER_CONTEXT = Ctx(1, 1, "fp32", "sdpa", "cuda", False)
+
+
+def parameter_tensors(model: ModelSpec) -> tuple:
+    """Every parameter tensor of the model (planner.ir.ops.Param), as `module.named_parameters()` lists them
+    (tied tensors once): the program's, read once per model."""
+    return per_object(_PARAMETERS, model, lambda m: tuple(model_program(m, PARAMETER_CONTEXT).params))
+
+
+_PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS", scope="model",
+    key="ModelSpec identity (per_object): its parameter tensors")

@@ -1,0 +1,159 @@
+"""The context record every interpreter of a program reads: one micro-batch's sizes, the precision and its
+dtypes, the attention kernel asked for, and the device rules where CUDA and CPU differ (which ops autocast
+runs in fp32, which SDPA kernel runs, what dtype a norm's statistics have, when HF builds a 4-D mask).
+
+Moved here from planner.memory.activations (issue 33) so that the layer forms (planner.families.forms),
+which decide an op's dtypes and its attention kernel while they emit a program, read the same rules as the
+memory and speed interpreters, from below both. planner.memory.activations re-exports every name.
+
+Symbols: b batch, s sequence, n = b·s tokens; "low" is the dtype of matmul outputs (bf16/fp16 under AMP or
+pure 16-bit, fp32 otherwise); "act" the dtype of the residual stream (fp32 for fp32 and AMP, 16-bit for pure
+16-bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.families import family
+from planner.spec import Backend, TransformerSpec
+
+F32, BOOL, I64 = "float32", "bool", "int64"
+
+LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+# FlashAttention-2 (and SDPA's flash backend) supports head_dim <= 256 (sdp_utils.cpp check_head_dim_size_flash).
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Everything the formulas need about one micro-batch, precision, kernel choice and backend."""
+
+    b: int
+    s: int
+    precision: str
+    attention: str
+    backend: Backend
+    padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
+    flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
+
+    @property
+    def n(self) -> int:
+        return self.b * self.s
+
+    @property
+    def amp(self) -> bool:
+        return self.precision.startswith("amp-")
+
+    @property
+    def low(self) -> str:
+        return LOW_DTYPE[self.precision]
+
+    @property
+    def act(self) -> str:
+        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else LOW_DTYPE[self.precision]
+
+
+def promote(a: str, b: str) -> str:
+    """Type promotion between the floating dtypes we meet: fp32 wins, otherwise both are the same 16-bit."""
+    return F32 if F32 in (a, b) else a
+
+
+def norm_stats_dtype(dtype: str, backend: Backend) -> str:
+    """dtype of the per-row (LayerNorm) / per-feature (BatchNorm) statistics a norm saves: CUDA allocates
+    them in the accumulate type, fp32 (layer_norm_kernel.cu, Normalization.cuh); the CPU kernels in the
+    input's dtype (measured)."""
+    return F32 if backend == "cuda" else dtype
+
+
+def autocast_fp32_op(op: str, backend: Backend) -> bool:
+    """Whether autocast runs `op` in fp32 (casting 16-bit inputs up).
+
+    CUDA: AT_FORALL_FP32 / AT_FORALL_FP32_SET_OPT_DTYPE in ATen/autocast_mode.h (softmax, log_softmax,
+    layer_norm, pow, rsqrt, sum, nll_loss, binary_cross_entropy_with_logits, ...).
+    CPU: its own, shorter fp32 list: of the ops our models use only the losses (cross_entropy_loss, nll_loss,
+    binary_cross_entropy_with_logits); softmax, layer_norm, pow stay 16-bit (measured on torch 2.13).
+    """
+    cuda = {"softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss", "cross_entropy",
+            "bce_with_logits"}
+    cpu = {"cross_entropy", "nll_loss", "bce_with_logits"}
+    return op in (cuda if backend == "cuda" else cpu)
+
+
+def sdpa_kernel(ctx: Ctx, dtype: str, dropout_p: float, masked: bool, head_dim: int,
+                mask_requires_grad: bool = False) -> str:
+    """Which kernel `F.scaled_dot_product_attention` runs in training: "math", "cpu_flash", "flash",
+    "efficient".
+
+    CPU (sdp_utils_cpp.cpp): the CPU flash kernel refuses dropout (check_for_dropout), so training with
+    attention dropout falls back to the math path. CUDA (sdp_utils.cpp priority flash > efficient > math):
+    flash needs 16-bit, no explicit mask, head_dim <= 256 and sm80+; otherwise the memory-efficient kernel
+    (any dtype, additive bias, dropout). attention="flash" means FlashAttention-2: always the flash kernel
+    (HF's FA2 path unpads instead of masking). Where a recent torch prefers cuDNN attention (sm90+), that
+    kernel saves the same q, k, v, output and fp32 row statistics as flash, so the flash formula applies.
+
+    A mask that requires grad (T5's learned position bias, `create_position_bias_mask` in transformers'
+    sdpa_attention.py) runs the math path on CUDA (`sdpa_math_for_mask_grad`). The fused choice is made
+    before anything else, so this holds for attention="flash" too: HF's FA2 cannot take a bias at all.
+    """
+    if ctx.backend == "cpu":
+        return "math" if dropout_p > 0 else "cpu_flash"
+    if masked and mask_requires_grad and sdpa_math_for_mask_grad(ctx.backend):
+        return "math"
+    if ctx.attention == "flash":
+        return "flash"
+    if not masked and dtype != F32 and ctx.flash_ok and head_dim <= FLASH_MAX_HEAD_DIM:
+        return "flash"
+    return "efficient"
+
+
+def sdpa_math_for_mask_grad(backend: Backend) -> bool:
+    """Whether SDPA runs its math path when the additive mask requires grad.
+
+    CUDA: measured on an H200, torch 2.11 (shared readings h200-2026-11-26, traced-memory-sites.txt): in
+    T5-base fp32, the 24 calls whose mask carries the learned position bias (encoder and decoder
+    self-attention) hold exactly the math path's saved tensors at line 158 of sdpa_attention.py (scaled q
+    and k, softmax, dropout mask, dropped probabilities and the folded v, 504 MiB each at b16 s512), while
+    the 12 cross-attention calls, whose zero bias needs no grad, hold only the memory-efficient output and
+    logsumexp. cuDNN refuses such a mask by source (sdp_utils_cpp.h `check_attn_mask_shape`:
+    `if (attn_mask.value().requires_grad()) return false;`). CPU: its flash kernel refuses it the same way.
+    """
+    return True
+
+
+def math_sdpa_dtype(dtype: str, backend: Backend) -> str:
+    """Compute dtype of SDPA's math path: it upcasts 16-bit q/k/v to fp32 on both devices (attention.cpp
+    `_scaled_dot_product_attention_math`: `query_.to(at::kFloat)` unless
+    `allowFP16BF16ReductionMathSDP()`, off by default; the same composite runs on CPU and CUDA; measured on
+    CPU, and the H200 T5 readings hold fp32 softmax and probabilities under AMP bf16)."""
+    return F32 if dtype != F32 else dtype
+
+
+def attention_kernel(spec: TransformerSpec, ctx: Ctx, masked: bool) -> str:
+    """"eager" or the SDPA kernel (see `sdpa_kernel`) for this layer."""
+    if ctx.attention == "eager":
+        return "eager"
+    return sdpa_kernel(ctx, ctx.low, spec.attention_dropout, masked, spec.head_dim)
+
+
+def mask_materialised(spec: TransformerSpec, ctx: Ctx) -> bool:
+    """Whether HF builds a 4-D mask (masking_utils): always for decoders in eager, and for Mistral once
+    s >= sliding_window; otherwise only when the batch has padding (an all-ones mask is skipped for SDPA:
+    `_ignore_causal_mask_sdpa`, `_ignore_bidirectional_mask_sdpa`). FlashAttention-2 takes the 2-D mask and
+    unpads instead."""
+    if ctx.attention == "flash" and ctx.backend == "cuda":
+        return False
+    traits = family(spec.family)
+    if traits.decoder and ctx.attention == "eager":
+        return True
+    window = spec.hf_config.get("sliding_window") if traits.sliding_window else None
+    if window and ctx.s >= window:
+        return True  # a sliding window needs an explicit mask once s reaches it (local_attention_size)
+    return ctx.padded
+
+
+def mask_bytes_dtype(ctx: Ctx) -> str:
+    """HF's 4-D mask: bool for SDPA, additive in the model's dtype for eager."""
+    return BOOL if ctx.attention != "eager" else ctx.act

@@ -1,0 +1,64 @@
+"""Every constant of the throughput model, in a module of its own so that the collectives' timings
+(planner.perf.collectives) and the step model (planner.perf.throughput) both read it without importing each
+other (issue 33: the two modules were a cycle through this class)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from planner.perf.roofline import RooflineConstants
+
+
+class ThroughputConstants(RooflineConstants):
+    """Every constant of the throughput model (the roofline's and communication's); override any field with
+    `model_copy(update={...})`."""
+
+    causal_fraction: float = Field(
+        1.0, gt=0, le=1,
+        description="share of the s^2 attention FLOPs executed for causal models; 1.0 counts them full "
+                    "(FlopCounterMode convention); a causal flash kernel computes ~0.5")
+    allreduce_overlap: float = Field(
+        0.5, ge=0, le=1,
+        description="share of the gradient all-reduce hidden behind backward by DDP's bucketing "
+                    "(bucket_cap_mb=25: all but the last buckets overlap; ASSUMPTION)")
+    network_efficiency_efa: float = Field(
+        0.8, gt=0, le=1, description="share of the instance's network Gbps NCCL reaches over EFA (ASSUMPTION)")
+    network_efficiency_tcp: float = Field(
+        0.4, gt=0, le=1,
+        description="share of network Gbps NCCL reaches over TCP sockets without EFA; 'up to' figures are "
+                    "burst rates (ASSUMPTION)")
+    rank_speed_spread: float = Field(
+        0.055, ge=0, le=0.5,
+        description="spread (coefficient of variation) of per-GPU step speed: n synchronous GPUs wait "
+                    "rank_speed_spread x E[max of n standard normals] of the compute time for the slowest; "
+                    "fitted to the scaling of multi-GPU runs in results/public (benchmarks/fit_scaling.py); it "
+                    "also absorbs any other loss that grows with the GPU count (gradient bucket copies, NCCL "
+                    "kernels sharing SMs and HBM with backward)")
+    dp_replicate_overhead_s: float = Field(
+        0.01, ge=0,
+        description="DataParallel's per-micro-step cost beyond its copies and GIL-bound dispatch: starting "
+                    "one Python thread per replica (parallel_apply) and replicate()'s per-module Python "
+                    "copies (ASSUMPTION)")
+    dp_gil_share: float = Field(
+        1.0, ge=0, le=1,
+        description="share of each forward op's host time that holds the GIL, so that DataParallel's replica "
+                    "threads dispatch one after another (ASSUMPTION, an upper bound: ATen releases the GIL "
+                    "inside the op, the Python module call and argument parsing hold it)")
+    shard_overlap: float = Field(
+        0.5, ge=0, le=1,
+        description="share of a ZeRO-3/FSDP per-unit all-gather or reduce-scatter (all but the first unit of "
+                    "a phase) that runs hidden behind that phase's compute; NCCL kernels share SMs and HBM "
+                    "with it (ASSUMPTION, like allreduce_overlap: no public ZeRO-3/FSDP run here to fit it)")
+    nccl_base_latency_s: float = Field(
+        8.4e-6, ge=0,
+        description="fixed latency of one NCCL ring collective, Ring/Simple baseLat (NVIDIA/nccl "
+                    "src/graph/tuning.cc @01afd20: 8.4 us; SOURCED)")
+    nccl_hop_latency_nvlink_s: float = Field(
+        3.4e-6, ge=0, description="NCCL latency per ring step over NVLink, hwLat NVLINK Ring/Simple "
+                                  "(tuning.cc: 3.4 us; SOURCED)")
+    nccl_hop_latency_pci_s: float = Field(
+        5.7e-6, ge=0, description="NCCL latency per ring step over PCIe, hwLat PCI Ring/Simple (tuning.cc: "
+                                  "5.7 us; SOURCED)")
+    nccl_hop_latency_net_s: float = Field(
+        9.6e-6, ge=0, description="NCCL latency per ring step between instances, hwLat NET Ring/Simple "
+                                  "(tuning.cc: 9.6 us; SOURCED)")

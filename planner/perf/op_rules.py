@@ -1,0 +1,148 @@
+"""The FLOP and kernel interpreters of a program: per op kind, its forward matmul FLOPs (counted as
+torch.utils.flop_counter.FlopCounterMode counts them: matrix products only, 2·m·n·k) and its CUDA kernels
+(forward and backward, with their bytes and launches), built from planner.perf.kernels' primitives.
+
+`tests/test_program.py` checks a program's FLOPs against planner.perf.flops and its kernels against
+planner.perf.kernels for every catalog model, and lists where the old kernel list disagreed with the module.
+"""
+
+from __future__ import annotations
+
+from planner.ir.context import Ctx
+from planner.ir.interpret import register
+from planner.ir.ops import Op
+from planner.perf import kernels as K
+from planner.perf.flops import attention_score_flops, matmul_flops
+from planner.perf.kernels import Kernel
+
+# ----------------------------------------------------------------------------------------- FLOPs
+
+
+@register("flops", "linear")
+def linear_flops(op: Op, ctx: Ctx) -> int:
+    rows, n_in = op.shapes["input"]
+    return matmul_flops(rows, op.shapes["output"][1], n_in)
+
+
+@register("flops", "attention_eager", "attention_math", "attention_efficient", "attention_flash",
+          "attention_cpu_flash")
+def attention_flops(op: Op, ctx: Ctx) -> int:
+    """Q·Kᵀ and P·V, counted full for causal models (FlopCounterMode's convention)."""
+    return attention_score_flops(op.attrs["spec"], ctx.b, ctx.s)
+
+
+@register("flops", "embedding", "index", "layer_norm", "rms_norm", "activation", "gated_mul", "dropout",
+          "residual_add", "tanh", "rotary", "attention_mask", "first_token", "cross_entropy", "batch_norm",
+          "checkpoint", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "quantize",
+          "dequantize")
+def no_matmul_flops(op: Op, ctx: Ctx) -> int:
+    """Memory-bound ops: no matrix product (FlopCounterMode counts none)."""
+    return 0
+
+
+# --------------------------------------------------------------------------------------- kernels
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+@register("kernels", "linear")
+def linear_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """The autocast input cast and the GEMM (bias added in the epilogue)."""
+    rows, n_in = op.shapes["input"]
+    return K.linear(op.name, rows, op.shapes["output"][1], n_in, op.dtypes["input"], ctx, op.attrs["bias"])
+
+
+@register("kernels", "layer_norm")
+def layer_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    rows, width = op.shapes["input"]
+    return [K.layernorm(op.name, rows, width, op.dtypes["input"], ctx)]
+
+
+@register("kernels", "rms_norm")
+def rms_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    rows, width = op.shapes["input"]
+    return K.rmsnorm(op.name, rows, width, op.dtypes["input"])
+
+
+@register("kernels", "dropout")
+def dropout_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    return K.dropout(op.name, _numel(op.shapes["input"]), op.dtypes["input"], op.attrs["p"])
+
+
+@register("kernels", "activation")
+def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    return K.activation(op.name, op.attrs["act"], _numel(op.shapes["input"]), op.dtypes["input"], ctx)
+
+
+@register("kernels", "gated_mul", "residual_add", "tanh")
+def elementwise_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """One pass: reads its input(s), writes its output."""
+    reads = (op.dtypes["input"],) + ((op.dtypes["other"],) if "other" in op.dtypes else ())
+    return [K.elementwise(op.name, _numel(op.shapes["input"]), reads, (op.dtypes["output"],), op.dtypes["output"])]
+
+
+@register("kernels", "rotary")
+def rotary_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """RoPE on q and k: q·cos + cat(-x2, x1)·sin, five passes each; then repeat_kv copies k and v to all
+    heads when the kv heads are fewer."""
+    low = op.dtypes["input"]
+    n, q = op.shapes["q"]
+    kv = op.shapes["k"][1]
+    ks = []
+    for t, w in (("q", q), ("k", kv)):
+        ks += [K.elementwise(f"rope.{t}.mul_cos", n * w, (low, low), (low,), low),
+               K.elementwise(f"rope.{t}.neg", n * w // 2, (low,), (low,), low),
+               K.elementwise(f"rope.{t}.cat", n * w, (low,), (low,), low),
+               K.elementwise(f"rope.{t}.mul_sin", n * w, (low, low), (low,), low),
+               K.elementwise(f"rope.{t}.add", n * w, (low, low), (low,), low)]
+    if kv != q:
+        ks += [K.elementwise(f"repeat_kv.{t}", n * q, (low,), (low,), low) for t in ("k", "v")]
+    return ks
+
+
+@register("kernels", "attention_eager", "attention_math", "attention_efficient", "attention_flash",
+          "attention_cpu_flash")
+def attention_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    return K.attention(op.attrs["spec"], ctx, 1.0)
+
+
+@register("kernels", "attention_mask")
+def mask_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    return K.attention_mask(op.attrs["spec"], ctx)
+
+
+@register("kernels", "embedding")
+def embedding_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """index_select: reads n ids and n rows, writes n rows."""
+    n, h = op.shapes["output"]
+    w = op.dtypes["output"]
+    k = K.elementwise(op.name, n * h, (w,), (w,), w)
+    return [K._with(k, bytes_read=n * h * K.nbytes(w) + n * 8)]
+
+
+@register("kernels", "cross_entropy")
+def loss_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    model = op.attrs["model"]
+    if model.loss == "multimodal" or not model.transformers:
+        return []
+    return K.loss(model.transformers[-1], ctx)
+
+
+@register("kernels", "batch_norm")
+def batch_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    return K.dense_block(op.attrs["block"], ctx)
+
+
+@register("kernels", "index", "first_token", "checkpoint", "all_reduce", "all_gather", "reduce_scatter",
+          "all_to_all", "send_recv", "quantize", "dequantize")
+def no_forward_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """Views and index tensors made inside other kernels (first_token's backward kernel is added by the
+    backward rule of planner.perf.kernels); collectives and quantisation are not emitted yet."""
+    return []
+
+

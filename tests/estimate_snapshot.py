@@ -1,0 +1,115 @@
+"""The estimate snapshot: a grid of configurations and the figures of each, written by the code as it was
+before the one-program refactor (issue 33), so the refactored code can be compared with it.
+
+This is a regression guard, not a truth: the figures are the planner's own output at the commit that wrote
+the fixture, and `tests/test_estimate_snapshot.py` checks that a refactor leaves them unchanged. Where the
+refactor corrects a disagreement between two old copies of a layer (checked against a real module on CPU),
+the fixture is regenerated in the same commit and the commit message and ARCHITECTURE.md say which figure
+moved and why.
+
+Deliberate changes since the pre-refactor fixture (each regenerated the fixture in its own commit):
+1. Parameter tensors for speed come from the program (`perf.throughput.parameter_counts`): GPT-2 148 tensors,
+   not 198; masked-LM heads 5, causal-LM heads 1 (0 tied), classifier heads as built; the module's
+   `named_parameters()` confirms the program (tests/test_program.py). Only ZeRO-3 step times move (its
+   per-unit NCCL calls follow the tensor count): 104 of 347 estimates, communication time only, step time
+   by at most 3.5 %; memory unchanged everywhere.
+2. The speed kernel list is the program's (`perf.kernels.block_kernels` reads the layer forms' ops; its own
+   layer, embeddings and head lists are deleted). Where the two lists disagreed the module decides
+   (tests/test_program.py counts the ATen ops of real modules): RoBERTa looks up token types even without
+   them in the batch, RoBERTa's and DistilBERT's classifiers run dropout, DistilBERT's layer has no dropout
+   after out_lin, GPT-2's c_proj casts gelu_new's fp32 output under AMP. 150 of 347 estimates move, all of
+   RoBERTa / DistilRoBERTa / DistilBERT and GPT-2 under AMP (LoRA and QLoRA included), step time by at most
+   3.7 % (GPT-2 AMP: the added cast); BERT, Llama, Mistral and the multimodal model unchanged; memory
+   unchanged everywhere.
+
+Regenerate (from the repository root, ~1-2 minutes on 2 cores):
+
+    python tests/estimate_snapshot.py            # writes tests/data/estimate_snapshot.json
+
+The grid: every catalog model × {fp32, amp-bf16} × checkpointing {off, on} × {single, ddp, zero3} × two
+instance types (4× A10G, 8× A100), plus LoRA, QLoRA, a run of varying lengths and a traced config.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "estimate_snapshot.json"
+TRACED_CONFIG = Path(__file__).resolve().parent / "data" / "bart-base.json"
+
+PRECISIONS = ("fp32", "amp-bf16")
+CHECKPOINTING = (False, True)
+PARALLELISMS = ("single", "ddp", "zero3")
+INSTANCES = ("ml.g5.12xlarge", "ml.p4d.24xlarge")
+BATCH, SEQ = 4, 256
+
+
+def grid_cases() -> list[tuple[str, str, dict[str, Any], str, dict[str, Any]]]:
+    """(key, model, TrainConfig fields, instance, extra estimate() keywords) of the torch-free grid."""
+    from planner.models.catalog import list_models
+
+    out = []
+    for model, prec, ckpt, par, inst in itertools.product(list_models(), PRECISIONS, CHECKPOINTING, PARALLELISMS,
+                                                          INSTANCES):
+        cfg = {"batch_size": BATCH, "seq_len": SEQ, "precision": prec, "checkpointing": ckpt, "parallelism": par}
+        out.append((f"{model}|{prec}|ckpt={ckpt}|{par}|{inst}", model, cfg, inst, {}))
+    lora = {"batch_size": BATCH, "seq_len": SEQ, "precision": "amp-bf16", "parallelism": "single", "lora_r": 16}
+    for model in ("llama-3-8b", "gpt2", "roberta-base"):
+        out.append((f"{model}|lora", model, lora, "ml.g5.12xlarge", {}))
+        out.append((f"{model}|qlora", model, lora | {"base_dtype": "nf4"}, "ml.g5.12xlarge", {}))
+        out.append((f"{model}|lora-ckpt", model, lora | {"checkpointing": True}, "ml.p4d.24xlarge", {}))
+    run = {"batch_size": 8, "seq_len": 512, "precision": "amp-bf16", "parallelism": "single"}
+    out.append(("bert-base-uncased|run", "bert-base-uncased", run, "ml.p4d.24xlarge",
+                {"run": ("uniform:64-512:8", 40)}))
+    return out
+
+
+def traced_cases() -> list[tuple[str, str, dict[str, Any], str, dict[str, Any]]]:
+    """The traced front end (needs torch: the tracer runs the module under FakeTensorMode)."""
+    cfg = {"batch_size": 2, "seq_len": 128, "precision": "amp-bf16", "parallelism": "single"}
+    return [("bart-base.json|traced", str(TRACED_CONFIG), cfg, "ml.g5.12xlarge", {})]
+
+
+def figures(model: str, cfg: dict[str, Any], instance: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The figures the refactor must keep: memory by term and phase, verdict, band, parameters, speed."""
+    from planner.estimate import estimate
+    from planner.run import simulate
+    from planner.spec import TrainConfig
+
+    kw = dict(extra)
+    if "run" in kw:
+        lengths, steps = kw.pop("run")
+        kw["run"] = simulate.request(lengths, steps=steps, seed=0)
+    est = estimate(model, TrainConfig(**cfg), instance, **kw)
+    j = est.to_json()
+    out: dict[str, Any] = {
+        "world_size": j["world_size"], "parameters": j["parameters"], "memory_bytes": j["memory_bytes"],
+        "phases": [[p["phase"], p["allocated"], p["detail"]] for p in j["phases"]], "verdict": j["verdict"],
+        "peak_device_low_bytes": j["peak_device_low_bytes"], "peak_device_high_bytes": j["peak_device_high_bytes"],
+    }
+    thr = j["throughput"]
+    if thr is not None:
+        out["throughput"] = {"step_time_s": thr["step_time_s"], "breakdown_s": thr["breakdown_s"]}
+    if j.get("run"):
+        r = j["run"]
+        out["run"] = {k: r[k] for k in ("peak_reserved_bytes", "growth_bytes", "peak_step", "longest")}
+    return out
+
+
+def snapshot(cases) -> dict[str, dict[str, Any]]:
+    return {key: figures(model, cfg, inst, extra) for key, model, cfg, inst, extra in cases}
+
+
+def main() -> None:
+    data = snapshot(grid_cases() + traced_cases())
+    FIXTURE.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
+    print(f"wrote {len(data)} estimates to {FIXTURE}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
