@@ -318,7 +318,7 @@ class SoftwareStack(Frozen):
     def max_split_size(self) -> int | None:
         """max_split_size_mb in bytes (None: unlimited, the default). CUDAAllocatorConfig parses the value in
         MiB and keeps `val * 1024 * 1024`."""
-        from planner.memory.alloc_conf import parse_alloc_conf
+        from planner.alloc_conf import parse_alloc_conf
 
         mb = parse_alloc_conf(self.alloc_conf, self.torch).get("max_split_size_mb")
         return None if mb is None else int(float(mb) * 1024 * 1024)
