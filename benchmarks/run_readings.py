@@ -15,7 +15,12 @@ One difference of loop, replayed as measured: the readings' loop holds only the 
 planner's step keeps the model's output (logits) until the step ends, as a loop holding `out` does (the
 shared readings, `results/validation/h200/shared-2026-11-26/`). `loop_keeps_logits(False)` sets the kept
 logits to none for the replay (`activations.head_output_bytes`); without it every prediction here is higher
-by the logits (BERT 0.93 GiB, GPT-2 3.07 GiB).
+by the logits (BERT 0.93 GiB, GPT-2 3.07 GiB). The readings' own lifetimes, `--loop loss-only` (the logits
+allocated at the head and freed when the forward returns: planner/memory/loops.py), give the same allocated
+peaks but BERT's reserved 6.6 % under on its fixed run (13.56 GiB vs 14.51; growth +39 % vs +23 %), where the
+real runs reserve the same 14.51 GiB under either loop (steps.jsonl of this folder and of shared-2026-11-26):
+the replay reuses the logits' freed 1 GiB block where the real allocator's peak does not depend on it. Until
+that is understood this replay keeps the logits out rather than freeing them early.
 
 Columns: measured and predicted run peak reserved and allocated (GiB) with the error in %; for a varied
 row also its growth: its reserved peak over the fixed run's of the same model and allocator, measured and

@@ -236,17 +236,23 @@ def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     The stand-in saves nothing large for backward (a mean's gradient needs only the shape) and still sends
     a gradient to every parameter, the pooler's included.
     """
+    return outputs_and_loss(model, batch)[1]
+
+
+def outputs_and_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """`loss_of` with the model's outputs, for a loop that holds them (`out = model(**batch)`: planner --loop
+    plain or accelerate); None for the user's own module (its loss function sees the outputs only)."""
     if isinstance(batch, UserBatch):
-        return user_loss(model, batch)
+        return None, user_loss(model, batch)
     out = model(**batch)
     loss = out.get("loss") if hasattr(out, "get") else getattr(out, "loss", None)
     if loss is not None:
-        return loss
+        return out, loss
     loss = out["last_hidden_state"].mean()
     pooled = out.get("pooler_output") if hasattr(out, "get") else None
     if pooled is not None:
         loss = loss + pooled.mean()
-    return loss
+    return out, loss
 
 
 # ------------------------------------------------------------------------- the user's own module

@@ -207,6 +207,10 @@ class Plan:
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
     base_dtype: str = "auto"
+    # planner --loop: whose tensor lifetimes the steps follow (planner/memory/loops.py); --load: the model
+    # built in the dtype it trains in ("direct") or in fp32 and then cast ("cast")
+    loop: str = "plain"
+    load: str = "direct"
     # whose FSDP mixed precision runs (the planner's --framework): torchtitan = FSDP2 MixedPrecisionPolicy
     # (bf16 params, fp32 reduce, no autocast); accelerate = FSDP1 MixedPrecision (all 16-bit); lightning = FSDP1
     # MixedPrecision(param fp32, reduce 16-bit) + autocast; pytorch = autocast around FSDP2
@@ -219,6 +223,11 @@ class Plan:
     @property
     def distributed(self) -> bool:
         return self.parallelism in ("ddp", "zero1", "zero2", "zero3", "fsdp") and self.world_size > 1
+
+
+# Loops that keep `out = model(**batch)` past the forward: plain (to the step's end), accelerate (to the next
+# forward's end). hf-trainer, lightning and loss-only return only the loss from the forward's function.
+HOLDS_OUTPUTS = ("plain", "accelerate")
 
 
 def make_plan(request: dict[str, Any]) -> Plan:
@@ -255,6 +264,8 @@ def make_plan(request: dict[str, Any]) -> Plan:
         lora_targets=tuple(cfg.get("lora_targets") or ()),
         lora_dropout=float(cfg.get("lora_dropout") or 0.0),
         base_dtype=cfg.get("base_dtype") or "auto",
+        loop=cfg.get("loop") or "plain",
+        load=cfg.get("load") or "direct",
         framework=cfg.get("framework") or "pytorch",
     )
 
@@ -431,8 +442,18 @@ def build(modeling: Any, spec: dict[str, Any], plan: Plan, device: Any) -> tuple
         except ImportError as exc:
             raise Unsupported("attention=flash needs the flash_attn package (FlashAttention-2, sm80+)") from exc
     takes_attention = "attention" in inspect.signature(modeling.build_model).parameters
-    with torch.device(device):
-        model = modeling.build_model(spec, attention=plan.attention) if takes_attention else modeling.build_model(spec)
+    stored = stored_dtype(plan)
+    old_default = torch.get_default_dtype()
+    if plan.load == "direct" and stored is not None:  # built in the dtype it is stored in: nothing to cast
+        torch.set_default_dtype(stored)
+    try:
+        with torch.device(device):
+            model = (modeling.build_model(spec, attention=plan.attention) if takes_attention
+                     else modeling.build_model(spec))
+    finally:
+        torch.set_default_dtype(old_default)
+    applied["load"] = plan.load
+    applied["loop"] = plan.loop
     model.to(device)
     if plan.precision in ("fp16", "bf16"):
         model.to(torch.float16 if plan.precision == "fp16" else torch.bfloat16)
@@ -491,6 +512,17 @@ def quantize_4bit(model: Any, compute_dtype: Any, device: Any) -> int:
         model.set_submodule(name, new.to(device))  # .to(cuda) quantizes (Params4bit._quantize)
         done += 1
     return done
+
+
+def stored_dtype(plan: Plan) -> Any:
+    """The 16-bit dtype the parameters are stored in (pure fp16/bf16, or a LoRA base in bf16/fp16), None when
+    they stay fp32 (fp32, AMP, nf4 quantizes from the fp32 build)."""
+    import torch
+
+    name = plan.precision if plan.precision in ("fp16", "bf16") else None
+    if plan.lora_r and plan.base_dtype in ("bf16", "fp16"):
+        name = plan.base_dtype
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name or "")
 
 
 def apply_lora(model: Any, spec: dict[str, Any], plan: Plan, device: Any, applied: dict[str, Any]) -> Any:
@@ -850,6 +882,7 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
 
     # ---- steps --------------------------------------------------------------------------------
     total_steps = len(plan.step_lengths) or plan.warmup_steps + plan.measure_steps
+    held: list[Any] = []  # the model outputs the loop still holds (planner/memory/loops.py)
     step_times: list[float] = []
     states_step = None
     if plan.step_lengths:  # a run of varying lengths: each step's batch made at its length, freed after it
@@ -873,14 +906,21 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
                 hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if counter
                          else contextlib.nullcontext())
                 with hooks, _autocast(plan, dev):
-                    loss = modeling.loss_of(wrapped, batch)
+                    if plan.loop in HOLDS_OUTPUTS and hasattr(modeling, "outputs_and_loss"):
+                        out, loss = modeling.outputs_and_loss(wrapped, batch)
+                    else:  # the loop's forward returns only the loss: the outputs die here
+                        out, loss = None, modeling.loss_of(wrapped, batch)
                     if loss.dim() > 0:  # DataParallel gathers one loss per replica
                         loss = loss.mean()
                     loss = loss / plan.grad_accum
+                held[:] = [out]  # accelerate: rebinding frees the previous step's outputs only now
+                del out
                 rec.end("forward", step, micro, loss=float(loss.detach().float().item()),
                         **({"seq_len": plan.step_lengths[step]} if plan.step_lengths else {}))
                 if counter is not None:
                     result["tensors"].update(saved_tensor_bytes=counter.bytes, saved_tensor_count=counter.count)
+                if plan.loop == "lightning" and micro == 0:  # Closure: training_step, zero_grad, backward
+                    optimizer.zero_grad(set_to_none=True)
                 ctx.phase = "backward"
                 rec.begin()
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -897,7 +937,10 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
             optimizer.step()
         had_state = _has_state(optimizer)
         alloc_after_step = rec.allocated()
-        optimizer.zero_grad(set_to_none=True)
+        if plan.loop != "lightning":  # (Lightning zeroes them after the next forward)
+            optimizer.zero_grad(set_to_none=True)
+        if plan.loop == "plain":
+            held.clear()  # `out` held until the step ends
         rec.end("optimizer", step, allocated_after_step=alloc_after_step, optimizer_state=had_state)
         if had_state and states_step is None:
             states_step = step

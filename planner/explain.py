@@ -275,10 +275,30 @@ def _phase_lines(est: Estimate) -> list[str]:
     note = phase_moment_note(est)
     if note:
         lines.append(note)
+    lines += loop_lines(est)
     lines.append(f"Peak allocated {fmt_bytes(m.peak_allocated)} in {est.peak_phase}; the caching allocator reserves "
                  f"{fmt_bytes(m.peak_reserved)} (fragmentation {est.runtime.fragmentation:.0%}); plus CUDA context "
                  f"{fmt_bytes(m.cuda_context)} and NCCL {fmt_bytes(m.nccl)} = {fmt_bytes(m.peak_device)} on the device.")
     return lines
+
+
+def loop_lines(est: Estimate) -> list[str]:
+    """What --loop and --load (planner.memory.loops) change in the phases, when not the defaults."""
+    from planner.memory import loops
+
+    cfg, out = est.config, []
+    words = {"forward-end": "when the forward returns", "step-end": "after the optimizer step",
+             "next-forward": "when the next step's forward returns", "next-backward":
+             "after the next step's forward, before its backward"}
+    if cfg.loop != loops.DEFAULT_LOOP:
+        r = loops.rule(cfg.loop)
+        out.append(f"Loop {cfg.loop}: the model's outputs are freed {words[r.outputs_die]}, the gradients "
+                   f"{words[r.grads_die]}.")
+    build = next((ph for ph in est.phases if ph.phase == "load"), None)
+    if cfg.load == "cast" and build is not None and build.allocated > est.memory_bytes.parameters:
+        out.append(f"Load cast: the model is built in fp32 ({fmt_bytes(build.allocated)}) and then cast; the fp32 "
+                   f"blocks stay cached, so their segments stay reserved through training.")
+    return out
 
 
 def phase_moment_note(est: Estimate) -> str | None:

@@ -38,6 +38,12 @@ Verdict = Literal["fits", "tight", "oom"]
 # (fp32 for fp32 and AMP, 16-bit for pure 16-bit), as transformers loads it; "nf4" = QLoRA (bitsandbytes 4-bit
 # NormalFloat with double quantization, computing in the precision's 16-bit dtype).
 BaseDtype = Literal["auto", "fp32", "bf16", "fp16", "nf4"]
+# The training loop whose tensor lifetimes the step assumes (planner.memory.loops says when each one frees the
+# model's outputs and the gradients, with the source lines).
+Loop = Literal["plain", "hf-trainer", "accelerate", "lightning", "loss-only"]
+# How the model reaches the GPU: built in its training dtype ("direct"), or built in fp32 and cast
+# (`model.to(bf16)`), which leaves the fp32 build's segments in the caching allocator's pool.
+Load = Literal["direct", "cast"]
 # Whose training loop and parallel wrappers run the step (planner.parallel.frameworks): how --precision is
 # applied (autocast, FSDP's mixed-precision policy, Megatron's or DeepSpeed's 16-bit engine with fp32 master
 # weights) and each framework's defaults (prefetch, reshard after forward, buckets).
@@ -227,6 +233,8 @@ class TrainConfig(Frozen):
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
     base_dtype: BaseDtype = "auto"
+    loop: Loop = "plain"
+    load: Load = "direct"
     # Whose layouts and defaults apply (planner.parallel.frameworks); "pytorch": a plain loop with autocast.
     framework: Framework = "pytorch"
     # DeepSpeed's settings from the job's ds_config (--ds-config FILE); None: DeepSpeed's defaults.
@@ -305,6 +313,15 @@ class SoftwareStack(Frozen):
         from planner.alloc_conf import parse_alloc_conf
 
         return str(parse_alloc_conf(self.alloc_conf, self.torch).get("expandable_segments", "")).lower() == "true"
+
+    @property
+    def max_split_size(self) -> int | None:
+        """max_split_size_mb in bytes (None: unlimited, the default). CUDAAllocatorConfig parses the value in
+        MiB and keeps `val * 1024 * 1024`."""
+        from planner.alloc_conf import parse_alloc_conf
+
+        mb = parse_alloc_conf(self.alloc_conf, self.torch).get("max_split_size_mb")
+        return None if mb is None else int(float(mb) * 1024 * 1024)
 
 
 class BandTerm(Frozen):

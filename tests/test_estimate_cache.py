@@ -15,7 +15,8 @@ estimate_mod = importlib.import_module("planner.estimate")
 # Another valid value for every TrainConfig field that is not in estimate.ACTIVATION_FIELDS.
 OTHER = {"optimizer": "sgd", "optimizer_impl": "for-loop", "parallelism": "zero3", "grad_accum": 4, "instances": 3,
          "gradient_as_bucket_view": True, "bucket_cap_mb": 100.0, "tf32": True, "lora_alpha": 64.0,
-         "framework": "torchtitan", "deepspeed": DeepSpeedSettings(reduce_bucket_size=1000)}
+         "framework": "torchtitan", "deepspeed": DeepSpeedSettings(reduce_bucket_size=1000),
+         "loop": "lightning", "load": "cast"}
 
 
 def test_every_other_field_is_listed():

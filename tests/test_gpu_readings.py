@@ -156,9 +156,9 @@ def _llama_trace():
     traces = []
     original = reserved._replay
 
-    def keep(trace, capacity, expandable):
+    def keep(trace, capacity, expandable, max_split=None):
         traces.append(trace)
-        return original(trace, capacity, expandable)
+        return original(trace, capacity, expandable, max_split)
 
     reserved.clear_caches()
     reserved._replay = keep

@@ -266,3 +266,29 @@ def test_lora_probe_runs_peft_and_counts_as_planned(tiny_spec, base):
                                                                                              lora.frozen)
     # AdamW's two fp32 moments per adapter element; on a CPU its 0-dim fp32 `step` per tensor lives there too
     assert result["tensors"]["optimizer_state_bytes"] == 8 * lora.trainable + 4 * len(lora.shapes)
+
+
+@pytest.mark.parametrize("loop", ["plain", "hf-trainer", "accelerate", "lightning", "loss-only"])
+def test_the_probe_runs_the_named_loop(tiny_spec, loop):
+    """Each loop trains (the gradients reach the optimizer whenever it zeroes them) and is recorded."""
+    out = probe.run_probe(request(tiny_spec, loop=loop), modeling=modeling, device="cpu")
+    assert out["status"] == "ok", out.get("message")
+    assert out["applied"]["loop"] == loop
+    assert out["tensors"]["optimizer_state_bytes"] >= 2 * out["tensors"]["parameters_bytes"]  # AdamW stepped
+
+
+@pytest.mark.parametrize("load,built", [("direct", torch.bfloat16), ("cast", torch.float32)])
+def test_the_probe_builds_in_bf16_or_casts_from_fp32(tiny_spec, load, built, monkeypatch):
+    seen = []
+    real = modeling.build_model
+
+    def spy(*a, **kw):
+        model = real(*a, **kw)
+        seen.append(next(model.parameters()).dtype)
+        return model
+
+    monkeypatch.setattr(modeling, "build_model", spy)
+    out = probe.run_probe(request(tiny_spec, precision="bf16", load=load), modeling=modeling, device="cpu")
+    assert out["status"] == "ok", out.get("message")
+    assert seen == [built] and out["applied"]["model_dtype"] == "bfloat16" and out["applied"]["load"] == load
+    assert torch.get_default_dtype() == torch.float32  # put back

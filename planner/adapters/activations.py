@@ -98,9 +98,13 @@ def base_is_low(config: TrainConfig) -> bool:
 
 
 def input_requires_grad(config: TrainConfig) -> bool:
-    """Whether the embeddings' output requires grad: `enable_input_require_grads`, which QLoRA's
-    prepare_model_for_kbit_training and checkpointed PEFT training call."""
-    return config.base_dtype == "nf4" or config.checkpointing
+    """Whether the embeddings' output requires grad: `enable_input_require_grads`, which only checkpointing
+    calls. transformers 5.24 `_activation_checkpointing_enable` calls it for every text model; peft 0.21.2
+    `PeftModel.__init__` calls it only `if getattr(model, "is_gradient_checkpointing", True)` and not for a
+    quantized base; `prepare_model_for_kbit_training` (peft/utils/other.py) only under
+    `use_gradient_checkpointing`. So QLoRA without checkpointing leaves the embeddings' output without a
+    gradient, as LoRA does (checked on a tiny Llama on the CPU: tests/test_lora_loading.py)."""
+    return config.checkpointing
 
 
 def adapter_saved(module: LinearModule, numel: int, src: str, config: TrainConfig, backend: str,
@@ -173,6 +177,28 @@ def transform_block(saved: list[Saved], spec: TransformerSpec, modules: list[Lin
     return out, no_grad
 
 
+# The gated MLP's tensors made from the 4-bit gate/up projections' outputs (llama, mistral), saved for backward.
+FOUR_BIT_MLP = {"llama": ("mlp.act.input", "mlp.up", "mlp.act_output"),
+                "mistral": ("mlp.act.input", "mlp.up", "mlp.act_output")}
+
+
+def four_bit_outputs(saved: list[Saved], spec: TransformerSpec, quantized: tuple, config: TrainConfig) -> list[Saved]:
+    """A 4-bit linear returns its output in its INPUT's dtype (bitsandbytes 0.50.2 nn/modules.py
+    `Linear4bit.forward`: `x = x.to(self.compute_dtype)` ... `return bnb.matmul_4bit(...).to(inp_dtype)`), and
+    autocast does not touch it. Under AMP the MLP's input is fp32 (the residual stream starts at the fp32
+    embeddings and the norm weights are fp32 after `prepare_model_for_kbit_training`), so the gate and up
+    outputs, and SiLU's output made from the fp32 gate, are fp32 where full AMP training has them in 16 bits.
+    The attention's q, k, v are fp32 too but SDPA saves its autocast casts, as in full training. Measured with
+    saved-tensor hooks on a tiny Llama with bitsandbytes NF4 layers on the CPU (tests/test_lora_loading.py)."""
+    names = FOUR_BIT_MLP.get(spec.family, ())
+    if not names or not config.precision.startswith("amp-"):
+        return saved
+    four_bit = {m.name.rsplit(".", 1)[-1] for m in quantized}
+    if not {"gate_proj", "up_proj"} <= four_bit:
+        return saved
+    return [Saved(t.name, t.numel, F32) if t.name in names else t for t in saved]
+
+
 def dequant_bytes(modules: list[LinearModule], config: TrainConfig) -> int:
     """The largest dequantization temporary of a block: the weight in the compute dtype plus the fp32
     absmax of its blocks (bitsandbytes gemm_4bit's dequantize + F.linear path, taken for training-sized
@@ -212,6 +238,7 @@ def lora_activations(model: ModelSpec, config: TrainConfig, records: tuple, lora
         else:
             saved, no_grad = transform_block(list(rec.tensors), block.layer, block_linears(block, single),
                                              list(bl.adapted), config, backend, tokens, i == first and not grads_in)
+            saved = four_bit_outputs(saved, block.layer, bl.quantized, config)
         # no 16-bit weight copies: a 4-bit layer dequantizes instead, a base already in autocast's dtype is used
         # as it is (autocast casts only what is not)
         uncast = bool(bl.quantized) or base_is_low(config)

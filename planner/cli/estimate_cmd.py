@@ -36,6 +36,7 @@ from planner.cli.common import (
 )
 from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt, framework_fields, framework_flags
 from planner.cli.job_flags import declare, same_flags
+from planner.cli.loop_opts import LoadOpt, LoopOpt, loop_fields, loop_flags
 from planner.cli.lora_opts import (
     BaseDtypeOpt,
     LoraAlphaOpt,
@@ -111,7 +112,7 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
-                                   f["base_dtype"]) | fw)
+                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -205,7 +206,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -258,6 +259,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        loop: LoopOpt = "plain",
+        load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
         torch_version: TorchVersionOpt = None,

@@ -53,6 +53,8 @@ PLACES: dict[str, tuple[str, str]] = {
     "lora_targets": ("space:lora_target_sets", "space.lora_target_sets"),
     "base_dtype": ("space:base_dtypes", "space.base_dtypes"),
     "framework": ("space:frameworks", "space.frameworks"),
+    "loop": ("space:loops", "space.loops"),
+    "load": ("space:loads", "space.loads"),
     "ds_config": ("fixed", "fixed.ds_config"),  # the file is read when the search starts
     "lengths": ("recipe", "recipe.lengths"),
     "padding": ("recipe", "recipe.padding"),

@@ -41,6 +41,7 @@ from planner.cli.common import (
     parse_model_options,
 )
 from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt
+from planner.cli.loop_opts import LoadOpt, LoopOpt
 from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
 from planner.errors import PlannerError
 from planner.io import dumps_json
@@ -99,6 +100,7 @@ CONFIG_FLAGS = ("batch_size", "seq_len", "precision", "optimizer", "optimizer_im
 def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     """The configuration flags of a command's arguments (`locals()` at its start), LoRA's included."""
     from planner.cli.framework_opts import framework_fields
+    from planner.cli.loop_opts import loop_fields
     from planner.cli.lora_opts import lora_fields
 
     fw = framework_fields(flags.get("framework") or "pytorch", flags.get("ds_config"), flags["parallelism"],
@@ -106,7 +108,8 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     args = {k: flags[k] for k in CONFIG_FLAGS} | {"parallelism": fw.pop("parallelism", flags["parallelism"])}
     return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
-        flags.get("base_dtype") or "auto") | fw
+        flags.get("base_dtype") or "auto") | fw | loop_fields(
+        flags.get("loop") or "plain", flags.get("load") or "direct")
 
 
 def check_torch() -> None:
@@ -264,6 +267,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        loop: LoopOpt = "plain",
+        load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
         model_option: ModelOptionOpt = None,
@@ -339,6 +344,8 @@ def register(app: typer.Typer) -> None:
         lora_targets: LoraTargetsOpt = None,
         lora_dropout: LoraDropoutOpt = 0.0,
         base_dtype: BaseDtypeOpt = "auto",
+        loop: LoopOpt = "plain",
+        load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
         model_option: ModelOptionOpt = None,

@@ -191,6 +191,10 @@ def _config_text(row: Any, shown: set[str]) -> str:
     for dim, label in (("lora_targets", "targets"), ("base_dtype", "base")):  # labelled: "bf16" alone reads
         if dim in shown:                                                     # as the precision
             parts.append(f"{label} {row.get(dim) or 'default'}")
+    for dim, default in (("loop", "plain"), ("load", "direct")):  # (rows at the defaults do not carry them)
+        if dim in shown:
+            value = row.get(dim)
+            parts.append(value if isinstance(value, str) else default)
     return " ".join(parts)
 
 

@@ -282,6 +282,7 @@ class _Program:
         self.arg: list[int] = []  # ALLOC: its slot; FREE: the op that allocated; MARK: index into `marks`
         self.names: list[str] = []  # ALLOC: its group's name (see `tensor_name`); "" otherwise
         self.marks: list[tuple[str, str]] = []  # (phase, label) per MARK
+        self.forward_end = -1  # a blocks section: the op after its forward (`_blocks_section`)
 
     def _op(self, kind: int, arg: int, name: str = "") -> None:
         self.kind.append(kind)
@@ -308,21 +309,31 @@ class _Program:
         """Note where the steady step begins (a run replays it once per step: `planner.run.replay`)."""
         self._op(STEADY, 0)
 
-    def emit(self, part: _Program, marks: bool) -> int:
-        """Append `part` (a program of its own) here, with its marks if `marks`; returns the offset of its ops.
-        Why: both steps of a trace run the same blocks, recorded once (`_blocks_section`)."""
+    def emit(self, part: _Program, marks: bool, insert_at: int = -1, frees: Sequence[int] = ()):
+        """Append `part` (a program of its own) here, with its marks if `marks`, and FREE ops of `frees` (ops
+        already here) before its op `insert_at`; returns the function that maps an op of `part` to its index
+        here. Why: both steps of a trace run the same blocks, recorded once (`_blocks_section`)."""
         off, marks_before = len(self.kind), len(self.marks)
-        for kind, arg in zip(part.kind, part.arg, strict=True):
+        k = len(frees) if insert_at >= 0 else 0
+
+        def shift(j: int) -> int:
+            return j + off + (k if 0 <= insert_at <= j else 0)
+
+        for idx, (kind, arg, name) in enumerate(zip(part.kind, part.arg, part.names, strict=True)):
+            if idx == insert_at:
+                for j in frees:
+                    self._op(FREE, j)
             if kind == FREE:
-                arg += off
+                arg = shift(arg)
             elif kind == MARK:
                 kind, arg = (MARK, arg + marks_before) if marks else (NOP, 0)
-            self.kind.append(kind)
-            self.arg.append(arg)
-        self.names.extend(part.names)
+            self._op(kind, arg, name)
+        if insert_at >= len(part.kind):
+            for j in frees:
+                self._op(FREE, j)
         if marks:
             self.marks.extend(part.marks)
-        return off
+        return shift
 
 
 class _Layout:
@@ -409,7 +420,8 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
-    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks))
+    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks), step.outputs_die,
+             step.grads_die, bool(step.build_ratio), bool(step.outputs_fp32_bytes))
     lens = tuple(map(len, values))
     key = (shape, lens)
     known = _STRUCTURES.get(key)
@@ -438,9 +450,9 @@ _STRUCTURES: dict[tuple, _Laid] = caches.table("planner.memory.events._STRUCTURE
 
 # Slots: each block's row of size tuples, then the step's own.
 (B_PARAMS, B_GATHERED, B_SAVED, B_KEPT, B_CACHE, B_LOGITS, B_FORWARD_TMP, B_RECOMPUTED, B_BACKWARD_TMP, B_GRADS,
- B_UNSHARDED) = range(11)
-BLOCK_SLOTS = 11
-S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS = range(7)
+ B_UNSHARDED, B_BUILD) = range(12)
+BLOCK_SLOTS = 12
+S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS, S_OUTPUTS_FP32 = range(8)
 
 
 def _positive(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -470,10 +482,13 @@ def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes:
                 split(b.saved_bytes - b.kept_bytes, _minus(d.saved, d.kept)) if b.checkpointed else (),
                 split(b.backward_transient_bytes, d.backward),
                 split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()),
-                _one(b.transient_grad_bytes))
+                _one(b.transient_grad_bytes),
+                tuple(n * step.build_ratio for n in split(b.param_bytes, d.params if b.param_bytes == sum(d.params)
+                                                           else ())) if step.build_ratio else ())
     raw += (_one(step.module_buffer_bytes), buckets(step.ddp_bucket_bytes, bucket_cap_bytes),
             _one(step.batch_bytes), _one(step.extra_forward_bytes), _one(step.workspace_bytes),
-            split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes))
+            split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes),
+            _one(step.outputs_fp32_bytes))
     return raw  # no size is <= 0: `_one` and `split` make none, BlockTensors and the optimizer's hold none
 
 
@@ -481,24 +496,48 @@ def _record(step: timeline.StepMemory, first_step: bool) -> _Program:
     """The step's ops, group by group (see `step_events`); reads only the structure of `step`."""
     t = _Program()
     top = len(step.blocks) * BLOCK_SLOTS
-    for i, b in enumerate(step.blocks):
-        t.alloc(b.name, i * BLOCK_SLOTS + B_PARAMS, ".param")
+    if step.build_ratio:  # --load cast: the fp32 build, then `model.to(dtype)` block by block (loops.build_ratio)
+        builds = [t.alloc(b.name, i * BLOCK_SLOTS + B_BUILD, ".fp32 build") for i, b in enumerate(step.blocks)]
+        t.mark("load", "fp32 build")
+        for i, b in enumerate(step.blocks):
+            t.alloc(b.name, i * BLOCK_SLOTS + B_PARAMS, ".param")
+            t.free(builds[i])
+    else:
+        for i, b in enumerate(step.blocks):
+            t.alloc(b.name, i * BLOCK_SLOTS + B_PARAMS, ".param")
     t.alloc("module buffers", top + S_BUFFERS)
     t.alloc("ddp bucket", top + S_BUCKETS)
     t.mark("load", "after load")
     section = None
+    carried: Refs = []
     if first_step:
-        t.permanent()  # parameters, buffers and buckets live as long as the model
+        if not step.build_ratio:  # (after a cast, freed fp32 blocks lie among the parameters: no snapshot)
+            t.permanent()  # parameters, buffers and buckets live as long as the model
         section = _blocks_section(step, new_grads=True)
-        _one_step(t, step, first=True, section=section)
+        carried = _one_step(t, step, first=True, section=section)
         if step.grads_resident:  # the steady step's backward finds the gradients there: a section of its own
             section = None
         t.steady()
     else:
         t.alloc("optimizer state", top + S_STATES)
-        t.permanent()  # ... and so do the optimizer states
-    _one_step(t, step, first=not first_step, marks=True, section=section)
+        if not step.build_ratio:
+            t.permanent()  # ... and so do the optimizer states
+        carried = _carried_in(t, step)
+    _one_step(t, step, first=not first_step, marks=True, section=section, carried=carried)
     return t
+
+
+def _carried_in(t: _Program, step: timeline.StepMemory) -> Refs:
+    """A steady-state-only trace: what the previous step's loop leaves alive into this forward
+    (planner.memory.loops), allocated at its start."""
+    refs: Refs = []
+    if step.outputs_die == "next-forward":
+        for i, b in enumerate(step.blocks):
+            refs += t.alloc(b.name, i * BLOCK_SLOTS + B_LOGITS, ".previous logits")
+    if step.grads_die == "next-backward" and not step.grads_resident:
+        for i, b in enumerate(step.blocks):
+            refs += t.alloc(b.name, i * BLOCK_SLOTS + B_GRADS, ".previous grad")
+    return refs
 
 
 def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Program, Refs, Refs]:
@@ -527,8 +566,15 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
         mark("forward", name)
         free(tmp)
         free(gathered)
+    top = len(blocks) * BLOCK_SLOTS
+    converted = alloc("outputs.fp32 copy", top + S_OUTPUTS_FP32)  # Accelerate's convert_outputs_to_fp32
     mark("forward", "end of forward")
+    free(converted)
     free(cache_ids)
+    t.forward_end = len(t.kind)  # where the previous step's carried tensors die (`_one_step`)
+    if step.outputs_die == "forward-end":  # the loop returned only the loss (planner.memory.loops)
+        free(retained)
+        retained = []
 
     grad_ids: Refs = []
     for i in range(len(blocks) - 1, -1, -1):
@@ -553,10 +599,11 @@ def _shift(refs: Refs, off: int) -> Refs:
 
 
 def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: bool = False,
-              section: tuple[_Program, Refs, Refs] | None = None) -> None:
+              section: tuple[_Program, Refs, Refs] | None = None, carried: Refs = ()) -> Refs:
     """One training step's ops; `first`: the workspace (and resident gradients) appear here; `marks`:
     record the timeline points (only the steady step); `section`: the blocks' forward and backward when
-    already recorded (`_blocks_section`)."""
+    already recorded (`_blocks_section`); `carried`: ops of the previous step whose tensors the loop frees
+    when this forward ends (planner.memory.loops). Returns this step's such ops."""
     alloc, free = t.alloc, t.free
     top = len(step.blocks) * BLOCK_SLOTS
     batch = alloc("batch", top + S_BATCH)
@@ -571,8 +618,9 @@ def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: boo
     if section is None:
         section = _blocks_section(step, new_grads)
     blocks_part, grads, kept = section
-    off = t.emit(blocks_part, marks)
-    grad_ids, retained = _shift(grads, off), _shift(kept, off)
+    at = blocks_part.forward_end if carried else -1
+    shift = t.emit(blocks_part, marks, insert_at=at, frees=carried)
+    grad_ids, retained = [shift(j) for j in grads], [shift(j) for j in kept]
     free(extra)
 
     if not marks:  # the first step: Adam's _init_group allocates the states before the update
@@ -582,9 +630,17 @@ def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: boo
         t.mark("optimizer", "optimizer step")
     free(temps)
     free(batch)
-    free(retained)
+    out: Refs = []
+    if step.outputs_die == "next-forward" and not marks:
+        out += retained  # rebound when the next forward returns
+    else:
+        free(retained)
     if not marks and not step.grads_resident:
-        free(grad_ids)  # optimizer.zero_grad(set_to_none=True) before the next forward
+        if step.grads_die == "next-backward":
+            out += grad_ids  # zeroed after the next forward, before its backward
+        else:
+            free(grad_ids)  # optimizer.zero_grad(set_to_none=True) before the next forward
+    return out
 
 
 def _minus(saved: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:

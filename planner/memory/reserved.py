@@ -27,7 +27,8 @@ REPLAY_FIRST_STEP = True
 # What the trace reads of a TrainConfig besides the step's block bytes: the activation records' fields
 # (estimate.ACTIVATION_FIELDS), the parameter dtype, the optimizer's tensors, the DDP bucket size.
 TRACE_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "optimizer", "optimizer_impl",
-                "bucket_cap_mb", "lora_r", "lora_targets", "lora_dropout", "base_dtype")
+                "bucket_cap_mb", "lora_r", "lora_targets", "lora_dropout", "base_dtype",
+                "loop", "load")
 
 
 class _Entry:
@@ -38,7 +39,7 @@ class _Entry:
 
     def __init__(self, spec: ModelSpec, trace: events.Trace) -> None:
         self.spec, self.trace = spec, trace
-        self.replays: dict[tuple[int | None, bool], allocator.ReplayResult] = {}
+        self.replays: dict[tuple[int | None, bool, int | None], allocator.ReplayResult] = {}
 
 
 _TRACES: dict[tuple, _Entry] = caches.table("planner.memory.reserved._TRACES", scope="step",
@@ -106,16 +107,18 @@ _PREFIXES: dict[tuple, allocator.Snapshot] = caches.table("planner.memory.reserv
     key="(trace, capacity, expandable) -> allocator snapshot after the first step")
 
 
-def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allocator.ReplayResult:
+def _replay(trace: events.Trace, capacity: int | None, expandable: bool,
+            max_split: int | None = None) -> allocator.ReplayResult:
     """The compiled kernel when the process uses it (`compiled`); otherwise in Python, where without a capacity
     (no OOM path) the permanent prefix (parameters, buffers, buckets, states) is replayed once per model and
     optimizer and restored from a snapshot afterwards."""
     if not expandable:
-        fast = compiled.replay(trace, capacity_bytes=capacity)
+        fast = compiled.replay(trace, capacity_bytes=capacity, max_split_size=max_split)
         if fast is not None:
             return fast
-    if capacity is not None or expandable:
-        return allocator.replay(trace.events, capacity_bytes=capacity, expandable_segments=expandable)
+    if capacity is not None or expandable or max_split is not None:
+        return allocator.replay(trace.events, capacity_bytes=capacity, expandable_segments=expandable,
+                                max_split_size=max_split)
     n = events.permanent_prefix(trace)
     key = trace.sizes[:n]  # the prefix allocates tensors 0..n-1 in order: their sizes are its events
     snap = _PREFIXES.get(key)
@@ -132,19 +135,20 @@ def _replay(trace: events.Trace, capacity: int | None, expandable: bool) -> allo
 def replay_step(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple, *,
                 parameter_share: float = 1.0, gradient_share: float = 1.0, state_share: float = 1.0,
                 capacity_bytes: int | None = None, expandable_segments: bool = False,
-                backend: str = "cuda", flash_ok: bool = True) -> AllocatorReplay:
+                max_split_size: int | None = None, backend: str = "cuda", flash_ok: bool = True) -> AllocatorReplay:
     """The step's allocator replay; `capacity_bytes` is what the allocator may reserve (GPU memory less the
-    CUDA context and NCCL buffers)."""
+    CUDA context and NCCL buffers); `max_split_size`: PYTORCH_CUDA_ALLOC_CONF max_split_size_mb, in bytes."""
     entry = _entry(spec, cfg, step, activations, parameter_share, gradient_share, state_share, backend, flash_ok)
     trace = entry.trace
-    r = entry.replays.get((None, expandable_segments))
+    ms = max_split_size
+    r = entry.replays.get((None, expandable_segments, ms))
     if r is None:
-        r = entry.replays[None, expandable_segments] = _replay(trace, None, expandable_segments)
+        r = entry.replays[None, expandable_segments, ms] = _replay(trace, None, expandable_segments, ms)
     if capacity_bytes is not None and r.peak_reserved > capacity_bytes:
-        hit = entry.replays.get((capacity_bytes, expandable_segments))
+        hit = entry.replays.get((capacity_bytes, expandable_segments, ms))
         if hit is None:
-            hit = entry.replays[capacity_bytes, expandable_segments] = _replay(trace, capacity_bytes,
-                                                                               expandable_segments)
+            hit = entry.replays[capacity_bytes, expandable_segments, ms] = _replay(trace, capacity_bytes,
+                                                                                   expandable_segments, ms)
         r = hit
     name = events.tensor_name(trace, r.peak_tensor) if r.peak_tensor >= 0 else ""
     return AllocatorReplay(peak_allocated=r.peak_allocated, peak_reserved=r.peak_reserved, segments=r.segments,

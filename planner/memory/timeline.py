@@ -57,6 +57,15 @@ class StepMemory:
     optimizer_temporary_bytes: int
     grads_resident: bool  # gradients from earlier micro-steps stay allocated (grad_accum > 1)
     extra_forward_bytes: int = 0  # DataParallel on GPU 0: the whole batch before scatter + gathered outputs
+    # The training loop's lifetimes (planner.memory.loops): when the outputs the loop holds (`retained_bytes`)
+    # and the gradients die; the defaults are the plain loop's.
+    outputs_die: str = "step-end"
+    grads_die: str = "step-end"
+    # --load cast: the fp32 build behind each parameter byte (loops.build_ratio; 0: built in its dtype).
+    build_ratio: int = 0
+    # Accelerate's mixed precision returns the model's 16-bit outputs converted to fp32 (loops.LoopRule): a copy
+    # alive at the end of the forward only.
+    outputs_fp32_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,20 +90,30 @@ def _rows(step: StepMemory) -> list[Row]:
     params = sum(b.param_bytes for b in blocks)
     grads_total = sum(b.grad_bytes for b in blocks)
     static_buffers = step.module_buffer_bytes + step.ddp_bucket_bytes
-    rows: list[Row] = [("load", "after load", params, 0, 0, 0, 0, static_buffers)]
+    rows: list[Row] = []
+    if step.build_ratio:  # --load cast: every parameter built in fp32 before the cast
+        rows.append(("load", "fp32 build", params * step.build_ratio, 0, 0, 0, 0, 0))  # (buffers come after)
+    rows.append(("load", "after load", params, 0, 0, 0, 0, static_buffers))
 
     base_buffers = static_buffers + step.workspace_bytes + step.extra_forward_bytes
     grads = grads_total if step.grads_resident else 0
     states, batch = step.optimizer_state_bytes, step.batch_bytes
+    # what the previous step leaves alive through this forward (planner.memory.loops)
+    carried_grads = grads_total if step.grads_die == "next-backward" and not step.grads_resident else 0
+    outputs_total = sum(b.retained_bytes for b in blocks)
+    carried = outputs_total if step.outputs_die == "next-forward" else 0
 
     kept = cache = 0
     for b in blocks:
         running = (b.kept_bytes if b.checkpointed else b.saved_bytes) + b.forward_cache_bytes + b.retained_bytes
-        rows.append(("forward", b.name, params + b.gathered_param_bytes, grads, states, kept + cache + running,
-                     batch, base_buffers + b.forward_transient_bytes))
+        rows.append(("forward", b.name, params + b.gathered_param_bytes, grads + carried_grads, states,
+                     kept + cache + running + carried, batch, base_buffers + b.forward_transient_bytes))
         kept += b.kept_bytes + b.retained_bytes
         cache += b.forward_cache_bytes
-    rows.append(("forward", "end of forward", params, grads, states, kept + cache, batch, base_buffers))
+    rows.append(("forward", "end of forward", params, grads + carried_grads, states, kept + cache + carried, batch,
+                 base_buffers + step.outputs_fp32_bytes))
+    if step.outputs_die == "forward-end":  # the loop returned only the loss: the outputs die before backward
+        kept -= outputs_total
 
     for b in reversed(blocks):
         recompute = b.saved_bytes - b.kept_bytes if b.checkpointed else 0

@@ -207,6 +207,21 @@ class _Prepared:
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
 
 
+def _loop_fields(cfg: TrainConfig, outputs: int) -> dict[str, Any]:
+    """The StepMemory fields of `--loop` and `--load` (planner.memory.loops); `outputs`: the 16-bit bytes of
+    the outputs the loop holds (the blocks' retained bytes)."""
+    from planner.memory import loops
+
+    rule = loops.rule(cfg.loop)
+    if cfg.lora:
+        from planner.adapters.lora import DTYPE_BYTES, base_dtype
+
+        stored = DTYPE_BYTES.get(base_dtype(cfg), 4)  # nf4: quantized while loading, never cast
+    else:
+        stored = model_states.parameter_dtype_bytes(cfg.precision)
+    return {"outputs_die": rule.outputs_die, "grads_die": rule.grads_die,
+            "build_ratio": loops.build_ratio(cfg.load, stored),
+            "outputs_fp32_bytes": 2 * outputs if rule.outputs_to_fp32 and cfg.precision.startswith("amp-") else 0}
 def _optimizer_config(cfg: TrainConfig, lay: framework_layout.StateLayout) -> TrainConfig:
     """Megatron and DeepSpeed step Adam with fused multi-tensor kernels whatever the loop would pick
     (megatron/core/optimizer/__init__.py imports Transformer Engine's / apex's FusedAdam; deepspeed/runtime/
@@ -266,6 +281,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
             view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
+        **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)),
     )
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
                      r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
@@ -332,6 +348,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
             view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
+        **_loop_fields(cfg, sum(b.retained_bytes for b in blocks)),
     )
     notes = ["traced on CPU fake tensors, mapped to what CUDA does; throughput from the traced ops",
              *full.notes, *_notes(None, cfg), *inst.gpu.assumptions, *inst.assumptions]

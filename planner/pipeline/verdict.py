@@ -58,7 +58,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
                             gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
                             capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
                             expandable_segments=expandable_segments or prep.stack.expandable_segments,
-                            backend=backend,
+                            max_split_size=prep.stack.max_split_size, backend=backend,
                             flash_ok=inst.gpu.flash_attention)
         # The allocator's reserved peak, never under the allocated peak of the timeline.
         peak_reserved = max(alloc.peak_reserved, peak_allocated)

@@ -131,6 +131,15 @@ def _peak(row: StepRow, key: str) -> int:
     return max(getattr(getattr(getattr(row, step), phase), key) for step in ("step1", "step2") for phase in PHASES)
 
 
+def _named(row: dict[str, Any], env: dict[str, Any], key: str, default: str) -> str:
+    """The row's `loop` / `load` name, else the folder's (env.json), else the default. A row's "load" that is
+    not a name is the load phase's memory reading, not the load path."""
+    for src in (row, env):
+        if isinstance(src.get(key), str):
+            return src[key]
+    return default
+
+
 def load_steps(folder: Path) -> list[Reading]:
     """Every successful step of a readings folder. Rows whose `status` is not "ok" (an OOM, a failure) are
     skipped; every other row must match `StepRow`. A folder with no successful row is refused: a comparison
@@ -155,7 +164,9 @@ def load_steps(folder: Path) -> list[Reading]:
             row = StepRow.model_validate(raw)
             config = TrainConfig(batch_size=row.b, seq_len=row.s, precision=row.precision,
                                  attention=row.attention, checkpointing=row.ckpt,
-                                 optimizer_impl=row.optimizer_impl, parallelism="single", tf32=row.tf32)
+                                 optimizer_impl=row.optimizer_impl, parallelism="single", tf32=row.tf32,
+                                 loop=_named(raw, env_dict, "loop", "plain"),
+                                 load=_named(raw, env_dict, "load", "direct"))
         except ValidationError as exc:
             raise PlannerError(f"{what} line {lineno}", _short(exc), "a successful row holds model, b, s, "
                                "precision, a finite step_time_s > 0 and step1/step2 forward/backward/optimizer "

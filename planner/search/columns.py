@@ -14,13 +14,15 @@ CONFIG_COLUMNS = ("instance", "instances", "batch_size", "seq_len", "precision",
                   "optimizer", "optimizer_impl", "attention", "parallelism")
 # Added to a study's rows only when it trains adapters (planner.adapters); targets as one "a,b" string.
 LORA_COLUMNS = ("lora_r", "lora_targets", "base_dtype")
+# Added only to the rows of a loop or load other than the default (planner.memory.loops).
+LOOP_COLUMNS = ("loop", "load")
 # Added only when a study runs under another framework than a plain PyTorch loop (planner.parallel.frameworks).
 FRAMEWORK_COLUMNS = ("framework",)
 
 
 def unique_configs(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (instance, configuration): TPE evaluates a good point of a discrete space many times."""
-    keys = [c for c in (*CONFIG_COLUMNS, *LORA_COLUMNS, *FRAMEWORK_COLUMNS) if c in frame.columns]
+    keys = [c for c in (*CONFIG_COLUMNS, *LORA_COLUMNS, *FRAMEWORK_COLUMNS, *LOOP_COLUMNS) if c in frame.columns]
     return frame.drop_duplicates(subset=keys, keep="first")
 
 

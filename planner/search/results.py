@@ -65,6 +65,8 @@ def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
         targets = config.get("lora_targets") or ()
         row |= {"lora_r": config["lora_r"], "base_dtype": config.get("base_dtype", "auto"),
                 "lora_targets": targets if isinstance(targets, str) else ",".join(targets)}
+    if config.get("loop", "plain") != "plain" or config.get("load", "direct") != "direct":  # a loop/load study
+        row |= {"loop": config.get("loop", "plain"), "load": config.get("load", "direct")}
     if config.get("framework", "pytorch") != "pytorch":  # whose layouts the trial's estimate used
         row["framework"] = config["framework"]
     row["world_size"] = config.get("world_size")

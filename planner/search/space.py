@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
 from planner.errors import PlannerError
+from planner.memory.loops import DEFAULT_LOOP, LOAD_NAMES, LOOP_NAMES
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
@@ -33,6 +34,8 @@ from planner.spec import (
     BaseDtype,
     Framework,
     Instance,
+    Load,
+    Loop,
     ModelSpec,
     OptimizerImpl,
     OptimizerName,
@@ -60,12 +63,16 @@ DIMENSIONS: dict[str, str] = {
     "lora_r": "lora_ranks",
     "lora_targets": "lora_target_sets",
     "base_dtype": "base_dtypes",
+    # the training loop and load path (planner.memory.loops): the user's, one value unless a sweep lists several
+    "loop": "loops",
+    "load": "loads",
     # whose layouts apply (planner.parallel.frameworks); a strategy a framework lacks is an infeasible point
     "framework": "frameworks",
 }
 # Flag of each SpaceSpec field, so an error names what the user typed.
 FLAGS: dict[str, str] = {field: "--" + field.replace("_", "-") for field in DIMENSIONS.values()}
 FLAGS["instance_types"] = "--instance"
+FLAGS["loops"], FLAGS["loads"] = "--loop", "--load"
 
 # Defaults. Powers of two up to 512 cover the micro-batches of a BERT-size model on 16-80 GB GPUs up to
 # past the memory edge (so the edge lies inside the space); with a recipe's global batch only those that
@@ -86,17 +93,22 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "lora_ranks": (None,),  # full fine-tuning unless a sweep asks for adapters
     "lora_target_sets": ("",),
     "base_dtypes": ("auto",),
+    "loops": (DEFAULT_LOOP,),
+    "loads": ("direct",),
     "frameworks": ("pytorch",),
 }
 # The LoRA dimensions' values when a sweep asks for no adapters (TrainConfig's defaults).
 LORA_UNSET: dict[str, Any] = {"lora_r": None, "lora_targets": "", "base_dtype": "auto"}
+# Dimensions not reported as constants at these values: no adapters, and the default loop and load.
+QUIET_DEFAULTS: dict[str, Any] = {**LORA_UNSET, "framework": "pytorch", "loop": DEFAULT_LOOP, "load": "direct"}
 # Numeric dimensions, sampled as an index into their sorted values (see SearchSpace.parameters).
 ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum")
 INDEX_SUFFIX = "_index"
 # TrainConfig fields a sweep may fix besides the dimensions (e.g. gradient_as_bucket_view: true).
 FIXABLE: tuple[str, ...] = tuple(f for f in TrainConfig.model_fields if f not in DIMENSIONS)
 # `fixed.instances` (and `--instances N`) stays accepted: it fixes the instance-count dimension.
-FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype", "framework")
+FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype", "framework", "loop",
+                                     "load")
 
 
 def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -124,6 +136,8 @@ class SpaceSpec(BaseModel):
     lora_ranks: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)] | None, ...] | None = None
     lora_target_sets: tuple[str, ...] | None = None
     base_dtypes: tuple[BaseDtype, ...] | None = None
+    loops: tuple[Loop, ...] | None = None
+    loads: tuple[Load, ...] | None = None
     frameworks: tuple[Framework, ...] | None = None
 
     @field_validator("*")
@@ -173,6 +187,8 @@ class SearchSpace(BaseModel):
     lora_ranks: tuple[PositiveInt | None, ...] = (None,)
     lora_target_sets: tuple[str, ...] = ("",)
     base_dtypes: tuple[BaseDtype, ...] = ("auto",)
+    loops: tuple[Loop, ...] = (DEFAULT_LOOP,)
+    loads: tuple[Load, ...] = ("direct",)
     frameworks: tuple[Framework, ...] = ("pytorch",)
     global_batch_size: PositiveInt | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields
@@ -217,8 +233,7 @@ class SearchSpace(BaseModel):
     def constants(self) -> dict[str, Any]:
         """Dimensions with one value plus the fixed TrainConfig fields."""
         out = {dim: vals[0] for dim, vals in self.values().items() if len(vals) == 1
-               and not (dim in LORA_UNSET and vals[0] == LORA_UNSET[dim])  # no adapters: nothing to report
-               and not (dim == "framework" and vals[0] == "pytorch")}
+               and not (dim in QUIET_DEFAULTS and vals[0] == QUIET_DEFAULTS[dim])}  # nothing to report
         return {**out, **self.fixed}
 
     @property
@@ -268,7 +283,8 @@ class SearchSpace(BaseModel):
 def _literal_values(name: str) -> tuple[str, ...]:
     table = {"precisions": PRECISIONS, "optimizers": OPTIMIZERS, "attentions": ATTENTIONS,
              "base_dtypes": ("auto", *BASE_DTYPES), "frameworks": FRAMEWORKS,
-             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS}
+             "parallelisms": ("auto", *PARALLELISMS), "optimizer_impls": OPTIMIZER_IMPLS, "loops": LOOP_NAMES,
+             "loads": LOAD_NAMES}
     return table[name]
 
 
