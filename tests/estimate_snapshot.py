@@ -21,6 +21,13 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    RoBERTa / DistilRoBERTa / DistilBERT and GPT-2 under AMP (LoRA and QLoRA included), step time by at most
    3.7 % (GPT-2 AMP: the added cast); BERT, Llama, Mistral and the multimodal model unchanged; memory
    unchanged everywhere.
+3. QLoRA without checkpointing (issue 36; the three `|qlora` cases, AMP bf16, no checkpointing): peft's
+   `prepare_model_for_kbit_training` makes the embeddings' output require grad only under checkpointing, so
+   without it the embedding output is not saved (GPT-2, RoBERTa: -4 MB of activations); bitsandbytes' 4-bit
+   layers return their input's dtype, so under AMP the gated MLP's gate, up and SiLU outputs are saved in
+   fp32 (Llama-3-8B: +2.6 GiB). Both checked on a tiny model with real NF4 layers and peft on CPU
+   (tests/test_lora_loading.py) and on the held-out H200 QLoRA reading without checkpointing (allocated
+   -19.8 % -> -0.2 %). Memory only; no other case moves.
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 
