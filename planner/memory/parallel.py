@@ -11,29 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner import parallel as strategies
-from planner.errors import PlannerError
 from planner.memory import batch as batch_mem
-from planner.parallel.frameworks import check as check_framework
 from planner.spec import Instance, ModelSpec, TrainConfig
 
 ZERO_STAGE = {name: s.sharding.zero_stage for name, s in strategies.STRATEGIES.items()}
 
 
-def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
-    """`auto` means DDP on several GPUs, plain single-GPU training on one (planner.parallel.resolve_name)."""
-    p = strategies.resolve_name(config.parallelism, instance.gpus * config.instances)
-    s = strategies.get(p)
-    if s.one_process and config.instances > 1:
-        raise PlannerError("--parallelism", p, "nn.DataParallel runs in one process on one instance; "
-                           "use ddp, zero1-3 or fsdp with --instances > 1")
-    if s.uses_one_gpu and config.instances > 1:
-        raise PlannerError("--parallelism", p, "single uses one GPU; use ddp, zero1-3 or fsdp with --instances > 1")
-    check_framework(config.framework, p)
-    return config.model_copy(update={"parallelism": p})
-
-
 def world_size(config: TrainConfig, instance: Instance) -> int:
-    """GPUs that train together: one for `single`, all GPUs of all instances otherwise."""
+    """GPUs that train together: one for `single`, all GPUs of all instances otherwise (`config` resolved:
+    planner.pipeline.resolve.resolve_parallelism)."""
     return strategies.get(config.parallelism).world_size(instance.gpus, config.instances)
 
 

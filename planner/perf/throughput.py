@@ -58,7 +58,6 @@ from planner.identity_cache import per_object
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
-from planner.parallel import resolve_name
 from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
@@ -110,11 +109,6 @@ def expected_max_normal(n: int) -> float:
     pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     cdf = np.cumsum(pdf) * (x[1] - x[0])
     return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
-
-
-def resolve_parallelism(config: TrainConfig, instance: Instance) -> str:
-    """'auto' -> 'single' on one GPU in all, else 'ddp'."""
-    return resolve_name(config.parallelism, instance.gpus * config.instances)
 
 
 def world_size(parallelism: str, instance: Instance, instances: int) -> int:
@@ -171,7 +165,8 @@ def _default_constants() -> ThroughputConstants:
 
 def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance,
                        constants: ThroughputConstants | None = None) -> Throughput:
-    """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
+    """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring).
+    `config` is resolved (planner.pipeline.resolve.resolve_parallelism): a parallelism of "auto" is refused."""
     c = constants or _default_constants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
@@ -184,7 +179,7 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
         lora = plan(model, config)
         n_params, n_tensors = lora.trainable, len(lora.shapes)
     layers = sum(t.num_layers for t in model.transformers) or None
-    one_process = strategy_of(resolve_parallelism(config, instance)).one_process
+    one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
                             c, layers=layers, dp_io_bytes=io, gather_params=gather_params)
@@ -201,7 +196,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     c = constants or ThroughputConstants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
-    parallelism = resolve_parallelism(config, instance)
+    parallelism = config.parallelism  # resolved by the pipeline (planner.pipeline.resolve); "auto" is refused
     strategy = strategy_of(parallelism)
     if strategy.one_process and config.instances > 1:
         raise PlannerError("--parallelism", parallelism, "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner import caches
+from planner import parallel as strategies
 from planner.errors import PlannerError
 from planner.memory import parallel
 from planner.memory import stack as sw
+from planner.parallel.frameworks import check as check_framework
 from planner.spec import (
     Instance,
     ModelSpec,
@@ -37,6 +39,22 @@ def _resolve_instance(instance: Instance | str) -> Instance:
     from planner.hardware import get_instance
 
     return get_instance(instance)
+
+
+def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
+    """`config` with its parallelism resolved: "auto" means DDP on several GPUs, plain single-GPU training on
+    one (planner.parallel.resolve_name), and the strategy checked against the instances and the framework.
+    The one place an estimate resolves "auto": every interpreter below the pipeline reads the resolved name
+    (planner.parallel.get refuses "auto"; tests/test_structure.py fails on a call of resolve_name there)."""
+    p = strategies.resolve_name(config.parallelism, instance.gpus * config.instances)
+    s = strategies.get(p)
+    if s.one_process and config.instances > 1:
+        raise PlannerError("--parallelism", p, "nn.DataParallel runs in one process on one instance; "
+                           "use ddp, zero1-3 or fsdp with --instances > 1")
+    if s.uses_one_gpu and config.instances > 1:
+        raise PlannerError("--parallelism", p, "single uses one GPU; use ddp, zero1-3 or fsdp with --instances > 1")
+    check_framework(config.framework, p)
+    return config.model_copy(update={"parallelism": p})
 
 
 def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Instance) -> None:
@@ -165,7 +183,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     )
 
     inst = _resolve_instance(instance)
-    cfg = parallel.resolve_parallelism(config, inst)
+    cfg = resolve_parallelism(config, inst)
     if calibration is None:
         calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     families = [t.family for t in spec.transformers] if spec is not None else []
