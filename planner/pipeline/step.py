@@ -315,8 +315,9 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     opt_bytes = ADAPTER_BYTES if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
-    if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
-        dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
+    if one_process:  # the whole batch and every replica's outputs on GPU 0: the analytic model's formula
+        dp_extra = parallel.dataparallel_gpu0_extra_bytes(full.batch_bytes, sum(b.retained_bytes for b in full.blocks),
+                                                          inst.gpus)
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
