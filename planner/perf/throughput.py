@@ -55,6 +55,7 @@ from planner import caches
 from planner.errors import PlannerError
 from planner.families.forms import parameter_tensors
 from planner.identity_cache import per_object
+from planner.ir.context import Ctx
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
@@ -164,13 +165,15 @@ def _default_constants() -> ThroughputConstants:
 
 
 def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance,
-                       constants: ThroughputConstants | None = None) -> Throughput:
+                       constants: ThroughputConstants | None = None, *, ctx: Ctx | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring).
-    `config` is resolved (planner.pipeline.resolve.resolve_parallelism): a parallelism of "auto" is refused."""
+    `config` is resolved (planner.pipeline.resolve.resolve_parallelism): a parallelism of "auto" is refused.
+    `ctx`: the context record the pipeline resolved with it (None: built from `config` and the GPU)."""
     c = constants or _default_constants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
-    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention)
+    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention,
+                         ctx=ctx)
     n_params, n_tensors = parameter_counts(model)
     gather_params = n_params  # ZeRO-3/FSDP gather every parameter, frozen ones too
     if config.lora:  # only the adapters have gradients to reduce and an optimizer step

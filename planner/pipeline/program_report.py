@@ -75,12 +75,10 @@ def _saved(op: Op, ctx: Ctx) -> list[Saved]:
     return out
 
 
-def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, *, backend: str = "cuda",
-                   flash_ok: bool = True) -> dict[str, Any]:
-    """The program of `model` under the resolved `config` (attention never "auto"), as JSON."""
+def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, ctx: Ctx) -> dict[str, Any]:
+    """The program of `model` under the resolved `config` and its context record `ctx`
+    (planner.pipeline.resolve.context: the record the memory and speed interpreters read), as JSON."""
     load_rules()
-    ctx = Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend,  # type: ignore[arg-type]
-              model.inputs.attention_mask, flash_ok)
     program = model_program(model, ctx)
     if config.checkpointing:
         specs = {b.name: b.layer for b in model_blocks(model) if isinstance(b.layer, TransformerSpec)}
