@@ -277,6 +277,30 @@ def test_estimate_program_sums_to_the_memory_terms(name, precision, checkpointin
     assert sum(op["flops"] for op in ops) == F.step_flops(get_model(name), est.config).model
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert-base-uncased", "llama-3-8b", "multimodal-bert", "roberta-base"])
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("amp-bf16", True)])
+def test_transient_bytes_are_the_memory_models_per_block_peaks(name, precision, checkpointing):
+    """Each block's unsaved temporaries, as the estimate's memory timeline holds them (the larger of forward
+    and backward), on one op of the block: the op saving the block's largest tensor, which the peak is built
+    from. The program's blocks and the timeline's are the same blocks, by name."""
+    from planner.estimate import estimate, program
+    from planner.pipeline.step import _prepare
+
+    cfg = TrainConfig(batch_size=4, seq_len=128, precision=precision, checkpointing=checkpointing,
+                      parallelism="single")
+    est = estimate(name, cfg, "ml.p4d.24xlarge", with_throughput=False)
+    timeline = {b.name: max(b.forward_transient_bytes, b.backward_transient_bytes)
+                for b in _prepare(name, cfg, "ml.p4d.24xlarge", None, "cuda", None).step.blocks}
+    blocks = program(name, est)["blocks"]
+    assert [b["name"] for b in blocks] == list(timeline)
+    for b in blocks:
+        carriers = [op for op in b["ops"] if op["transient_bytes"]]
+        assert sum(op["transient_bytes"] for op in b["ops"]) == timeline[b["name"]], b["name"]
+        assert len(carriers) <= 1
+    layer = next(b for b in blocks if b["name"].endswith("layer.0"))
+    assert timeline[layer["name"]] > 0 and any(op["transient_bytes"] for op in layer["ops"])
+
+
 def test_cli_json_has_the_program():
     from typer.testing import CliRunner
 
