@@ -225,7 +225,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     # (planner.memory.framework_layout: 16-bit gathers under an FSDP policy, DeepSpeed or Megatron)
     from planner.memory.framework_layout import layout as state_layout
 
-    lay = state_layout(config.model_copy(update={"parallelism": parallelism}))
+    lay = state_layout(config)
     # ZeRO-3/FSDP gather every parameter (frozen ones too); ZeRO-1/2 gather only what the optimizer updated
     gathered = gather_params if gather_params is not None and strategy.sharding.parameters else n_params
     reduced = gathered if (lay.frozen_grads and sharded) else n_params  # FSDP1 flat gradients cover frozen ones
