@@ -21,6 +21,13 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    RoBERTa / DistilRoBERTa / DistilBERT and GPT-2 under AMP (LoRA and QLoRA included), step time by at most
    3.7 % (GPT-2 AMP: the added cast); BERT, Llama, Mistral and the multimodal model unchanged; memory
    unchanged everywhere.
+3. (Outside the grid, which has no DataParallel: the fixture is unchanged.) nn.DataParallel's GPU-0 extra is
+   one function for both front ends (`memory.parallel.dataparallel_gpu0_extra_bytes`); the analytic copy
+   said the gathered logits were fp32 and a classifier's 8 bytes per sample, the traced one 16-bit under
+   autocast and num_labels wide. The module decides: transformers' GPT2LMHeadModel and
+   BertForSequenceClassification under CPU autocast (bf16) return bfloat16 logits of num_labels
+   (tests/test_dataparallel_gpu0.py compares both front ends). Only `--parallelism dp` moves: its GPU-0
+   memory and its scatter/gather speed term (GPT-2 tiny, amp-bf16, 8 GPUs: 8,235,008 -> 4,139,008 B).
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 
