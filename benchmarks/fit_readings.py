@@ -25,6 +25,7 @@ from planner.hardware import get_instance
 from planner.models.catalog import cached_model
 from planner.perf.roofline import HOPPER
 from planner.perf.throughput import ThroughputConstants, predict_throughput
+from planner.pipeline.resolve import resolve_parallelism
 from planner.probes.readings import (
     HELD_OUT,
     LAUNCH_BOUND_S,
@@ -50,7 +51,8 @@ def constants(gemm: float, cuda_core: float, hbm: float, tf32: float, dispatch: 
 
 
 def predicted(r: Reading, c: ThroughputConstants) -> float:
-    return predict_throughput(cached_model(r.model), r.config, get_instance(r.instance), c).step_time_s
+    inst = get_instance(r.instance)
+    return predict_throughput(cached_model(r.model), resolve_parallelism(r.config, inst), inst, c).step_time_s
 
 
 def errors(rows: list[Reading], c: ThroughputConstants) -> list[float]:

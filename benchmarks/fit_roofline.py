@@ -20,6 +20,7 @@ import statistics
 
 from planner.models.catalog import cached_model
 from planner.perf.throughput import ThroughputConstants, predict_throughput
+from planner.pipeline.resolve import resolve_parallelism
 from planner.probes.public import SPEED_FIT_SOURCES, load_public_throughput, single_gpu_fixed
 
 PRIOR = 0.80  # the three efficiencies before the fit (typical cuBLAS / STREAM shares of the datasheet figures)
@@ -35,7 +36,7 @@ def errors(rows, constants: ThroughputConstants) -> list[float]:
     out = []
     for row in rows:
         model = cached_model(row.model, row.model_options())
-        t = predict_throughput(model, row.train_config(), row.instance(), constants)
+        t = predict_throughput(model, resolve_parallelism(row.train_config(), row.instance()), row.instance(), constants)
         out.append(math.log(t.samples_per_s / row.samples_per_s))
     return out
 

@@ -86,7 +86,7 @@ def configurations_per_s() -> tuple[float, float]:
 
     names = ["bert-base-uncased", "gpt2", "roberta-base", "distilbert-base-uncased"]
     models = [cached_model(n, {}) for n in names]
-    grid = [(m, TrainConfig(batch_size=b, seq_len=s, precision=p, checkpointing=c))
+    grid = [(m, TrainConfig(batch_size=b, seq_len=s, precision=p, checkpointing=c, parallelism="single"))
             for m, b, s, p, c in itertools.product(models, [1, 2, 4, 8, 12, 16, 24, 32], [64, 128, 256, 512],
                                                    ["fp32", "amp-fp16"], [False, True])]
     inst = get_instance("ml.p3.2xlarge")

@@ -143,7 +143,8 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
         return {"front_end": "traced", "blocks": []}
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
+    from planner.pipeline.resolve import context
 
     spec = _resolve_model(model, model_options)
-    return program_report(spec, est.config, sharding(est.config, est.world_size), backend=backend,
-                          flash_ok=_resolve_instance(est.instance).gpu.flash_attention)
+    ctx = context(spec, est.config, _resolve_instance(est.instance), backend)  # est.config is resolved
+    return program_report(spec, est.config, sharding(est.config, est.world_size), ctx)

@@ -28,6 +28,13 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    fp32 (Llama-3-8B: +2.6 GiB). Both checked on a tiny model with real NF4 layers and peft on CPU
    (tests/test_lora_loading.py) and on the held-out H200 QLoRA reading without checkpointing (allocated
    -19.8 % -> -0.2 %). Memory only; no other case moves.
+4. (Outside the grid, which has no DataParallel: the fixture is unchanged.) nn.DataParallel's GPU-0 extra is
+   one function for both front ends (`memory.parallel.dataparallel_gpu0_extra_bytes`); the analytic copy
+   said the gathered logits were fp32 and a classifier's 8 bytes per sample, the traced one 16-bit under
+   autocast and num_labels wide. The module decides: transformers' GPT2LMHeadModel and
+   BertForSequenceClassification under CPU autocast (bf16) return bfloat16 logits of num_labels
+   (tests/test_dataparallel_gpu0.py compares both front ends). Only `--parallelism dp` moves: its GPU-0
+   memory and its scatter/gather speed term (GPT-2 tiny, amp-bf16, 8 GPUs: 8,235,008 -> 4,139,008 B).
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

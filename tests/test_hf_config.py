@@ -215,3 +215,39 @@ def test_family_heads_table():
     assert hf_config.architecture_for("llama", "causal-lm") == "LlamaForCausalLM"
     with pytest.raises(PlannerError):
         hf_config.architecture_for("bert", "causal-lm")
+
+
+def _reader_calls(fn) -> tuple[int, int]:
+    """(calls from planner/models/catalog.py into planner/models/hf_config.py, reading a file aside; family
+    determinations) while `fn` runs, counted with a profile hook."""
+    import sys
+
+    crossings, families = [0], [0]
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith(("models/hf_config.py", "models\\hf_config.py")):
+            families[0] += frame.f_code.co_name == "family_of"
+            back = frame.f_back
+            crossings[0] += back is not None and frame.f_code.co_name != "load_config_file" \
+                and back.f_code.co_filename.endswith(("models/catalog.py", "models\\catalog.py"))
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return crossings[0], families[0]
+
+
+def test_a_model_name_is_read_in_one_pass(tmp_path):
+    """Issue 33 item 5: a catalog name went back and forth between the catalog and the reader (family_of,
+    heads_of, with_head, spec_from_hf_config: 4 calls for gpt2 head=base, the family read 4 times, the dict
+    copied 3 times); now the catalog calls the reader once and the family is read once."""
+    list_models()  # the catalog's files read beforehand
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(catalog_config("gpt2")))
+    for name, options in (("gpt2", {"head": "base"}), ("bert-base-uncased", {}),
+                          ("google-bert/bert-base-uncased", {"num_labels": 3}), (str(path), {"num_labels": 2})):
+        assert _reader_calls(lambda n=name, o=options: get_model(n, **o)) == (1, 1), name
+    assert get_model("gpt2", head="base").transformers[0].architecture == "GPT2Model"
+    assert get_model("google-bert/bert-base-uncased", num_labels=3).transformers[0].num_labels == 3

@@ -146,6 +146,7 @@ def test_saved_bytes_match_saved_tensor_hooks(small, precision):
     hooks see on the real module (CPU kernels, FakeTensorMode): tests/saved_tensors.py."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    from planner.ir.context import Ctx
     from planner.memory.parallel import Sharding
     from planner.pipeline.program_report import program_report
     from tests.saved_tensors import measure, model
@@ -154,7 +155,8 @@ def test_saved_bytes_match_saved_tensor_hooks(small, precision):
     spec = model(fam, head, **kw)
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
     measured = measure(spec, config, keep_tensors=False)
-    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), backend="cpu")
+    ctx = Ctx(config.batch_size, config.seq_len, precision, "eager", "cpu", spec.inputs.attention_mask)
+    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
     ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
     assert {k: v for k, v in ours.items() if v} == {k: v for k, v in measured.per_block.items() if v}
 
@@ -273,6 +275,30 @@ def test_estimate_program_sums_to_the_memory_terms(name, precision, checkpointin
     assert sum(op["param_bytes"] for op in ops) == est.memory_bytes.parameters
     assert sum(op["saved_bytes"] for op in ops) == est.memory_bytes.activations
     assert sum(op["flops"] for op in ops) == F.step_flops(get_model(name), est.config).model
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-base-uncased", "llama-3-8b", "multimodal-bert", "roberta-base"])
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("amp-bf16", True)])
+def test_transient_bytes_are_the_memory_models_per_block_peaks(name, precision, checkpointing):
+    """Each block's unsaved temporaries, as the estimate's memory timeline holds them (the larger of forward
+    and backward), on one op of the block: the op saving the block's largest tensor, which the peak is built
+    from. The program's blocks and the timeline's are the same blocks, by name."""
+    from planner.estimate import estimate, program
+    from planner.pipeline.step import _prepare
+
+    cfg = TrainConfig(batch_size=4, seq_len=128, precision=precision, checkpointing=checkpointing,
+                      parallelism="single")
+    est = estimate(name, cfg, "ml.p4d.24xlarge", with_throughput=False)
+    timeline = {b.name: max(b.forward_transient_bytes, b.backward_transient_bytes)
+                for b in _prepare(name, cfg, "ml.p4d.24xlarge", None, "cuda", None).step.blocks}
+    blocks = program(name, est)["blocks"]
+    assert [b["name"] for b in blocks] == list(timeline)
+    for b in blocks:
+        carriers = [op for op in b["ops"] if op["transient_bytes"]]
+        assert sum(op["transient_bytes"] for op in b["ops"]) == timeline[b["name"]], b["name"]
+        assert len(carriers) <= 1
+    layer = next(b for b in blocks if b["name"].endswith("layer.0"))
+    assert timeline[layer["name"]] > 0 and any(op["transient_bytes"] for op in layer["ops"])
 
 
 def test_cli_json_has_the_program():

@@ -223,6 +223,53 @@ def test_parallelisms_are_branched_on_by_name_in_at_most_two_files():
     assert len(files) <= MAX_FILES_BRANCHING, files
 
 
+# What resolves parallelism "auto" (planner.parallel's rule and its names). Issue 33 item 5: `auto` was resolved
+# in memory/parallel.py, perf/throughput.py and cli/options.py; now the pipeline resolves a configuration once
+# (planner.pipeline.resolve.resolve_parallelism) and every interpreter below it reads the resolved name.
+AUTO_RESOLVERS = frozenset({"resolve_name", "resolve_parallelism", "AUTO", "AUTO_ONE_GPU", "AUTO_MULTI_GPU"})
+
+
+def _reads_auto_parallelism(tree: ast.AST) -> list[int]:
+    """Lines that resolve "auto" themselves: a use of planner.parallel's resolving names, or a comparison of a
+    `.parallelism` with the string "auto"."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(a.name in AUTO_RESOLVERS for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and getattr(node, "id", getattr(node, "attr", "")) \
+                in AUTO_RESOLVERS:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(n, ast.Attribute) and n.attr == "parallelism" for n in sides) and any(
+                    _names_in(n, frozenset({"auto"})) for n in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def modules_resolving_auto_below_the_pipeline(mods: dict[str, ast.Module]) -> dict[str, list[int]]:
+    """Modules under the pipeline's layer (interpreters, tracer, registries, data model) that resolve "auto";
+    planner.parallel, which owns the rule, excepted."""
+    pipeline = layer_of("planner.pipeline")
+    return {m: lines for m, tree in mods.items()
+            if layer_of(m) > pipeline and not (m == "planner.parallel" or m.startswith("planner.parallel."))
+            and (lines := _reads_auto_parallelism(tree))}
+
+
+def test_nothing_below_the_pipeline_resolves_auto():
+    assert modules_resolving_auto_below_the_pipeline(_modules()) == {}
+
+
+def test_the_auto_check_can_fail():
+    """The rule itself, on the code issue 33 found: perf/throughput's own resolver and a literal comparison."""
+    old = ast.parse("from planner.parallel import resolve_name\n"
+                    "def f(config, instance):\n    return resolve_name(config.parallelism, instance.gpus)\n")
+    literal = ast.parse("def g(cfg):\n    return cfg.parallelism == 'auto'\n")
+    assert modules_resolving_auto_below_the_pipeline({"planner.perf.throughput": old, "planner.memory.x": literal,
+                                                      "planner.pipeline.resolve": old}) == {
+        "planner.perf.throughput": [1, 3], "planner.memory.x": [2]}
+
+
 def test_architecture_is_at_the_project_root_and_names_each_extension_axis():
     text = (ROOT.parent / "ARCHITECTURE.md").read_text()
     for heading in ("### A GPU or an instance type", "### A parallelism strategy", "### A memory effect",

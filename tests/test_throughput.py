@@ -12,6 +12,7 @@ from planner.hardware import get_instance
 from planner.models.catalog import get_model
 from planner.perf.cost import DEFAULT_SPOT_DISCOUNT, predict_cost
 from planner.perf.throughput import ThroughputConstants, predict_throughput
+from planner.pipeline.resolve import resolve_parallelism
 from planner.probes.public import SPEED_FIT_SOURCES, single_gpu_fixed
 from planner.spec import TrainConfig
 
@@ -23,7 +24,7 @@ P3_2X, P3_16X = get_instance("ml.p3.2xlarge"), get_instance("ml.p3.16xlarge")
 
 def tput(model=BERT_BASE, instance=P3_16X, constants=None, **cfg):
     base = dict(batch_size=16, seq_len=128, precision="amp-fp16")
-    return predict_throughput(model, TrainConfig(**{**base, **cfg}), instance, constants)
+    return predict_throughput(model, resolve_parallelism(TrainConfig(**{**base, **cfg}), instance), instance, constants)
 
 
 def test_bigger_micro_batch_is_faster_per_sample_but_slower_per_step():
@@ -120,8 +121,8 @@ def public_errors(rows, constants=None):
 
     out = []
     for row in rows:
-        t = predict_throughput(cached_model(row.model, row.model_options()), row.train_config(), row.instance(),
-                               constants)
+        t = predict_throughput(cached_model(row.model, row.model_options()),
+                               resolve_parallelism(row.train_config(), row.instance()), row.instance(), constants)
         out.append((row, t.samples_per_s / row.samples_per_s))
     return out
 
@@ -251,3 +252,13 @@ def test_breakdown_by_kind_sums_to_the_step():
     # one sample per GPU: the CPU's kernel launches, not the GPU, set the pace
     tiny = tput(instance=P3_2X, batch_size=1, seq_len=32)
     assert tiny.breakdown_s["launch_overhead"] > tiny.breakdown_s["gemm"]
+
+
+def test_an_unresolved_parallelism_is_refused_below_the_pipeline():
+    """Issue 33 item 5: the pipeline resolves "auto" once (planner.pipeline.resolve.resolve_parallelism); the
+    speed interpreter reads the resolved name and refuses "auto" instead of resolving it a second time."""
+    with pytest.raises(ValueError, match="unresolved"):
+        predict_throughput(BERT_BASE, TrainConfig(batch_size=16, seq_len=128, precision="amp-fp16"), P3_16X)
+    resolved = resolve_parallelism(TrainConfig(batch_size=16, seq_len=128, precision="amp-fp16"), P3_16X)
+    assert resolved.parallelism == "ddp"
+    assert resolve_parallelism(resolved.model_copy(update={"parallelism": "auto"}), P3_2X).parallelism == "single"

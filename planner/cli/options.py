@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.errors import PlannerError
-from planner.parallel import known
+from planner.parallel import known, resolve_name
 from planner.spec import MAX_BATCH, TrainConfig
 
 
@@ -18,7 +18,8 @@ def build_config(*, instance_gpus: int, batch_size: int | None, global_batch_siz
     if global_batch_size is not None:
         if global_batch_size <= 0:
             raise PlannerError("--global-batch-size", global_batch_size, "a positive integer")
-        strategy = known(parallelism)  # None for "auto" (every GPU) or a name TrainConfig refuses below
+        # "auto" by the one rule (planner.parallel.resolve_name); None: a name TrainConfig refuses below
+        strategy = known(resolve_name(parallelism, instance_gpus * instances))
         gpus = strategy.world_size(instance_gpus, instances) if strategy else instance_gpus * instances
         per_step = max(grad_accum, 1) * gpus
         if global_batch_size % per_step:

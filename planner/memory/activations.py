@@ -652,20 +652,23 @@ def block_saved(block: Block, model: ModelSpec, ctx: Ctx) -> list[Saved]:
 
 
 def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = "cuda", *,
-                      padded: bool | None = None, flash_ok: bool = True) -> list[BlockActivations]:
+                      padded: bool | None = None, flash_ok: bool = True, ctx: Ctx | None = None
+                      ) -> list[BlockActivations]:
     """Per block (planner.models.blocks order) + a final "loss" entry: bytes saved for backward by one
     micro-batch (config.batch_size × config.seq_len) under config.precision / attention / checkpointing.
 
-    `padded`: whether batches contain padding, so HF materialises a 4-D attention mask (default: when the
-    model takes an attention_mask). An all-ones mask is dropped by HF's SDPA path, which lets CUDA pick the
-    flash kernel and saves no bias. `flash_ok`: the GPU runs flash kernels (sm80+; GPU.flash_attention).
+    `ctx`: the context record the pipeline resolved (planner.pipeline.resolve.Resolved.ctx); when given, it
+    decides sizes, dtypes, kernel and backend, and `backend`, `padded` and `flash_ok` are not read. Without it
+    (tests, tools): `padded`: whether batches contain padding, so HF materialises a 4-D attention mask
+    (default: when the model takes an attention_mask). An all-ones mask is dropped by HF's SDPA path, which
+    lets CUDA pick the flash kernel and saves no bias. `flash_ok`: the GPU runs flash kernels (sm80+).
     """
-    if config.attention == "flash" and backend == "cuda" and LOW_DTYPE[config.precision] == F32:
+    if ctx is None:
+        ctx = _ctx(config, backend, model.inputs.attention_mask if padded is None else padded, flash_ok)
+    backend = ctx.backend
+    if ctx.attention == "flash" and backend == "cuda" and ctx.low == F32:
         raise PlannerError("attention", "flash", "fp16, bf16, amp-fp16 or amp-bf16 precision (FlashAttention-2 "
                            "has no fp32 kernel); use sdpa or eager with fp32")
-    if padded is None:
-        padded = model.inputs.attention_mask
-    ctx = _ctx(config, backend, padded, flash_ok)
     out: list[BlockActivations] = []
     # A model's transformer layers share one spec, and a layer's tensors depend on its index only through
     # "is it the first" (Llama's first layer, the checkpointed mask): compute two, copy the rest.

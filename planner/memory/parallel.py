@@ -11,29 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner import parallel as strategies
-from planner.errors import PlannerError
+from planner.ir.context import LOW_DTYPE
 from planner.memory import batch as batch_mem
-from planner.parallel.frameworks import check as check_framework
-from planner.spec import Instance, ModelSpec, TrainConfig
+from planner.spec import BYTES_PER_DTYPE, Instance, ModelSpec, TrainConfig, TransformerSpec
 
 ZERO_STAGE = {name: s.sharding.zero_stage for name, s in strategies.STRATEGIES.items()}
 
 
-def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
-    """`auto` means DDP on several GPUs, plain single-GPU training on one (planner.parallel.resolve_name)."""
-    p = strategies.resolve_name(config.parallelism, instance.gpus * config.instances)
-    s = strategies.get(p)
-    if s.one_process and config.instances > 1:
-        raise PlannerError("--parallelism", p, "nn.DataParallel runs in one process on one instance; "
-                           "use ddp, zero1-3 or fsdp with --instances > 1")
-    if s.uses_one_gpu and config.instances > 1:
-        raise PlannerError("--parallelism", p, "single uses one GPU; use ddp, zero1-3 or fsdp with --instances > 1")
-    check_framework(config.framework, p)
-    return config.model_copy(update={"parallelism": p})
-
-
 def world_size(config: TrainConfig, instance: Instance) -> int:
-    """GPUs that train together: one for `single`, all GPUs of all instances otherwise."""
+    """GPUs that train together: one for `single`, all GPUs of all instances otherwise (`config` resolved:
+    planner.pipeline.resolve.resolve_parallelism)."""
     return strategies.get(config.parallelism).world_size(instance.gpus, config.instances)
 
 
@@ -76,13 +63,19 @@ def ddp_bucket_bytes(config: TrainConfig, gradient_bytes: int) -> int:
 
 
 def dataparallel_output_bytes_per_sample(model: ModelSpec, config: TrainConfig) -> int:
-    """Bytes of one sample's model output that nn.DataParallel gathers onto GPU 0: the head's output in
-    fp32 (LM heads: seq_len × vocab logits)."""
-    for t in model.transformers:
-        if t.head == "causal-lm" or t.head == "masked-lm":
-            return config.seq_len * t.vocab_size * 4
+    """Bytes of one sample's model output that nn.DataParallel gathers onto GPU 0: the logits the head
+    returns (ModelOutput.logits; LM heads seq_len × vocab, classifiers num_labels), in the matmul dtype as
+    the activations model keeps them (activations.head_output_bytes): 16-bit under AMP, since autocast runs
+    the head's Linear in 16 bits (checked on transformers' GPT2LMHeadModel and BertForSequenceClassification
+    under CPU autocast: bf16 logits; the tracer records the same). A dense last layer (the multimodal merge):
+    its out_features in that dtype; a base model: 8 bytes (ASSUMPTION, not modelled)."""
+    low = BYTES_PER_DTYPE[LOW_DTYPE[config.precision]]
     last = model.components[-1].layers[-1]
-    return getattr(last, "out_features", 0) * 4 or 8
+    if isinstance(last, TransformerSpec):
+        if last.head in ("causal-lm", "masked-lm"):
+            return config.seq_len * last.vocab_size * low
+        return last.num_labels * low if last.head == "sequence-classification" else 8
+    return getattr(last, "out_features", 0) * low or 8
 
 
 def dataparallel_replica_io_bytes(model: ModelSpec, config: TrainConfig) -> int:
@@ -93,11 +86,19 @@ def dataparallel_replica_io_bytes(model: ModelSpec, config: TrainConfig) -> int:
 
 
 def dataparallel_gpu0_extra(model: ModelSpec, config: TrainConfig, gpus: int) -> int:
-    """nn.DataParallel: the whole batch is on GPU 0 before `scatter`, and every replica's outputs are
-    gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py). Outputs: per sample the head's output
-    in fp32 (LM heads: seq_len × vocab logits)."""
+    """`dataparallel_gpu0_extra_bytes` of a hand-modelled model (0 unless the strategy is one process)."""
     if not strategies.get(config.parallelism).one_process:
         return 0
-    others = config.batch_size * (gpus - 1)
-    inputs = batch_mem.batch_bytes(model, others, config.seq_len)
-    return inputs + config.batch_size * gpus * dataparallel_output_bytes_per_sample(model, config)
+    return dataparallel_gpu0_extra_bytes(batch_mem.batch_bytes(model, config.batch_size, config.seq_len),
+                                         config.batch_size * dataparallel_output_bytes_per_sample(model, config),
+                                         gpus)
+
+
+def dataparallel_gpu0_extra_bytes(replica_batch_bytes: int, replica_output_bytes: int, gpus: int) -> int:
+    """nn.DataParallel's extra on GPU 0, for both front ends (the analytic model: the batch tensors and the
+    head's fp32 output; the tracer: the inputs it fed and the outputs the loop keeps): the whole batch is on
+    GPU 0 before `scatter` (the other replicas' micro-batches beside its own), and every replica's outputs
+    are gathered back onto GPU 0 (torch/nn/parallel/data_parallel.py `scatter`, `gather`)."""
+    return replica_batch_bytes * (gpus - 1) + replica_output_bytes * gpus
+
+

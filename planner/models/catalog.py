@@ -76,29 +76,7 @@ def _check_options(options: dict[str, Any], allowed: tuple[str, ...], model: str
 
 
 def _int_option(options: dict[str, Any], key: str, minimum: int = 1) -> int:
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PlannerError(key, value, f"an integer >= {minimum}")
-    if value > hf_config.MAX_DIM:  # the same bound as a config.json size: absurd sizes answer at once
-        raise PlannerError(key, value, f"an integer <= {hf_config.MAX_DIM:,}")
-    return value
-
-
-def _transformer_config(config: dict[str, Any], options: dict[str, Any], model: str) -> dict[str, Any]:
-    """Apply head=/num_labels=; num_labels alone implies head=sequence-classification."""
-    _check_options(options, TRANSFORMER_OPTIONS, model)
-    head = options.get("head")
-    family = hf_config.family_of(config)
-    if head is not None and head not in hf_config.heads_of(family):
-        raise PlannerError("head", head, f"for {family} one of {', '.join(hf_config.heads_of(family))}")
-    num_labels = None
-    if "num_labels" in options:
-        num_labels = _int_option(options, "num_labels")
-        if head is None:
-            head = "sequence-classification"
-        elif head != "sequence-classification":
-            raise PlannerError("num_labels", num_labels, "only with head=sequence-classification")
-    return hf_config.with_head(config, head, num_labels)
+    return hf_config.int_option(options, key, minimum)
 
 
 def get_model(name_or_path: str, **options: Any) -> ModelSpec:
@@ -108,18 +86,18 @@ def get_model(name_or_path: str, **options: Any) -> ModelSpec:
     name = _resolve_name(name_or_path)
     if name == MULTIMODAL:
         return multimodal_bert(**options)
-    if name is not None:
-        config = _transformer_config(catalog_config(name), options, name)
+    if name is not None:  # one pass through the reader (hf_config.spec_with_options); the cached dict is not copied
+        _check_options(options, TRANSFORMER_OPTIONS, name)
         source: dict[str, Any] = {"catalog": name, "options": dict(options)}
-        return hf_config.spec_from_hf_config(config, name=name, source=source)
+        return hf_config.spec_with_options(_configs()[name], options, name=name, source=source)
     if name_or_path.endswith(".py") or ".py:" in name_or_path:  # not a reference (is_reference): no function
         raise PlannerError("--model", name_or_path, "FILE.py:FUNCTION for a model of your own, naming the "
                            "function that returns your nn.Module, e.g. examples/multimodal_bert.py:build")
     if _is_path(name_or_path):
         raw = hf_config.load_config_file(name_or_path)
-        config = _transformer_config(raw, options, name_or_path)
+        _check_options(options, TRANSFORMER_OPTIONS, name_or_path)
         label = Path(name_or_path).stem if Path(name_or_path).stem != "config" else Path(name_or_path).parent.name
-        return hf_config.spec_from_hf_config(config, name=label or "config", source={"config": config})
+        return hf_config.spec_with_options(raw, options, name=label or "config")
     raise unknown("--model", name_or_path, list_models())
 
 
@@ -132,8 +110,7 @@ def text_encoder(name: str) -> TransformerSpec:
     resolved = _resolve_name(name) if isinstance(name, str) else None
     if resolved not in encoders:
         raise unknown("text_model", str(name), encoders)
-    config = hf_config.with_head(catalog_config(resolved), "base")
-    return hf_config.transformer_from_hf_config(config)
+    return hf_config.transformer_with_options(_configs()[resolved], {"head": "base"})[0]
 
 
 def multimodal_bert(**options: Any) -> ModelSpec:

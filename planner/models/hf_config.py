@@ -257,7 +257,10 @@ def family_of(config: Any) -> str:
 
 def head_of(config: dict[str, Any]) -> tuple[str, str]:
     """(architecture, head) from `architectures[0]`."""
-    family = family_of(config)
+    return _head_of(config, family_of(config))
+
+
+def _head_of(config: dict[str, Any], family: str) -> tuple[str, str]:
     archs = config.get("architectures")
     allowed = _architectures(family)
     if archs is None:
@@ -274,8 +277,11 @@ def with_head(config: dict[str, Any], head: str | None = None, num_labels: int |
 
     `num_labels` replaces id2label/label2id as `PreTrainedConfig.num_labels`'s setter would.
     """
-    family = family_of(config)
-    out = copy.deepcopy(config)
+    return _with_head(copy.deepcopy(config), family_of(config), head, num_labels)
+
+
+def _with_head(out: dict[str, Any], family: str, head: str | None, num_labels: int | None) -> dict[str, Any]:
+    """`with_head` on `out`, a copy of the config the caller owns (changed in place: top-level keys only)."""
     if head is not None:
         out["architectures"] = [architecture_for(family, head)]
     if num_labels is not None:
@@ -289,8 +295,11 @@ def with_head(config: dict[str, Any], head: str | None = None, num_labels: int |
 
 def transformer_from_hf_config(config: dict[str, Any]) -> TransformerSpec:
     """One `TransformerSpec` from a config.json dict; `hf_config` keeps the whole dict."""
-    family = family_of(config)
-    architecture, head = head_of(config)
+    return _transformer(config, family_of(config))
+
+
+def _transformer(config: dict[str, Any], family: str) -> TransformerSpec:
+    architecture, head = _head_of(config, family)
     if family in ("bert", "roberta"):
         fields = _bert_like(config, family)
     elif family == "distilbert":
@@ -327,13 +336,57 @@ def inputs_for(spec: TransformerSpec) -> InputSpec:
 def spec_from_hf_config(config: dict[str, Any], *, name: str, component: str = "model",
                         source: dict[str, Any] | None = None) -> ModelSpec:
     """A one-component `ModelSpec` for a config.json dict (loss: the head's cross-entropy, none for base)."""
-    t = transformer_from_hf_config(config)
+    return _model_spec(transformer_from_hf_config(config), config, name, component, source)
+
+
+def _model_spec(t: TransformerSpec, config: dict[str, Any], name: str, component: str,
+                source: dict[str, Any] | None) -> ModelSpec:
     return ModelSpec(
         name=name, components=(Component(name=component, layers=(t,)),), inputs=inputs_for(t),
         loss="none" if t.head == "base" else "cross-entropy",
         description=f"{t.architecture} ({t.family}, {t.num_layers} layers, hidden {t.hidden_size})",
         source=source if source is not None else {"config": copy.deepcopy(config)},
     )
+
+
+def int_option(options: dict[str, Any], key: str, minimum: int = 1) -> int:
+    """A model option that must be an integer in [minimum, MAX_DIM] (names the option)."""
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlannerError(key, value, f"an integer >= {minimum}")
+    if value > MAX_DIM:  # the same bound as a config.json size: absurd sizes answer at once
+        raise PlannerError(key, value, f"an integer <= {MAX_DIM:,}")
+    return value
+
+
+def transformer_with_options(config: dict[str, Any], options: dict[str, Any]) -> tuple[TransformerSpec, dict]:
+    """One pass from a config.json dict and the model options `head=` / `num_labels=` (num_labels alone
+    implies head=sequence-classification) to the TransformerSpec, and the dict with the head applied.
+
+    Why one pass: a catalog name used to go back and forth between planner.models.catalog and this module
+    (family, heads, with_head, spec; the family read four times, the dict copied three times). Here the
+    family is read once, the head checked and applied on a shallow copy (`config` is never changed: the
+    catalog passes its cached dict), and the spec takes the one deep copy it keeps."""
+    family = family_of(config)
+    head = options.get("head")
+    if head is not None and head not in heads_of(family):
+        raise PlannerError("head", head, f"for {family} one of {', '.join(heads_of(family))}")
+    num_labels = None
+    if "num_labels" in options:
+        num_labels = int_option(options, "num_labels")
+        if head is None:
+            head = "sequence-classification"
+        elif head != "sequence-classification":
+            raise PlannerError("num_labels", num_labels, "only with head=sequence-classification")
+    applied = _with_head(dict(config), family, head, num_labels)
+    return _transformer(applied, family), applied
+
+
+def spec_with_options(config: dict[str, Any], options: dict[str, Any], *, name: str,
+                      source: dict[str, Any] | None = None) -> ModelSpec:
+    """`transformer_with_options` as a one-component ModelSpec; `source` None records the applied dict."""
+    t, applied = transformer_with_options(config, options)
+    return _model_spec(t, applied, name, "model", source)  # None: a deep copy of the applied dict
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -65,7 +65,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 
 
 def get(name: str) -> Strategy:
-    """The record of a resolved strategy name (never "auto": resolve it first)."""
+    """The record of a resolved strategy name. "auto" is a programming error, not bad input: the pipeline
+    resolves it once (planner.pipeline.resolve.resolve_parallelism) before any interpreter reads it."""
+    if name == AUTO:
+        raise ValueError('parallelism "auto" reached a strategy lookup unresolved; resolve the configuration '
+                         "first (planner.pipeline.resolve.resolve_parallelism)")
     try:
         return STRATEGIES[name]
     except KeyError:

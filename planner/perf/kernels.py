@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from planner import caches
@@ -168,6 +168,18 @@ Shapes = Ctx
 def cuda_shapes(b: int, s: int, precision: str, attention: str, padded: bool, flash_ok: bool = True) -> Ctx:
     """The context of a micro-batch of `b` samples of `s` tokens on CUDA."""
     return Ctx(b, s, precision, attention, "cuda", padded, flash_ok)
+
+
+def shapes_for(model: ModelSpec, config: TrainConfig, ctx: Ctx | None, padded: bool | None,
+               flash_ok: bool) -> Ctx:
+    """The speed interpreter's context at `config.batch_size`: the pipeline's record (planner.pipeline.resolve
+    builds it once; here at this micro-batch and on CUDA, where kernels are timed), or, for callers without
+    one (tests, tools), built from `config`."""
+    if ctx is not None:
+        return ctx if ctx.b == config.batch_size and ctx.backend == "cuda" else replace(
+            ctx, b=config.batch_size, backend="cuda")
+    return cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention,
+                       model.inputs.attention_mask if padded is None else padded, flash_ok)
 
 
 def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
@@ -537,12 +549,11 @@ def _fold(kernels: list[Kernel]) -> list[Kernel]:
 
 
 def training_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
-                     flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
+                     flash_ok: bool = True, padded: bool | None = None, ctx: Ctx | None = None) -> list[Kernel]:
     """Forward, backward and recompute kernels of one micro-step training every parameter, identical layers
-    folded (`count`). Adapters (LoRA) reshape this list: planner.perf.micro_step.micro_kernels."""
-    if padded is None:
-        padded = model.inputs.attention_mask
-    sh = cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
+    folded (`count`). Adapters (LoRA) reshape this list: planner.perf.micro_step.micro_kernels. `ctx`: the
+    pipeline's context record (`shapes_for`)."""
+    sh = shapes_for(model, config, ctx, padded, flash_ok)
     out: list[Kernel] = []
     for block in model_blocks(model):
         layer = block.layer

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from planner.adapters.lora import plan
 from planner.adapters.speed import lora_kernels
-from planner.perf.kernels import Kernel, cuda_shapes, training_kernels
+from planner.ir.context import Ctx
+from planner.perf.kernels import Kernel, shapes_for, training_kernels
 from planner.spec import ModelSpec, TrainConfig
 
 
 def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
-                  flash_ok: bool = True, padded: bool | None = None) -> list[Kernel]:
+                  flash_ok: bool = True, padded: bool | None = None, ctx: Ctx | None = None) -> list[Kernel]:
     """Forward, backward and recompute kernels of one micro-step, identical layers folded (`count`); with
     LoRA (`config.lora`) the frozen base's gradients dropped and the adapters' kernels added."""
-    kernels = training_kernels(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok, padded=padded)
+    kernels = training_kernels(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok, padded=padded,
+                               ctx=ctx)
     if not config.lora:
         return kernels
-    if padded is None:
-        padded = model.inputs.attention_mask
-    sh = cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention, padded, flash_ok)
+    sh = shapes_for(model, config, ctx, padded, flash_ok)
     return lora_kernels(model, config, kernels, sh, plan(model, config))

@@ -37,6 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import caches
+from planner.ir.context import Ctx
 from planner.perf.kernels import KINDS, Kernel
 from planner.perf.micro_step import micro_kernels
 from planner.spec import GPU, ModelSpec, TrainConfig
@@ -183,12 +184,13 @@ def _row(k: Kernel) -> list[float]:
 
 
 def build_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
-                flash_ok: bool = True) -> KernelTable:
-    """Kernels at b = 1 and b = 2, paired by name, as affine coefficients."""
+                flash_ok: bool = True, ctx: Ctx | None = None) -> KernelTable:
+    """Kernels at b = 1 and b = 2, paired by name, as affine coefficients (`ctx`: the pipeline's context
+    record, at those two batch sizes)."""
     one = micro_kernels(model, config.model_copy(update={"batch_size": 1}), causal_fraction=causal_fraction,
-                        flash_ok=flash_ok)
+                        flash_ok=flash_ok, ctx=ctx)
     two = micro_kernels(model, config.model_copy(update={"batch_size": 2}), causal_fraction=causal_fraction,
-                        flash_ok=flash_ok)
+                        flash_ok=flash_ok, ctx=ctx)
     if [k.name for k in one] != [k.name for k in two]:  # pragma: no cover - a kernel list that is not affine
         raise ValueError("kernel list changes shape with the batch size")
     v1 = np.array([_row(k) for k in one])
@@ -223,14 +225,19 @@ def _shape_fields() -> tuple[str, ...]:
 
 
 def kernel_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0,
-                 flash_ok: bool = True) -> KernelTable:
-    """`build_table`, cached per model object and shape class (the config without its batch size)."""
-    key = (id(model), *(getattr(config, f) for f in _shape_fields()), causal_fraction, flash_ok)
+                 flash_ok: bool = True, ctx: Ctx | None = None) -> KernelTable:
+    """`build_table`, cached per model object and shape class (the config without its batch size). `ctx`: the
+    context record the pipeline resolved (its flash and padding decide; its batch size does not)."""
+    if ctx is not None:
+        flash_ok = ctx.flash_ok
+    # what of the record a table reads besides the config's shape fields (the batch size scales it)
+    record = (ctx.s, ctx.precision, ctx.attention, ctx.padded) if ctx is not None else model.inputs.attention_mask
+    key = (id(model), *(getattr(config, f) for f in _shape_fields()), causal_fraction, flash_ok, record)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is model:
         _TABLES.move_to_end(key)
         return hit[1]
-    table = build_table(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok)
+    table = build_table(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok, ctx=ctx)
     _TABLES[key] = (model, table)
     if len(_TABLES) > TABLE_CACHE_SIZE:
         _TABLES.popitem(last=False)

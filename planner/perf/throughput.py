@@ -55,10 +55,10 @@ from planner import caches
 from planner.errors import PlannerError
 from planner.families.forms import parameter_tensors
 from planner.identity_cache import per_object
+from planner.ir.context import Ctx
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
-from planner.parallel import resolve_name
 from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
@@ -110,11 +110,6 @@ def expected_max_normal(n: int) -> float:
     pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     cdf = np.cumsum(pdf) * (x[1] - x[0])
     return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
-
-
-def resolve_parallelism(config: TrainConfig, instance: Instance) -> str:
-    """'auto' -> 'single' on one GPU in all, else 'ddp'."""
-    return resolve_name(config.parallelism, instance.gpus * config.instances)
 
 
 def world_size(parallelism: str, instance: Instance, instances: int) -> int:
@@ -170,12 +165,15 @@ def _default_constants() -> ThroughputConstants:
 
 
 def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance,
-                       constants: ThroughputConstants | None = None) -> Throughput:
-    """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring)."""
+                       constants: ThroughputConstants | None = None, *, ctx: Ctx | None = None) -> Throughput:
+    """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring).
+    `config` is resolved (planner.pipeline.resolve.resolve_parallelism): a parallelism of "auto" is refused.
+    `ctx`: the context record the pipeline resolved with it (None: built from `config` and the GPU)."""
     c = constants or _default_constants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
-    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention)
+    table = kernel_table(model, config, causal_fraction=c.causal_fraction, flash_ok=instance.gpu.flash_attention,
+                         ctx=ctx)
     n_params, n_tensors = parameter_counts(model)
     gather_params = n_params  # ZeRO-3/FSDP gather every parameter, frozen ones too
     if config.lora:  # only the adapters have gradients to reduce and an optimizer step
@@ -184,7 +182,7 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
         lora = plan(model, config)
         n_params, n_tensors = lora.trainable, len(lora.shapes)
     layers = sum(t.num_layers for t in model.transformers) or None
-    one_process = strategy_of(resolve_parallelism(config, instance)).one_process
+    one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
                             c, layers=layers, dp_io_bytes=io, gather_params=gather_params)
@@ -201,7 +199,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     c = constants or ThroughputConstants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
-    parallelism = resolve_parallelism(config, instance)
+    parallelism = config.parallelism  # resolved by the pipeline (planner.pipeline.resolve); "auto" is refused
     strategy = strategy_of(parallelism)
     if strategy.one_process and config.instances > 1:
         raise PlannerError("--parallelism", parallelism, "ddp, zero1-3 or fsdp across instances (DataParallel is one process)")
@@ -227,7 +225,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     # (planner.memory.framework_layout: 16-bit gathers under an FSDP policy, DeepSpeed or Megatron)
     from planner.memory.framework_layout import layout as state_layout
 
-    lay = state_layout(config.model_copy(update={"parallelism": parallelism}))
+    lay = state_layout(config)
     # ZeRO-3/FSDP gather every parameter (frozen ones too); ZeRO-1/2 gather only what the optimizer updated
     gathered = gather_params if gather_params is not None and strategy.sharding.parameters else n_params
     reduced = gathered if (lay.frozen_grads and sharded) else n_params  # FSDP1 flat gradients cover frozen ones

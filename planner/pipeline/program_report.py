@@ -4,7 +4,9 @@ Per op: `kind`, `name`, `shapes`, `params` (the parameter tensors' names, as `mo
 gives them), `param_bytes` (resident on one GPU: the precision's parameter dtype, divided under ZeRO-3/FSDP),
 `saved_bytes` (what the op keeps for backward after the forward, allocator-rounded: its saved storages, and
 under autocast its weight's 16-bit cast; under checkpointing a layer's inputs only, on its `checkpoint` op),
-`transient_bytes` (0 per op for now: a block's transients are the memory model's, per block), `flops`
+`transient_bytes` (the memory model's peak of the block's unsaved temporaries, the larger of forward and
+backward, on the op that saves the block's largest tensor, which is what that peak is built from: see
+`_transient_owner`; 0 on the block's other ops), `flops`
 (forward + backward matmul FLOPs of one micro-step, FlopCounterMode's convention), `bytes_moved` and
 `launches` (its CUDA kernels in forward, backward and recompute: planner.perf.op_rules over
 planner.perf.kernels' primitives).
@@ -75,12 +77,26 @@ def _saved(op: Op, ctx: Ctx) -> list[Saved]:
     return out
 
 
-def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, *, backend: str = "cuda",
-                   flash_ok: bool = True) -> dict[str, Any]:
-    """The program of `model` under the resolved `config` (attention never "auto"), as JSON."""
+def _transient_owner(ops: tuple[Op, ...], ctx: Ctx) -> int | None:
+    """Index of the op a block's transients belong to: the first op saving the block's largest tensor
+    (allocator-rounded). The memory model builds a block's forward peak from that tensor (its producer's
+    output before the next op consumes it) and its backward peak from that tensor's gradient (a transformer
+    layer's: the larger of the attention and MLP branches, each led by its largest saved tensor:
+    activations.layer_backward_tensors). The inputs a checkpoint keeps set no peak. None: no op."""
+    sizes = [max((alloc_bytes(t.nbytes, ctx.backend) for t in apply("saved", op, ctx)), default=0)
+             if op.kind != "checkpoint" else -1 for op in ops]
+    return sizes.index(max(sizes)) if sizes else None
+
+
+def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, ctx: Ctx) -> dict[str, Any]:
+    """The program of `model` under the resolved `config` and its context record `ctx`
+    (planner.pipeline.resolve.context: the record the memory and speed interpreters read), as JSON."""
+    from planner.memory.activations import activation_blocks
+
     load_rules()
-    ctx = Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend,  # type: ignore[arg-type]
-              model.inputs.attention_mask, flash_ok)
+    # the memory model's per-block transients (forward, backward) under the same record
+    peaks = {a.block: max(a.forward_transient_bytes, a.backward_transient_bytes)
+             for a in activation_blocks(model, config, ctx=ctx)}
     program = model_program(model, ctx)
     if config.checkpointing:
         specs = {b.name: b.layer for b in model_blocks(model) if isinstance(b.layer, TransformerSpec)}
@@ -89,7 +105,8 @@ def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, *, ba
     blocks = []
     for block in program.blocks:
         ops = []
-        for op in block.ops:
+        owner = _transient_owner(block.ops, ctx)
+        for i, op in enumerate(block.ops):
             kernels = op_kernels(op, ctx)
             full = sum(p.numel for p in op.params) * p_bytes
             ops.append({
@@ -98,7 +115,7 @@ def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, *, ba
                 "params": [p.name for p in op.params],
                 "param_bytes": share.block_bytes(full, 0)[0],
                 "saved_bytes": sum(alloc_bytes(t.nbytes, ctx.backend) for t in _saved(op, ctx)),
-                "transient_bytes": 0,
+                "transient_bytes": peaks.get(block.name, 0) if i == owner else 0,
                 "flops": apply("flops", op, ctx) * (1 + BACKWARD_TO_FORWARD),
                 "bytes_moved": sum(k.bytes * k.count for k in kernels),
                 "launches": sum(k.launches * k.count for k in kernels),

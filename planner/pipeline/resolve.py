@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner import caches
+from planner import parallel as strategies
 from planner.errors import PlannerError
+from planner.ir.context import Ctx
 from planner.memory import parallel
 from planner.memory import stack as sw
+from planner.parallel.frameworks import check as check_framework
 from planner.spec import (
     Instance,
     ModelSpec,
@@ -37,6 +40,22 @@ def _resolve_instance(instance: Instance | str) -> Instance:
     from planner.hardware import get_instance
 
     return get_instance(instance)
+
+
+def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
+    """`config` with its parallelism resolved: "auto" means DDP on several GPUs, plain single-GPU training on
+    one (planner.parallel.resolve_name), and the strategy checked against the instances and the framework.
+    The one place an estimate resolves "auto": every interpreter below the pipeline reads the resolved name
+    (planner.parallel.get refuses "auto"; tests/test_structure.py fails on a call of resolve_name there)."""
+    p = strategies.resolve_name(config.parallelism, instance.gpus * config.instances)
+    s = strategies.get(p)
+    if s.one_process and config.instances > 1:
+        raise PlannerError("--parallelism", p, "nn.DataParallel runs in one process on one instance; "
+                           "use ddp, zero1-3 or fsdp with --instances > 1")
+    if s.uses_one_gpu and config.instances > 1:
+        raise PlannerError("--parallelism", p, "single uses one GPU; use ddp, zero1-3 or fsdp with --instances > 1")
+    check_framework(config.framework, p)
+    return config.model_copy(update={"parallelism": p})
 
 
 def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Instance) -> None:
@@ -140,7 +159,9 @@ RUNTIME_CACHE_SIZE = 4096  # (GPU, layers, attention, calibration) entries kept:
 class Resolved:
     """What both front ends start from: the configuration after "auto" (strategy and attention), the world
     and each GPU's share of the model states, the runtime constants and what the stack decided, whether a
-    flat fragmentation was given, and the calibrated speed scale."""
+    flat fragmentation was given, the calibrated speed scale, and the context record (planner.ir.context.Ctx:
+    one micro-batch's sizes, precision and dtypes, attention kernel, backend and device rules), built here once
+    and passed to the memory and speed interpreters (issue 33 item 5: each used to build its own)."""
 
     inst: Instance
     cfg: TrainConfig
@@ -150,10 +171,20 @@ class Resolved:
     view: _StackView
     fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
+    ctx: Ctx  # the resolved configuration's context record
+
+
+def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda") -> Ctx:
+    """The context record of a resolved configuration (attention never "auto"): the batch is padded when the
+    model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
+    runs them (sm80+)."""
+    padded = spec.inputs.attention_mask if spec is not None else False
+    return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
+               padded, instance.gpu.flash_attention)
 
 
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
-            calibration: dict[str, Any] | None) -> Resolved:
+            calibration: dict[str, Any] | None, backend: str = "cuda") -> Resolved:
     """Resolve one configuration for `spec` (None: a traced model, which has no model type to look up, so
     attention "auto" is the SDPA default of current stacks). `calibration` None reads the calibration file
     (planner.memory.runtime.load_calibration: once per file version); pass a dict to decide it yourself."""
@@ -165,7 +196,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     )
 
     inst = _resolve_instance(instance)
-    cfg = parallel.resolve_parallelism(config, inst)
+    cfg = resolve_parallelism(config, inst)
     if calibration is None:
         calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     families = [t.family for t in spec.transformers] if spec is not None else []
@@ -193,4 +224,4 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale)
+    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale, context(spec, cfg, inst, backend))

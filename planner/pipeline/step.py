@@ -6,11 +6,12 @@ the analytic families (planner.memory.activations reading planner.families) or f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from planner import caches
 from planner.identity_cache import per_object
+from planner.ir.context import Ctx
 from planner.memory import batch as batch_mem
 from planner.memory import framework_layout, model_states, optimizer, parallel, timeline
 from planner.memory import stack as sw
@@ -93,17 +94,19 @@ _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATI
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
 
 
-def _activations(spec: ModelSpec, cfg: TrainConfig, backend: str, flash_ok: bool) -> tuple:
-    """`activation_blocks`, cached per model object and the fields it reads: a search evaluates one shape
-    on many instance types and counts, and this is the costliest part of preparing an estimate."""
+def _activations(spec: ModelSpec, cfg: TrainConfig, ctx: Ctx) -> tuple:
+    """`activation_blocks` under the resolved context record `ctx`, cached per model object and the fields it
+    reads: a search evaluates one shape on many instance types and counts, and this is the costliest part of
+    preparing an estimate."""
     from planner.memory.activations import activation_blocks
 
-    key = (id(spec), *(getattr(cfg, f) for f in ACTIVATION_FIELDS), backend, flash_ok)
+    backend = ctx.backend
+    key = (id(spec), *(getattr(cfg, f) for f in ACTIVATION_FIELDS), ctx)
     hit = _ACTIVATIONS.get(key)
     if hit is None or hit[0] is not spec:
         if len(_ACTIVATIONS) >= ACTIVATION_CACHE_SIZE:
             _ACTIVATIONS.clear()
-        records = tuple(activation_blocks(spec, cfg, backend=backend, flash_ok=flash_ok))
+        records = tuple(activation_blocks(spec, cfg, ctx=ctx))
         if cfg.lora:  # a frozen base saves less; the adapters add their own (planner.adapters.activations)
             from planner.adapters.activations import lora_activations
             from planner.adapters.lora import plan
@@ -205,6 +208,7 @@ class _Prepared:
     given: frozenset[str] = frozenset()  # runtime fields the user fixed (no band on them)
     fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
+    ctx: Ctx | None = None  # the context record resolve built (planner.pipeline.resolve.Resolved.ctx)
 
 
 def _loop_fields(cfg: TrainConfig, outputs: int) -> dict[str, Any]:
@@ -236,7 +240,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block.
     `calibration` None reads the calibration file (planner.memory.runtime.load_calibration)."""
     spec = _resolve_model(model, model_options)
-    r = resolve(spec, config, instance, runtime, stack, calibration)
+    r = resolve(spec, config, instance, runtime, stack, calibration, backend)
     inst, cfg, world, share, rt, view = r.inst, r.cfg, r.world, r.share, r.rt, r.view
 
     facts = _model_facts(spec)
@@ -246,9 +250,10 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     p_bytes = lay.state_param_bytes
 
     # a 16-bit model without autocast (FSDP's policy, Megatron, DeepSpeed) saves what pure 16-bit training does
-    act_cfg = cfg if lay.activation_precision == cfg.precision else cfg.model_copy(
-        update={"precision": lay.activation_precision})
-    activations = _activations(spec, act_cfg, backend, inst.gpu.flash_attention)
+    act_cfg, act_ctx = (cfg, r.ctx) if lay.activation_precision == cfg.precision else (
+        cfg.model_copy(update={"precision": lay.activation_precision}),
+        replace(r.ctx, precision=lay.activation_precision))
+    activations = _activations(spec, act_cfg, act_ctx)
     block_mem = _block_memory(spec, activations, cfg, share, lay)
 
     full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
@@ -286,7 +291,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
                      r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
                      view.stack, view.context, view.given,
-                     view.fragmentation_range)
+                     view.fragmentation_range, ctx=r.ctx)
 
 
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
@@ -297,7 +302,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     and parameters measured by the tracer (blocks = the module's top-level children, then the loss)."""
     from planner.program.sources import model_trace
 
-    r = resolve(None, config, instance, runtime, stack, calibration)
+    r = resolve(None, config, instance, runtime, stack, calibration, backend)
     inst, cfg, world, share, rt, view = r.inst, r.cfg, r.world, r.share, r.rt, r.view
     fragmentation_given = r.fragmentation_given
 
@@ -331,8 +336,9 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     opt_bytes = ADAPTER_BYTES if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
-    if one_process:  # the whole batch and every replica's outputs on GPU 0 (parallel.dataparallel_gpu0_extra)
-        dp_extra = full.batch_bytes * (inst.gpus - 1) + sum(b.retained_bytes for b in full.blocks) * inst.gpus
+    if one_process:  # the whole batch and every replica's outputs on GPU 0: the analytic model's formula
+        dp_extra = parallel.dataparallel_gpu0_extra_bytes(full.batch_bytes, sum(b.retained_bytes for b in full.blocks),
+                                                          inst.gpus)
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
@@ -361,7 +367,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
                      r.throughput_scale, full.name, tuple(notes), view.stack, view.context, view.given,
                      view.fragmentation_range,
-                     kept)
+                     kept, ctx=r.ctx)
 
 
 def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:

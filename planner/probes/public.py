@@ -345,12 +345,16 @@ def scaling_errors(pairs: list[tuple[ThroughputRun, ThroughputRun]], constants: 
     (`constants`: its ThroughputConstants, default when None)."""
     from planner.models.catalog import cached_model
     from planner.perf.throughput import predict_throughput
+    from planner.pipeline.resolve import resolve_parallelism
+
+    def speed(row: ThroughputRun) -> float:
+        config = resolve_parallelism(row.train_config(), row.instance())  # a published row may say "auto"
+        return predict_throughput(model, config, row.instance(), constants).samples_per_s
 
     out = []
     for multi, single in pairs:
         model = cached_model(multi.model, multi.model_options())
-        pm = predict_throughput(model, multi.train_config(), multi.instance(), constants).samples_per_s
-        ps = predict_throughput(model, single.train_config(), single.instance(), constants).samples_per_s
+        pm, ps = speed(multi), speed(single)
         out.append(math.log((pm / ps) / (multi.samples_per_s / single.samples_per_s)))
     return out
 

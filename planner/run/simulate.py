@@ -137,7 +137,7 @@ class StepsAt:
         hit = self._speeds.get(length)
         if hit is None:
             p = self.prep(length)
-            hit = self._speeds[length] = self.steps.calibrated(predict_throughput(p.spec, p.cfg, p.inst),
+            hit = self._speeds[length] = self.steps.calibrated(predict_throughput(p.spec, p.cfg, p.inst, ctx=p.ctx),
                                                                 p.throughput_scale)
         return hit
 
