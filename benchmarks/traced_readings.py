@@ -1,6 +1,7 @@
 """Models outside the catalog on a real GPU: the planner's prediction against what the GPU measured.
 
     python benchmarks/traced_readings.py [--readings results/validation/h200/measured-2026-11-26]
+                                         [--file traced.jsonl]   (vocab.jsonl: Qwen2-0.5B at five shapes)
 
 Reads `traced.jsonl` (T5-base, BART-base, Pythia-410M, OPT-350M, Qwen2-0.5B, built from the Hugging Face
 configs each row carries, measured by `benchmarks/gpu_session.py` on one GPU), writes each row's config to a
@@ -31,14 +32,14 @@ def measured_peaks(row: dict) -> tuple[int, int]:
     return max(p["max_alloc"] for p in phases), max(p["max_res"] for p in phases)
 
 
-def predict(row: dict, instance: str, folder: Path) -> tuple[int, int]:
+def predict(row: dict, instance: str, folder: Path, loop: str = "plain") -> tuple[int, int]:
     from planner.estimate import estimate
     from planner.spec import TrainConfig
 
     path = folder / f"{row['model']}.json"
     path.write_text(json.dumps(row["hf_config"]))
     cfg = TrainConfig(batch_size=row["b"], seq_len=row["s"], precision=row["precision"], attention="sdpa",
-                      parallelism="single")
+                      parallelism="single", loop=loop)
     est = estimate(str(path), cfg, instance, with_throughput=False)
     return est.memory_bytes.peak_allocated, est.memory_bytes.peak_reserved
 
@@ -46,13 +47,16 @@ def predict(row: dict, instance: str, folder: Path) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--readings", type=Path, default=DEFAULT)
+    ap.add_argument("--file", default="traced.jsonl", help="the rows' file in that folder")
     args = ap.parse_args(argv)
     env = json.loads((args.readings / "env.json").read_text())
     from planner.probes.readings import INSTANCE_FOR_GPU, gpu_of
 
     instance = INSTANCE_FOR_GPU[gpu_of(env)]
-    rows = [json.loads(line) for line in (args.readings / "traced.jsonl").read_text().splitlines() if line.strip()]
-    print(f"Models outside the catalog on {env['gpu']} (torch {env['torch']}), predicted as {instance}, one GPU")
+    rows = [json.loads(line) for line in (args.readings / args.file).read_text().splitlines() if line.strip()]
+    loop = env.get("loop", "plain")  # the loop that measured them (env.json says; the planner's default else)
+    print(f"Models outside the catalog on {env['gpu']} (torch {env['torch']}), predicted as {instance}, one GPU, "
+          f"--loop {loop}")
     print(f"{'model':<13}{'prec':>9}{'b':>3} {'alloc GiB':>17} {'err':>7} {'reserved GiB':>17} {'err':>7}")
     errs_a, errs_r = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row['model']:<13}{row['precision']:>9}{row['b']:>3} {row.get('status')}")
                 continue
             ma, mr = measured_peaks(row)
-            pa, pr = predict(row, instance, Path(tmp))
+            pa, pr = predict(row, instance, Path(tmp), loop)
             ea, er = pa / ma - 1, pr / mr - 1
             errs_a.append(ea)
             errs_r.append(er)
