@@ -11,18 +11,13 @@ backends, and that every op kind has a rule.
 
 from __future__ import annotations
 
+import math
+
 from planner.ir.context import I64, Ctx
 from planner.ir.interpret import register
 from planner.ir.ops import Op
 from planner.memory import activations as act
 from planner.memory.activations import Saved
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 @register("saved", "linear")
@@ -35,7 +30,7 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
         return act.dense_block_saved(a["block"], a["model"], ctx)
     if not a["saves_input"]:
         return []
-    numel = _numel(op.shapes["input"])
+    numel = math.prod(op.shapes["input"])
     if a.get("as_is"):
         return [Saved(a["input"], numel, op.dtypes["input"])]
     tensors = act.linear_inputs(a["input"], numel, op.dtypes["input"], ctx, a["consumers"])
@@ -58,20 +53,20 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "activation")
 def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.activation_saved(op.name, op.attrs["act"], _numel(op.shapes["input"]), op.dtypes["input"], ctx)[0]
+    return act.activation_saved(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)[0]
 
 
 @register("saved", "gated_mul")
 def gated_mul_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """act(gate) · up saves both factors."""
-    n = _numel(op.shapes["input"])
+    n = math.prod(op.shapes["input"])
     return [Saved("mlp.act_output", n, op.dtypes["input"]), Saved("mlp.up", n, op.dtypes["other"])]
 
 
 @register("saved", "dropout")
 def dropout_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """The mask (CUDA) or noise (CPU); a pooled classifier's dropout output is saved by its Linear."""
-    return act.dropout_saved(f"{op.name}_mask", _numel(op.shapes["input"]), op.dtypes["input"], op.attrs["p"],
+    return act.dropout_saved(f"{op.name}_mask", math.prod(op.shapes["input"]), op.dtypes["input"], op.attrs["p"],
                              ctx.backend)
 
 
@@ -87,7 +82,7 @@ def nothing_saved(op: Op, ctx: Ctx) -> list[Saved]:
 @register("saved", "index")
 def index_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """An int64 index tensor the forward makes and an embedding look-up saves."""
-    return [Saved(op.name, _numel(op.shapes["output"]), I64)]
+    return [Saved(op.name, math.prod(op.shapes["output"]), I64)]
 
 
 @register("saved", "rotary")
@@ -101,7 +96,7 @@ def rotary_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 def _context(op: Op, ctx: Ctx) -> list[Saved]:
     """The eager and math paths' transpose().contiguous() copy of the context, saved by the output Linear."""
-    return [Saved("attention.context", _numel(op.shapes["output"]), ctx.low)]
+    return [Saved("attention.context", math.prod(op.shapes["output"]), ctx.low)]
 
 
 @register("saved", "attention_eager")
@@ -145,7 +140,7 @@ def first_token_saved(op: Op, ctx: Ctx) -> list[Saved]:
 @register("saved", "tanh")
 def tanh_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """tanh and ReLU save their output."""
-    return [Saved(op.name, _numel(op.shapes["output"]), op.dtypes["output"])]
+    return [Saved(op.name, math.prod(op.shapes["output"]), op.dtypes["output"])]
 
 
 @register("saved", "cross_entropy")

@@ -8,6 +8,8 @@ planner.perf.kernels for every catalog model, and lists where the old kernel lis
 
 from __future__ import annotations
 
+import math
+
 from planner.ir.context import Ctx
 from planner.ir.interpret import register
 from planner.ir.ops import Op
@@ -43,13 +45,6 @@ def no_matmul_flops(op: Op, ctx: Ctx) -> int:
 # --------------------------------------------------------------------------------------- kernels
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
-
-
 @register("kernels", "linear")
 def linear_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """The autocast input cast and the GEMM (bias added in the epilogue)."""
@@ -71,19 +66,19 @@ def rms_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "dropout")
 def dropout_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
-    return K.dropout(op.name, _numel(op.shapes["input"]), op.dtypes["input"], op.attrs["p"])
+    return K.dropout(op.name, math.prod(op.shapes["input"]), op.dtypes["input"], op.attrs["p"])
 
 
 @register("kernels", "activation")
 def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
-    return K.activation(op.name, op.attrs["act"], _numel(op.shapes["input"]), op.dtypes["input"], ctx)
+    return K.activation(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)
 
 
 @register("kernels", "gated_mul", "residual_add", "tanh")
 def elementwise_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """One pass: reads its input(s), writes its output."""
     reads = (op.dtypes["input"],) + ((op.dtypes["other"],) if "other" in op.dtypes else ())
-    return [K.elementwise(op.name, _numel(op.shapes["input"]), reads, (op.dtypes["output"],), op.dtypes["output"])]
+    return [K.elementwise(op.name, math.prod(op.shapes["input"]), reads, (op.dtypes["output"],), op.dtypes["output"])]
 
 
 @register("kernels", "rotary")
