@@ -288,13 +288,18 @@ def load_public_memory(root: Path | None = None) -> list[MemoryRun]:
     base = root or public_dir()
     rows = _parse(MemoryRun, base / MEMORY_FILE)
     _check(rows, base, MEMORY_FILE)
+    _check_peaks(rows, MEMORY_FILE)
+    return rows
+
+
+def _check_peaks(rows: list[MemoryRun] | list[ShardedRun], file: str) -> None:
+    """A measured peak comes with its kind (and only then) and is a finite number of MiB."""
     for row in rows:
         if (row.peak_mib is None) != (row.peak_kind is None):
-            raise PlannerError(f"{MEMORY_FILE} row {row.id} peak_kind", row.peak_kind,
+            raise PlannerError(f"{file} row {row.id} peak_kind", row.peak_kind,
                                "given together with peak_mib, and only then")
         if row.peak_mib is not None and not math.isfinite(row.peak_mib):
-            raise PlannerError(f"{MEMORY_FILE} row {row.id} peak_mib", row.peak_mib, "a finite number of MiB")
-    return rows
+            raise PlannerError(f"{file} row {row.id} peak_mib", row.peak_mib, "a finite number of MiB")
 
 
 def load_public_sharded(root: Path | None = None) -> list[ShardedRun]:
@@ -302,10 +307,8 @@ def load_public_sharded(root: Path | None = None) -> list[ShardedRun]:
     base = root or public_dir()
     rows = _parse(ShardedRun, base / SHARDED_FILE)
     _check(rows, base, SHARDED_FILE)
+    _check_peaks(rows, SHARDED_FILE)
     for row in rows:
-        if (row.peak_mib is None) != (row.peak_kind is None):
-            raise PlannerError(f"{SHARDED_FILE} row {row.id} peak_kind", row.peak_kind,
-                               "given together with peak_mib, and only then")
         assert row.framework in FRAMEWORKS
     return rows
 
