@@ -226,6 +226,21 @@ def _loop_fields(cfg: TrainConfig, outputs: int) -> dict[str, Any]:
     return {"outputs_die": rule.outputs_die, "grads_die": rule.grads_die,
             "build_ratio": loops.build_ratio(cfg.load, stored),
             "outputs_fp32_bytes": 2 * outputs if rule.outputs_to_fp32 and cfg.precision.startswith("amp-") else 0}
+
+
+def _framework_state_bytes(lay: framework_layout.StateLayout, trained: int, share: parallel.Sharding
+                           ) -> tuple[int, int]:
+    """(optimizer states, step temporaries) a framework adds for `trained` parameters: Megatron's and
+    DeepSpeed's fp32 master weights beside the states, DeepSpeed's fp32 gradient partition at the step."""
+    return (int(trained * lay.master_bytes * share.optimizer_states),
+            int(trained * lay.step_grad_bytes * share.optimizer_states))
+
+
+def _gradient_buffer_bytes(lay: framework_layout.StateLayout, cfg: TrainConfig, full_grad_bytes: int) -> int:
+    """The framework's own gradient buffers where they replace DDP's buckets, else DDP's buckets."""
+    return lay.bucket_bytes() if lay.replace_ddp_buckets else parallel.ddp_bucket_bytes(cfg, full_grad_bytes)
+
+
 def _optimizer_config(cfg: TrainConfig, lay: framework_layout.StateLayout) -> TrainConfig:
     """Megatron and DeepSpeed step Adam with fused multi-tensor kernels whatever the loop would pick
     (megatron/core/optimizer/__init__.py imports Transformer Engine's / apex's FusedAdam; deepspeed/runtime/
@@ -270,15 +285,13 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     else:
         states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
         trained = sum(facts.gradients_by_block.values()) or total_params
-    # Megatron / DeepSpeed: fp32 master weights beside the states, DeepSpeed's fp32 gradient partition at the step
-    states += int(trained * lay.master_bytes * share.optimizer_states)
-    opt_temp += int(trained * lay.step_grad_bytes * share.optimizer_states)
+    extra_states, extra_temp = _framework_state_bytes(lay, trained, share)
+    states, opt_temp = states + extra_states, opt_temp + extra_temp
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
         module_buffer_bytes=facts.buffer_bytes,
-        ddp_bucket_bytes=lay.bucket_bytes() if lay.replace_ddp_buckets else parallel.ddp_bucket_bytes(
-            cfg, full_grad_bytes),
+        ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
         optimizer_state_bytes=states,
@@ -334,6 +347,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
     opt_bytes = ADAPTER_BYTES if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision
+    trained_total = full.parameters.get("trainable", total)
+    extra_states, extra_temp = _framework_state_bytes(lay, trained_total, share)
     dp_extra = 0
     one_process = strategy_of(cfg.parallelism).one_process
     if one_process:  # the whole batch and every replica's outputs on GPU 0: the analytic model's formula
@@ -342,15 +357,13 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     step = timeline.StepMemory(
         blocks=tuple(blocks),
         module_buffer_bytes=full.buffer_bytes,
-        ddp_bucket_bytes=lay.bucket_bytes() if lay.replace_ddp_buckets else parallel.ddp_bucket_bytes(
-            cfg, model_states.gradient_bytes(full.parameters.get("trainable", total), cfg)),
+        ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, model_states.gradient_bytes(trained_total, cfg)),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states)
-        + int(full.parameters.get("trainable", total) * lay.master_bytes * share.optimizer_states),
+        + extra_states,
         optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes,
-                                                                      share.optimizer_states)
-        + int(full.parameters.get("trainable", total) * lay.step_grad_bytes * share.optimizer_states),
+                                                                      share.optimizer_states) + extra_temp,
         grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
             view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,
