@@ -21,6 +21,7 @@ from tests.allocator_streams import event_streams
 estimate_mod = importlib.import_module("planner.estimate")
 MiB = 1024 * 1024
 
+
 @settings(max_examples=300, deadline=None)
 @given(event_streams(), st.sampled_from([None, 24 * MiB, 100 * MiB, 400 * MiB]),
        st.sampled_from([None, 4 * MiB, 30 * MiB]))

@@ -14,6 +14,7 @@ from planner.errors import PlannerError, unknown
 
 # The DLC table is a fact of the core (planner/dlc.py); re-exported here for the launch code and its tests.
 
+
 def compute_capability(instance_type: str) -> Arch:
     """The instance's GPU compute capability, from the hardware catalog (planner/data/gpus.json): a new GPU
     is a data row there, not a table here. An unknown instance is bad input naming the known ones."""

@@ -118,6 +118,8 @@ def stack_from_flags(torch_version: str | None, cuda_version: str | None, transf
              "alloc_conf": alloc_conf}
     given = {k: v for k, v in given.items() if v is not None}
     return given or None
+
+
 GradAccumOpt = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step.")]
 InstancesOpt = Annotated[int, typer.Option("--instances", help="Number of instances (nodes).")]
 Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32",

@@ -17,6 +17,7 @@ FrameworkOpt = Annotated[str, typer.Option(
 DsConfigOpt = Annotated[str | None, typer.Option(
     "--ds-config", help="DeepSpeed JSON config of the job (stage, bf16/fp16, bucket and prefetch sizes).")]
 
+
 def framework_fields(framework: str, ds_config: str | None, parallelism: str = "auto",
                      precision: str | None = None) -> dict[str, Any]:
     """The TrainConfig fields of --framework / --ds-config (empty for the defaults). A ds_config's stage sets an

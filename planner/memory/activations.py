@@ -139,10 +139,6 @@ class BlockActivations:
         return clone
 
 
-
-
-
-
 # ------------------------------------------------------------------------- CUDA vs CPU, one each
 
 
@@ -163,16 +159,6 @@ def dropout_saved(name: str, numel: int, dtype: str, p: float, backend: Backend)
     if p <= 0:
         return []
     return [Saved(name, numel, BOOL if backend == "cuda" else dtype)]
-
-
-
-
-
-
-
-
-
-
 
 
 def attention_lse(kernel: str, ctx: Ctx, heads: int) -> Saved:
@@ -341,12 +327,6 @@ def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: lis
     if masked:
         out += sdpa_bias(kernel, ctx, ctx.low)
     return out
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------------------------------- layers

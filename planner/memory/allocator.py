@@ -305,7 +305,6 @@ class CachingAllocator:
                 self.tail[b.small] = b
         self._insert(b)
 
-
     def snapshot(self, peaks: tuple) -> Snapshot:
         """See `Snapshot`: valid only while every allocated block is permanent (not expandable, no OOM)."""
         tails = tuple((b.size, b.addr, b.seg, b.small) for b in self.free_at.values())

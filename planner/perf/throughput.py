@@ -85,6 +85,7 @@ PEAK_KEY: dict[str, str] = {"fp32": "fp32", "amp-fp16": "fp16", "fp16": "fp16", 
 # Parameter/gradient element size: AMP keeps fp32 parameters and gradients; pure fp16/bf16 do not.
 PARAM_BYTES: dict[str, int] = {"fp32": 4, "amp-fp16": 4, "amp-bf16": 4, "fp16": 2, "bf16": 2}
 
+
 def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstants) -> tuple[float, bool]:
     """(peak TFLOP/s used, whether on tensor cores) for a precision on this GPU."""
     gpu = instance.gpu

@@ -201,6 +201,7 @@ def _prune(folder: Path) -> None:
     entries = list(folder.glob("*.trace"))
     if len(entries) <= MAX_ENTRIES:
         return
+
     def age(p: Path) -> float:
         try:
             return p.stat().st_mtime

@@ -336,6 +336,7 @@ def check_sweep(sweep: Sweep, source: str | None = None) -> None:
     if sweep.recipe.seq_len is not None and sweep.space.seq_lens is not None:
         raise PlannerError(f"{where}space.seq_lens", list(sweep.space.seq_lens),
                            "left out when recipe.seq_len is given (give the recipe a list to explore)")
+
     def stack() -> None:
         from planner.hardware import get_instance
         from planner.memory.stack import resolve_stack
