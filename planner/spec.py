@@ -50,6 +50,13 @@ Load = Literal["direct", "cast"]
 Framework = Literal["pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning"]
 FRAMEWORKS: tuple[str, ...] = ("pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning")
 BASE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "nf4")
+# Pipeline schedules (planner.parallel.dims): Megatron-Core's and torch.distributed.pipelining's names.
+PipelineSchedule = Literal["1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"]
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "gpipe", "zero-bubble")
+# Activation recomputation: "full" is --checkpointing (every layer keeps only its input); "selective" recomputes
+# the modules named in recompute_modules (Megatron's --recompute-modules names) or torchtitan's per-op policy.
+Recompute = Literal["none", "full", "selective"]
+RECOMPUTES: tuple[str, ...] = ("none", "full", "selective")
 
 # Instances in one training job. SageMaker's per-account quotas (Service Quotas, "ml.<type> for training job
 # usage") are adjustable and the API itself sets no maximum (botocore sagemaker-2017-07-24 TrainingInstanceCount:
@@ -239,6 +246,26 @@ class TrainConfig(Frozen):
     framework: Framework = "pytorch"
     # DeepSpeed's settings from the job's ds_config (--ds-config FILE); None: DeepSpeed's defaults.
     deepspeed: DeepSpeedSettings | None = None
+    # Model parallelism (issue 34; planner.parallel.dims checks how the degrees combine): tensor (tp) with
+    # sequence parallelism (sp; None: on when tp > 1, as Megatron-Core recipes run it), context (cp), pipeline
+    # (pp stages, vp virtual stages per rank, pp_schedule; None: 1f1b, or interleaved-1f1b when vp > 1), and the
+    # data-parallel rest: dp_replicas replica groups for HSDP (None: one), Megatron's distributed optimizer.
+    tp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
+    sp: bool | None = None
+    cp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
+    pp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
+    vp: int = Field(1, ge=1, le=1024)
+    pp_schedule: PipelineSchedule | None = None
+    dp_replicas: int | None = Field(None, ge=1, le=MAX_INSTANCES * 8)
+    distributed_optimizer: bool = False
+    # None: what --checkpointing says (full when on, none when off)
+    recompute: Recompute | None = None
+    recompute_modules: tuple[str, ...] = ()
+    # Mixture-of-experts (issue 35): expert parallel (ep) and expert-tensor parallel (etp) degrees, and the
+    # hottest rank's share of routed tokens over the mean (1.0: balanced).
+    ep: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
+    etp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
+    moe_imbalance: float = Field(1.0, ge=1.0, le=1024.0, allow_inf_nan=False)
 
     @property
     def lora(self) -> bool:

@@ -1,0 +1,123 @@
+"""The parallel layout of one job as one record: how the world of GPUs is split into data, tensor, context,
+pipeline and expert groups, checked once.
+
+Like torchtitan's `ParallelDims` (torchtitan/distributed/parallel_dims.py: `_validate` asserts that
+dp_replicate · dp_shard · cp · tp · pp equals the world size) and Megatron-Core's `parallel_state`
+(initialize_model_parallel: world = tp · pp · cp · dp; the expert layout ep · etp · pp divides the world,
+the expert data-parallel group being the rest). Everything downstream (memory per rank, speed, the search's
+factorizations, the probe's DeviceMesh) reads this record instead of the raw flags, so a combination that
+cannot exist fails here, once, with the rule it breaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.errors import PlannerError
+from planner.spec import TrainConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each dimension over `world` GPUs. dp = dp_replicate · dp_shard is the data-parallel size;
+    ep · etp splits the experts of an MoE layer (their own data-parallel group is edp)."""
+
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    vp: int
+    sp: bool
+    schedule: str  # "none" without pipeline parallelism
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs that hold one replica of the model between them (tp · cp · pp)."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """The experts' data-parallel degree: world / (ep · etp · pp) (Megatron-Core parallel_state,
+        expert_data_parallel_size)."""
+        return self.world // (self.ep * self.etp * self.pp)
+
+    @property
+    def plain(self) -> bool:
+        """Data parallelism only: what the planner modelled before issue 34."""
+        return self.model_parallel == 1 and self.ep == 1 and self.etp == 1
+
+    def micro_batches(self, global_batch: int, micro_batch: int) -> int:
+        """Micro-batches each pipeline runs per optimizer step: the global batch over data-parallel replicas
+        and the micro-batch (Megatron's num_microbatches = global / (micro · dp))."""
+        per_replica, rest = divmod(global_batch, micro_batch * self.dp)
+        if rest or per_replica < 1:
+            raise PlannerError("--global-batch-size", global_batch,
+                               f"a multiple of micro-batch × data-parallel size ({micro_batch} × {self.dp})")
+        return per_replica
+
+
+def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int | None = None,
+          kv_heads: int | None = None, seq_len: int | None = None, experts: int | None = None,
+          top_k: int | None = None) -> ParallelDims:
+    """The layout `cfg` asks for over `world` GPUs, or a PlannerError naming the first rule it breaks.
+    Model facts left None are not checked (a traced model without a layer count, say)."""
+    tp, cp, pp, vp, ep, etp = cfg.tp, cfg.cp, cfg.pp, cfg.vp, cfg.ep, cfg.etp
+    mp = tp * cp * pp
+    if world % mp:
+        raise PlannerError("--tp/--cp/--pp", f"{tp}×{cp}×{pp}",
+                           f"a product that divides the {world} GPUs of the job (tp × cp × pp × dp = GPUs)")
+    dp = world // mp
+    replicas = cfg.dp_replicas or 1
+    if dp % replicas:
+        raise PlannerError("--dp-replicas", replicas, f"a divisor of the data-parallel size {dp}")
+    if cfg.dp_replicas is not None and cfg.parallelism != "hsdp":
+        raise PlannerError("--dp-replicas", replicas, "only with --parallelism hsdp")
+    if vp > 1 and pp == 1:
+        raise PlannerError("--vp", vp, "only with --pp above 1 (virtual stages split a pipeline stage)")
+    schedule = cfg.pp_schedule or ("interleaved-1f1b" if vp > 1 else "1f1b")
+    if pp == 1:
+        if cfg.pp_schedule is not None:
+            raise PlannerError("--pp-schedule", cfg.pp_schedule, "only with --pp above 1")
+        schedule = "none"
+    elif vp > 1 and schedule not in ("interleaved-1f1b", "zero-bubble"):
+        raise PlannerError("--pp-schedule", schedule, "interleaved-1f1b or zero-bubble with --vp above 1")
+    elif vp == 1 and schedule == "interleaved-1f1b":
+        raise PlannerError("--pp-schedule", schedule, "needs --vp above 1 (virtual stages to interleave)")
+    sp = cfg.sp if cfg.sp is not None else tp > 1
+    if sp and tp == 1 and cfg.sp:
+        raise PlannerError("--sp", True, "only with --tp above 1 (it shards what tensor parallelism replicates)")
+    if heads is not None and heads % tp:
+        raise PlannerError("--tp", tp, f"a divisor of the model's {heads} attention heads")
+    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+        raise PlannerError("--tp", tp, f"a divisor or a multiple of the model's {kv_heads} key/value heads")
+    if layers is not None:
+        if pp * vp > layers:
+            raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
+        if layers % (pp * vp):
+            raise PlannerError("--pp/--vp", f"{pp}×{vp}", f"a product that divides the model's {layers} layers")
+    if seq_len is not None:
+        split = tp * cp * 2 if cp > 1 else (tp if sp else 1)
+        if seq_len % split:
+            why = "tp × cp × 2 (load-balanced context parallelism)" if cp > 1 else "tp (sequence parallelism)"
+            raise PlannerError("--seq-len", seq_len, f"a multiple of {split} = {why}")
+    if experts is None and (ep > 1 or etp > 1):
+        raise PlannerError("--ep" if ep > 1 else "--etp", ep if ep > 1 else etp,
+                           "1 for a model without experts (mixture-of-experts layers)")
+    if experts is not None:
+        if experts % ep:
+            raise PlannerError("--ep", ep, f"a divisor of the model's {experts} experts")
+        if top_k is not None and top_k > experts:
+            raise PlannerError("num_experts_per_tok", top_k, f"at most the {experts} experts")
+    if world % (ep * etp * pp):
+        raise PlannerError("--ep/--etp", f"{ep}×{etp}",
+                           f"a product that, times --pp {pp}, divides the {world} GPUs of the job")
+    return ParallelDims(world=world, dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, cp=cp, pp=pp, vp=vp,
+                        sp=sp, schedule=schedule, ep=ep, etp=etp)
