@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, computed_field
 
 from planner import caches, env
 from planner.identity_cache import per_object
@@ -403,6 +403,13 @@ class Throughput(Frozen):
     mfu: float  # model FLOPs (no recompute) / (peak * time)
     global_batch_size: int
     breakdown_s: dict[str, float] = Field(default_factory=dict)
+    gpus: int = 1  # GPUs of the whole job (world size) the rates are over
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Job-wide tokens/s over the job's GPUs (issue 34: what Megatron and NeMo tables report)."""
+        return self.tokens_per_s / max(self.gpus, 1)
 
 
 class Cost(Frozen):

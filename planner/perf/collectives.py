@@ -41,11 +41,18 @@ def nccl_latency_s(collective: str, instance: Instance, instances: int, c: Throu
     intra = c.nccl_hop_latency_nvlink_s if instance.gpu.nvlink_gbs > 0 else c.nccl_hop_latency_pci_s
     if collective in ("dp_broadcast", "dp_reduce"):
         return c.nccl_base_latency_s + intra
+    return ring_latency_s(collective, ranks, nodes, intra, c)
+
+
+def ring_latency_s(collective: str, ranks: int, nodes: int, intra_hop_s: float, c: ThroughputConstants) -> float:
+    """NCCL's Ring/Simple latency of ONE call over `ranks` GPUs on `nodes` instances (module docstring):
+    baseLat + intra-node steps x `intra_hop_s` + inter-node steps x hwLat(NET). Model-parallel groups
+    (planner.perf.model_parallel: tensor-parallel inside one instance) call it with their own group size."""
     mult = _STEPS.get(collective)
-    if mult is None:
+    if mult is None or ranks <= 1:
         return 0.0
-    steps, inter = mult * (ranks - 1), mult * (nodes - 1)
-    return c.nccl_base_latency_s + (steps - inter) * intra + inter * c.nccl_hop_latency_net_s
+    steps, inter = mult * (ranks - 1), mult * (max(nodes, 1) - 1)
+    return c.nccl_base_latency_s + (steps - inter) * intra_hop_s + inter * c.nccl_hop_latency_net_s
 
 
 def prefetch_hidden(seconds: float, launches: int, budget_s: float, c: ThroughputConstants) -> float:

@@ -173,6 +173,10 @@ class KernelTable:
     base: np.ndarray  # columns: flops, bytes, batch, m, n, k
     per_b: np.ndarray
     peaks_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # the block role of each kernel (planner.models.blocks: "layer", "embeddings", "head", ...; "" for the
+    # loss); empty for a traced model's table. The model-parallel speed (planner.perf.model_parallel) splits
+    # layers over pipeline stages and puts the rest on the first or last one.
+    roles: tuple[str, ...] = ()
 
     def at(self, b: int) -> np.ndarray:
         return self.base + self.per_b * b
@@ -205,7 +209,7 @@ def build_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float
         dtype=tuple(k.dtype for k in one),
         is_gemm=np.array([k.gemm is not None for k in one]),
         is_fused_attention=np.array([k.kind == "attention" and k.gemm is None for k in one]),
-        base=v1 - per_b, per_b=per_b)
+        base=v1 - per_b, per_b=per_b, roles=tuple(k.block_role for k in one))
 
 
 _TABLES: OrderedDict[tuple, tuple[ModelSpec, KernelTable]] = caches.adopt(

@@ -59,6 +59,7 @@ from planner.ir.context import Ctx
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
+from planner.perf import model_parallel as mp
 from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
@@ -185,18 +186,23 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     layers = sum(t.num_layers for t in model.transformers) or None
     one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
+    dims = shape = None
+    if mp.has_model_parallelism(config) and model.transformers:
+        dims, shape = mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
-                            c, layers=layers, dp_io_bytes=io, gather_params=gather_params)
+                            c, layers=layers, dp_io_bytes=io, gather_params=gather_params, dims=dims, shape=shape)
 
 
 def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int, config: TrainConfig,
                      instance: Instance, constants: ThroughputConstants | None = None, *,
-                     layers: int | None = None, dp_io_bytes: int = 0, gather_params: int | None = None
-                     ) -> Throughput:
+                     layers: int | None = None, dp_io_bytes: int = 0, gather_params: int | None = None,
+                     dims: mp.ParallelDims | None = None, shape: mp.LayerShape | None = None) -> Throughput:
     """`predict_throughput` from a micro-step's kernel table, whoever built it (the analytic kernel list, or
     a traced model's own ops: planner.program.speed), the parameter and parameter-tensor counts and the
     tokens per sample. `layers` (FSDP's wrapped units; None: guessed from the tensors) and `dp_io_bytes`
-    (one replica's inputs + outputs, through GPU 0 under DataParallel) only matter to those strategies."""
+    (one replica's inputs + outputs, through GPU 0 under DataParallel) only matter to those strategies.
+    `dims` and `shape`: a tensor/context/pipeline-parallel layout and the model's sizes
+    (`_model_parallel_throughput`); None or a data-parallel-only layout: the model below."""
     c = constants or ThroughputConstants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
@@ -208,6 +214,9 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     world = world_size(parallelism, instance, n_inst)
     gpu = instance.gpu
     peak, _ = peak_tflops(instance, config.precision, c)
+    if dims is not None and shape is not None and not dims.plain:
+        return _model_parallel_throughput(table, n_params, n_tensors, tokens, config, instance, c, dims, shape,
+                                          gather_params, peak)
 
     m = _micro_sums(table, config.batch_size, gpu, c)
     launches = m.launches
@@ -278,6 +287,123 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         mfu=mfu,
         global_batch_size=samples_per_step,
         breakdown_s=breakdown,
+        gpus=world,
+    )
+
+
+def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int,
+                               config: TrainConfig, instance: Instance, c: ThroughputConstants,
+                               dims: mp.ParallelDims, shape: mp.LayerShape, gather_params: int | None,
+                               peak: float) -> Throughput:
+    """One optimizer step under tensor, context and pipeline parallelism (planner.perf.model_parallel has
+    each term, its source and its overlap assumption):
+
+        step = (m + bubble) x (t_stage + TP + CP + P2P exposed) + DP exposed + slowest-GPU wait + optimizer
+               + micro_step_overhead_s once
+
+    m = micro-batches per pipeline per step (`grad_accum`; Megatron's num_microbatches = global batch /
+    (micro-batch x dp)); t_stage = the slowest stage's kernels per micro-batch on one rank (the first stage
+    holds the embedding, the last the LM head and the loss), its host dispatch overlapped as in the
+    data-parallel model; bubble = bubble_fraction x m micro-batch times. The host's per-micro-step overhead
+    (loss sync, data hand-off) is paid once per step: Megatron's schedules sync once per step, not per
+    micro-batch. MFU and tokens count the whole model's work: dp x m micro-batches per step over all GPUs.
+    The communication kind of the breakdown holds the exposed collectives, the pipeline's bubble and the wait
+    for the slowest GPU: in a profile each shows as time inside a collective or a receive."""
+    strategy = strategy_of(config.parallelism)
+    if strategy.one_process or strategy.uses_one_gpu:
+        raise PlannerError("--parallelism", config.parallelism,
+                           "ddp, zero1-3 or fsdp with --tp/--cp/--pp (one process per GPU)")
+    gpu, b, s, m, p = instance.gpu, config.batch_size, config.seq_len, config.grad_accum, c.host_overlap_power
+    per_stage = {}
+    for stage in (("only",) if dims.pp == 1 else ("first", "last")):
+        st = mp.stage_table(table, dims, stage, shape.layers)
+        sums = _micro_sums(st, b, gpu, c)
+        host = host_seconds(sums.launches, c.cpu_dispatch_s, instance)
+        per_stage[stage] = (overlapped(sums.gpu_s, host, p), sums, st, host)
+    micro, sums, st, host = max(per_stage.values(), key=lambda v: v[0])
+    layers_here = shape.layers / dims.pp
+    net = network_gbs(instance, c)
+    recomputed = config.checkpointing or config.recompute == "full"
+    tp_fwd = mp.tp_seconds_per_layer(b, s, shape, dims.tp, dims.cp, dims.sp, instance, c)
+    tp_s = mp.tp_exposed_s(tp_fwd, layers_here, 3 if recomputed else 2)
+    att_f, att_b = mp.attention_seconds(st, time_table(st, b, gpu, c).seconds)
+    cp_total, cp_s = mp.cp_exposed_s(mp.cp_kv_bytes(b, s, shape, dims.tp, dims.cp), dims.cp,
+                                     mp.cp_link_gbs(instance, dims, net), att_f / layers_here,
+                                     att_b / layers_here, layers_here)
+    p2p_total = p2p_s = 0.0
+    if dims.pp > 1:
+        across = dims.tp * dims.cp * dims.dp >= instance.gpus
+        p2p_total = mp.p2p_seconds_per_micro_batch(mp.p2p_bytes(b, s, shape, dims.tp, dims.cp, dims.sp),
+                                                   mp.p2p_link_gbs(instance, dims, net), dims.vp, c, across)
+        p2p_s = 0.0 if dims.schedule == "interleaved-1f1b" else p2p_total
+    per_micro = micro + tp_s + cp_s + p2p_s
+    bubble = mp.bubble_fraction(dims.schedule, dims.pp, m, dims.vp) * m if dims.pp > 1 else 0.0
+    pipeline = (m + bubble) * per_micro
+
+    # data parallelism over the DP group's links, on this rank's share of the model
+    from planner.memory.framework_layout import layout as state_layout
+
+    lay = state_layout(config)
+    split = dims.tp * dims.pp
+    rank_params = max(1, n_params // split)
+    rank_tensors = max(1, n_tensors // dims.pp)
+    rank_gathered = max(1, (gather_params or n_params) // split) if strategy.sharding.parameters else rank_params
+    grad_bytes, param_bytes = rank_params * lay.reduce_comm_bytes, rank_gathered * lay.gather_comm_bytes
+    comm_total = exposed = 0.0
+    if dims.dp > 1:
+        d_in, d_out, gbps = mp.dp_group_links(instance, dims)
+        group = instance.model_copy(update={"gpus": d_in, "network_gbps": gbps})
+        backward = overlapped(sums.backward_gpu_s, host_seconds(sums.backward_launches, c.cpu_dispatch_s, instance), p)
+        forward = overlapped(sums.gpu_s - sums.backward_gpu_s,
+                             host_seconds(sums.launches - sums.backward_launches, c.cpu_dispatch_s, instance), p)
+        comm_total, exposed = _communication_times(
+            (config.parallelism, dims.dp, grad_bytes, m, config.bucket_cap_mb,
+             shard_units(config.parallelism, rank_tensors, max(1, round(layers_here))), 0,
+             None if param_bytes == grad_bytes else param_bytes), backward, forward, group, d_out, c)
+    sharded = strategy.shards or config.distributed_optimizer
+    local_params = rank_params // dims.dp if sharded else rank_params
+    local_tensors = max(1, rank_tensors // dims.dp) if sharded else rank_tensors
+    opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
+        local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
+    optimizer = overlapped(opt_secs + opt_gap, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
+    slowest_wait = m * micro * c.rank_speed_spread * expected_max_normal(dims.world)
+    step = pipeline + exposed + slowest_wait + optimizer + c.micro_step_overhead_s
+
+    whole = _micro_sums(table, b, gpu, c)  # the whole model's micro-batch: MFU's model FLOPs
+    model_flops = (1 + BACKWARD_TO_FORWARD) * whole.forward_matmul_flops * m * dims.dp
+    samples_per_step = dims.dp * b * m
+    waits = m * (tp_s + cp_s + p2p_s) + bubble * per_micro + exposed + slowest_wait
+    kinds = {k: m * v for k, v in sums.by_kind.items()}
+    kinds["optimizer"] += opt_secs
+    kinds["communication"] = waits
+    breakdown: dict[str, Any] = {
+        **kinds,
+        "launch_overhead": step - sum(kinds.values()),
+        "bytes_bound_s": m * sums.memory_bound_s + opt_mem,
+        "compute_s": m * sums.gpu_s,
+        "recompute_s": m * sums.recompute_s,
+        "overhead_s": m * (micro - sums.gpu_s) + c.micro_step_overhead_s,
+        "communication_s": exposed + m * (tp_s + cp_s + p2p_s),
+        "communication_total_s": comm_total + m * (mp.tp_exposed_s(tp_fwd, layers_here, 3 if recomputed else 2)
+                                                   + cp_total + p2p_total),
+        "slowest_gpu_wait_s": slowest_wait,
+        "optimizer_s": optimizer,
+        "host_dispatch_s": m * host,
+        "tp_communication_s": m * tp_s,
+        "cp_communication_s": m * cp_s,
+        "pp_p2p_s": m * p2p_s,
+        "pp_bubble_s": bubble * per_micro,
+        "dp_communication_s": exposed,
+    }
+    samples_per_s = samples_per_step / step
+    return Throughput(
+        step_time_s=step,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * tokens,
+        mfu=model_flops / (peak * TFLOP * step * dims.world),
+        global_batch_size=samples_per_step,
+        breakdown_s=breakdown,
+        gpus=dims.world,
     )
 
 
