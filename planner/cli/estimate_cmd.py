@@ -178,6 +178,8 @@ def print_estimate(est: Estimate) -> None:
         t = est.throughput
         console.print(f"Throughput: {t.samples_per_s:,.1f} samples/s, {t.tokens_per_s:,.0f} tokens/s, "
                       f"step {t.step_time_s * 1000:,.1f} ms, MFU {t.mfu:.0%}, global batch {t.global_batch_size:,}")
+        if t.gpus > 1:  # what Megatron's and NeMo's tables report: per GPU over the whole job
+            console.print(f"  per GPU: {t.tokens_per_s_per_gpu:,.0f} tokens/s over {t.gpus:,} GPUs", highlight=False)
     if est.cost:
         c = est.cost
         line = f"Cost: ${c.price_per_hour:,.2f}/hour, ${c.usd_per_million_samples:,.2f} per million samples"

@@ -18,11 +18,14 @@ LORA_COLUMNS = ("lora_r", "lora_targets", "base_dtype")
 LOOP_COLUMNS = ("loop", "load")
 # Added only when a study runs under another framework than a plain PyTorch loop (planner.parallel.frameworks).
 FRAMEWORK_COLUMNS = ("framework",)
+# Added only to the rows of a study whose trials split the model (tensor, pipeline, context degrees; issue 34).
+MODEL_PARALLEL_COLUMNS = ("tp", "pp", "cp")
 
 
 def unique_configs(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (instance, configuration): TPE evaluates a good point of a discrete space many times."""
-    keys = [c for c in (*CONFIG_COLUMNS, *LORA_COLUMNS, *FRAMEWORK_COLUMNS, *LOOP_COLUMNS) if c in frame.columns]
+    keys = [c for c in (*CONFIG_COLUMNS, *LORA_COLUMNS, *FRAMEWORK_COLUMNS, *LOOP_COLUMNS, *MODEL_PARALLEL_COLUMNS)
+            if c in frame.columns]
     return frame.drop_duplicates(subset=keys, keep="first")
 
 

@@ -21,6 +21,7 @@ from planner.parallel import STRATEGIES
 from planner.search.columns import (
     CONFIG_COLUMNS,
     LORA_COLUMNS,
+    MODEL_PARALLEL_COLUMNS,
     cost_column,
     feasible,
     time_column,
@@ -69,6 +70,8 @@ def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
         row |= {"loop": config.get("loop", "plain"), "load": config.get("load", "direct")}
     if config.get("framework", "pytorch") != "pytorch":  # whose layouts the trial's estimate used
         row["framework"] = config["framework"]
+    if any(config.get(d, 1) != 1 for d in MODEL_PARALLEL_COLUMNS):  # a model-parallel study (issue 34)
+        row |= {d: config.get(d, 1) for d in MODEL_PARALLEL_COLUMNS}
     row["world_size"] = config.get("world_size")
     row["verdict"] = mem.get("verdict")
     row["peak_device_gib"] = mem["peak_device"] / GIB if "peak_device" in mem else math.nan

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
 from planner.errors import PlannerError
 from planner.memory.loops import DEFAULT_LOOP, LOAD_NAMES, LOOP_NAMES
+from planner.parallel import known
 from planner.search.limits import MAX_GRAD_ACCUM, MAX_SEARCH_INSTANCES, MAX_SPACE_VALUE
 from planner.spec import (
     ATTENTIONS,
@@ -68,6 +69,12 @@ DIMENSIONS: dict[str, str] = {
     "load": "loads",
     # whose layouts apply (planner.parallel.frameworks); a strategy a framework lacks is an infeasible point
     "framework": "frameworks",
+    # tensor, pipeline and context parallel degrees (issue 34): searched by default only for a model too big
+    # for data parallelism (MODEL_PARALLEL_MIN_PARAMS), over valid factorizations (`model_parallel_defaults`);
+    # a point whose degrees do not divide the job is pruned before the objective (SearchSpace.point)
+    "tp": "tp_sizes",
+    "pp": "pp_sizes",
+    "cp": "cp_sizes",
 }
 # Flag of each SpaceSpec field, so an error names what the user typed.
 FLAGS: dict[str, str] = {field: "--" + field.replace("_", "-") for field in DIMENSIONS.values()}
@@ -96,19 +103,30 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
     "loops": (DEFAULT_LOOP,),
     "loads": ("direct",),
     "frameworks": ("pytorch",),
+    "tp_sizes": (1,),  # widened by `model_parallel_defaults` for a model above MODEL_PARALLEL_MIN_PARAMS
+    "pp_sizes": (1,),
+    "cp_sizes": (1,),  # context parallelism only when a sweep asks: it pays off at long sequences only
 }
+# From this many parameters a search tries tensor and pipeline parallelism by default: the planner's data-
+# parallel model covers models up to ~8B (issue 34), and from 13B on the jobs run with TP/PP (Megatron-Core,
+# NeMo, SageMaker HyperPod recipes), so below it the default search keeps its space (and its speed).
+MODEL_PARALLEL_MIN_PARAMS = 10e9
+# Pipeline degrees searched by default: divisors of the layer count up to this (Megatron's published
+# layouts use PP <= 16 up to 462B: the README's weak-scaling table, results/public/megatron/).
+MAX_DEFAULT_PP = 16
 # The LoRA dimensions' values when a sweep asks for no adapters (TrainConfig's defaults).
 LORA_UNSET: dict[str, Any] = {"lora_r": None, "lora_targets": "", "base_dtype": "auto"}
 # Dimensions not reported as constants at these values: no adapters, and the default loop and load.
-QUIET_DEFAULTS: dict[str, Any] = {**LORA_UNSET, "framework": "pytorch", "loop": DEFAULT_LOOP, "load": "direct"}
+QUIET_DEFAULTS: dict[str, Any] = {**LORA_UNSET, "framework": "pytorch", "loop": DEFAULT_LOOP, "load": "direct",
+                                  "tp": 1, "pp": 1, "cp": 1}
 # Numeric dimensions, sampled as an index into their sorted values (see SearchSpace.parameters).
-ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum")
+ORDINAL: tuple[str, ...] = ("instances", "batch_size", "seq_len", "grad_accum", "tp", "pp", "cp")
 INDEX_SUFFIX = "_index"
 # TrainConfig fields a sweep may fix besides the dimensions (e.g. gradient_as_bucket_view: true).
 FIXABLE: tuple[str, ...] = tuple(f for f in TrainConfig.model_fields if f not in DIMENSIONS)
 # `fixed.instances` (and `--instances N`) stays accepted: it fixes the instance-count dimension.
 FIXED_DIMENSIONS: tuple[str, ...] = ("instances", "lora_r", "lora_targets", "base_dtype", "framework", "loop",
-                                     "load")
+                                     "load", "tp", "pp", "cp")
 
 
 def _unique(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -139,6 +157,9 @@ class SpaceSpec(BaseModel):
     loops: tuple[Loop, ...] | None = None
     loads: tuple[Load, ...] | None = None
     frameworks: tuple[Framework, ...] | None = None
+    tp_sizes: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    pp_sizes: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
+    cp_sizes: tuple[Annotated[int, Field(strict=True, ge=1, le=MAX_SPACE_VALUE)], ...] | None = None
 
     @field_validator("*")
     @classmethod
@@ -190,6 +211,11 @@ class SearchSpace(BaseModel):
     loops: tuple[Loop, ...] = (DEFAULT_LOOP,)
     loads: tuple[Load, ...] = ("direct",)
     frameworks: tuple[Framework, ...] = ("pytorch",)
+    tp_sizes: tuple[PositiveInt, ...] = (1,)
+    pp_sizes: tuple[PositiveInt, ...] = (1,)
+    cp_sizes: tuple[PositiveInt, ...] = (1,)
+    # the model's sizes the parallel degrees must divide (layers, heads, kv_heads); empty: none known
+    model_sizes: dict[str, int] = Field(default_factory=dict)
     global_batch_size: PositiveInt | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)  # other TrainConfig fields
     dropped: dict[str, tuple[Any, ...]] = Field(default_factory=dict)  # defaults left out, per field
@@ -252,11 +278,16 @@ class SearchSpace(BaseModel):
         gpus = self.gpus[instance] * merged.get("instances", 1)
         if gpus == 1 and merged.get("parallelism") in PARALLELISMS:
             merged["parallelism"] = "single"
-        from planner.parallel import known
 
         strategy = known(merged.get("parallelism", "auto"))  # None for auto: every GPU
         if strategy is not None:  # the GPUs that train: one for `single` on a 4-GPU instance, not four
             gpus = strategy.world_size(self.gpus[instance], merged.get("instances", 1))
+        split = merged.get("tp", 1) * merged.get("pp", 1) * merged.get("cp", 1)
+        if split > 1:
+            reason = self._layout_reason(instance, merged, gpus, strategy)
+            if reason:
+                return Point(instance, None, reason, tuple(sorted(merged.items(), key=lambda kv: kv[0])))
+            gpus //= split  # the data-parallel replicas: each micro-batch spreads over tp x pp x cp GPUs
         if self.global_batch_size is not None:
             per_step = merged["batch_size"] * gpus
             accum, rest = divmod(self.global_batch_size, per_step)
@@ -271,6 +302,27 @@ class SearchSpace(BaseModel):
                 return Point(instance, None, reason, tuple(sorted(merged.items(), key=lambda kv: kv[0])))
             merged["grad_accum"] = accum
         return Point(instance, TrainConfig(**merged))
+
+    def _layout_reason(self, instance: str, merged: dict[str, Any], gpus: int, strategy: Any) -> str:
+        """Why a point's tensor/pipeline/context degrees cannot run on its job ("" when they can): TP inside
+        one instance, one process per GPU, and the layout record's own rules (planner.parallel.dims.build:
+        the degrees divide the GPUs, the heads, the layers and the sequence). Checked here, before the
+        objective, so a search spends no estimate on a layout that cannot exist."""
+        tp = merged.get("tp", 1)
+        if tp > self.gpus[instance]:
+            return f"tensor parallelism {tp} spans more than the {self.gpus[instance]} GPUs of one {instance}"
+        if strategy is not None and (strategy.one_process or strategy.uses_one_gpu):
+            return f"{strategy.name} runs one process; tensor/pipeline parallelism needs one per GPU"
+        from planner.parallel.dims import build
+
+        sizes = self.model_sizes
+        try:
+            build(TrainConfig(**{k: v for k, v in merged.items() if k in TrainConfig.model_fields}), gpus,
+                  layers=sizes.get("layers"), heads=sizes.get("heads"), kv_heads=sizes.get("kv_heads"),
+                  seq_len=merged.get("seq_len"))
+        except PlannerError as e:
+            return str(e)
+        return ""
 
     def config(self, values: dict[str, Any]) -> TrainConfig:
         """The TrainConfig of one point (PlannerError when the global batch cannot be hit exactly)."""
@@ -290,7 +342,8 @@ def _literal_values(name: str) -> tuple[str, ...]:
 
 # The largest value of each integer dimension (planner.search.limits).
 INT_LIMITS = {"batch_sizes": MAX_SPACE_VALUE, "seq_lens": MAX_SPACE_VALUE, "grad_accums": MAX_GRAD_ACCUM,
-              "instance_counts": MAX_SEARCH_INSTANCES, "lora_ranks": MAX_SPACE_VALUE}
+              "instance_counts": MAX_SEARCH_INSTANCES, "lora_ranks": MAX_SPACE_VALUE, "tp_sizes": MAX_SPACE_VALUE,
+              "pp_sizes": MAX_SPACE_VALUE, "cp_sizes": MAX_SPACE_VALUE}
 # A LoRA target set is itself comma-separated (q_proj,v_proj): several sets to explore are split by ";".
 SET_SEPARATOR = ";"
 
@@ -364,7 +417,39 @@ def dropped_reason(field: str, global_batch_size: int | None) -> str:
         return "longer than the model's positions"
     if field == "attentions":
         return "no GPU here has FlashAttention: sm80 or later"
+    if field == "parallelisms":
+        return "one process: it cannot split a model too big for data parallelism"
     return "no GPU here runs them"
+
+
+def model_sizes(model: ModelSpec | str) -> dict[str, int]:
+    """The sizes a parallel layout must divide (transformer layers, attention heads, key/value heads), from
+    a hand-modelled model's first transformer; {} for a traced model's reference."""
+    ts = getattr(model, "transformers", None)
+    if not ts:
+        return {}
+    t = ts[0]
+    return {"layers": sum(x.num_layers for x in ts), "heads": t.num_heads,
+            "kv_heads": getattr(t, "num_kv_heads", None) or t.num_heads}
+
+
+def model_parallel_defaults(model: ModelSpec | str, types: list[Instance]) -> dict[str, tuple[int, ...]]:
+    """Default tensor and pipeline degrees of a search: (1,) below MODEL_PARALLEL_MIN_PARAMS parameters;
+    above it, TP from the divisors of the largest GPUs-per-instance that divide the heads (and divide or are
+    divided by the key/value heads: planner.parallel.dims.build's rule), PP from the divisors of the layers
+    up to MAX_DEFAULT_PP. Which of them fit a given type and instance count is `SearchSpace.point`'s check."""
+    sizes = model_sizes(model)
+    if not sizes or not isinstance(model, ModelSpec):
+        return {}
+    from planner.models.params import count_parameters
+
+    if count_parameters(model)["total"] < MODEL_PARALLEL_MIN_PARAMS:
+        return {}
+    g = max(i.gpus for i in types)
+    heads, kv = sizes["heads"], sizes["kv_heads"]
+    tp = tuple(d for d in range(1, g + 1) if g % d == 0 and heads % d == 0 and (kv % d == 0 or d % kv == 0))
+    pp = tuple(d for d in range(1, min(sizes["layers"], MAX_DEFAULT_PP) + 1) if sizes["layers"] % d == 0)
+    return {"tp_sizes": tp, "pp_sizes": pp}
 
 
 def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance | list[Instance], *,
@@ -383,11 +468,12 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance |
     fixed = dict(fixed or {})
     values: dict[str, tuple[Any, ...]] = {"instance_types": tuple(i.name for i in types)}
     dropped: dict[str, tuple[Any, ...]] = {}
+    wide = model_parallel_defaults(model, types)
     for dim, field in DIMENSIONS.items():
         if dim == "instance":
             continue
         asked = getattr(spec, field)
-        chosen = asked if asked is not None else DEFAULTS[field]
+        chosen = asked if asked is not None else wide.get(field, DEFAULTS[field])
         if dim in fixed and dim in FIXED_DIMENSIONS:
             value = fixed.pop(dim)
             if dim == "lora_targets" and isinstance(value, list | tuple):  # fixed: {lora_targets: [q_proj, v_proj]}
@@ -395,6 +481,8 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance |
             chosen, asked = (value,), True
         if asked is None:
             keep = tuple(v for v in chosen if any(gpu_can_run(i, dim, v) for i in types))
+            if dim == "parallelism" and wide:  # one process (DataParallel) cannot split a model over its GPUs
+                keep = tuple(v for v in keep if not (known(v) and known(v).one_process))
             limit = getattr(model, "max_positions", None)  # None: no limit known (a traced model's reference)
             if dim == "seq_len" and limit is not None:
                 keep = tuple(v for v in keep if v <= limit)
@@ -420,4 +508,4 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance |
         hint = "a dimension: set it in space" if bad[0] in DIMENSIONS else f"one of {', '.join(FIXABLE)}"
         raise PlannerError(f"fixed.{bad[0]}", fixed[bad[0]], hint)
     return SearchSpace(**values, gpus={i.name: i.gpus for i in types}, global_batch_size=global_batch_size,
-                       fixed=fixed, dropped=dropped)
+                       fixed=fixed, dropped=dropped, model_sizes=model_sizes(model))
