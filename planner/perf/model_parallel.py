@@ -43,6 +43,7 @@ Overlap assumptions (what hides behind compute and what does not):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +52,7 @@ from planner.errors import PlannerError
 from planner.parallel.dims import ParallelDims, build
 from planner.perf.collectives import ring_latency_s
 from planner.perf.constants import ThroughputConstants
-from planner.perf.kernels import KINDS
+from planner.perf.kernels import F32, KINDS, Kernel
 from planner.perf.roofline import PHASES, KernelTable
 from planner.spec import Instance, ModelSpec, TrainConfig
 
@@ -263,6 +264,26 @@ def dp_group_links(instance: Instance, dims: ParallelDims) -> tuple[int, int, fl
     d_in = max(1, min(dims.dp, g // (dims.tp * dims.cp)))
     d_out = max(1, dims.dp // d_in)
     return d_in, d_out, instance.network_gbps * d_in / g
+
+
+def megatron_buckets(params: int, dp: int) -> int:
+    """Buckets of Megatron-Core's DDP: bucket_size = max(40,000,000, 1,000,000 x dp) parameters when none
+    is given (megatron/core/distributed/distributed_data_parallel.py @d98e8a6: "sane default based on
+    dp_group size", so that large DP groups are not latency-bound)."""
+    return max(1, math.ceil(params / max(40_000_000, 1_000_000 * dp)))
+
+
+def distributed_optimizer_kernels(grad_bytes: float, param_bytes: float, buckets: int) -> tuple[Kernel, ...]:
+    """Megatron's distributed optimizer over a DP group (`--use-distributed-optimizer`; NVIDIA/Megatron-LM
+    docs/source/api-guide/dist_optimizer.md: "reduce-scatter the grads" once the step's micro-batches have
+    accumulated into the contiguous grad buffer, the optimizer updates its shard, then "all-gather the
+    params"): one reduce-scatter of the gradients per step, bucketed, hidden behind the last backward like
+    DDP's all-reduce (`--overlap-grad-reduce`); one all-gather of the updated 16-bit parameters, exposed
+    (`--overlap-param-gather` is off by default). `buckets`: `megatron_buckets`."""
+    return (Kernel("distopt.reduce_scatter", "communication", 0, int(grad_bytes), int(grad_bytes), F32, "step",
+                   launches=buckets, collective="reduce_scatter"),
+            Kernel("distopt.all_gather", "communication", 0, int(param_bytes), int(param_bytes), F32, "step",
+                   launches=buckets, collective="all_gather"))
 
 
 # ---- compute per stage ---------------------------------------------------------------------------------

@@ -356,10 +356,16 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
         backward = overlapped(sums.backward_gpu_s, host_seconds(sums.backward_launches, c.cpu_dispatch_s, instance), p)
         forward = overlapped(sums.gpu_s - sums.backward_gpu_s,
                              host_seconds(sums.launches - sums.backward_launches, c.cpu_dispatch_s, instance), p)
-        comm_total, exposed = _communication_times(
-            (config.parallelism, dims.dp, grad_bytes, m, config.bucket_cap_mb,
-             shard_units(config.parallelism, rank_tensors, max(1, round(layers_here))), 0,
-             None if param_bytes == grad_bytes else param_bytes), backward, forward, group, d_out, c)
+        if config.distributed_optimizer:
+            comm_total, exposed = communication_seconds(
+                mp.distributed_optimizer_kernels(grad_bytes, rank_params * lay.gather_comm_bytes,
+                                                 mp.megatron_buckets(rank_params, dims.dp)),
+                backward, group, d_out, c, forward_s=forward)
+        else:
+            comm_total, exposed = _communication_times(
+                (config.parallelism, dims.dp, grad_bytes, m, config.bucket_cap_mb,
+                 shard_units(config.parallelism, rank_tensors, max(1, round(layers_here))), 0,
+                 None if param_bytes == grad_bytes else param_bytes), backward, forward, group, d_out, c)
     sharded = strategy.shards or config.distributed_optimizer
     local_params = rank_params // dims.dp if sharded else rank_params
     local_tensors = max(1, rank_tensors // dims.dp) if sharded else rank_tensors

@@ -1,0 +1,80 @@
+"""The planner's MFU against Megatron-LM's published weak-scaling table (H100, GPT 1.7B-462B): prints each row
+with the error (issue 34 item 7). An independent check: nothing in the planner is fitted to these rows.
+
+Rows: results/public/megatron/weak_scaling_h100.csv (NVIDIA/Megatron-LM README.md, images/model_table.png at
+commit f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4; planner.probes.public_megatron loads them). Each row runs
+through `planner.perf.throughput.predict_throughput` with the printed TP, PP, data-parallel size and batch, and
+the assumptions results/public/megatron/README.md states (micro-batch 1, 1F1B, GPT-2 layer form, bf16 with the
+distributed optimizer, ml.p5.48xlarge). Memory is not judged here (the rows ran).
+
+error = planner MFU / published MFU - 1 (the published MFU to two digits as printed, and from the per-GPU
+teraFLOP/s over 989.5, the H100 SXM dense BF16 peak of planner/data/gpus.json). Also printed: the planner's
+step split (compute, exposed TP, bubble, exposed DP) so that the error can be read term by term.
+
+Usage: python benchmarks/megatron_scaling.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def predict(row):
+    from planner.hardware import get_gpu, get_instance
+    from planner.models.hf_config import spec_from_hf_config
+    from planner.perf.throughput import predict_throughput
+    from planner.probes.public_megatron import INSTANCE
+
+    model = spec_from_hf_config(row.hf_config(), name=f"megatron-gpt-{row.model_size}")
+    inst = get_instance(INSTANCE)
+    t = predict_throughput(model, row.train_config(), inst)
+    peak = get_gpu(inst.gpu.name).peak_tflops["bf16"]
+    return t, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="one JSON record per row instead of the table")
+    args = ap.parse_args()
+    from planner.probes.public_megatron import SOURCE, load_megatron_weak_scaling
+
+    rows = load_megatron_weak_scaling()
+    out = []
+    for r in rows:
+        t, peak = predict(r)
+        b = t.breakdown_s
+        rec = {"id": r.id, "model": r.model_size, "tp": r.tp, "pp": r.pp, "dp": r.dp, "gpus": r.gpus,
+               "m": r.micro_batches(), "published_mfu": r.mfu, "published_mfu_from_tflops": r.tflops_per_gpu / peak,
+               "planner_mfu": t.mfu, "error": t.mfu / r.mfu - 1,
+               "error_vs_tflops": t.mfu / (r.tflops_per_gpu / peak) - 1, "step_s": t.step_time_s,
+               "compute_s": b["compute_s"], "tp_s": b.get("tp_communication_s", 0.0),
+               "bubble_s": b.get("pp_bubble_s", 0.0), "dp_s": b.get("dp_communication_s", b["communication_s"]),
+               "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu,
+               "published_tokens_per_s_per_gpu": None}
+        out.append(rec)
+    if args.json:
+        for rec in out:
+            print(json.dumps(rec))
+        return
+    print(f"Megatron-LM weak scaling, H100 ({SOURCE['repo']} {SOURCE['commit'][:10]}): published MFU vs planner")
+    print(f"{'model':>6} {'tp':>2} {'pp':>2} {'GPUs':>5} {'m':>3} {'pub.':>5} {'plan.':>5} {'error':>6}"
+          f" {'step s':>7} {'comp.':>6} {'TP':>5} {'bubl.':>5} {'DP':>5}")
+    for rec in out:
+        print(f"{rec['model']:>6} {rec['tp']:>2} {rec['pp']:>2} {rec['gpus']:>5} {rec['m']:>3}"
+              f" {rec['published_mfu']:>5.0%} {rec['planner_mfu']:>5.1%} {rec['error']:>+6.0%}"
+              f" {rec['step_s']:>7.2f} {rec['compute_s']:>6.2f} {rec['tp_s']:>5.2f} {rec['bubble_s']:>5.2f}"
+              f" {rec['dp_s']:>5.2f}")
+    errs = [abs(rec["error"]) for rec in out]
+    print(f"median |error| {statistics.median(errs):.0%}, max {max(errs):.0%} over {len(out)} rows "
+          f"(signed median {statistics.median(rec['error'] for rec in out):+.0%})")
+
+
+if __name__ == "__main__":
+    main()
