@@ -74,6 +74,28 @@ def main() -> None:
     errs = [abs(rec["error"]) for rec in out]
     print(f"median |error| {statistics.median(errs):.0%}, max {max(errs):.0%} over {len(out)} rows "
           f"(signed median {statistics.median(rec['error'] for rec in out):+.0%})")
+    nemo()
+
+
+def nemo() -> None:
+    """NeMo AutoModel's dense pre-training row (FSDP2 + CP, Hugging Face Llama): tokens/s/GPU and MFU."""
+    from planner.hardware import get_instance
+    from planner.models.catalog import get_model
+    from planner.perf.throughput import predict_throughput
+    from planner.probes.public_megatron import INSTANCE, LLAMA3_70B_CONFIG, NEMO_SOURCE, load_nemo_automodel
+
+    inst = get_instance(INSTANCE)
+    peak = inst.gpu.peak_tflops["bf16"]
+    print(f"\nNeMo AutoModel, H100 BF16 ({NEMO_SOURCE['repo']} {NEMO_SOURCE['commit'][:10]}): published vs planner")
+    for r in load_nemo_automodel():
+        t = predict_throughput(get_model(str(ROOT / LLAMA3_70B_CONFIG)), r.train_config(), inst)
+        pub_mfu = r.tflops_per_gpu / peak
+        b = t.breakdown_s
+        print(f"{r.model}, {r.gpus} GPUs, cp {r.cp}, FSDP {r.fsdp}, seq {r.seq_len}: tokens/s/GPU "
+              f"{r.tokens_per_s_per_gpu:,.0f} published, {t.tokens_per_s_per_gpu:,.0f} planner "
+              f"({t.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu - 1:+.0%}); MFU {pub_mfu:.1%} vs {t.mfu:.1%}; "
+              f"step {r.step_s:.2f} s vs {t.step_time_s:.2f} s (compute {b['compute_s']:.2f}, exposed CP "
+              f"{b.get('cp_communication_s', 0):.2f}, exposed DP {b.get('dp_communication_s', 0):.2f})")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,57 @@ def load_megatron_weak_scaling(root: Path | None = None) -> list[MegatronScaling
         if r.tp * r.pp * r.dp != r.gpus:
             raise PlannerError(f"{path.name} {r.id}", f"{r.tp}x{r.pp}x{r.dp}", f"a product equal to gpus {r.gpus}")
     return rows
+
+
+# ---- NeMo AutoModel's dense pre-training row (results/public/megatron/nemo_automodel_h100.csv) -----------
+
+NEMO_SOURCE = {
+    "repo": "NVIDIA-NeMo/Automodel",
+    "path": "docs/performance-summary.mdx (Pre-Training Performance, DGX-H100, BF16)",
+    "commit": "cb9765441e5127b8100879ca1f7ff5920f825887",
+    "url": "https://docs.nvidia.com/nemo/automodel/nightly/performance-summary.html",
+}
+NEMO_FILE = "nemo_automodel_h100.csv"
+LLAMA3_70B_CONFIG = "benchmarks/data/llama-3-70b-config.json"  # the same sizes as Llama-3.1-70B
+
+
+class NemoRow(BaseModel):
+    """One row of NeMo AutoModel's table, as printed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    id: str = Field(min_length=1)
+    model: str
+    gpus: int = Field(ge=1)
+    global_batch: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    cp: int = Field(ge=1)
+    fsdp: int = Field(ge=1)
+    precision: str
+    attention: str
+    step_s: float = Field(gt=0)
+    tflops_per_gpu: float = Field(gt=0)
+    tokens_per_s_per_gpu: float = Field(gt=0)
+
+    def train_config(self) -> TrainConfig:
+        """The row as the planner takes it: FSDP over the data-parallel ranks, the printed CP and batch."""
+        return TrainConfig(batch_size=self.micro_batch, seq_len=self.seq_len, precision=self.precision,
+                           attention=self.attention, parallelism="fsdp", tp=self.tp, pp=self.pp, cp=self.cp,
+                           grad_accum=self.grad_accum, instances=self.gpus // 8)
+
+
+def load_nemo_automodel(root: Path | None = None) -> list[NemoRow]:
+    """The rows of results/public/megatron/nemo_automodel_h100.csv, checked: the printed tokens/s/GPU is
+    global batch x sequence / step / GPUs."""
+    from planner.errors import PlannerError
+
+    path = (root or public_dir()) / "megatron" / NEMO_FILE
+    rows = [NemoRow.model_validate({k: v for k, v in r.items() if v != ""}) for r in _read_csv(path)]
+    for r in rows:
+        rate = r.global_batch * r.seq_len / r.step_s / r.gpus
+        if abs(rate / r.tokens_per_s_per_gpu - 1) > 0.01:
+            raise PlannerError(f"{path.name} {r.id}", r.tokens_per_s_per_gpu, f"about {rate:.1f} (GBS x seq / step / GPUs)")
+    return rows
