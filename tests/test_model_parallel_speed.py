@@ -219,3 +219,13 @@ def test_default_search_space_of_a_small_model_is_unchanged():
     space = resolve_space(SpaceSpec(), get_model("bert-base-uncased"), [get_instance("ml.p3.16xlarge")])
     assert (space.tp_sizes, space.pp_sizes, space.cp_sizes) == ((1,), (1,), (1,))
     assert "tp" not in space.searched() and "tp" not in space.constants()
+
+
+def test_a_traced_models_table_refuses_model_parallelism():
+    from planner.perf.roofline import kernel_table
+    from planner.perf.throughput import table_throughput
+
+    model = gpt()
+    table = kernel_table(model, cfg(), flash_ok=True)
+    with pytest.raises(PlannerError, match="traced model"):
+        table_throughput(table, 10**9, 100, 2048, cfg(tp=2), P5)  # no layout record: what a traced model passes

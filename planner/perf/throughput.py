@@ -214,6 +214,10 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     world = world_size(parallelism, instance, n_inst)
     gpu = instance.gpu
     peak, _ = peak_tflops(instance, config.precision, c)
+    if dims is None and mp.has_model_parallelism(config):  # a traced model: no layers to split or stage
+        raise PlannerError("--tp/--cp/--pp", f"{config.tp}×{config.cp}×{config.pp}",
+                           "1×1×1 for a traced model (tensor, context and pipeline parallelism need a model given "
+                           "as a catalog name or a config.json)")
     if dims is not None and shape is not None and not dims.plain:
         return _model_parallel_throughput(table, n_params, n_tensors, tokens, config, instance, c, dims, shape,
                                           gather_params, peak)
