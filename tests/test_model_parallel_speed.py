@@ -229,3 +229,17 @@ def test_a_traced_models_table_refuses_model_parallelism():
     table = kernel_table(model, cfg(), flash_ok=True)
     with pytest.raises(PlannerError, match="traced model"):
         table_throughput(table, 10**9, 100, 2048, cfg(tp=2), P5)  # no layout record: what a traced model passes
+
+
+def test_search_best_line_names_the_layout_and_its_replicas():
+    from planner.cli.search_cmd import best_lines
+
+    row = {"instance": "ml.p5.48xlarge", "instances": 32, "world_size": 256, "batch_size": 1, "grad_accum": 64,
+           "global_batch_size": 512, "seq_len": 4096, "precision": "amp-bf16", "checkpointing": False,
+           "parallelism": "zero1", "attention": "flash", "optimizer": "adamw", "optimizer_impl": "fused",
+           "tp": 8, "pp": 4, "cp": 1, "samples_per_s": 12.0, "hours_per_job": 1.0, "usd_per_job": 10.0,
+           "price_per_hour": 100.0, "peak_device_gib": 60.0, "gpu_memory_gib": 80.0, "verdict": "fits",
+           "peak_device_high_gib": 70.0}
+    text = "\n".join(best_lines(row, "hours_per_job", "usd_per_job", True))
+    assert "x 8 replicas = global batch 512" in text and "tp 8 x pp 4 (256 GPUs)" in text
+    assert all(len(line) <= 80 for line in text.splitlines())

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -352,6 +353,13 @@ def best_lines(b: Any, time_col: str, cost_col: str, per_job: bool) -> list[str]
             str(b["parallelism"]), str(b["attention"]), f"{b['optimizer']} {b['optimizer_impl']}"]
     if isinstance(b.get("framework"), str):
         what.append(f"framework {b['framework']}")
+    degrees = {dim: int(b[dim]) for dim in ("tp", "pp", "cp")
+               if b.get(dim) is not None and b.get(dim) == b.get(dim) and b.get(dim) != 1}
+    if degrees:  # a model-parallel layout (issue 34): each micro-batch spreads over tp x pp x cp GPUs
+        replicas = int(world) // math.prod(degrees.values())
+        what[1] = (f"micro-batch {_int(b['batch_size'])} x accumulation {_int(b['grad_accum'])} x {replicas} "
+                   f"replicas = global batch {_int(b['global_batch_size'])}")
+        what.append(" x ".join(f"{dim} {n}" for dim, n in degrees.items()) + f" ({world} GPUs)")
     for dim, label in (("lora_r", "LoRA r"), ("lora_targets", "targets"), ("base_dtype", "base")):
         value = b.get(dim)
         if value is not None and value == value and value != "":

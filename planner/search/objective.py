@@ -308,8 +308,9 @@ def _run_peaks(est: Estimate) -> dict[str, int]:
 
 
 def global_batch_size(est: Estimate) -> int:
-    """Samples per optimizer step of the whole job: micro-batch × grad_accum × data-parallel ranks."""
+    """Samples per optimizer step of the whole job: micro-batch × grad_accum × data-parallel ranks (the GPUs
+    over tensor × context × pipeline degrees: each micro-batch spreads over tp · cp · pp GPUs)."""
     if est.throughput is not None:
         return est.throughput.global_batch_size
     c = est.config
-    return c.batch_size * c.grad_accum * est.world_size
+    return c.batch_size * c.grad_accum * (est.world_size // (c.tp * c.cp * c.pp))
