@@ -128,6 +128,9 @@ def test_dp_group_links():
     assert (d_in, d_out) == (1, 4) and gbps == pytest.approx(P5.network_gbps / 8)  # one GPU's share
     tp2 = build(cfg(instances=4, tp=2), 32)
     assert mp.dp_group_links(P5, tp2)[:2] == (4, 4)
+    # context-parallel ranks hold the same weights: their gradients reduce with the data-parallel ones
+    tp4cp2 = build(cfg(instances=4, tp=4, cp=2), 32)
+    assert mp.dp_cp_ranks(tp4cp2) == 8 and mp.dp_group_links(P5, tp4cp2)[:2] == (2, 4)
 
 
 # ---- the step ---------------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ instance; planner.perf.throughput composes them into a step:
 Where each rank sits: Megatron-Core numbers ranks in the order tp-cp-ep-dp-pp (NVIDIA/Megatron-LM
 megatron/core/parallel_state.py @d98e8a6, `initialize_model_parallel(order="tp-cp-ep-dp-pp")`): a TP group
 is tp consecutive ranks, a CP group strides tp, a DP group strides tp·cp, pipeline neighbours are tp·cp·dp
-ranks apart. So a TP group stays inside one instance while tp <= GPUs per instance (TP above that is refused
+ranks apart; gradients reduce over DP x CP (`dp_cp_ranks`). So a TP group stays inside one instance while tp <= GPUs per instance (TP above that is refused
 here: every layer would all-reduce over EFA, a layout nobody runs), a CP ring crosses instances when
 tp·cp > GPUs per instance, pipeline sends cross instances when tp·cp·dp >= GPUs per instance, and a DP group
-has min(dp, GPUs / (tp·cp)) members per instance (`dp_group_links`).
+has min(dp·cp, GPUs / tp) members per instance (`dp_group_links`).
 
 Bandwidths: inside an instance every ring (all-reduce, all-gather, reduce-scatter, the CP ring's and the
 pipeline's point-to-point sends) runs at the instance's NCCL bus bandwidth (`allreduce_bandwidth_gbs`: what
@@ -255,14 +255,22 @@ def p2p_seconds_per_micro_batch(nbytes: float, link_gbs: float, v: int, c: Throu
 # ---- data parallelism over model-parallel groups ------------------------------------------------------
 
 
+def dp_cp_ranks(dims: ParallelDims) -> int:
+    """Ranks that hold the same parameters and reduce their gradients together: data-parallel x context-
+    parallel (CP ranks see other tokens of the same weights). Megatron-Core's DDP and distributed optimizer
+    run over `dp_cp_group` (megatron/core/distributed/distributed_data_parallel.py @d98e8a6:
+    data_parallel_world_size = dp_cp_group.size()); torchtitan's FSDP shards over dp_shard x cp."""
+    return dims.dp * dims.cp
+
+
 def dp_group_links(instance: Instance, dims: ParallelDims) -> tuple[int, int, float]:
-    """(members per instance d_in, instances d_out, the network Gbps the group's ring sees) of one DP
-    group: d_in = min(dp, GPUs / (tp·cp)); the group's d_in members share the instance's network with the
-    GPUs / d_in other groups' members, so its hierarchical ring crosses at network x d_in / GPUs (module
-    docstring)."""
-    g = instance.gpus
-    d_in = max(1, min(dims.dp, g // (dims.tp * dims.cp)))
-    d_out = max(1, dims.dp // d_in)
+    """(members per instance d_in, instances d_out, the network Gbps the group's ring sees) of one DP x CP
+    group (`dp_cp_ranks`): its ranks stride tp, so d_in = min(dp·cp, GPUs / tp); the group's d_in members
+    share the instance's network with the GPUs / d_in other groups' members, so its hierarchical ring
+    crosses at network x d_in / GPUs (module docstring)."""
+    g, ranks = instance.gpus, dp_cp_ranks(dims)
+    d_in = max(1, min(ranks, g // dims.tp))
+    d_out = max(1, ranks // d_in)
     return d_in, d_out, instance.network_gbps * d_in / g
 
 

@@ -354,7 +354,8 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
     rank_gathered = max(1, (gather_params or n_params) // split) if strategy.sharding.parameters else rank_params
     grad_bytes, param_bytes = rank_params * lay.reduce_comm_bytes, rank_gathered * lay.gather_comm_bytes
     comm_total = exposed = 0.0
-    if dims.dp > 1:
+    group_ranks = mp.dp_cp_ranks(dims)  # gradients reduce over data- x context-parallel ranks
+    if group_ranks > 1:
         d_in, d_out, gbps = mp.dp_group_links(instance, dims)
         group = instance.model_copy(update={"gpus": d_in, "network_gbps": gbps})
         backward = overlapped(sums.backward_gpu_s, host_seconds(sums.backward_launches, c.cpu_dispatch_s, instance), p)
@@ -363,16 +364,16 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
         if config.distributed_optimizer:
             comm_total, exposed = communication_seconds(
                 mp.distributed_optimizer_kernels(grad_bytes, rank_params * lay.gather_comm_bytes,
-                                                 mp.megatron_buckets(rank_params, dims.dp)),
+                                                 mp.megatron_buckets(rank_params, group_ranks)),
                 backward, group, d_out, c, forward_s=forward)
         else:
             comm_total, exposed = _communication_times(
-                (config.parallelism, dims.dp, grad_bytes, m, config.bucket_cap_mb,
+                (config.parallelism, group_ranks, grad_bytes, m, config.bucket_cap_mb,
                  shard_units(config.parallelism, rank_tensors, max(1, round(layers_here))), 0,
                  None if param_bytes == grad_bytes else param_bytes), backward, forward, group, d_out, c)
     sharded = strategy.shards or config.distributed_optimizer
-    local_params = rank_params // dims.dp if sharded else rank_params
-    local_tensors = max(1, rank_tensors // dims.dp) if sharded else rank_tensors
+    local_params = rank_params // group_ranks if sharded else rank_params
+    local_tensors = max(1, rank_tensors // group_ranks) if sharded else rank_tensors
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
         local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
     optimizer = overlapped(opt_secs + opt_gap, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
