@@ -406,6 +406,8 @@ def gpu_can_run(instance: Instance, dimension: str, value: Any) -> bool:
         return gpu.bf16 or "bf16" not in value
     if dimension == "attention":
         return gpu.flash_attention or value != "flash"
+    if dimension == "tp":  # tensor-parallel groups stay inside one instance (planner.perf.model_parallel)
+        return value <= instance.gpus
     return True
 
 

@@ -213,6 +213,9 @@ START_PREFERENCES: dict[str, tuple[Any, ...]] = {
     "precision": ("amp-bf16", "amp-fp16", "fp32"),
     "parallelism": ("ddp", "zero1", "zero2", "zero3", "fsdp"),
     "checkpointing": (False,),
+    # a model split by tensor parallelism starts with the widest TP the instance holds (NVLink-bound groups:
+    # what Megatron recipes run for models that need TP at all; planner.search.space gpu_can_run drops wider)
+    "tp": (8, 4, 2, 1),
 }
 # What a start falls back to, in order, while no micro-batch fits: the usual memory savers (checkpointing,
 # then sharding everything: ZeRO-3, FSDP), as a user would try them. Overrides absent from the space are
