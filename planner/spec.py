@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, computed_field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, computed_field, model_validator
 
 from planner import caches, env
 from planner.identity_cache import per_object
@@ -404,6 +404,14 @@ class Throughput(Frozen):
     global_batch_size: int
     breakdown_s: dict[str, float] = Field(default_factory=dict)
     gpus: int = 1  # GPUs of the whole job (world size) the rates are over
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_keys_in(cls, data: Any) -> Any:
+        """A dumped record read back: its derived `tokens_per_s_per_gpu` is recomputed, not an input."""
+        if isinstance(data, dict) and "tokens_per_s_per_gpu" in data:
+            data = {k: v for k, v in data.items() if k != "tokens_per_s_per_gpu"}
+        return data
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -246,3 +246,11 @@ def test_search_best_line_names_the_layout_and_its_replicas():
     text = "\n".join(best_lines(row, "hours_per_job", "usd_per_job", True))
     assert "x 8 replicas = global batch 512" in text and "tp 8 x pp 4 (256 GPUs)" in text
     assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_throughput_record_reads_back_its_dump():
+    from planner.spec import Throughput
+
+    t = predict_throughput(gpt(), cfg(tp=2, instances=2), P5)
+    assert Throughput.model_validate(t.model_dump()) == t
+    assert Throughput.model_validate_json(t.model_dump_json()).tokens_per_s_per_gpu == t.tokens_per_s_per_gpu

@@ -9,8 +9,9 @@ instance; planner.perf.throughput composes them into a step:
 Where each rank sits: Megatron-Core numbers ranks in the order tp-cp-ep-dp-pp (NVIDIA/Megatron-LM
 megatron/core/parallel_state.py @d98e8a6, `initialize_model_parallel(order="tp-cp-ep-dp-pp")`): a TP group
 is tp consecutive ranks, a CP group strides tp, a DP group strides tp·cp, pipeline neighbours are tp·cp·dp
-ranks apart; gradients reduce over DP x CP (`dp_cp_ranks`). So a TP group stays inside one instance while tp <= GPUs per instance (TP above that is refused
-here: every layer would all-reduce over EFA, a layout nobody runs), a CP ring crosses instances when
+ranks apart; gradients reduce over DP x CP (`dp_cp_ranks`). So a TP group stays inside one instance while
+tp <= GPUs per instance (TP above that is refused here: every layer would all-reduce over EFA, a layout
+nobody runs), a CP ring crosses instances when
 tp·cp > GPUs per instance, pipeline sends cross instances when tp·cp·dp >= GPUs per instance, and a DP group
 has min(dp·cp, GPUs / tp) members per instance (`dp_group_links`).
 
@@ -27,15 +28,16 @@ allreduce_seconds unchanged, with TP = 8 on 8-GPU instances a DP group has one G
 
 Overlap assumptions (what hides behind compute and what does not):
 - TP collectives are exposed: Megatron-Core runs them on the compute stream between the GEMMs unless
-  `--tp-comm-overlap` (TransformerEngine userbuffers) is on, which is off by default (megatron/training/
-  arguments.py @d98e8a6, `--tp-comm-overlap`, store_true). `tp_overlap` in `tp_exposed_s` says how much of
+  `--tp-comm-overlap` (TransformerEngine userbuffers) is on, which is off by default (megatron/core/
+  model_parallel_config.py @d98e8a6: `tp_comm_overlap: bool = False`). `tp_overlap` in `tp_exposed_s` says how much of
   them a run with it on hides (0 by default).
 - CP's ring exchange of K/V hides behind the attention of the chunk in hand: TransformerEngine's
   AttnFuncWithCPAndKVP2P computes block i while sending block i+1, so cp-1 sends each hide up to attention/cp
   (`cp_exposed_s`).
 - Pipeline point-to-point sends: exposed under 1F1B and GPipe (the non-interleaved schedule waits on its
   send/recv pairs); hidden behind the other chunks' compute under the interleaved schedule, whose
-  `overlap_p2p_comm` is on by default (arguments.py, `--no-overlap-p2p-communication` store_false).
+  `overlap_p2p_comm` Megatron-LM turns on by default (megatron/training/arguments.py @d98e8a6,
+  `--no-overlap-p2p-communication` store_false; Megatron-Core's own ModelParallelConfig default is False).
 - Data-parallel collectives: planner.perf.throughput's strategy collectives (DDP's bucketed all-reduce hidden
   up to `allreduce_overlap` behind backward, as Megatron's `--overlap-grad-reduce` does; ZeRO/FSDP prefetch),
   over the DP group's links instead of the whole instance's.
