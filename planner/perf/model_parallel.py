@@ -17,9 +17,9 @@ has min(dp·cp, GPUs / tp) members per instance (`dp_group_links`).
 
 Bandwidths: inside an instance every ring (all-reduce, all-gather, reduce-scatter, the CP ring's and the
 pipeline's point-to-point sends) runs at the instance's NCCL bus bandwidth (`allreduce_bandwidth_gbs`: what
-nccl-tests calls busbw, the per-GPU rate of a ring; nccl-tests doc/PERFORMANCE.md: busbw = algbw x 2(n-1)/n
-for an all-reduce, x (n-1)/n for all-gather and reduce-scatter). Between instances a GPU gets its share of the
-instance's network, network_gbs / GPUs per instance, since all the instance's groups send at once through the
+nccl-tests calls busbw, the per-GPU rate of a ring; NVIDIA/nccl-tests doc/PERFORMANCE.md @dcf8189:
+busbw = algbw x 2(n-1)/n for an all-reduce, x (n-1)/n for all-gather and reduce-scatter). Between instances
+a GPU gets its share of the instance's network, network_gbs / GPUs per instance, since all the instance's groups send at once through the
 same NICs. A DP group with d_in members per instance and d_out instances runs NCCL's hierarchical ring:
 (d_in-1)/d_in of the traffic on NVLink, then each member sends its 1/d_in slice across at network / (GPUs /
 d_in) (`dp_group_links`): with plain data parallelism (d_in = GPUs) this is planner.perf.throughput's
@@ -136,7 +136,8 @@ def tp_group_bus_gbs(instance: Instance, tp: int) -> float:
     return instance.allreduce_bandwidth_gbs
 
 
-def tp_layer_collectives(b: int, s: int, shape: LayerShape, tp: int, cp: int, sp: bool) -> tuple[tuple[str, float], ...]:
+def tp_layer_collectives(b: int, s: int, shape: LayerShape, tp: int, cp: int,
+                         sp: bool) -> tuple[tuple[str, float], ...]:
     """Forward collectives of one transformer layer on one TP rank as (collective, full tensor bytes).
     Megatron's tensor parallelism (Shoeybi et al. 2019 §3, Fig. 3; Korthikanti et al. 2022 §4.2.2): the
     attention block and the MLP each end in a row-parallel linear whose output [s/cp, b, h] is all-reduced
