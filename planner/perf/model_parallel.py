@@ -19,8 +19,8 @@ Bandwidths: inside an instance every ring (all-reduce, all-gather, reduce-scatte
 pipeline's point-to-point sends) runs at the instance's NCCL bus bandwidth (`allreduce_bandwidth_gbs`: what
 nccl-tests calls busbw, the per-GPU rate of a ring; NVIDIA/nccl-tests doc/PERFORMANCE.md @dcf8189:
 busbw = algbw x 2(n-1)/n for an all-reduce, x (n-1)/n for all-gather and reduce-scatter). Between instances
-a GPU gets its share of the instance's network, network_gbs / GPUs per instance, since all the instance's groups send at once through the
-same NICs. A DP group with d_in members per instance and d_out instances runs NCCL's hierarchical ring:
+a GPU gets its share of the instance's network, network_gbs / GPUs per instance, since all the instance's
+groups send at once through the same NICs. A DP group with d_in members per instance and d_out instances runs NCCL's hierarchical ring:
 (d_in-1)/d_in of the traffic on NVLink, then each member sends its 1/d_in slice across at network / (GPUs /
 d_in) (`dp_group_links`): with plain data parallelism (d_in = GPUs) this is planner.perf.throughput's
 allreduce_seconds unchanged, with TP = 8 on 8-GPU instances a DP group has one GPU per instance, which gets
