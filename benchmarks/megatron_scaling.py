@@ -9,7 +9,7 @@ distributed optimizer, ml.p5.48xlarge). Memory is not judged here (the rows ran)
 
 error = planner MFU / published MFU - 1 (the published MFU to two digits as printed, and from the per-GPU
 teraFLOP/s over 989.5, the H100 SXM dense BF16 peak of planner/data/gpus.json). Also printed: the planner's
-step split (compute, exposed TP, bubble, exposed DP) so that the error can be read term by term.
+step split (compute, exposed TP, bubble, exposed DP, the wait for the slowest GPU) so that the error can be read term by term.
 
 Usage: python benchmarks/megatron_scaling.py [--json]
 """
@@ -56,6 +56,7 @@ def main() -> None:
                "error_vs_tflops": t.mfu / (r.tflops_per_gpu / peak) - 1, "step_s": t.step_time_s,
                "compute_s": b["compute_s"], "tp_s": b.get("tp_communication_s", 0.0),
                "bubble_s": b.get("pp_bubble_s", 0.0), "dp_s": b.get("dp_communication_s", b["communication_s"]),
+               "wait_s": b["slowest_gpu_wait_s"],
                "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu,
                "published_tokens_per_s_per_gpu": None}
         out.append(rec)
@@ -63,14 +64,15 @@ def main() -> None:
         for rec in out:
             print(json.dumps(rec))
         return
-    print(f"Megatron-LM weak scaling, H100 ({SOURCE['repo']} {SOURCE['commit'][:10]}): published MFU vs planner")
-    print(f"{'model':>6} {'tp':>2} {'pp':>2} {'GPUs':>5} {'m':>3} {'pub.':>5} {'plan.':>5} {'error':>6}"
-          f" {'step s':>7} {'comp.':>6} {'TP':>5} {'bubl.':>5} {'DP':>5}")
+    print(f"Megatron-LM weak scaling, H100 ({SOURCE['repo']} {SOURCE['commit'][:10]})")
+    print("published MFU vs the planner's; its step split in seconds")
+    print(f"{'model':>5} {'tp':>2} {'pp':>2} {'GPUs':>4} {'m':>2} {'pub.':>4} {'plan.':>5} {'error':>5}"
+          f" {'step s':>6} {'comp.':>5} {'TP':>4} {'bubl.':>5} {'DP':>4} {'wait':>4}")
     for rec in out:
-        print(f"{rec['model']:>6} {rec['tp']:>2} {rec['pp']:>2} {rec['gpus']:>5} {rec['m']:>3}"
-              f" {rec['published_mfu']:>5.0%} {rec['planner_mfu']:>5.1%} {rec['error']:>+6.0%}"
-              f" {rec['step_s']:>7.2f} {rec['compute_s']:>6.2f} {rec['tp_s']:>5.2f} {rec['bubble_s']:>5.2f}"
-              f" {rec['dp_s']:>5.2f}")
+        print(f"{rec['model']:>5} {rec['tp']:>2} {rec['pp']:>2} {rec['gpus']:>4} {rec['m']:>2}"
+              f" {rec['published_mfu']:>4.0%} {rec['planner_mfu']:>5.1%} {rec['error']:>+5.0%}"
+              f" {rec['step_s']:>6.2f} {rec['compute_s']:>5.2f} {rec['tp_s']:>4.2f} {rec['bubble_s']:>5.2f}"
+              f" {rec['dp_s']:>4.2f} {rec['wait_s']:>4.2f}")
     errs = [abs(rec["error"]) for rec in out]
     print(f"median |error| {statistics.median(errs):.0%}, max {max(errs):.0%} over {len(out)} rows "
           f"(signed median {statistics.median(rec['error'] for rec in out):+.0%})")
@@ -86,16 +88,17 @@ def nemo() -> None:
 
     inst = get_instance(INSTANCE)
     peak = inst.gpu.peak_tflops["bf16"]
-    print(f"\nNeMo AutoModel, H100 BF16 ({NEMO_SOURCE['repo']} {NEMO_SOURCE['commit'][:10]}): published vs planner")
+    print(f"\nNeMo AutoModel, H100 BF16 ({NEMO_SOURCE['repo']} {NEMO_SOURCE['commit'][:10]})")
     for r in load_nemo_automodel():
         t = predict_throughput(get_model(str(ROOT / LLAMA3_70B_CONFIG)), r.train_config(), inst)
         pub_mfu = r.tflops_per_gpu / peak
         b = t.breakdown_s
-        print(f"{r.model}, {r.gpus} GPUs, cp {r.cp}, FSDP {r.fsdp}, seq {r.seq_len}: tokens/s/GPU "
-              f"{r.tokens_per_s_per_gpu:,.0f} published, {t.tokens_per_s_per_gpu:,.0f} planner "
-              f"({t.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu - 1:+.0%}); MFU {pub_mfu:.1%} vs {t.mfu:.1%}; "
-              f"step {r.step_s:.2f} s vs {t.step_time_s:.2f} s (compute {b['compute_s']:.2f}, exposed CP "
-              f"{b.get('cp_communication_s', 0):.2f}, exposed DP {b.get('dp_communication_s', 0):.2f})")
+        print(f"{r.model}, {r.gpus} GPUs, cp {r.cp}, FSDP {r.fsdp}, seq {r.seq_len}")
+        print(f"  tokens/s/GPU {r.tokens_per_s_per_gpu:,.0f} published, {t.tokens_per_s_per_gpu:,.0f} planner "
+              f"({t.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu - 1:+.0%}); MFU {pub_mfu:.1%} vs {t.mfu:.1%}")
+        print(f"  step {r.step_s:.2f} s vs {t.step_time_s:.2f} s: compute {b['compute_s']:.2f}, "
+              f"exposed CP {b.get('cp_communication_s', 0):.2f}, DP {b.get('dp_communication_s', 0):.2f},")
+        print(f"  the slowest GPU's wait {b['slowest_gpu_wait_s']:.2f}")
 
 
 if __name__ == "__main__":
