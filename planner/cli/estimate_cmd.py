@@ -47,6 +47,20 @@ from planner.cli.lora_opts import (
     lora_flags,
 )
 from planner.cli.options import build_config
+from planner.cli.parallel_opts import (
+    CpOpt,
+    DistOptOpt,
+    DpReplicasOpt,
+    PpOpt,
+    PpScheduleOpt,
+    RecomputeModulesOpt,
+    RecomputeOpt,
+    SpOpt,
+    TpOpt,
+    VpOpt,
+    parallel_fields,
+    parallel_flags,
+)
 from planner.cli.prices_cmd import PriceRegionOpt
 from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
 from planner.io import dumps_json
@@ -112,7 +126,12 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
-                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]))
+                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"])
+                       | parallel_fields(tp=f["tp"], sp=f["sp"], cp=f["cp"], pp=f["pp"], pp_schedule=f["pp_schedule"],
+                                         vp=f["vp"], dp_replicas=f["dp_replicas"],
+                                         distributed_optimizer=f["distributed_optimizer"], recompute=f["recompute"],
+                                         recompute_modules=f["recompute_modules"],
+                                         checkpointing=f["checkpointing"]))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -206,7 +225,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg) + parallel_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -263,6 +282,16 @@ def register(app: typer.Typer) -> None:
         load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
+        tp: TpOpt = 1,
+        sp: SpOpt = None,
+        cp: CpOpt = 1,
+        pp: PpOpt = 1,
+        pp_schedule: PpScheduleOpt = None,
+        vp: VpOpt = 1,
+        dp_replicas: DpReplicasOpt = None,
+        distributed_optimizer: DistOptOpt = False,
+        recompute: RecomputeOpt = None,
+        recompute_modules: RecomputeModulesOpt = None,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,

@@ -17,6 +17,8 @@ from planner.spec import (
     Instance,
     MemoryBytes,
     ModelSpec,
+    ParallelLayout,
+    ParallelStage,
     PhasePeak,
     Throughput,
     TrainConfig,
@@ -90,6 +92,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced,
                                            region, ctx=prep.ctx)
 
+    layout = _parallel_layout(prep, alloc, peak_allocated, peak_reserved, peak_device, low, high, gpu_memory) \
+        if prep.stages else None
     return Estimate(
         model=prep.name,
         instance=inst.name,
@@ -114,7 +118,39 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         throughput=throughput,
         cost=cost,
         notes=prep.notes,
+        parallel=layout,
     )
+
+
+def _parallel_layout(prep: _Prepared, alloc: Any, allocated: int, reserved: int, device: int, low: int, high: int,
+                     gpu_memory: int) -> ParallelLayout:
+    """The layout and every pipeline stage's memory. The worst stage (prep.step) went through the allocator
+    replay; each other stage's reserved pool is its allocated peak times the worst stage's reserved/allocated
+    ratio, and its band is the worst's shifted by the difference (the context and NCCL terms are the same on
+    every rank)."""
+    d = prep.dims
+    ratio = reserved / allocated if allocated else 1.0
+    rows = []
+    worst = 0
+    for s in prep.stages:
+        is_worst = s.step is prep.step
+        if is_worst:
+            worst = s.stage
+        peak = _timeline_peaks(s.step)[1].total
+        stage_reserved = reserved if is_worst else max(int(peak * ratio), peak)
+        stage_device = device + stage_reserved - reserved
+        lo, hi = low + stage_device - device, high + stage_device - device
+        rows.append(ParallelStage(
+            stage=s.stage, layers=s.layers, blocks=s.blocks, parameters=s.parameters,
+            parameter_bytes=sum(b.param_bytes for b in s.step.blocks),
+            gradient_bytes=sum(b.grad_bytes for b in s.step.blocks),
+            optimizer_bytes=s.step.optimizer_state_bytes, activation_bytes=s.activation_bytes,
+            in_flight_micro_batches=s.in_flight, peak_allocated_bytes=peak, peak_device_bytes=stage_device,
+            peak_device_low_bytes=lo, peak_device_high_bytes=hi, verdict=band.verdict(lo, hi, gpu_memory),
+            replayed=is_worst and alloc is not None))
+    return ParallelLayout(world=d.world, dp=d.dp, dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp,
+                          cp=d.cp, pp=d.pp, vp=d.vp, sp=d.sp, schedule=d.schedule,
+                          micro_batches=prep.cfg.grad_accum, worst_stage=worst, stages=tuple(rows))
 
 
 _PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = caches.table(
