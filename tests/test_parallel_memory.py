@@ -157,3 +157,25 @@ def test_hsdp_shards_within_the_replica_group():
     assert hsdp.memory_bytes.optimizer_states == fsdp8.memory_bytes.optimizer_states
     assert hsdp.parallel.dp_replicate == 4 and hsdp.parallel.dp_shard == 8
     assert json.loads(json.dumps(hsdp.to_json()))["parallel"]["dp"] == 32
+
+
+def test_most_loaded_shard_matches_megatron_theoretical_memory():
+    """NVIDIA/Megatron-LM megatron/training/theoretical_memory_usage.py @00caa53a compute_weight_and_optimizer_
+    memory: the most loaded shard holds (transformer block / pp + embedding) / tp parameters (the vocabulary
+    padded to a multiple of 128 · tp) at 6 + 12/DP bytes each with the distributed optimizer. Megatron's formula
+    divides the norms by tp and spreads the final norm over the stages; the planner keeps them whole on each
+    rank (a 1e-4 difference here)."""
+    tp, pp, dp = 8, 4, 2
+    config = TrainConfig(batch_size=1, seq_len=1024, precision="amp-bf16", parallelism="ddp", framework="megatron",
+                         distributed_optimizer=True, tp=tp, pp=pp, instances=tp * pp * dp // 8, grad_accum=8)
+    est = estimate(str(LLAMA70), config, "ml.p5.48xlarge", with_throughput=False, calibration={})
+    h, heads, groups, ffn, layers = 8192, 64, 8, 28672, 80
+    padded_vocab = -(-128256 // (128 * tp)) * 128 * tp
+    layer = 2 * h * (ffn * 3 / 2 + 1) + 2 * h * h * (1 + groups / heads)
+    block = layer * layers + h
+    most_loaded = (block / pp + h * padded_vocab) / tp
+    megatron_bytes = most_loaded * (6 + 12 / dp)
+    first = est.parallel.stages[0]
+    planner_bytes = first.parameter_bytes + first.gradient_bytes + first.optimizer_bytes
+    assert planner_bytes == pytest.approx(megatron_bytes, rel=2e-4)
+    assert first.parameters == pytest.approx(most_loaded, rel=2e-4)
