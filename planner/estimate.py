@@ -147,4 +147,5 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
 
     spec = _resolve_model(model, model_options)
     ctx = context(spec, est.config, _resolve_instance(est.instance), backend)  # est.config is resolved
-    return program_report(spec, est.config, sharding(est.config, est.world_size), ctx)
+    degree = est.parallel.dp_shard if est.parallel is not None else None  # model parallel: the DP shard group
+    return program_report(spec, est.config, sharding(est.config, est.world_size, degree), ctx)

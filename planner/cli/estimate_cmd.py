@@ -153,8 +153,11 @@ def print_estimate(est: Estimate) -> None:
     console.print(f"[bold]{est.model}[/] on [bold]{est.instance}[/] ({est.gpu}), {cfg.parallelism} over "
                   f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}"
                   f"{' (TF32 matmuls)' if cfg.tf32 else ''}, "
-                  f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
-                  f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}"
+                  f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, "
+                  + ("recompute selective" + (f" ({','.join(cfg.recompute_modules)})" if cfg.recompute_modules
+                                              else "") if cfg.recompute_mode == "selective" else
+                     f"checkpointing {'on' if cfg.checkpointing else 'off'}")
+                  + f", grad-accum {cfg.grad_accum}"
                   f"{'' if cfg.framework == 'pytorch' else ', framework ' + cfg.framework}")
     if est.stack:
         from planner.memory.stack import describe
@@ -189,6 +192,7 @@ def print_estimate(est: Estimate) -> None:
                  for ph in est.phases],
                 caption=phase_moment_note(est))
 
+    _print_stages(est)
     for line in run_lines(est):
         console.print(line, highlight=False)
     for line in verdict_lines(est):
@@ -212,6 +216,29 @@ def print_estimate(est: Estimate) -> None:
         console.print(f"Cost: no price for {est.instance} (see `planner prices`)", highlight=False)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/]")
+
+
+def _print_stages(est: Estimate) -> None:
+    """The layout and every pipeline stage's memory per rank (tensor/context/pipeline parallelism, HSDP)."""
+    p = est.parallel
+    if p is None:
+        return
+    from planner.cli.tables import Col, print_table
+
+    replicas = f" ({p.dp_replicate} replica groups of {p.dp_shard})" if p.dp_replicate > 1 else ""
+    console.print(f"Layout: {p.world} GPUs = tensor {p.tp}{' (+SP)' if p.sp else ''} × context {p.cp} × pipeline "
+                  f"{p.pp}{f' (vp {p.vp})' if p.vp > 1 else ''} × data {p.dp}{replicas}; schedule {p.schedule}, "
+                  f"{p.micro_batches} micro-batches per step", highlight=False)
+    heads = ("stage", "layers", "states", "activ", "in flight", "peak", "verdict")
+    rows = [[str(s.stage), str(len(s.layers)), fmt_bytes(s.parameter_bytes + s.gradient_bytes + s.optimizer_bytes),
+             fmt_bytes(s.activation_bytes), f"{s.in_flight_micro_batches:g}", fmt_bytes(s.peak_device_bytes),
+             s.verdict + (" (worst)" if s.stage == p.worst_stage else "")]
+            for s in p.stages]
+    print_table(console, "Memory of one rank per pipeline stage",
+                [Col(h, "left" if h in ("stage", "verdict") else "right", whole=True) for h in heads], rows,
+                caption="states: parameters, gradients and optimizer states; activ: saved for backward, every "
+                        "micro-batch in flight; peak: the whole device. The worst stage decides the verdict (JSON "
+                        "key parallel.stages)")
 
 
 def probe_command(est: Estimate) -> str:
