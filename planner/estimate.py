@@ -17,6 +17,7 @@ from planner.pipeline.resolve import (  # noqa: F401  (re-exported: callers and 
     _resolve_model,
     _with_stack,
     check_supported,
+    model_parallel_asked,
 )
 from planner.pipeline.step import (  # noqa: F401
     ACTIVATION_CACHE_SIZE,
@@ -95,6 +96,9 @@ def estimate(
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack,
                                calibration)
     else:
+        if run is not None and model_parallel_asked(config):
+            raise PlannerError("--lengths", run.lengths.text, "runs of varying length under data parallelism only "
+                               "(with --tp/--cp/--pp the estimate is one step at --seq-len)")
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack, calibration)
     est = _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend, region)
     if run is None:

@@ -4,6 +4,8 @@ with an attention kernel that has no CP, more stages than layers, and the recomp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.test_bad_input import assert_one_line_error, invoke
@@ -16,6 +18,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("PLANNER_PRICES", str(tmp_path / "no-prices.json"))
 
 
+QWEN = str(Path(__file__).parent / "data" / "qwen2-0.5b.json")  # a config.json outside the families: traced
 BASE = ["--model", "llama-3-8b", "--instance", "ml.p5.48xlarge", "--batch-size", "1", "--seq-len", "1024",
         "--precision", "amp-bf16", "--plot", "timeline.html"]
 
@@ -40,6 +43,9 @@ CASES = {
     "tp-zero": (["--tp", "0"], "--tp", "positive"),
     "tp-on-dataparallel": (["--tp", "2", "--parallelism", "dp"], "--parallelism", "ddp"),
     "tp-with-lora": (["--tp", "2", "--lora-r", "8"], "--tp", "LoRA"),
+    "lengths-with-pipeline": (["--pp", "2", "--lengths", "uniform:256-1024"], "--lengths", "data parallelism"),
+    "tp-on-a-traced-config": (["--tp", "2", "--model", QWEN], "--tp", "one transformer"),
+    "tp-on-a-multimodal-model": (["--tp", "2", "--model", "multimodal-bert", "--seq-len", "128"], "--tp", "one transformer"),
 }
 
 
