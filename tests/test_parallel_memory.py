@@ -179,3 +179,11 @@ def test_most_loaded_shard_matches_megatron_theoretical_memory():
     planner_bytes = first.parameter_bytes + first.gradient_bytes + first.optimizer_bytes
     assert planner_bytes == pytest.approx(megatron_bytes, rel=2e-4)
     assert first.parameters == pytest.approx(most_loaded, rel=2e-4)
+
+
+def test_one_nccl_communicator_per_group(done_when):
+    """Tensor, pipeline and data-parallel groups are three communicators, each with a ring's buffers (the
+    context-parallel group of one GPU has none)."""
+    plain = estimate("gpt2", TrainConfig(batch_size=1, seq_len=64, parallelism="ddp", instances=32),
+                     "ml.p5.48xlarge", with_throughput=False, calibration={})
+    assert done_when.memory_bytes.nccl == 3 * plain.memory_bytes.nccl

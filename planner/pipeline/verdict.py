@@ -41,6 +41,11 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     peak_allocated = top.total
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
     nccl = nccl_bytes(rt, inst.gpus if strategy_of(cfg.parallelism).one_process else world)
+    if prep.dims is not None and not prep.dims.plain:  # one communicator per tensor/context/pipeline/data group
+        from planner.memory.runtime import nccl_group_bytes
+
+        d = prep.dims
+        nccl = nccl_group_bytes(rt, (d.tp, d.cp, d.pp, d.dp))
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     alloc = None
     replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
