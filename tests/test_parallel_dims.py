@@ -20,7 +20,7 @@ def cfg(**kw) -> TrainConfig:
 
 
 def test_done_when_layout():
-    d = build(cfg(tp=8, pp=4, vp=5, parallelism="fsdp", instances=32), 256, **LLAMA70)
+    d = build(cfg(tp=8, pp=4, vp=5, parallelism="fsdp", instances=32, grad_accum=64), 256, **LLAMA70)
     assert (d.dp, d.dp_shard, d.dp_replicate, d.tp, d.pp, d.vp, d.sp) == (8, 8, 1, 8, 4, 5, True)
     assert d.schedule == "interleaved-1f1b" and d.dp * d.model_parallel == d.world
     assert d.micro_batches(512, 1) == 64
@@ -48,7 +48,8 @@ def test_hsdp_replicas_split_the_data_parallel_group():
     ({"pp": 2, "vp": 2, "pp_schedule": "gpipe"}, 8, "--pp-schedule"),    # gpipe has no virtual stages
     ({"parallelism": "hsdp", "dp_replicas": 3}, 8, "--dp-replicas"),
     ({"parallelism": "fsdp", "dp_replicas": 2}, 8, "--dp-replicas"),   # replicas only with hsdp
-    ({"sp": True}, 8, "--sp"),                              # sequence parallelism without TP
+    ({"sp": True}, 8, "--sp"),
+    ({"pp": 4, "vp": 2, "grad_accum": 6}, 8, "--grad-accum"),  # interleaving needs m % pp == 0                              # sequence parallelism without TP
     ({"tp": 2, "cp": 4}, 8, "--seq-len"),                   # 4096 % (2·4·2) = 0: ok -> see below
 ])
 def test_rules(kw, world, flag):
@@ -114,7 +115,7 @@ def test_in_flight_interleaved_first_stage_is_megatrons_factor():
     """megatron/training/theoretical_memory_usage.py: the first stage holds pp micro-batches times
     (1 + (pp - 1) / (pp · vp)) when interleaved."""
     for p, v in ((4, 5), (2, 2), (8, 5), (4, 2)):
-        d = build(cfg(pp=p, vp=v), p * 2, **LLAMA70)
+        d = build(cfg(pp=p, vp=v, grad_accum=64), p * 2, **LLAMA70)
         assert st.in_flight(d, 0, 64) == pytest.approx(p * (1 + (p - 1) / (p * v)))
         assert all(st.in_flight(d, i, 64) > st.in_flight(d, i + 1, 64) for i in range(p - 1))
 
@@ -127,7 +128,7 @@ def test_in_flight_gpipe_and_zero_bubble():
 
 
 def test_stage_assignment_with_virtual_chunks():
-    d = build(cfg(pp=4, vp=5), 8, **LLAMA70)
+    d = build(cfg(pp=4, vp=5, grad_accum=8), 8, **LLAMA70)
     names = ["emb"] + [f"layer.{i}" for i in range(80)] + ["norm", "head", "loss"]
     index = {f"layer.{i}": i for i in range(80)}
     ranks = st.stages(names, index, 80, d)

@@ -121,6 +121,11 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
     if world % (ep * etp * pp):
         raise PlannerError("--ep/--etp", f"{ep}×{etp}",
                            f"a product that, times --pp {pp}, divides the {world} GPUs of the job")
+    if schedule == "interleaved-1f1b" and cfg.grad_accum % pp:
+        # megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: "number of
+        # microbatches is not divisible by pipeline-model-parallel-size when using interleaved schedule"
+        raise PlannerError("--grad-accum", cfg.grad_accum, f"a multiple of --pp {pp}: the interleaved schedule runs "
+                           "micro-batches in groups of the pipeline size (micro-batches per step)")
     if cfg.recompute_modules and cfg.recompute_mode != "selective":
         raise PlannerError("--recompute-modules", ",".join(cfg.recompute_modules), "only with --recompute selective")
     return ParallelDims(world=world, dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, cp=cp, pp=pp, vp=vp,
