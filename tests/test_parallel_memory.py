@@ -187,3 +187,22 @@ def test_one_nccl_communicator_per_group(done_when):
     plain = estimate("gpt2", TrainConfig(batch_size=1, seq_len=64, parallelism="ddp", instances=32),
                      "ml.p5.48xlarge", with_throughput=False, calibration={})
     assert done_when.memory_bytes.nccl == 3 * plain.memory_bytes.nccl
+
+
+def test_amp_weight_casts_follow_the_rank_shards():
+    """Autocast's 16-bit weight copies are copies of this rank's shards: a layer's casts scale by the rank's
+    share of its parameters; records already per rank (at most 2 bytes per rank parameter) stay."""
+    from dataclasses import replace
+
+    from planner.memory.activations import BlockActivations
+    from planner.pipeline.step import _rank_casts
+
+    full, rank = 855_654_400, 106_971_136  # a Llama-3-70B layer, and one TP-8 rank's share of it
+    act = BlockActivations("model.layer.0", 10, 10, 2 * full, 0, 0, False, autocast_cache_bytes=2 * full)
+    scaled = _rank_casts(act, rank, full)
+    assert scaled.weight_cast_bytes == pytest.approx(2 * rank, abs=1)
+    assert scaled.autocast_cache_bytes == pytest.approx(2 * rank, abs=1)
+    assert scaled.saved_bytes == act.saved_bytes  # activations are the activation model's
+    per_rank = replace(act, weight_cast_bytes=2 * rank, autocast_cache_bytes=2 * rank)
+    assert _rank_casts(per_rank, rank, full) is per_rank
+    assert _rank_casts(act, full, full) is act
