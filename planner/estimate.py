@@ -147,9 +147,10 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
         return {"front_end": "traced", "blocks": []}
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
-    from planner.pipeline.resolve import context
+    from planner.pipeline.resolve import context, parallel_dims
 
     spec = _resolve_model(model, model_options)
-    ctx = context(spec, est.config, _resolve_instance(est.instance), backend)  # est.config is resolved
+    dims = parallel_dims(spec, est.config, est.world_size) if est.parallel is not None else None
+    ctx = context(spec, est.config, _resolve_instance(est.instance), backend, dims)  # est.config is resolved
     degree = est.parallel.dp_shard if est.parallel is not None else None  # model parallel: the DP shard group
     return program_report(spec, est.config, sharding(est.config, est.world_size, degree), ctx)
