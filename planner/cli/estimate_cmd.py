@@ -228,7 +228,7 @@ def _print_stages(est: Estimate) -> None:
     replicas = f" ({p.dp_replicate} replica groups of {p.dp_shard})" if p.dp_replicate > 1 else ""
     console.print(f"Layout: {p.world} GPUs = tensor {p.tp}{' (+SP)' if p.sp else ''} × context {p.cp} × pipeline "
                   f"{p.pp}{f' (vp {p.vp})' if p.vp > 1 else ''} × data {p.dp}{replicas}; schedule {p.schedule}, "
-                  f"{p.micro_batches} micro-batches per step", highlight=False)
+                  f"{p.micro_batches} micro-batch(es) per step", highlight=False)
     heads = ("stage", "layers", "states", "activ", "in flight", "peak", "verdict")
     rows = [[str(s.stage), str(len(s.layers)), fmt_bytes(s.parameter_bytes + s.gradient_bytes + s.optimizer_bytes),
              fmt_bytes(s.activation_bytes), f"{s.in_flight_micro_batches:g}", fmt_bytes(s.peak_device_bytes),
