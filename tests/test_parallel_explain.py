@@ -84,3 +84,16 @@ def test_explain_finds_a_model_parallel_fix():
     assert "pipeline parallelism --pp 4" in changes
     fix = next(f for f in verdict["figures"]["fixes"] if f["change"] == "pipeline parallelism --pp 4")
     assert fix["config"]["pp"] == 4 and fix["headroom_bytes"] > 0
+
+
+def test_probe_line_reproduces_the_layout():
+    from planner.cli.estimate_cmd import probe_command
+    from planner.estimate import estimate
+    from planner.spec import TrainConfig
+
+    config = TrainConfig(batch_size=1, seq_len=1024, precision="amp-bf16", parallelism="fsdp", tp=2, pp=2, vp=2,
+                         grad_accum=4, recompute="selective", recompute_modules="core_attn")
+    line = probe_command(estimate("llama-3-8b", config, "ml.p5.48xlarge", with_throughput=False, calibration={}))
+    for flag in ("--tp 2", "--pp 2", "--vp 2", "--recompute selective", "--recompute-modules core_attn",
+                 "--grad-accum 4", "--parallelism fsdp"):
+        assert flag in line, flag
