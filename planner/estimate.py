@@ -17,6 +17,7 @@ from planner.pipeline.resolve import (  # noqa: F401  (re-exported: callers and 
     _resolve_model,
     _with_stack,
     check_supported,
+    model_parallel_asked,
 )
 from planner.pipeline.step import (  # noqa: F401
     ACTIVATION_CACHE_SIZE,
@@ -95,6 +96,9 @@ def estimate(
         prep = _prepare_traced(str(model), config, instance, runtime, backend, model_options, inputs, loss, stack,
                                calibration)
     else:
+        if run is not None and model_parallel_asked(config):
+            raise PlannerError("--lengths", run.lengths.text, "runs of varying length under data parallelism only "
+                               "(with --tp/--cp/--pp the estimate is one step at --seq-len)")
         prep = _prepare(model, config, instance, runtime, backend, model_options, stack, calibration)
     est = _finish(prep, dataset_size, spot, with_throughput, expandable_segments, backend, region)
     if run is None:
@@ -143,8 +147,10 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
         return {"front_end": "traced", "blocks": []}
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
-    from planner.pipeline.resolve import context
+    from planner.pipeline.resolve import context, parallel_dims
 
     spec = _resolve_model(model, model_options)
-    ctx = context(spec, est.config, _resolve_instance(est.instance), backend)  # est.config is resolved
-    return program_report(spec, est.config, sharding(est.config, est.world_size), ctx)
+    dims = parallel_dims(spec, est.config, est.world_size) if est.parallel is not None else None
+    ctx = context(spec, est.config, _resolve_instance(est.instance), backend, dims)  # est.config is resolved
+    degree = est.parallel.dp_shard if est.parallel is not None else None  # model parallel: the DP shard group
+    return program_report(spec, est.config, sharding(est.config, est.world_size, degree), ctx)

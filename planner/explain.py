@@ -148,6 +148,10 @@ def _gpu_peaks(gpu_name: str) -> dict[str, float]:
 
 
 def _storage_lines(est: Estimate) -> list[str]:
+    if est.parallel is not None:  # the model split over tensor/context/pipeline groups: one rank's share
+        from planner.explain_parallel import storage_lines
+
+        return storage_lines(est)
     cfg, m, world = est.config, est.memory_bytes, est.world_size
     p = cfg.parallelism
     strategy = strategy_of(p)
@@ -202,6 +206,13 @@ def _activation_lines(model: ModelSpec, est: Estimate) -> list[str]:
              "node objects live in host memory. A '20% of activations' graph overhead has no basis.",
              f"Here one micro-batch ({cfg.batch_size} × {cfg.seq_len}, {cfg.precision}, attention {cfg.attention}"
              f", checkpointing {'on' if cfg.checkpointing else 'off'}) keeps {fmt_bytes(m.activations)}."]
+    if est.parallel is not None:  # the worst stage's layers, its shards, every micro-batch it holds in flight
+        worst = est.parallel.stages[est.parallel.worst_stage]
+        lines[-1] = (f"Here the worst rank (stage {worst.stage}: {len(worst.layers)} layers, its tensor/context-"
+                     f"parallel shard) keeps {fmt_bytes(m.activations)} for {worst.in_flight_micro_batches:g} "
+                     f"micro-batches in flight ({cfg.batch_size} × {cfg.seq_len}, {cfg.precision}, attention "
+                     f"{cfg.attention}, recomputation {cfg.recompute_mode}).")
+        return lines
     for t in model.transformers:
         b, s, h, n_layers = cfg.batch_size, cfg.seq_len, t.hidden_size, t.num_layers
         naive = b * s * h * n_layers * 4
@@ -366,6 +377,12 @@ def _fixes(model: ModelSpec | str, est: Estimate, model_options: dict[str, Any] 
         for z in ("zero1", "zero2", "zero3"):
             if z != cfg.parallelism:
                 tries.append((f"{z} sharding", {"parallelism": z}))
+    if est.parallel is not None:  # more tensor or pipeline parallelism, recomputation, sharded optimizer
+        from planner.explain_parallel import fix_tries
+
+        tries += fix_tries(est, inst.gpus)
+        # full recomputation is the model-parallel try (it clears --recompute selective as well)
+        tries = [t for t in tries if t[0] != "activation checkpointing"]
     found = []
     for label, change in tries:
         try:
@@ -426,7 +443,9 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: 
                  "the GPU: it may fit or OOM (see the step before); a probe settles it."]
     fixes = _fixes(model, est, model_options, extra)
     if not fixes:
-        lines.append("No single change tried (smaller micro-batch with accumulation, checkpointing, AMP, ZeRO) fits;"
+        tried = "smaller micro-batch with accumulation, checkpointing, AMP, ZeRO" + (
+            ", more tensor or pipeline parallelism, recomputation, the distributed optimizer" if est.parallel else "")
+        lines.append(f"No single change tried ({tried}) fits;"
                      " combine them or use a GPU with more memory (see `planner search --instance all`).")
     for label, alt in fixes[:5]:
         speed = f", {alt.throughput.samples_per_s:,.1f} samples/s" if alt.throughput else ""
@@ -443,12 +462,17 @@ def _assumption_lines(spec: ModelSpec, est: Estimate, model_options: dict[str, A
     cfg, world = est.config, est.world_size
     opts = ", ".join(f"{k}={v}" for k, v in (model_options or {}).items()) or "defaults"
     chosen = cfg.parallelism if requested in (None, cfg.parallelism) else f"{requested} → {cfg.parallelism}"
+    # under tensor/context/pipeline parallelism the batch is split over the data-parallel replicas only
+    replicas, who = (est.parallel.dp, "data-parallel replica(s)") if est.parallel else (world, "GPU(s)")
+    recompute = cfg.recompute_mode if cfg.recompute_mode != "selective" else \
+        "selective (" + (",".join(cfg.recompute_modules) or "default modules") + ")"
     return [f"Model: {est.model} ({spec.description or 'from its config'}); model options: {opts}.",
             f"Batch: {cfg.batch_size} samples per GPU (micro-batch) × {cfg.grad_accum} accumulation step(s) × "
-            f"{world} GPU(s) = {cfg.batch_size * cfg.grad_accum * world} samples per optimizer step (global).",
+            f"{replicas} {who} = {cfg.batch_size * cfg.grad_accum * replicas} samples per optimizer step (global).",
             f"Sequence: {cfg.seq_len} tokens per sample. Precision: {cfg.precision}. Optimizer: {cfg.optimizer} "
             f"({cfg.optimizer_impl}). Attention: {cfg.attention}. Activation checkpointing: "
-            f"{'on' if cfg.checkpointing else 'off'}.",
+            f"{'on' if cfg.checkpointing else 'off'}." + (f" Recomputation: {recompute}."
+                                                           if cfg.recompute_mode == "selective" else ""),
             f"Parallelism: {chosen} over {world} GPU(s) on {cfg.instances} × {est.instance}.",
             f"Stack: PyTorch eager training with the CUDA caching allocator; runtime memory from "
             f"{est.runtime.source}."]
@@ -594,6 +618,7 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
             f"{fmt_bytes(est.memory_bytes.nccl)} sit outside PyTorch's allocator, so "
             f"{fmt_bytes(est.usable_memory_bytes)} is usable. Interconnect: {inst.interconnect}.",
         ), f["gpu"]),
+        *_parallel_step(est, inst.gpus),
         Step(f"How the model is stored under {est.config.parallelism}", tuple(_storage_lines(est)), f["storage"]),
         *side_by_side,
         Step("Parameters of each component", tuple(spec.component_lines() if extra else _component_lines(spec)) +
@@ -611,6 +636,16 @@ def explain(est: Estimate, model: ModelSpec | str | None = None,
         Step("Verdict", verdict_lines + _speed_bound_lines(est)
              + _amp_lines(model or est.model, est, model_options, extra, f["verdict"]), f["verdict"]),
     ]
+
+
+def _parallel_step(est: Estimate, gpus_per_instance: int) -> list[Step]:
+    """Tensor, context, pipeline and data parallelism, each dimension's effect (planner.explain_parallel)."""
+    if est.parallel is None:
+        return []
+    from planner.explain_parallel import parallel_lines
+
+    return [Step("How the GPUs split the model (tensor, context, pipeline, data)",
+                 tuple(parallel_lines(est, gpus_per_instance)), est.parallel.model_dump(mode="json"))]
 
 
 def _price_lines(est: Estimate) -> list[str]:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, computed_field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from planner import caches, env
 from planner.identity_cache import per_object
@@ -19,8 +27,8 @@ OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "ad
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "for-loop")
-Parallelism = Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp"]
-PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp")
+Parallelism = Literal["auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
+PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 # "auto": the kernel Hugging Face transformers picks by default for the model type in the stack's versions
 # (planner.memory.stack.default_attention); `estimate` resolves it, so an Estimate's config never says "auto".
 Attention = Literal["auto", "eager", "sdpa", "flash"]
@@ -267,6 +275,37 @@ class TrainConfig(Frozen):
     etp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
     moe_imbalance: float = Field(1.0, ge=1.0, le=1024.0, allow_inf_nan=False)
 
+    @field_validator("recompute_modules", mode="before")
+    @classmethod
+    def _modules_list(cls, value: Any) -> Any:
+        """`core_attn,mlp` (a flag's or a sweep file's text) as a tuple of names."""
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_recompute(cls, data: Any) -> Any:
+        """--checkpointing and --recompute said once: `recompute` "full" IS checkpointing (it sets it) and "none"
+        is its absence, so both are stored as `checkpointing` and `recompute` keeps only "selective" (None
+        otherwise). A config that says both ways (checkpointing with recompute none or selective) is refused.
+        Read `recompute_mode` for the one answer."""
+        if not isinstance(data, dict) or data.get("recompute") is None:
+            return data
+        mode, ckpt = data["recompute"], bool(data.get("checkpointing", False))
+        if ckpt and mode != "full":
+            raise ValueError(f"recompute {mode!r} contradicts checkpointing (= recompute full); give one of them")
+        data = dict(data)
+        if mode in ("full", "none"):
+            data["recompute"] = None
+            data["checkpointing"] = mode == "full"
+        return data
+
+    @property
+    def recompute_mode(self) -> str:
+        """none, full or selective: what is recomputed in backward (full = --checkpointing)."""
+        return self.recompute or ("full" if self.checkpointing else "none")
+
     @property
     def lora(self) -> bool:
         """Adapters on a frozen base (LoRA, or QLoRA with base_dtype nf4)."""
@@ -488,6 +527,46 @@ class RunSummary(Frozen):
     real_tokens_per_s: float | None = None  # job-wide, real tokens only
 
 
+class ParallelStage(Frozen):
+    """One pipeline stage as its worst rank holds it (issue 34; planner.memory.stages): the layers it holds,
+    each model state per rank, the activations of the micro-batches in flight, and its whole-device peak."""
+
+    stage: int  # 0-based pipeline rank
+    layers: tuple[int, ...]  # transformer layers held (every virtual chunk's)
+    blocks: tuple[str, ...]  # the model's blocks held, in forward order (embeddings first stage, head last)
+    parameters: int  # parameter elements per rank (after tensor parallelism, before data-parallel sharding)
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # saved for backward, all micro-batches in flight
+    in_flight_micro_batches: float  # micro-batches whose activations the stage holds at its peak
+    peak_allocated_bytes: int
+    peak_device_bytes: int
+    peak_device_low_bytes: int
+    peak_device_high_bytes: int
+    verdict: Verdict
+    replayed: bool  # the allocator replay ran on this stage (else its reserved pool scaled from the worst's)
+
+
+class ParallelLayout(Frozen):
+    """How the world is split (planner.parallel.dims.ParallelDims) and every pipeline stage's memory; the
+    estimate's own memory_bytes and verdict are those of `worst_stage`."""
+
+    world: int
+    dp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    vp: int
+    sp: bool
+    schedule: str  # none without pipeline parallelism
+    micro_batches: int  # per optimizer step, per pipeline (grad_accum)
+    worst_stage: int
+    stages: tuple[ParallelStage, ...] = ()
+
+
 class Estimate(Frozen):
     model: str
     instance: str
@@ -513,6 +592,9 @@ class Estimate(Frozen):
     cost: Cost | None = None
     notes: tuple[str, ...] = ()
     run: RunSummary | None = None  # --lengths: the run of varying lengths; the verdict then follows its peak
+    # tensor/context/pipeline parallelism (issue 34): the layout and each stage's memory; None for plain data
+    # parallelism, and then absent from the JSON (every key of a plain estimate stays as it was)
+    parallel: ParallelLayout | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", exclude={"parallel"} if self.parallel is None else None)

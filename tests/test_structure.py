@@ -149,7 +149,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner", "planner.__main__", "planner.cli", "planner.aws"),  # edges: the package API, commands, AWS
     ("planner.report", "planner.probes"),  # the HTML report and figures; probe requests and readings
     ("planner.search",),  # the Optuna search (calls the pipeline through estimate / build)
-    ("planner.explain", "planner.explain_traced", "planner.explain_where", "planner.build"),  # explanations
+    ("planner.explain", "planner.explain_traced", "planner.explain_where", "planner.explain_parallel",
+     "planner.build"),  # explanations
     ("planner.estimate",),  # the one entry point of an estimate
     ("planner.pipeline", "planner.run"),  # resolve → step → verdict; runs of varying length
     ("planner.memory", "planner.perf", "planner.program", "planner.adapters"),  # interpreters, the tracer

@@ -47,6 +47,20 @@ from planner.cli.lora_opts import (
     lora_flags,
 )
 from planner.cli.options import build_config
+from planner.cli.parallel_opts import (
+    CpOpt,
+    DistOptOpt,
+    DpReplicasOpt,
+    PpOpt,
+    PpScheduleOpt,
+    RecomputeModulesOpt,
+    RecomputeOpt,
+    SpOpt,
+    TpOpt,
+    VpOpt,
+    parallel_fields,
+    parallel_flags,
+)
 from planner.cli.prices_cmd import PriceRegionOpt
 from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
 from planner.io import dumps_json
@@ -112,7 +126,12 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
-                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]))
+                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"])
+                       | parallel_fields(tp=f["tp"], sp=f["sp"], cp=f["cp"], pp=f["pp"], pp_schedule=f["pp_schedule"],
+                                         vp=f["vp"], dp_replicas=f["dp_replicas"],
+                                         distributed_optimizer=f["distributed_optimizer"], recompute=f["recompute"],
+                                         recompute_modules=f["recompute_modules"],
+                                         checkpointing=f["checkpointing"]))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -134,8 +153,11 @@ def print_estimate(est: Estimate) -> None:
     console.print(f"[bold]{est.model}[/] on [bold]{est.instance}[/] ({est.gpu}), {cfg.parallelism} over "
                   f"{est.world_size} GPU(s); micro-batch {cfg.batch_size} × seq {cfg.seq_len}, {cfg.precision}"
                   f"{' (TF32 matmuls)' if cfg.tf32 else ''}, "
-                  f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, checkpointing "
-                  f"{'on' if cfg.checkpointing else 'off'}, grad-accum {cfg.grad_accum}"
+                  f"{cfg.optimizer} ({cfg.optimizer_impl}), attention {cfg.attention}, "
+                  + ("recompute selective" + (f" ({','.join(cfg.recompute_modules)})" if cfg.recompute_modules
+                                              else "") if cfg.recompute_mode == "selective" else
+                     f"checkpointing {'on' if cfg.checkpointing else 'off'}")
+                  + f", grad-accum {cfg.grad_accum}"
                   f"{'' if cfg.framework == 'pytorch' else ', framework ' + cfg.framework}")
     if est.stack:
         from planner.memory.stack import describe
@@ -170,6 +192,7 @@ def print_estimate(est: Estimate) -> None:
                  for ph in est.phases],
                 caption=phase_moment_note(est))
 
+    _print_stages(est)
     for line in run_lines(est):
         console.print(line, highlight=False)
     for line in verdict_lines(est):
@@ -197,6 +220,29 @@ def print_estimate(est: Estimate) -> None:
         console.print(f"[dim]note: {note}[/]")
 
 
+def _print_stages(est: Estimate) -> None:
+    """The layout and every pipeline stage's memory per rank (tensor/context/pipeline parallelism, HSDP)."""
+    p = est.parallel
+    if p is None:
+        return
+    from planner.cli.tables import Col, print_table
+
+    replicas = f" ({p.dp_replicate} replica groups of {p.dp_shard})" if p.dp_replicate > 1 else ""
+    console.print(f"Layout: {p.world} GPUs = tensor {p.tp}{' (+SP)' if p.sp else ''} × context {p.cp} × pipeline "
+                  f"{p.pp}{f' (vp {p.vp})' if p.vp > 1 else ''} × data {p.dp}{replicas}; schedule {p.schedule}, "
+                  f"{p.micro_batches} micro-batch(es) per step", highlight=False)
+    heads = ("stage", "layers", "states", "activ", "in flight", "peak", "verdict")
+    rows = [[str(s.stage), str(len(s.layers)), fmt_bytes(s.parameter_bytes + s.gradient_bytes + s.optimizer_bytes),
+             fmt_bytes(s.activation_bytes), f"{s.in_flight_micro_batches:g}", fmt_bytes(s.peak_device_bytes),
+             s.verdict + (" (worst)" if s.stage == p.worst_stage else "")]
+            for s in p.stages]
+    print_table(console, "Memory of one rank per pipeline stage",
+                [Col(h, "left" if h in ("stage", "verdict") else "right", whole=True) for h in heads], rows,
+                caption="states: parameters, gradients and optimizer states; activ: saved for backward, every "
+                        "micro-batch in flight; peak: the whole device. The worst stage decides the verdict (JSON "
+                        "key parallel.stages)")
+
+
 def probe_command(est: Estimate) -> str:
     """The `planner probe launch` line that measures this configuration on the real GPU."""
     cfg = est.config
@@ -208,7 +254,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg) + parallel_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -265,6 +311,16 @@ def register(app: typer.Typer) -> None:
         load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
+        tp: TpOpt = 1,
+        sp: SpOpt = None,
+        cp: CpOpt = 1,
+        pp: PpOpt = 1,
+        pp_schedule: PpScheduleOpt = None,
+        vp: VpOpt = 1,
+        dp_replicas: DpReplicasOpt = None,
+        distributed_optimizer: DistOptOpt = False,
+        recompute: RecomputeOpt = None,
+        recompute_modules: RecomputeModulesOpt = None,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,

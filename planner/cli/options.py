@@ -21,10 +21,19 @@ def build_config(*, instance_gpus: int, batch_size: int | None, global_batch_siz
         # "auto" by the one rule (planner.parallel.resolve_name); None: a name TrainConfig refuses below
         strategy = known(resolve_name(parallelism, instance_gpus * instances))
         gpus = strategy.world_size(instance_gpus, instances) if strategy else instance_gpus * instances
+        # tensor, context and pipeline groups hold one replica between them: the batch is split over the
+        # data-parallel rest (Megatron: global = micro-batch × micro-batches × DP); a product that does not
+        # divide the GPUs is refused when the layout is checked (planner.parallel.dims)
+        model_parallel = extra.get("tp", 1) * extra.get("cp", 1) * extra.get("pp", 1)
+        if model_parallel > 1 and gpus % model_parallel == 0:
+            gpus //= model_parallel
+            if batch_size is not None and grad_accum == 1 and global_batch_size % (batch_size * gpus) == 0:
+                # both given: the micro-batches per step follow (Megatron's num_microbatches)
+                grad_accum = global_batch_size // (batch_size * gpus)
         per_step = max(grad_accum, 1) * gpus
         if global_batch_size % per_step:
             raise PlannerError("--global-batch-size", global_batch_size,
-                               f"a multiple of grad-accum × GPUs = {per_step}")
+                               f"a multiple of grad-accum × data-parallel GPUs = {per_step}")
         derived = global_batch_size // per_step
         if derived > MAX_BATCH:
             raise PlannerError("--global-batch-size", global_batch_size,

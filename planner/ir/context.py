@@ -38,6 +38,11 @@ class Ctx:
     backend: Backend
     padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
     flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
+    # Model-parallel degrees of this rank's shard (planner.parallel.dims, set once by planner.pipeline.resolve):
+    # tensor parallel, sequence parallel (with tp), context parallel.
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
 
     @property
     def n(self) -> int:

@@ -43,13 +43,19 @@ class Sharding:
         return resident_p, resident_g, gathered, transient
 
 
-def sharding(config: TrainConfig, world: int) -> Sharding:
+def sharding(config: TrainConfig, world: int, degree: int | None = None) -> Sharding:
+    """Each GPU's share of the states: 1/`degree` of what the strategy shards, where `degree` is the GPUs one
+    replica's states are divided over (planner.parallel.dims: dp_shard, the data-parallel size over tensor,
+    context and pipeline groups, and within one replica group under HSDP); None: `world` (data parallelism
+    alone). Megatron's distributed optimizer (--distributed-optimizer) shards the optimizer states (its fp32
+    master weights among them) over the data-parallel group: 6 + 12/DP bytes per parameter (NVIDIA/Megatron-LM
+    docs/source/api-guide/dist_optimizer.md)."""
     shards = strategies.get(config.parallelism).sharding
-    part = 1.0 / world
+    part = 1.0 / (degree or world)
     return Sharding(
         parameters=part if shards.parameters else 1.0,
         gradients=part if shards.gradients else 1.0,
-        optimizer_states=part if shards.optimizer_states else 1.0,
+        optimizer_states=part if shards.optimizer_states or config.distributed_optimizer else 1.0,
     )
 
 

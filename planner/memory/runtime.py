@@ -193,6 +193,15 @@ def nccl_bytes(constants: RuntimeConstants, world_size: int) -> int:
     return constants.nccl_bytes_per_peer * min(world_size - 1, NCCL_RING_PEERS)
 
 
+def nccl_group_bytes(constants: RuntimeConstants, group_sizes: tuple[int, ...]) -> int:
+    """NCCL buffers of a rank in several process groups (tensor, context, pipeline, data parallel): each group
+    is its own communicator with its own channel buffers (NCCL allocates them per communicator and peer:
+    NCCL_BUFFSIZE "per channel, per peer"; Megatron-Core and torchtitan's DeviceMesh create one communicator
+    per group). ASSUMPTION: each group's buffers as `nccl_bytes` gives for its size (a pipeline group: the two
+    neighbours at most)."""
+    return sum(nccl_bytes(constants, n) for n in group_sizes)
+
+
 # ---- I/O edge ------------------------------------------------------------------------------------
 
 

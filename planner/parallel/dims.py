@@ -66,7 +66,7 @@ class ParallelDims:
 
 def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int | None = None,
           kv_heads: int | None = None, seq_len: int | None = None, experts: int | None = None,
-          top_k: int | None = None) -> ParallelDims:
+          top_k: int | None = None, ffn: int | None = None) -> ParallelDims:
     """The layout `cfg` asks for over `world` GPUs, or a PlannerError naming the first rule it breaks.
     Model facts left None are not checked (a traced model without a layer count, say)."""
     tp, cp, pp, vp, ep, etp = cfg.tp, cfg.cp, cfg.pp, cfg.vp, cfg.ep, cfg.etp
@@ -98,6 +98,8 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
         raise PlannerError("--tp", tp, f"a divisor of the model's {heads} attention heads")
     if kv_heads is not None and kv_heads % tp and tp % kv_heads:
         raise PlannerError("--tp", tp, f"a divisor or a multiple of the model's {kv_heads} key/value heads")
+    if ffn is not None and ffn % tp:
+        raise PlannerError("--tp", tp, f"a divisor of the model's intermediate (MLP) size {ffn}")
     if layers is not None:
         if pp * vp > layers:
             raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
@@ -119,5 +121,34 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
     if world % (ep * etp * pp):
         raise PlannerError("--ep/--etp", f"{ep}×{etp}",
                            f"a product that, times --pp {pp}, divides the {world} GPUs of the job")
+    if schedule == "interleaved-1f1b" and cfg.grad_accum % pp:
+        # megatron/core/pipeline_parallel/schedules.py forward_backward_pipelining_with_interleaving: "number of
+        # microbatches is not divisible by pipeline-model-parallel-size when using interleaved schedule"
+        raise PlannerError("--grad-accum", cfg.grad_accum, f"a multiple of --pp {pp}: the interleaved schedule runs "
+                           "micro-batches in groups of the pipeline size (micro-batches per step)")
+    if cfg.recompute_modules and cfg.recompute_mode != "selective":
+        raise PlannerError("--recompute-modules", ",".join(cfg.recompute_modules), "only with --recompute selective")
     return ParallelDims(world=world, dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, cp=cp, pp=pp, vp=vp,
                         sp=sp, schedule=schedule, ep=ep, etp=etp)
+
+
+# The SDPA kernels torch's context parallelism shards (torch/distributed/tensor/experimental/_context_parallel/
+# _attention.py, the dispatch table of _scaled_dot_product_ring_{flash,efficient,cudnn}_attention and their
+# backwards, torch 2.7+): SDPA's flash, memory-efficient and cuDNN backends. Eager attention (matmul, softmax,
+# matmul) and the flash-attn package's kernels (transformers' flash_attention_2, not an ATen op) have none.
+# Megatron-Core runs context parallelism in Transformer Engine's attention (transformer_engine/pytorch/attention
+# attn_forward_func_with_cp), whatever the planner calls the kernel, so only eager is refused there.
+CONTEXT_PARALLEL_ATTENTION = ("sdpa",)
+
+
+def check_attention(dims: ParallelDims, attention: str, framework: str) -> None:
+    """Context parallelism needs an attention kernel that has it (`attention` resolved, never "auto")."""
+    if dims.cp == 1:
+        return
+    from planner.parallel.frameworks import get
+
+    allowed = ("sdpa", "flash") if get(framework).engine == "megatron" else CONTEXT_PARALLEL_ATTENTION
+    if attention not in allowed:
+        raise PlannerError("--attention", attention,
+                           f"{' or '.join(allowed)} with --cp {dims.cp} (context parallelism shards SDPA's "
+                           "flash, efficient and cuDNN kernels; eager attention has none)")

@@ -87,7 +87,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU", "dp": "nn.DataParallel", "ddp": "DistributedDataParallel",
                     "zero1": "ZeroRedundancyOptimizer over DDP", "zero2": "ZeRO-2 (the planner's generic rule)",
                     "zero3": "ZeRO-3 (the planner's generic rule)",
-                    "fsdp": "FSDP2 fully_shard, with torch.autocast around the step"},
+                    "fsdp": "FSDP2 fully_shard, with torch.autocast around the step",
+                    "hsdp": "FSDP2 fully_shard on a 2-D DeviceMesh (replicate, shard), torch.autocast"},
         fsdp="fsdp2", fsdp_precision="autocast",
         sources=(*_FSDP2_SOURCES, _AUTOCAST_CACHE,
                  "pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam.to_unsharded: the "
@@ -98,7 +99,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
     Framework(
         "torchtitan", "torchtitan",
         strategies={"single": "one GPU, torch.autocast", "ddp": "replicate (DDP), torch.autocast",
-                    "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)"},
+                    "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)",
+                    "hsdp": "FSDP2 fully_shard on the (dp_replicate, dp_shard) mesh, the same policy"},
         fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True,
         sources=(*_FSDP2_SOURCES,
                  "pytorch/torchtitan torchtitan/config/job_config.py Training.mixed_precision_param = 'bfloat16', "

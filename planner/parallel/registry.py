@@ -61,6 +61,16 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("fsdp", "FSDP FULL_SHARD", Sharding(True, True, True), loop_zero_grad=False, rank=4,
              communication=_FSDP, units=_fsdp_units, fsdp=True,
              notes="PyTorch FSDP FULL_SHARD: ZeRO-3 semantics, one flat all-gather per wrapped unit."),
+    # HSDP: fully_shard(mesh=2-D DeviceMesh (dp_replicate, dp_shard)) shards over the inner dimension and
+    # replicates over the outer (torch/distributed/fsdp/_fully_shard/_fully_shard.py: "a 2D mesh ... HSDP";
+    # torchtitan parallel_dims dp_replicate × dp_shard). The states are divided by dp_shard only
+    # (planner.memory.parallel.sharding); the gradients' shards are all-reduced across the replicas.
+    Strategy("hsdp", "HSDP (FSDP in each replica group)", Sharding(True, True, True), loop_zero_grad=False, rank=4,
+             communication=(*_FSDP, Collective("hsdp.replicate.allreduce", "allreduce", per_micro_step=False,
+                                               launches="units")),
+             units=_fsdp_units, fsdp=True,
+             notes="FSDP inside each group of --dp-replicas; the groups hold replicas, their gradient shards "
+                   "all-reduced across groups."),
 )}
 
 

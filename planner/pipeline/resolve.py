@@ -16,6 +16,7 @@ from planner.errors import PlannerError
 from planner.ir.context import Ctx
 from planner.memory import parallel
 from planner.memory import stack as sw
+from planner.parallel import dims as layout
 from planner.parallel.frameworks import check as check_framework
 from planner.spec import (
     Instance,
@@ -172,15 +173,49 @@ class Resolved:
     fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
     ctx: Ctx  # the resolved configuration's context record
+    # how the world splits into data, tensor, context and pipeline groups (issue 34), checked once
+    dims: layout.ParallelDims | None = None
 
 
-def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda") -> Ctx:
+def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda",
+            dims: layout.ParallelDims | None = None) -> Ctx:
     """The context record of a resolved configuration (attention never "auto"): the batch is padded when the
     model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
-    runs them (sm80+)."""
+    runs them (sm80+), and this rank's tensor/sequence/context-parallel degrees (`dims`)."""
     padded = spec.inputs.attention_mask if spec is not None else False
+    tp, sp, cp = (dims.tp, dims.sp, dims.cp) if dims is not None else (1, False, 1)
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
-               padded, instance.gpu.flash_attention)
+               padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp)
+
+
+def model_parallel_asked(cfg: TrainConfig) -> bool:
+    """Any tensor, context or pipeline parallelism (or their options) in the configuration."""
+    return (cfg.tp > 1 or cfg.cp > 1 or cfg.pp > 1 or cfg.vp > 1 or cfg.pp_schedule is not None
+            or bool(cfg.sp))
+
+
+def parallel_dims(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> layout.ParallelDims:
+    """The layout of a resolved configuration over `world` GPUs (planner.parallel.dims.build), checked against
+    the model's layers, heads, key/value heads, MLP width and sequence. Model parallelism is modelled for one
+    transformer of the hand-modelled families, trained in full: a traced module, a multimodal model or LoRA
+    with --tp/--cp/--pp is refused, naming the flag."""
+    if model_parallel_asked(cfg):
+        flag = "--tp" if cfg.tp > 1 else "--cp" if cfg.cp > 1 else "--pp" if cfg.pp > 1 else \
+            "--vp" if cfg.vp > 1 else "--pp-schedule" if cfg.pp_schedule else "--sp"
+        value = getattr(cfg, flag[2:].replace("-", "_"))
+        if spec is None or len(spec.components) != 1 or len(spec.transformers) != 1:
+            raise PlannerError(flag, value, "1 here: tensor, context and pipeline parallelism are modelled for "
+                               "one transformer of the catalog or a config.json of the modelled families")
+        if cfg.lora:
+            raise PlannerError(flag, value, "1 with LoRA (adapters under model parallelism are not modelled)")
+        if strategies.get(cfg.parallelism).one_process:
+            raise PlannerError("--parallelism", cfg.parallelism, "ddp, zero1-3, fsdp or hsdp with model "
+                               "parallelism (nn.DataParallel is one process)")
+    if spec is None or len(spec.transformers) != 1:
+        return layout.build(cfg, world)
+    t = spec.transformers[0]
+    return layout.build(cfg, world, layers=t.num_layers, heads=t.num_heads, kv_heads=t.num_kv_heads,
+                        seq_len=cfg.seq_len, ffn=t.intermediate_size)
 
 
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
@@ -219,9 +254,12 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
             _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
     check_supported(spec, cfg, inst)
     world = parallel.world_size(cfg, inst)
-    share = parallel.sharding(cfg, world)
+    dims = parallel_dims(spec, cfg, world)
+    layout.check_attention(dims, cfg.attention, cfg.framework)
+    share = parallel.sharding(cfg, world, dims.dp_shard)
     # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale, context(spec, cfg, inst, backend))
+    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale,
+                    context(spec, cfg, inst, backend, dims), dims)

@@ -88,7 +88,7 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # What `activations.activation_blocks` reads of a TrainConfig (its `_ctx` and the checkpointing flag):
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
-                     "lora_dropout", "base_dtype")
+                     "lora_dropout", "base_dtype", "recompute", "recompute_modules")
 _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATIONS", scope="step",
     key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
@@ -158,12 +158,16 @@ def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, i
 
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
                      share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
-                     lay: framework_layout.StateLayout | None = None) -> tuple[timeline.BlockMemory, ...]:
+                     lay: framework_layout.StateLayout | None = None,
+                     counts: tuple[dict[str, int], dict[str, int]] | None = None) -> tuple[timeline.BlockMemory, ...]:
+    """`counts`: (parameters, trained parameters) per block on this rank where tensor parallelism divides
+    them (planner.memory.stages); None: the model's own."""
     facts = _model_facts(model)
+    by_block, trained_by = counts or (facts.by_block, facts.gradients_by_block)
     out = []
     for act in activations:  # every block in forward order, then "loss"
-        n_params = facts.by_block.get(act.block, 0)
-        n_trained = facts.gradients_by_block.get(act.block, 0)
+        n_params = by_block.get(act.block, 0)
+        n_trained = trained_by.get(act.block, 0)
         full_p, full_g = n_params * p_bytes, n_trained * g_bytes
         if lora is not None:
             full_p, full_g, n_params, n_trained = lora.get(act.block, (0, 0, 0, 0))
@@ -209,6 +213,103 @@ class _Prepared:
     fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
     ctx: Ctx | None = None  # the context record resolve built (planner.pipeline.resolve.Resolved.ctx)
+    dims: Any = None  # planner.parallel.dims.ParallelDims (resolve built it)
+    # every pipeline stage's step under tensor/pipeline parallelism (`step` is the worst one's); () otherwise
+    stages: tuple[StageStep, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One pipeline rank's step: its blocks and layers, parameters per rank, the micro-batches in flight, and
+    its StepMemory (its shards, its in-flight activations)."""
+
+    stage: int
+    blocks: tuple[str, ...]
+    layers: tuple[int, ...]
+    parameters: int
+    in_flight: float
+    step: timeline.StepMemory
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(b.kept_bytes for b in self.step.blocks)
+
+    @property
+    def peak_allocated(self) -> int:
+        return timeline.peaks(self.step)[1].total
+
+
+def _rank_casts(act: Any, rank_params: int, full_params: int) -> Any:
+    """A block's AMP weight casts (saved for backward, and autocast's cache) on one tensor-parallel rank: casts
+    of its weight shards, so the whole layer's times the rank's share of its parameters. Records whose casts
+    already fit the rank's parameters (at most 2 bytes each: an activation model that shards the layer's ops)
+    are left as they are."""
+    if not full_params or rank_params >= full_params or act.weight_cast_bytes + act.autocast_cache_bytes == 0:
+        return act
+    if max(act.weight_cast_bytes, act.autocast_cache_bytes) <= 2 * rank_params:
+        return act
+    ratio = rank_params / full_params
+    return replace(act, weight_cast_bytes=int(act.weight_cast_bytes * ratio),
+                   autocast_cache_bytes=int(act.autocast_cache_bytes * ratio))
+
+
+IN_FLIGHT = "in-flight micro-batches"  # the pseudo-block holding the other micro-batches' saved activations
+
+
+def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.Sharding,
+                 lay: framework_layout.StateLayout, activations: tuple, template: timeline.StepMemory
+                 ) -> tuple[StageStep, ...]:
+    """Each pipeline rank's step under tensor and pipeline parallelism (planner.memory.stages): its blocks with
+    their tensor-parallel shards, sharded over the data-parallel group as `share` says; the optimizer states of
+    its shards; and, ahead of its blocks, the saved activations of the other micro-batches its schedule keeps
+    in flight (the timeline walks one micro-batch's forward and backward through the rank's blocks)."""
+    from planner.memory import stages as st
+    from planner.models.blocks import model_blocks
+    from planner.models.params import tied_gradient
+
+    t = spec.transformers[0]
+    blocks = {b.name: b for b in model_blocks(spec)}
+    megatron = lay.kind == "megatron"
+    shapes = {n: st.rank_tensor_shapes(b, dims.tp, megatron=megatron) for n, b in blocks.items()}
+    tied = tied_gradient(spec)
+    if tied is not None:  # a tied LM head: the table's gradient appears at the head (pipeline: its own copy)
+        emb, head, shape = tied
+        table = (st.vocab_rows(t.vocab_size, dims.tp, megatron), *shape[1:])
+        if dims.pp > 1:  # Megatron: the last stage keeps a copy of the word embeddings, its gradient all-
+            shapes[head] = [*shapes[head], table]  # reduced with the first's (LanguageModule shared_embedding)
+    params = {n: sum(math.prod(x) for x in v) for n, v in shapes.items()}
+    trained = dict(params)
+    if tied is not None and dims.pp == 1:
+        n = math.prod(table)
+        trained[emb], trained[head] = trained[emb] - n, trained[head] + n
+    layer_index = {b.name: b.index for b in blocks.values() if b.role == "layer"}
+    activations = tuple(_rank_casts(a, params.get(a.block, 0), _model_facts(spec).by_block.get(a.block, 0))
+                        for a in activations) if dims.tp > 1 else activations
+    names = [a.block for a in activations]
+    ocfg = _optimizer_config(cfg, lay)
+    p_bytes = lay.state_param_bytes
+    out = []
+    for sb in st.stages(names, layer_index, t.num_layers, dims):
+        held = set(sb.blocks)
+        acts = tuple(a for a in activations if a.block in held)
+        block_mem = _resident_blocks(spec, acts, lay.param_bytes, lay.grad_bytes, share, None, lay,
+                                     counts=(params, trained))
+        k = st.in_flight(dims, sb.stage, cfg.grad_accum)
+        extra = int(round((k - 1) * sum(b.kept_bytes for b in block_mem)))
+        if extra > 0:
+            block_mem = (timeline.BlockMemory(IN_FLIGHT, 0, 0, 0, 0, extra, extra, 0, 0, False), *block_mem)
+        rank_shapes = [x for n in sb.blocks for x in shapes.get(n, ())]
+        n_trained = sum(trained.get(n, 0) for n in sb.blocks)
+        states = optimizer.optimizer_state_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
+        temps = optimizer.optimizer_temporary_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
+        extra_states, extra_temp = _framework_state_bytes(lay, n_trained, share)
+        step = replace(template, blocks=block_mem, optimizer_state_bytes=states + extra_states,
+                       optimizer_temporary_bytes=temps + extra_temp,
+                       ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, model_states.gradient_bytes(n_trained, cfg)),
+                       grads_resident=template.grads_resident or cfg.grad_accum > 1,
+                       **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)))
+        out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(params.get(n, 0) for n in sb.blocks), k, step))
+    return tuple(out)
 
 
 def _loop_fields(cfg: TrainConfig, outputs: int) -> dict[str, Any]:
@@ -301,10 +402,17 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         extra_forward_bytes=parallel.dataparallel_gpu0_extra(spec, cfg, inst.gpus),
         **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)),
     )
+    stage_steps: tuple[StageStep, ...] = ()
+    if r.dims is not None and not r.dims.plain:
+        stage_steps = _stage_steps(spec, cfg, r.dims, share, lay, tuple(activations), step)
+        step = max(stage_steps, key=lambda s: s.peak_allocated).step  # the worst rank decides the verdict
+    elif r.dims is not None and r.dims.dp_replicate > 1:  # HSDP: one stage, the layout still reported
+        layers = tuple(range(spec.transformers[0].num_layers)) if len(spec.transformers) == 1 else ()
+        stage_steps = (StageStep(0, tuple(a.block for a in activations), layers, total_params, 1.0, step),)
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
                      r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
                      view.stack, view.context, view.given,
-                     view.fragmentation_range, ctx=r.ctx)
+                     view.fragmentation_range, ctx=r.ctx, dims=r.dims, stages=stage_steps)
 
 
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
@@ -380,7 +488,7 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     return _Prepared(None, inst, cfg, world, rt, dict(full.parameters), step, (), share, fragmentation_given,
                      r.throughput_scale, full.name, tuple(notes), view.stack, view.context, view.given,
                      view.fragmentation_range,
-                     kept, ctx=r.ctx)
+                     kept, ctx=r.ctx, dims=r.dims)
 
 
 def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:

@@ -17,6 +17,8 @@ from planner.spec import (
     Instance,
     MemoryBytes,
     ModelSpec,
+    ParallelLayout,
+    ParallelStage,
     PhasePeak,
     Throughput,
     TrainConfig,
@@ -39,6 +41,11 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     peak_allocated = top.total
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
     nccl = nccl_bytes(rt, inst.gpus if strategy_of(cfg.parallelism).one_process else world)
+    if prep.dims is not None and not prep.dims.plain:  # one communicator per tensor/context/pipeline/data group
+        from planner.memory.runtime import nccl_group_bytes
+
+        d = prep.dims
+        nccl = nccl_group_bytes(rt, (d.tp, d.cp, d.pp, d.dp))
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
     alloc = None
     replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
@@ -90,6 +97,19 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced,
                                            region, ctx=prep.ctx)
 
+    layout = None
+    if prep.stages:
+        def replay(stage_step: timeline.StepMemory) -> int:  # the allocator replay of another stage's step
+            r = replay_step(spec, cfg, stage_step, prep.activations, parameter_share=prep.share.parameters,
+                            gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
+                            capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
+                            expandable_segments=expandable_segments or prep.stack.expandable_segments,
+                            max_split_size=prep.stack.max_split_size, backend=backend,
+                            flash_ok=inst.gpu.flash_attention)
+            return r.peak_reserved
+
+        layout = _parallel_layout(prep, alloc, peak_allocated, peak_reserved, peak_device, low, high, gpu_memory,
+                                  replay if alloc is not None and spec is not None else None)
     return Estimate(
         model=prep.name,
         instance=inst.name,
@@ -114,7 +134,51 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         throughput=throughput,
         cost=cost,
         notes=prep.notes,
+        parallel=layout,
     )
+
+
+# Pipeline stages up to which every stage goes through the allocator replay (beyond: the worst one only, the
+# others scaled from it). ASSUMPTION: 8 stages keep an estimate under a second for a 70B model on 2 cores.
+REPLAY_STAGES = 8
+
+
+def _parallel_layout(prep: _Prepared, alloc: Any, allocated: int, reserved: int, device: int, low: int, high: int,
+                     gpu_memory: int, replay: Any = None) -> ParallelLayout:
+    """The layout and every pipeline stage's memory. The worst stage (prep.step) went through the allocator
+    replay, and so does every other stage when there are at most REPLAY_STAGES (`replay`: a stage's step ->
+    its reserved peak); otherwise a stage's reserved pool is its allocated peak times the worst stage's
+    reserved/allocated ratio. A stage's band is the worst's shifted by the difference (the context and NCCL
+    terms are the same on every rank)."""
+    d = prep.dims
+    ratio = reserved / allocated if allocated else 1.0
+    rows = []
+    worst = 0
+    for s in prep.stages:
+        is_worst = s.step is prep.step
+        if is_worst:
+            worst = s.stage
+        peak = _timeline_peaks(s.step)[1].total
+        replayed = is_worst and alloc is not None
+        if is_worst:
+            stage_reserved = reserved
+        elif replay is not None and len(prep.stages) <= REPLAY_STAGES:
+            stage_reserved, replayed = max(replay(s.step), peak), True
+        else:
+            stage_reserved = max(int(peak * ratio), peak)
+        stage_device = device + stage_reserved - reserved
+        lo, hi = low + stage_device - device, high + stage_device - device
+        rows.append(ParallelStage(
+            stage=s.stage, layers=s.layers, blocks=s.blocks, parameters=s.parameters,
+            parameter_bytes=sum(b.param_bytes for b in s.step.blocks),
+            gradient_bytes=sum(b.grad_bytes for b in s.step.blocks),
+            optimizer_bytes=s.step.optimizer_state_bytes, activation_bytes=s.activation_bytes,
+            in_flight_micro_batches=s.in_flight, peak_allocated_bytes=peak, peak_device_bytes=stage_device,
+            peak_device_low_bytes=lo, peak_device_high_bytes=hi, verdict=band.verdict(lo, hi, gpu_memory),
+            replayed=replayed))
+    return ParallelLayout(world=d.world, dp=d.dp, dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, tp=d.tp,
+                          cp=d.cp, pp=d.pp, vp=d.vp, sp=d.sp, schedule=d.schedule,
+                          micro_batches=prep.cfg.grad_accum, worst_stage=worst, stages=tuple(rows))
 
 
 _PEAKS: dict[timeline.StepMemory, tuple[dict[str, timeline.Point], timeline.Point]] = caches.table(
