@@ -167,10 +167,12 @@ def _default_constants() -> ThroughputConstants:
 
 
 def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance,
-                       constants: ThroughputConstants | None = None, *, ctx: Ctx | None = None) -> Throughput:
+                       constants: ThroughputConstants | None = None, *, ctx: Ctx | None = None,
+                       dims: mp.ParallelDims | None = None) -> Throughput:
     """Step time and its breakdown, job-wide samples/s and tokens/s, and MFU (see the module docstring).
     `config` is resolved (planner.pipeline.resolve.resolve_parallelism): a parallelism of "auto" is refused.
-    `ctx`: the context record the pipeline resolved with it (None: built from `config` and the GPU)."""
+    `ctx` and `dims`: the context record and the layout the pipeline resolved with it (None: built here from
+    `config`, the model and the GPU, for callers outside the pipeline)."""
     c = constants or _default_constants()
     if config.tf32 and not c.allow_tf32:
         c = c.model_copy(update={"allow_tf32": True})
@@ -186,9 +188,11 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     layers = sum(t.num_layers for t in model.transformers) or None
     one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
-    dims = shape = None
+    shape = None
     if mp.has_model_parallelism(config) and model.transformers:
-        dims, shape = mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
+        dims, shape = dims or mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
+    else:
+        dims = None
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
                             c, layers=layers, dp_io_bytes=io, gather_params=gather_params, dims=dims, shape=shape)
 

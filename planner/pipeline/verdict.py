@@ -95,7 +95,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     throughput = cost = None
     if with_throughput and (spec is not None or prep.traced is not None):
         throughput, cost = _speed_and_cost(spec, cfg, inst, dataset_size, spot, prep.throughput_scale, prep.traced,
-                                           region, ctx=prep.ctx)
+                                           region, ctx=prep.ctx, dims=prep.dims)
 
     layout = None
     if prep.stages:
@@ -214,7 +214,8 @@ def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, repla
 
 
 def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
-                    scale: float | None, traced: Any = None, region: str | None = None, ctx: Any = None):
+                    scale: float | None, traced: Any = None, region: str | None = None, ctx: Any = None,
+                    dims: Any = None):
     """Throughput (the analytic kernel list, or a traced model's own ops), and cost at the instance's price
     (the refreshed cache when present, else the embedded table; `predict_cost` records which, with its date)."""
     from planner.perf.cost import predict_cost
@@ -225,7 +226,7 @@ def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, da
 
         throughput = _calibrated(traced_throughput(traced, cfg, inst), scale)
     else:
-        throughput = _calibrated(predict_throughput(spec, cfg, inst, ctx=ctx), scale)
+        throughput = _calibrated(predict_throughput(spec, cfg, inst, ctx=ctx, dims=dims), scale)
     try:
         cost = predict_cost(throughput, inst, instances=cfg.instances, dataset_size=dataset_size, spot=spot,
                             region=region)
