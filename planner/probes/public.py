@@ -32,6 +32,7 @@ from planner.spec import (
     Attention,
     Framework,
     Instance,
+    Loop,
     OptimizerImpl,
     OptimizerName,
     Parallelism,
@@ -166,10 +167,13 @@ class ShardedRun(MemoryRun):
     lora_alpha: float | None = None
     lora_targets: str = ""  # "q_proj,v_proj"
     lora_dropout: float = Field(0.0, ge=0, lt=1)
+    # the training loop's tensor lifetimes (`--loop`): "loss-only" where the script keeps only the loss
+    # (`loss = model(**batch).loss`), "plain" where it keeps the outputs until the step ends
+    loop: Loop = "plain"
 
     def train_config(self) -> TrainConfig:
         base = super().train_config()
-        extra: dict[str, Any] = {"framework": self.framework}
+        extra: dict[str, Any] = {"framework": self.framework, "loop": self.loop}
         if self.lora_r is not None:
             extra |= {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
                       "lora_targets": tuple(t for t in self.lora_targets.split(",") if t)}
