@@ -314,3 +314,51 @@ def test_one_gpu_fsdp_readings_on_h200():
         "max_alloc"]
     assert predicted["a-plain-autocast"]["forward"] - predicted["b-fsdp2-policy"]["forward"] == pytest.approx(
         cache, rel=0.25)
+
+
+def _ds_file(tmp_path, name: str, stage: int, optimizer_block: bool) -> str:
+    conf = {"zero_allow_untested_optimizer": True, "fp16": {"enabled": "auto"},
+            "zero_optimization": {"stage": stage, "sub_group_size": 3e8}}
+    if optimizer_block:
+        conf["optimizer"] = {"type": "AdamW", "params": {"lr": "auto"}}
+    path = tmp_path / name
+    path.write_text(json.dumps(conf))
+    return str(path)
+
+
+def test_ds_config_without_an_optimizer_block_means_the_scripts_own_optimizer(tmp_path):
+    """DeepSpeed builds FusedAdam only from the config's "optimizer" block; without one the Trainer's optimizer
+    is passed in (deepspeed/runtime/engine.py _configure_optimizer)."""
+    from planner.parallel.ds_config import read_ds_config
+
+    client = read_ds_config(_ds_file(tmp_path, "a.json", 2, optimizer_block=False))
+    own = read_ds_config(_ds_file(tmp_path, "b.json", 2, optimizer_block=True))
+    assert client.client_optimizer and not own.client_optimizer
+    assert client.sub_group_size == 300_000_000
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_client_for_loop_adam_steps_deepspeeds_flat_partition(tmp_path, stage):
+    """A for-loop AdamW over DeepSpeed's flat fp32 partition holds sqrt and quotient of the whole partition
+    (stage 1-2: one tensor of P/N elements; stage 3: sub-groups of at most sub_group_size), where DeepSpeed's
+    own FusedAdam holds none: the optimizer phases differ by exactly that (LLaMA-Factory#1221's 3.14 GiB)."""
+    n = 8
+    base = dict(batch_size=1, seq_len=256, precision="amp-fp16", checkpointing=True, optimizer_impl="for-loop",
+                framework="deepspeed", parallelism=f"zero{stage}")
+    from planner.parallel.ds_config import read_ds_config
+
+    phases = {}
+    for name, block in (("client", False), ("fused", True)):
+        ds = read_ds_config(_ds_file(tmp_path, f"{name}.json", stage, optimizer_block=block))
+        est = estimate("llama-2-7b", TrainConfig(**base, deepspeed=ds), "ml.p3dn.24xlarge", with_throughput=False)
+        phases[name] = {p["phase"]: p["allocated"] for p in est.model_dump()["phases"]}
+        total = est.parameters["total"]
+    local = int(total / n)
+    if stage == 2:
+        temp = 2 * local * 4
+    else:  # sub-groups of 3e8 elements: the largest two consecutive ones decide (n_{k-1} + 2 n_k)
+        sizes = [300_000_000] * (local // 300_000_000) + [local % 300_000_000]
+        temp = 4 * max(prev + 2 * cur for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
+    # (FusedAdam's per-tensor step counters on the device: a few hundred bytes the other way)
+    assert phases["client"]["optimizer"] - phases["fused"]["optimizer"] == pytest.approx(temp, abs=1024)
+    assert phases["client"]["forward"] == pytest.approx(phases["fused"]["forward"], abs=1024)

@@ -170,10 +170,17 @@ class ShardedRun(MemoryRun):
     # the training loop's tensor lifetimes (`--loop`): "loss-only" where the script keeps only the loss
     # (`loss = model(**batch).loss`), "plain" where it keeps the outputs until the step ends
     loop: Loop = "plain"
+    # the job's DeepSpeed config, a file under sharded/ (`--ds-config`): its stage, buckets, and whether the
+    # script's own optimizer steps the partitions (no "optimizer" block)
+    ds_config: str = ""
 
     def train_config(self) -> TrainConfig:
         base = super().train_config()
         extra: dict[str, Any] = {"framework": self.framework, "loop": self.loop}
+        if self.ds_config:
+            from planner.parallel.ds_config import read_ds_config
+
+            extra["deepspeed"] = read_ds_config(str(public_dir() / "sharded" / self.ds_config))
         if self.lora_r is not None:
             extra |= {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
                       "lora_targets": tuple(t for t in self.lora_targets.split(",") if t)}
