@@ -362,3 +362,25 @@ def test_a_client_for_loop_adam_steps_deepspeeds_flat_partition(tmp_path, stage)
     # (FusedAdam's per-tensor step counters on the device: a few hundred bytes the other way)
     assert phases["client"]["optimizer"] - phases["fused"]["optimizer"] == pytest.approx(temp, abs=1024)
     assert phases["client"]["forward"] == pytest.approx(phases["fused"]["forward"], abs=1024)
+
+
+def test_accumulation_inside_no_sync_keeps_whole_gradients():
+    """Accelerate's accumulate() (and transformers' Trainer before it) runs the micro-steps before the last in
+    FSDP's no_sync(), which keeps every unit's gradient whole (torch FSDP.no_sync docstring): with grad_accum > 1
+    the resident gradients are the 16-bit unsharded ones, 2 B x every parameter, not the fp32 shard; torchtitan
+    reduce-scatters every micro-step and keeps the shard; one micro-step changes nothing."""
+    base = dict(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp")
+    n = 8
+
+    def grads(framework, ga):
+        est = estimate("llama-2-7b", TrainConfig(**base, framework=framework, grad_accum=ga), "ml.p4d.24xlarge",
+                       with_throughput=False)
+        return est.memory_bytes.gradients, est.parameters["total"], est
+
+    whole, total, est = grads("accelerate", 4)
+    assert whole == 2 * total
+    assert any("no_sync" in note for note in est.notes)
+    sharded, _, _ = grads("accelerate", 1)
+    assert sharded == pytest.approx(4 * total / n, rel=1e-3)
+    titan, _, _ = grads("torchtitan", 4)
+    assert titan == pytest.approx(4 * total / n, rel=1e-3)
