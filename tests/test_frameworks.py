@@ -384,3 +384,13 @@ def test_accumulation_inside_no_sync_keeps_whole_gradients():
     assert sharded == pytest.approx(4 * total / n, rel=1e-3)
     titan, _, _ = grads("torchtitan", 4)
     assert titan == pytest.approx(4 * total / n, rel=1e-3)
+
+
+def test_a_ds_config_with_a_zero_sub_group_size_is_refused(tmp_path):
+    from planner.errors import PlannerError
+    from planner.parallel.ds_config import read_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 0}}))
+    with pytest.raises(PlannerError, match="sub_group_size"):
+        read_ds_config(str(path))
