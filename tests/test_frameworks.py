@@ -394,3 +394,39 @@ def test_a_ds_config_with_a_zero_sub_group_size_is_refused(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 0}}))
     with pytest.raises(PlannerError, match="sub_group_size"):
         read_ds_config(str(path))
+
+
+def test_fsdp1_keeps_its_root_unit_unsharded_for_the_whole_step():
+    """FSDP1 does not reshard the root after forward (torch/distributed/fsdp/_runtime_utils.py
+    `_post_forward_reshard`): under Accelerate's layer-wise wrap the embeddings, final norm and head are the root,
+    gathered once in 16 bits from the forward's start to the backward's end, and its whole 16-bit gradient lives
+    from the head's backward on. FSDP2 (torchtitan) reshards every module; one GPU (NO_SHARD) has no root."""
+    import importlib
+
+    from planner.memory import timeline
+    from planner.models.blocks import model_blocks
+    from planner.models.catalog import get_model
+
+    est_mod = importlib.import_module("planner.estimate")
+    cfg = dict(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp")
+    spec = get_model("llama-2-7b")
+    roles = {b.name: b.role for b in model_blocks(spec)}
+    prep = est_mod._prepare("llama-2-7b", TrainConfig(**cfg, framework="accelerate"), "ml.p4d.24xlarge", None,
+                            "cuda", None)
+    root = [b for b in prep.step.blocks if b.root_unit]
+    assert {b.name for b in root} == {n for n, r in roles.items() if r != "layer"}
+    root_params = 2 * 32000 * 4096 + 4096  # Llama-2-7B's embeddings and untied head (32,000 x 4,096), final norm
+    assert sum(b.gathered_param_bytes for b in root) == 2 * root_params
+    rows = {(p.phase, p.label): p for p in timeline.simulate(prep.step)}
+    sharded = sum(b.param_bytes for b in prep.step.blocks)
+    assert rows[("forward", "end of forward")].bytes["parameters"] == sharded + 2 * root_params
+    first_layer = next(b.name for b in prep.step.blocks if roles.get(b.name) == "layer")
+    # in the first layer's backward (near the end): the root's params, plus that layer's own
+    layer = next(b for b in prep.step.blocks if b.name == first_layer)
+    back = rows[("backward", first_layer)].bytes
+    assert back["parameters"] == sharded + 2 * root_params + layer.gathered_param_bytes
+    titan = est_mod._prepare("llama-2-7b", TrainConfig(**cfg, framework="torchtitan"), "ml.p4d.24xlarge", None,
+                             "cuda", None)
+    assert not any(b.root_unit for b in titan.step.blocks)
+    single = est_mod._prepare("gpt2", TrainConfig(**cfg, framework="accelerate"), "ml.g5.xlarge", None, "cuda", None)
+    assert not any(b.root_unit for b in single.step.blocks)

@@ -59,6 +59,8 @@ class StateLayout:
     # FSDP's no_sync() during gradient accumulation (frameworks.Framework.no_sync_accumulation, grad_accum > 1):
     # gradients resident unsharded, `unsharded_grad_bytes` per parameter, across the micro-steps
     accumulate_unsharded: bool = False
+    # FSDP1 (FullyShardedDataParallel): the root unit is not resharded after forward (frameworks.Framework.fsdp)
+    fsdp1_root: bool = False
 
     @property
     def legacy(self) -> bool:
@@ -139,6 +141,8 @@ def layout(cfg: TrainConfig) -> StateLayout:
             bucket_elements=buckets, reduce_comm_bytes=width, gather_comm_bytes=width))
     if fsdp and fw.no_sync_accumulation and cfg.grad_accum > 1:
         base["accumulate_unsharded"] = True
+    if fsdp and fw.fsdp == "fsdp1":
+        base["fsdp1_root"] = True
     if fsdp and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
         if fw.fsdp_precision == "policy":  # units gathered in 16 bits, computed in 16 bits, no autocast

@@ -160,6 +160,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
                      share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
                      lay: framework_layout.StateLayout | None = None) -> tuple[timeline.BlockMemory, ...]:
     facts = _model_facts(model)
+    root = _fsdp1_root_blocks(model, lay, share)
     out = []
     for act in activations:  # every block in forward order, then "loss"
         n_params = facts.by_block.get(act.block, 0)
@@ -169,6 +170,9 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             full_p, full_g, n_params, n_trained = lora.get(act.block, (0, 0, 0, 0))
         laid = lay.block_bytes(share.parameters, share.gradients, n_params, full_p, n_trained, full_g) if lay else None
         resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
+        in_root = act.block in root and n_params > 0
+        if in_root and lay is not None and gathered and lay.units_in_flight > 1 and not lay.legacy:
+            gathered //= lay.units_in_flight  # the root is one unit, gathered once (not a prefetch window)
         saved_casts = 0 if act.checkpointed else act.weight_cast_bytes
         cache = max(act.autocast_cache_bytes - saved_casts, 0) if lay is None or lay.autocast_cache else 0
         out.append(timeline.BlockMemory(
@@ -184,8 +188,25 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             checkpointed=act.checkpointed,
             forward_cache_bytes=cache,
             retained_bytes=act.retained_output_bytes,
+            root_unit=in_root,
         ))
     return tuple(out)
+
+
+def _fsdp1_root_blocks(model: ModelSpec, lay: framework_layout.StateLayout | None,
+                       share: parallel.Sharding) -> frozenset[str]:
+    """The blocks FSDP1's root unit holds when the layers are the wrapped units (Accelerate's and Lightning's
+    transformer-layer auto-wrap): everything but the layers. FSDP1 does not reshard the root after forward
+    ("Do not free the root's parameters in the post-forward for FULL_SHARD with the intention that they are
+    immediately used for backward": torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`), so it stays
+    unsharded to its post-backward at the end of backward, and the view-backward of its first block (the head)
+    makes the root's whole flat gradient, kept until the embeddings' backward completes it. Empty when nothing is
+    sharded (world size 1: FSDP1 runs NO_SHARD) or under FSDP2 (every module resharded)."""
+    if lay is None or not lay.fsdp1_root or share.parameters >= 1:
+        return frozenset()
+    from planner.models.blocks import model_blocks
+
+    return frozenset(b.name for b in model_blocks(model) if b.role != "layer")
 
 
 @dataclass(frozen=True)
