@@ -242,8 +242,16 @@ def _state_lines(est: Estimate) -> list[str]:
     m, cfg = est.memory_bytes, est.config
     where = where_states_live(est)
     what = OPTIMIZER_STATES.get(cfg.optimizer, "the states this optimizer keeps")
-    return [f"Gradients: {fmt_bytes(m.gradients)} {where}. They have the parameters' dtype and, with gradient "
-            "accumulation, stay allocated across micro-steps.",
+    from planner.memory.framework_layout import layout
+
+    if layout(cfg).accumulate_unsharded:  # FSDP's no_sync() during accumulation (planner.parallel.frameworks)
+        grads = (f"Gradients: {fmt_bytes(m.gradients)} on each GPU: the framework accumulates inside FSDP's "
+                 "no_sync(), so every unit's gradient is kept whole (unsharded, in the 16-bit compute dtype) "
+                 "until the last micro-step reduce-scatters it.")
+    else:
+        grads = (f"Gradients: {fmt_bytes(m.gradients)} {where}. They have the parameters' dtype and, with "
+                 "gradient accumulation, stay allocated across micro-steps.")
+    return [grads,
             f"Optimizer states ({cfg.optimizer}: {what}): {fmt_bytes(m.optimizer_states)} {where}, allocated at "
             "the first optimizer.step(). Rules of thumb that count only parameters and activations leave them "
             "out."]

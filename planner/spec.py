@@ -218,6 +218,14 @@ class DeepSpeedSettings(Frozen):
     max_live_parameters: int = Field(1_000_000_000, ge=0)
     contiguous_gradients: bool = True
     overlap_comm: bool | None = None
+    # ZeRO-3's fp32 partition is stepped in sub-groups of at most this many elements (zero_optimization.
+    # sub_group_size, DeepSpeed's default pp_int(1e9))
+    sub_group_size: int = Field(1_000_000_000, ge=1)
+    # the ds_config has no "optimizer" block: the training script's own optimizer (the Hugging Face Trainer's
+    # or Accelerate's) is passed to deepspeed.initialize and steps DeepSpeed's flat fp32 partitions
+    # (deepspeed/runtime/engine.py _configure_optimizer: a client optimizer is wrapped, DeepSpeed's FusedAdam
+    # is built only from the config's "optimizer" block); False: DeepSpeed's own (the planner's default)
+    client_optimizer: bool = False
     source: str = ""  # the file it was read from
 
 

@@ -35,6 +35,12 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    BertForSequenceClassification under CPU autocast (bf16) return bfloat16 logits of num_labels
    (tests/test_dataparallel_gpu0.py compares both front ends). Only `--parallelism dp` moves: its GPU-0
    memory and its scatter/gather speed term (GPT-2 tiny, amp-bf16, 8 GPUs: 8,235,008 -> 4,139,008 B).
+5. ZeRO-3/FSDP's per-unit collectives hide unit by unit (issue 32): every unit's collective but the first
+   of a phase hides behind the compute it is prefetched beside, up to that compute (`shard_overlap` 0.5 ->
+   1.0: the old value exposed half of every collective however long the compute), and the hidden seconds
+   slow compute by NCCL's channels / SMs (planner.perf.collectives.overlap_contention_s). The 112 zero3
+   estimates move, communication time only: step time -23 % to +2 % (+ where the compute was already the
+   bound and contention now adds); memory unchanged everywhere.
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

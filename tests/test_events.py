@@ -21,6 +21,9 @@ CASES = [
     ("gpt2", dict(batch_size=2, seq_len=256, precision="amp-fp16", parallelism="ddp", optimizer_impl="for-loop"),
      "ml.p3.16xlarge"),
     ("multimodal-bert", dict(batch_size=16, seq_len=128, precision="amp-fp16", parallelism="dp"), "ml.p3.8xlarge"),
+    # FSDP1 (Accelerate): the root unit unsharded for the whole step, gradients whole inside no_sync()
+    ("gpt2", dict(batch_size=2, seq_len=256, precision="amp-bf16", parallelism="fsdp", framework="accelerate",
+                  grad_accum=2, checkpointing=True), "ml.p4d.24xlarge"),
 ]
 
 

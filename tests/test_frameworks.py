@@ -314,3 +314,119 @@ def test_one_gpu_fsdp_readings_on_h200():
         "max_alloc"]
     assert predicted["a-plain-autocast"]["forward"] - predicted["b-fsdp2-policy"]["forward"] == pytest.approx(
         cache, rel=0.25)
+
+
+def _ds_file(tmp_path, name: str, stage: int, optimizer_block: bool) -> str:
+    conf = {"zero_allow_untested_optimizer": True, "fp16": {"enabled": "auto"},
+            "zero_optimization": {"stage": stage, "sub_group_size": 3e8}}
+    if optimizer_block:
+        conf["optimizer"] = {"type": "AdamW", "params": {"lr": "auto"}}
+    path = tmp_path / name
+    path.write_text(json.dumps(conf))
+    return str(path)
+
+
+def test_ds_config_without_an_optimizer_block_means_the_scripts_own_optimizer(tmp_path):
+    """DeepSpeed builds FusedAdam only from the config's "optimizer" block; without one the Trainer's optimizer
+    is passed in (deepspeed/runtime/engine.py _configure_optimizer)."""
+    from planner.parallel.ds_config import read_ds_config
+
+    client = read_ds_config(_ds_file(tmp_path, "a.json", 2, optimizer_block=False))
+    own = read_ds_config(_ds_file(tmp_path, "b.json", 2, optimizer_block=True))
+    assert client.client_optimizer and not own.client_optimizer
+    assert client.sub_group_size == 300_000_000
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_client_for_loop_adam_steps_deepspeeds_flat_partition(tmp_path, stage):
+    """A for-loop AdamW over DeepSpeed's flat fp32 partition holds sqrt and quotient of the whole partition
+    (stage 1-2: one tensor of P/N elements; stage 3: sub-groups of at most sub_group_size), where DeepSpeed's
+    own FusedAdam holds none: the optimizer phases differ by exactly that (LLaMA-Factory#1221's 3.14 GiB)."""
+    n = 8
+    base = dict(batch_size=1, seq_len=256, precision="amp-fp16", checkpointing=True, optimizer_impl="for-loop",
+                framework="deepspeed", parallelism=f"zero{stage}")
+    from planner.parallel.ds_config import read_ds_config
+
+    phases = {}
+    for name, block in (("client", False), ("fused", True)):
+        ds = read_ds_config(_ds_file(tmp_path, f"{name}.json", stage, optimizer_block=block))
+        est = estimate("llama-2-7b", TrainConfig(**base, deepspeed=ds), "ml.p3dn.24xlarge", with_throughput=False)
+        phases[name] = {p["phase"]: p["allocated"] for p in est.model_dump()["phases"]}
+        total = est.parameters["total"]
+    local = int(total / n)
+    if stage == 2:
+        temp = 2 * local * 4
+    else:  # sub-groups of 3e8 elements: the largest two consecutive ones decide (n_{k-1} + 2 n_k)
+        sizes = [300_000_000] * (local // 300_000_000) + [local % 300_000_000]
+        temp = 4 * max(prev + 2 * cur for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
+    # (FusedAdam's per-tensor step counters on the device: a few hundred bytes the other way)
+    assert phases["client"]["optimizer"] - phases["fused"]["optimizer"] == pytest.approx(temp, abs=1024)
+    assert phases["client"]["forward"] == pytest.approx(phases["fused"]["forward"], abs=1024)
+
+
+def test_accumulation_inside_no_sync_keeps_whole_gradients():
+    """Accelerate's accumulate() (and transformers' Trainer before it) runs the micro-steps before the last in
+    FSDP's no_sync(), which keeps every unit's gradient whole (torch FSDP.no_sync docstring): with grad_accum > 1
+    the resident gradients are the 16-bit unsharded ones, 2 B x every parameter, not the fp32 shard; torchtitan
+    reduce-scatters every micro-step and keeps the shard; one micro-step changes nothing."""
+    base = dict(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp")
+    n = 8
+
+    def grads(framework, ga):
+        est = estimate("llama-2-7b", TrainConfig(**base, framework=framework, grad_accum=ga), "ml.p4d.24xlarge",
+                       with_throughput=False)
+        return est.memory_bytes.gradients, est.parameters["total"], est
+
+    whole, total, est = grads("accelerate", 4)
+    assert whole == 2 * total
+    assert any("no_sync" in note for note in est.notes)
+    sharded, _, _ = grads("accelerate", 1)
+    assert sharded == pytest.approx(4 * total / n, rel=1e-3)
+    titan, _, _ = grads("torchtitan", 4)
+    assert titan == pytest.approx(4 * total / n, rel=1e-3)
+
+
+def test_a_ds_config_with_a_zero_sub_group_size_is_refused(tmp_path):
+    from planner.errors import PlannerError
+    from planner.parallel.ds_config import read_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 0}}))
+    with pytest.raises(PlannerError, match="sub_group_size"):
+        read_ds_config(str(path))
+
+
+def test_fsdp1_keeps_its_root_unit_unsharded_for_the_whole_step():
+    """FSDP1 does not reshard the root after forward (torch/distributed/fsdp/_runtime_utils.py
+    `_post_forward_reshard`): under Accelerate's layer-wise wrap the embeddings, final norm and head are the root,
+    gathered once in 16 bits from the forward's start to the backward's end, and its whole 16-bit gradient lives
+    from the head's backward on. FSDP2 (torchtitan) reshards every module; one GPU (NO_SHARD) has no root."""
+    import importlib
+
+    from planner.memory import timeline
+    from planner.models.blocks import model_blocks
+    from planner.models.catalog import get_model
+
+    est_mod = importlib.import_module("planner.estimate")
+    cfg = dict(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp")
+    spec = get_model("llama-2-7b")
+    roles = {b.name: b.role for b in model_blocks(spec)}
+    prep = est_mod._prepare("llama-2-7b", TrainConfig(**cfg, framework="accelerate"), "ml.p4d.24xlarge", None,
+                            "cuda", None)
+    root = [b for b in prep.step.blocks if b.root_unit]
+    assert {b.name for b in root} == {n for n, r in roles.items() if r != "layer"}
+    root_params = 2 * 32000 * 4096 + 4096  # Llama-2-7B's embeddings and untied head (32,000 x 4,096), final norm
+    assert sum(b.gathered_param_bytes for b in root) == 2 * root_params
+    rows = {(p.phase, p.label): p for p in timeline.simulate(prep.step)}
+    sharded = sum(b.param_bytes for b in prep.step.blocks)
+    assert rows[("forward", "end of forward")].bytes["parameters"] == sharded + 2 * root_params
+    first_layer = next(b.name for b in prep.step.blocks if roles.get(b.name) == "layer")
+    # in the first layer's backward (near the end): the root's params, plus that layer's own
+    layer = next(b for b in prep.step.blocks if b.name == first_layer)
+    back = rows[("backward", first_layer)].bytes
+    assert back["parameters"] == sharded + 2 * root_params + layer.gathered_param_bytes
+    titan = est_mod._prepare("llama-2-7b", TrainConfig(**cfg, framework="torchtitan"), "ml.p4d.24xlarge", None,
+                             "cuda", None)
+    assert not any(b.root_unit for b in titan.step.blocks)
+    single = est_mod._prepare("gpt2", TrainConfig(**cfg, framework="accelerate"), "ml.g5.xlarge", None, "cuda", None)
+    assert not any(b.root_unit for b in single.step.blocks)

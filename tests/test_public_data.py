@@ -17,6 +17,7 @@ from planner.probes.public import (
     THROUGHPUT_FILE,
     load_public_memory,
     load_public_sharded,
+    load_public_sharded_speed,
     load_public_sources,
     load_public_throughput,
     public_dir,
@@ -29,6 +30,7 @@ HELD_OUT = ("tlkh/transformers-benchmarking", "perf_train_gpu_one", "bingbertsqu
 MEMORY = load_public_memory()
 THROUGHPUT = load_public_throughput()
 SHARDED = load_public_sharded()  # FSDP / ZeRO runs (tests/test_frameworks.py, benchmarks/public_sharded.py)
+SHARDED_SPEED = load_public_sharded_speed()  # published FSDP speeds (benchmarks/public_sharded_speed.py)
 SOURCES = load_public_sources()
 
 
@@ -39,7 +41,7 @@ def test_enough_rows_from_enough_sources():
 
 
 def test_every_row_is_cited():
-    for row in MEMORY + THROUGHPUT + SHARDED:
+    for row in MEMORY + THROUGHPUT + SHARDED + SHARDED_SPEED:
         src = SOURCES[row.source_id]
         assert src.url.startswith("https://"), row.id
         assert row.where.strip() and row.quote.strip(), row.id
@@ -52,9 +54,20 @@ def test_no_held_out_source_is_used():
 
 
 def test_every_source_is_used():
-    used = {r.source_id for r in MEMORY + THROUGHPUT + SHARDED}
+    used = {r.source_id for r in MEMORY + THROUGHPUT + SHARDED + SHARDED_SPEED}
     # hf-run-clm documents the defaults that the run_clm issues rely on; it carries no row of its own
     assert set(SOURCES) - used <= {"hf-run-clm"}
+
+
+def test_sharded_speed_models_have_the_published_parameter_count():
+    """The MPT stand-ins (GPT-2 configs) hold exactly the parameters the source's table counts, so the
+    planner times the same matmuls; each row's quote holds its tokens/s/GPU and its micro-batch."""
+    for row in SHARDED_SPEED:
+        est = estimate(str(row.config_path()), row.train_config(8), row.instance(), with_throughput=False)
+        assert est.parameters["total"] == row.params, row.id
+        cells = [c.strip() for c in row.quote.split("|")]
+        assert cells[-1] == f"{row.tokens_per_s_per_gpu:.0f}" and cells[2] == str(row.gpus), row.id
+        assert row.instance().network_gbps == row.network_gbps
 
 
 @pytest.mark.parametrize("row", MEMORY + THROUGHPUT, ids=lambda r: r.id)

@@ -420,7 +420,7 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
-    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed) for b in blocks), step.outputs_die,
+    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed, b.root_unit) for b in blocks), step.outputs_die,
              step.grads_die, bool(step.build_ratio), bool(step.outputs_fp32_bytes))
     lens = tuple(map(len, values))
     key = (shape, lens)
@@ -550,9 +550,14 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
     live: list[Refs] = []
     cache_ids: Refs = []
     retained: Refs = []
+    # FSDP1's root unit (timeline.BlockMemory.root_unit): unsharded from the forward's start to the backward's end
+    root = [i for i, b in enumerate(blocks) if b.root_unit]
+    root_params: Refs = []
+    for i in root:
+        root_params += alloc(blocks[i].name, i * BLOCK_SLOTS + B_GATHERED, ".gathered params (root unit)")
     for i, b in enumerate(blocks):
         name, row = b.name, i * BLOCK_SLOTS
-        gathered = alloc(name, row + B_GATHERED, ".gathered params")
+        gathered = [] if b.root_unit else alloc(name, row + B_GATHERED, ".gathered params")
         tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient") if name == LOSS else []
         if b.checkpointed:
             ids = alloc(name, row + B_KEPT, ".kept")
@@ -577,20 +582,27 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
         retained = []
 
     grad_ids: Refs = []
+    root_grads: Refs = []
     for i in range(len(blocks) - 1, -1, -1):
         b, ids = blocks[i], live[i]
         name, row = b.name, i * BLOCK_SLOTS
         recompute = alloc(name, row + B_RECOMPUTED, ".recomputed") if b.checkpointed else []
-        gathered = alloc(name, row + B_GATHERED, ".gathered params")
+        gathered = [] if b.root_unit else alloc(name, row + B_GATHERED, ".gathered params")
         tmp = alloc(name, row + B_BACKWARD_TMP, ".backward transient")
         if new_grads:
             grad_ids += alloc(name, row + B_GRADS, ".grad")
-        tmp += alloc(name, row + B_UNSHARDED, ".unsharded grad")
+        if not b.root_unit:
+            tmp += alloc(name, row + B_UNSHARDED, ".unsharded grad")
+        elif not root_grads:  # the root's flat gradient, whole, from its first block's backward
+            for j in root:
+                root_grads += alloc(blocks[j].name, j * BLOCK_SLOTS + B_UNSHARDED, ".unsharded grad (root unit)")
         mark("backward", name)
         free(tmp)
         free(gathered)
         free(recompute)
         free(ids)
+    free(root_grads)
+    free(root_params)
     return t, grad_ids, retained
 
 

@@ -56,6 +56,11 @@ class StateLayout:
     # bytes per parameter each collective moves (speed): gradients reduced, parameters gathered
     reduce_comm_bytes: int = 4
     gather_comm_bytes: int = 4
+    # FSDP's no_sync() during gradient accumulation (frameworks.Framework.no_sync_accumulation, grad_accum > 1):
+    # gradients resident unsharded, `unsharded_grad_bytes` per parameter, across the micro-steps
+    accumulate_unsharded: bool = False
+    # FSDP1 (FullyShardedDataParallel): the root unit is not resharded after forward (frameworks.Framework.fsdp)
+    fsdp1_root: bool = False
 
     @property
     def legacy(self) -> bool:
@@ -80,6 +85,8 @@ class StateLayout:
         else:
             grad_full = full_grad_bytes  # the parameters' own gradients (fp32 adapters under LoRA)
         resident_g = int(grad_full * share_grads)
+        if self.accumulate_unsharded and share_grads < 1:  # no_sync(): whole gradients until the last micro-step
+            resident_g = grads_n * self.unsharded_grad_bytes
         # a policy unshards in its own dtype even when nothing is sharded (world size 1): a 16-bit copy of the
         # units in flight, and a unit's 16-bit gradients copied to reduce_dtype
         recast = self.gather_bytes != self.param_bytes
@@ -132,6 +139,10 @@ def layout(cfg: TrainConfig) -> StateLayout:
             activation_precision=sixteen or cfg.precision, autocast_cache=False,
             prefetch_elements=ds.prefetch_bucket_size if stage == 3 else 0, replace_ddp_buckets=True,
             bucket_elements=buckets, reduce_comm_bytes=width, gather_comm_bytes=width))
+    if fsdp and fw.no_sync_accumulation and cfg.grad_accum > 1:
+        base["accumulate_unsharded"] = True
+    if fsdp and fw.fsdp == "fsdp1":
+        base["fsdp1_root"] = True
     if fsdp and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
         if fw.fsdp_precision == "policy":  # units gathered in 16 bits, computed in 16 bits, no autocast
@@ -153,6 +164,14 @@ def layout(cfg: TrainConfig) -> StateLayout:
 
 def describe(lay: StateLayout) -> str:
     """One line on what this layout keeps, for notes and the explanation."""
+    line = _describe(lay)
+    if lay.accumulate_unsharded:
+        line += ("; gradient accumulation inside FSDP's no_sync(): every unit's gradient is kept whole (unsharded) "
+                 "until the last micro-step")
+    return line
+
+
+def _describe(lay: StateLayout) -> str:
     if lay.kind == "megatron":
         return ("Megatron: bf16 parameters (2 B), fp32 main gradients in a buffer kept for the run (4 B), fp32 "
                 "master weights + Adam (12 B, divided by DP with the distributed optimizer)")

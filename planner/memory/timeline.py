@@ -44,6 +44,9 @@ class BlockMemory(NamedTuple):
     checkpointed: bool
     forward_cache_bytes: int = 0  # AMP cast cache not saved for backward: alive until autocast exits
     retained_bytes: int = 0  # outputs the training loop holds (logits): alive through backward and the step
+    # part of FSDP1's root unit (the modules outside the wrapped layers): unsharded from the start of the forward
+    # to the end of the backward, its whole unsharded gradient from its first block's backward to the end
+    root_unit: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,23 +106,32 @@ def _rows(step: StepMemory) -> list[Row]:
     outputs_total = sum(b.retained_bytes for b in blocks)
     carried = outputs_total if step.outputs_die == "next-forward" else 0
 
+    # FSDP1's root unit (BlockMemory.root_unit): gathered for the whole step, its gradient from its first backward
+    root_p = sum(b.gathered_param_bytes for b in blocks if b.root_unit)
+    root_g = sum(b.transient_grad_bytes for b in blocks if b.root_unit)
     kept = cache = 0
     for b in blocks:
         running = (b.kept_bytes if b.checkpointed else b.saved_bytes) + b.forward_cache_bytes + b.retained_bytes
-        rows.append(("forward", b.name, params + b.gathered_param_bytes, grads + carried_grads, states,
+        gathered = root_p if b.root_unit else root_p + b.gathered_param_bytes
+        rows.append(("forward", b.name, params + gathered, grads + carried_grads, states,
                      kept + cache + running + carried, batch, base_buffers + b.forward_transient_bytes))
         kept += b.kept_bytes + b.retained_bytes
         cache += b.forward_cache_bytes
-    rows.append(("forward", "end of forward", params, grads + carried_grads, states, kept + cache + carried, batch,
-                 base_buffers + step.outputs_fp32_bytes))
+    rows.append(("forward", "end of forward", params + root_p, grads + carried_grads, states,
+                 kept + cache + carried, batch, base_buffers + step.outputs_fp32_bytes))
     if step.outputs_die == "forward-end":  # the loop returned only the loss: the outputs die before backward
         kept -= outputs_total
 
+    root_grads = 0  # the root's unsharded gradient, whole from its first block's backward to the end
     for b in reversed(blocks):
         recompute = b.saved_bytes - b.kept_bytes if b.checkpointed else 0
         new_grads = 0 if step.grads_resident else b.grad_bytes
-        rows.append(("backward", b.name, params + b.gathered_param_bytes,
-                     grads + new_grads + b.transient_grad_bytes, states, kept + recompute, batch,
+        if b.root_unit:
+            root_grads = root_g
+        gathered = root_p if b.root_unit else root_p + b.gathered_param_bytes
+        transient = 0 if b.root_unit else b.transient_grad_bytes
+        rows.append(("backward", b.name, params + gathered,
+                     grads + new_grads + transient + root_grads, states, kept + recompute, batch,
                      base_buffers + b.backward_transient_bytes))
         kept -= b.kept_bytes
         grads += new_grads

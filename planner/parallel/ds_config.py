@@ -16,7 +16,8 @@ _ZERO_KEYS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size
               "stage3_prefetch_bucket_size": "prefetch_bucket_size",
               "stage3_param_persistence_threshold": "param_persistence_threshold",
               "stage3_max_live_parameters": "max_live_parameters",
-              "contiguous_gradients": "contiguous_gradients", "overlap_comm": "overlap_comm"}
+              "contiguous_gradients": "contiguous_gradients", "overlap_comm": "overlap_comm",
+              "sub_group_size": "sub_group_size"}
 STAGE_STRATEGY = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 
 
@@ -49,6 +50,8 @@ def read_ds_config(path: str, flag: str = "--ds-config") -> DeepSpeedSettings:
                 not isinstance(value, bool) and not isinstance(value, (int, float))):
             raise PlannerError(flag, path, f"zero_optimization.{key} as a number or true/false")
         out[name] = value if isinstance(value, bool) else int(value)
+    # no "optimizer" block: the script's own optimizer steps the partitions (spec.DeepSpeedSettings)
+    out["client_optimizer"] = "optimizer" not in raw
     for dtype in ("bf16", "fp16"):
         section = raw.get(dtype)
         if isinstance(section, dict) and str(section.get("enabled", False)).lower() == "true":
@@ -56,4 +59,5 @@ def read_ds_config(path: str, flag: str = "--ds-config") -> DeepSpeedSettings:
     try:
         return DeepSpeedSettings(**out)
     except ValueError as e:
-        raise PlannerError(flag, path, f"non-negative sizes ({str(e).splitlines()[1]})") from None
+        why = str(e).splitlines()[1]
+        raise PlannerError(flag, path, f"non-negative sizes, sub_group_size >= 1 ({why})") from None

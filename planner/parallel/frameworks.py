@@ -48,6 +48,9 @@ class Framework:
     flat_params: bool = False
     reshard_after_forward: bool = True  # FULL_SHARD / fully_shard default
     units_in_flight: int = 2  # unsharded units at once: the one computing + the one prefetched
+    # gradient accumulation runs the micro-steps before the last inside FSDP's no_sync(): every unit's gradient
+    # is kept whole (unsharded) until the last micro-step reduce-scatters it
+    no_sync_accumulation: bool = False
     # DeepSpeed strategies run through a framework's DeepSpeed integration (Accelerate, Lightning)
     deepspeed_strategies: tuple[str, ...] = ()
     loss: str = "cross-entropy on the model's logits, upcast to fp32 (transformers' ForCausalLMLoss)"
@@ -150,9 +153,16 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                     "zero1": "DeepSpeed ZeRO-1 (DeepSpeedPlugin)", "zero2": "DeepSpeed ZeRO-2 (DeepSpeedPlugin)",
                     "zero3": "DeepSpeed ZeRO-3 (DeepSpeedPlugin)",
                     "fsdp": "FSDP1 FullyShardedDataParallel, MixedPrecision(param, reduce, buffer = bf16)"},
-        fsdp="fsdp1", fsdp_precision="policy", reduce_fp32=False, flat_params=True,
+        fsdp="fsdp1", fsdp_precision="policy", reduce_fp32=False, flat_params=True, no_sync_accumulation=True,
         deepspeed_strategies=("zero1", "zero2", "zero3"),
-        sources=("huggingface/accelerate src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin."
+        sources=("huggingface/accelerate src/accelerate/accelerator.py Accelerator.accumulate: 'contextlib."
+                 "nullcontext() if self.sync_gradients else self.no_sync(m)' (quoted in huggingface/transformers"
+                 "#29425), the Trainer's loop since transformers 4.30; before it, transformers' Trainer wrapped "
+                 "the same micro-steps in model.no_sync() (training_args._no_sync_in_gradient_accumulation: "
+                 "True unless DeepSpeed or SageMaker); pytorch/pytorch FullyShardedDataParallel.no_sync: 'FSDP "
+                 "will accumulate the full model gradients (instead of gradient shards) until the eventual sync'; "
+                 "huggingface/accelerate#2531 GradientAccumulationPlugin(sync_each_batch=True) turns it off",
+                 "huggingface/accelerate src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin."
                  "set_mixed_precision: MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype) "
                  "for mixed_precision fp16/bf16",
                  "huggingface/accelerate src/accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin: "

@@ -8,11 +8,22 @@ Three mechanisms that make ZeRO-3, FSDP and DataParallel differ from DDP and ZeR
   with steps 2(n-1) for an all-reduce, n-1 for an all-gather or reduce-scatter, n for a broadcast or reduce
   (Ring/Simple protocol, the one large messages use). DDP pays it once per 25 MB bucket; FSDP once per
   wrapped unit per collective, ZeRO-3 once per fetched sub-module: hundreds of calls per micro-step.
-- partial overlap of the per-unit collectives (`prefetch_hidden`): the unit after this one is fetched while
-  this one computes (FSDP forward: the CPU runs ahead and issues the next all-gather; backward_prefetch=
-  BACKWARD_PRE by default; ZeRO-3's prefetch bucket), so every unit but the first of a phase can hide,
-  but only up to `shard_overlap` of itself (NCCL kernels take SMs and HBM bandwidth from the compute they run
-  beside) and never more than the phase's compute.
+- overlap of the per-unit collectives (`prefetch_hidden`), unit by unit: the next unit's all-gather is
+  issued on its own stream while this unit computes (FSDP1 forward: the CPU runs ahead and reaches the next
+  unit's pre-forward all-gather, at most two in flight with `limit_all_gathers`; FSDP1 backward_prefetch=
+  BACKWARD_PRE, its default; FSDP2's implicit prefetch, one unit ahead in forward and backward; ZeRO-3's
+  `stage3_prefetch_bucket_size`), and unit k's reduce-scatter runs while unit k-1's backward computes. With
+  n equal units of collective time u and compute time v, the phase takes u + (n-1) max(u, v) + v (one NCCL
+  stream per process group serialises the collectives; PyTorch FSDP paper, Zhao et al. 2023, sec. 3.3.2,
+  "Backward Prefetching", and torch/distributed/fsdp/_runtime_utils.py `_prefetch_handle`): the first
+  unit's collective is exposed, the rest hide up to the phase's compute, `shard_overlap` of them at most
+  (1.0: the pipeline bound itself, no further loss assumed). The backward all-gathers and reduce-scatters
+  share backward's compute.
+- what the overlap costs compute (`overlap_contention_s`): a collective running beside compute holds one
+  thread block per NCCL channel (NCCL docs, NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS: "the number of
+  CUDA blocks NCCL uses"), each on an SM the compute kernels then lack, so the hidden seconds slow compute by
+  channels / SMs of themselves (16 / 108 = 15 % on an A100): nccl_channels from the GPU's row
+  (planner/data/gpus.json "runtime", an ASSUMPTION there) over its sm_count.
 - DataParallel's one process (`dataparallel_host_launches`): parallel_apply runs each replica's forward in a
   Python thread; the per-op host work holds the GIL, so the replicas' forward dispatch is serialised
   (`dp_gil_share` of it: ASSUMPTION), while backward runs in autograd's per-device C++ threads.
@@ -57,10 +68,19 @@ def ring_latency_s(collective: str, ranks: int, nodes: int, intra_hop_s: float, 
 
 def prefetch_hidden(seconds: float, launches: int, budget_s: float, c: ThroughputConstants) -> float:
     """Seconds of a ZeRO-3/FSDP phase's per-unit collectives (`seconds` over `launches` units) hidden behind
-    `budget_s` of that phase's compute: the first unit's share waits with nothing to overlap, the rest
-    hides up to `shard_overlap` of itself (module docstring)."""
+    `budget_s` of that phase's compute, unit by unit (module docstring): all but the first unit's share,
+    `shard_overlap` of it at most, never more than the compute it runs beside."""
     hideable = seconds * (1 - 1 / max(launches, 1))
     return max(0.0, min(c.shard_overlap * hideable, budget_s))
+
+
+def overlap_contention_s(hidden_s: float, instance: Instance) -> float:
+    """Seconds compute loses to the SMs NCCL's thread blocks hold while `hidden_s` of collectives run beside it:
+    channels / SMs of them (module docstring); 0 where the GPU row gives neither figure."""
+    gpu = instance.gpu
+    if not gpu.sm_count or not gpu.nccl_channels:
+        return 0.0
+    return hidden_s * min(gpu.nccl_channels / gpu.sm_count, 1.0)
 
 
 def dataparallel_host_launches(launches: float, backward_launches: float, world: int,

@@ -45,10 +45,13 @@ class ThroughputConstants(RooflineConstants):
                     "threads dispatch one after another (ASSUMPTION, an upper bound: ATen releases the GIL "
                     "inside the op, the Python module call and argument parsing hold it)")
     shard_overlap: float = Field(
-        0.5, ge=0, le=1,
+        1.0, ge=0, le=1,
         description="share of a ZeRO-3/FSDP per-unit all-gather or reduce-scatter (all but the first unit of "
-                    "a phase) that runs hidden behind that phase's compute; NCCL kernels share SMs and HBM "
-                    "with it (ASSUMPTION, like allreduce_overlap: no public ZeRO-3/FSDP run here to fit it)")
+                    "a phase) that can hide behind the compute of the unit it is prefetched beside, never "
+                    "more than that compute (planner.perf.collectives: FSDP's and ZeRO-3's prefetch, one "
+                    "unit ahead on its own stream). 1.0: the pipeline bound itself; what overlap costs is "
+                    "counted apart, as the SMs NCCL's blocks take from compute (was 0.5, an ASSUMPTION that "
+                    "exposed half of every unit's collective however long the compute beside it)")
     nccl_base_latency_s: float = Field(
         8.4e-6, ge=0,
         description="fixed latency of one NCCL ring collective, Ring/Simple baseLat (NVIDIA/nccl "

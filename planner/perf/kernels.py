@@ -482,9 +482,9 @@ def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: 
 # How each collective overlaps compute (planner.perf.throughput.communication_seconds times them):
 # "backward": hidden behind backward up to `allreduce_overlap` of it (DDP buckets, ZeRO-1/2 reduce-scatter);
 # "forward_prefetch" / "backward_prefetch": ZeRO-3/FSDP's per-unit collectives, the next unit's fetched while
-# this one computes: all but one unit's share hides up to `shard_overlap` of itself behind that phase's
-# compute (planner.perf.collectives.prefetch_hidden); "exposed": not hidden (ZeRO's post-step all-gather,
-# every DataParallel copy: replicate runs before forward, the gradient reduce after the whole backward).
+# this one computes: all but one unit's share hides, unit by unit, behind the compute beside it (never
+# more than that phase's compute; planner.perf.collectives.prefetch_hidden); "exposed": not hidden (ZeRO's
+# post-step all-gather, every DataParallel copy: replicate runs before forward, the gradient reduce after the whole backward).
 COLLECTIVE_OVERLAP = {"allreduce": "backward", "reduce_scatter": "backward", "all_gather": "exposed",
                       "fsdp_all_gather": "forward_prefetch", "fsdp_all_gather_backward": "backward_prefetch",
                       "fsdp_reduce_scatter": "backward_prefetch", "dp_broadcast": "exposed",

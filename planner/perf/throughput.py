@@ -13,8 +13,9 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   network between N instances; `allreduce_overlap` of it hides behind the last micro-step's backward.
   ZeRO-1/2: reduce-scatter of gradients (overlapped like DDP) + all-gather of updated parameters
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
-  reduce-scatters gradients, one NCCL call per unit; the first unit of each phase waits, the rest hides up
-  to `shard_overlap` behind that phase's compute. Every NCCL call also pays NCCL's own latency model
+  reduce-scatters gradients, one NCCL call per unit; the first unit of each phase waits, the rest hides
+  behind that phase's compute unit by unit (the next unit prefetched beside this one), compute slowed by
+  the SMs NCCL's blocks hold meanwhile (planner.perf.collectives). Every NCCL call also pays NCCL's own latency model
   (planner.perf.collectives). DataParallel (dp): every micro-step broadcasts parameters from GPU 0 to the
   replicas, scatters the inputs and gathers the outputs through GPU 0, reduces gradients onto GPU 0 (with
   their flatten copies), none of it overlapped; its replicas' forward ops are dispatched by Python threads
@@ -60,7 +61,12 @@ from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
 from planner.parallel import get as strategy_of
 from planner.perf import model_parallel as mp
-from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
+from planner.perf.collectives import (
+    dataparallel_host_launches,
+    nccl_latency_s,
+    overlap_contention_s,
+    prefetch_hidden,
+)
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
@@ -545,8 +551,9 @@ def communication_seconds(kernels: tuple[Kernel, ...], backward_s: float, instan
     """(total, exposed) seconds of the communication kernels of one optimizer step: "backward" collectives
     hide up to allreduce_overlap of themselves behind backward's wall time; "forward_prefetch" and
     "backward_prefetch" ones (ZeRO-3/FSDP, per micro-step) hide behind that phase of each micro-step as
-    planner.perf.collectives.prefetch_hidden says, the backward ones sharing backward's time; "exposed"
-    ones nothing (kernels.COLLECTIVE_OVERLAP)."""
+    planner.perf.collectives.prefetch_hidden says, the backward ones sharing backward's time, and slow that
+    compute by the SMs their NCCL blocks hold (collectives.overlap_contention_s); "exposed" ones nothing
+    (kernels.COLLECTIVE_OVERLAP)."""
     total = exposed = 0.0
     budget = {"forward_prefetch": forward_s, "backward_prefetch": backward_s}
     spent = {"forward_prefetch": 0.0, "backward_prefetch": 0.0}
@@ -559,7 +566,7 @@ def communication_seconds(kernels: tuple[Kernel, ...], backward_s: float, instan
         elif overlap in budget:
             hidden = prefetch_hidden(t, k.launches, budget[overlap] * k.count - spent[overlap], c)
             spent[overlap] += hidden
-            exposed += t - hidden
+            exposed += t - hidden + overlap_contention_s(hidden, instance)
         else:
             exposed += t
     return total, exposed

@@ -164,6 +164,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
     them (planner.memory.stages); None: the model's own."""
     facts = _model_facts(model)
     by_block, trained_by = counts or (facts.by_block, facts.gradients_by_block)
+    root = _fsdp1_root_blocks(model, lay, share)
     out = []
     for act in activations:  # every block in forward order, then "loss"
         n_params = by_block.get(act.block, 0)
@@ -173,6 +174,9 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             full_p, full_g, n_params, n_trained = lora.get(act.block, (0, 0, 0, 0))
         laid = lay.block_bytes(share.parameters, share.gradients, n_params, full_p, n_trained, full_g) if lay else None
         resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
+        in_root = act.block in root and n_params > 0
+        if in_root and lay is not None and gathered and lay.units_in_flight > 1 and not lay.legacy:
+            gathered //= lay.units_in_flight  # the root is one unit, gathered once (not a prefetch window)
         saved_casts = 0 if act.checkpointed else act.weight_cast_bytes
         cache = max(act.autocast_cache_bytes - saved_casts, 0) if lay is None or lay.autocast_cache else 0
         out.append(timeline.BlockMemory(
@@ -188,8 +192,25 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             checkpointed=act.checkpointed,
             forward_cache_bytes=cache,
             retained_bytes=act.retained_output_bytes,
+            root_unit=in_root,
         ))
     return tuple(out)
+
+
+def _fsdp1_root_blocks(model: ModelSpec, lay: framework_layout.StateLayout | None,
+                       share: parallel.Sharding) -> frozenset[str]:
+    """The blocks FSDP1's root unit holds when the layers are the wrapped units (Accelerate's and Lightning's
+    transformer-layer auto-wrap): everything but the layers. FSDP1 does not reshard the root after forward
+    ("Do not free the root's parameters in the post-forward for FULL_SHARD with the intention that they are
+    immediately used for backward": torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`), so it stays
+    unsharded to its post-backward at the end of backward, and the view-backward of its first block (the head)
+    makes the root's whole flat gradient, kept until the embeddings' backward completes it. Empty when nothing is
+    sharded (world size 1: FSDP1 runs NO_SHARD) or under FSDP2 (every module resharded)."""
+    if lay is None or not lay.fsdp1_root or share.parameters >= 1:
+        return frozenset()
+    from planner.models.blocks import model_blocks
+
+    return frozenset(b.name for b in model_blocks(model) if b.role != "layer")
 
 
 @dataclass(frozen=True)
@@ -345,10 +366,41 @@ def _gradient_buffer_bytes(lay: framework_layout.StateLayout, cfg: TrainConfig, 
 def _optimizer_config(cfg: TrainConfig, lay: framework_layout.StateLayout) -> TrainConfig:
     """Megatron and DeepSpeed step Adam with fused multi-tensor kernels whatever the loop would pick
     (megatron/core/optimizer/__init__.py imports Transformer Engine's / apex's FusedAdam; deepspeed/runtime/
-    engine.py _configure_basic_optimizer builds FusedAdam for Adam/AdamW without CPU offload)."""
-    if lay.kind in ("megatron", "deepspeed") and cfg.optimizer in ("adam", "adamw"):
+    engine.py _configure_basic_optimizer builds FusedAdam for Adam/AdamW without CPU offload) -- unless the
+    ds_config has no "optimizer" block, where the script's own optimizer (`--optimizer-impl`) steps
+    DeepSpeed's partitions (`_deepspeed_partition_shapes`)."""
+    if lay.kind in ("megatron", "deepspeed") and cfg.optimizer in ("adam", "adamw") and not (
+            lay.kind == "deepspeed" and cfg.deepspeed is not None and cfg.deepspeed.client_optimizer):
         return cfg.model_copy(update={"optimizer_impl": "fused"})
     return cfg
+
+
+def _deepspeed_partition_shapes(cfg: TrainConfig, lay: framework_layout.StateLayout, n_trained: int,
+                                share: float) -> tuple[tuple[int], ...] | None:
+    """The tensors a client optimizer steps under DeepSpeed ZeRO: not the model's parameters but this rank's
+    flat fp32 partition, one tensor per parameter group at stages 1-2 (deepspeed/runtime/zero/
+    stage_1_and_2.py `single_partition_of_fp32_groups`) and sub-groups of at most `sub_group_size` elements
+    at stage 3 (stage3.py `fp32_partitioned_groups_flat`), so a for-loop Adam's temporaries are the size of
+    the partition (stanford_alpaca-style configs: `denom` of the whole 1/N fp32 partition). The Trainer's
+    second group (biases and norms, no weight decay) is left out: a few MB. None: the model's own tensors."""
+    ds = cfg.deepspeed
+    if lay.kind != "deepspeed" or ds is None or not ds.client_optimizer or cfg.parallelism not in (
+            "zero1", "zero2", "zero3"):
+        return None
+    local = max(int(n_trained * share), 1)
+    if cfg.parallelism != "zero3":
+        return ((local,),)
+    full, rest = divmod(local, ds.sub_group_size)
+    return tuple([(ds.sub_group_size,)] * full + ([(rest,)] if rest else []))
+
+
+def _traced_optimizer_temporaries(shapes, cfg: TrainConfig, lay: framework_layout.StateLayout, opt_bytes: int,
+                                  share: float, trained: int) -> int:
+    """`optimizer_temporary_bytes` of a traced model: its tensors, or DeepSpeed's flat partitions."""
+    flat = _deepspeed_partition_shapes(cfg, lay, trained, share)
+    if flat is not None:
+        return optimizer.optimizer_temporary_bytes(flat, cfg, opt_bytes)
+    return optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes, share)
 
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
@@ -386,6 +438,9 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     else:
         states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
         trained = sum(facts.gradients_by_block.values()) or total_params
+        flat = _deepspeed_partition_shapes(cfg, lay, trained, share.optimizer_states)
+        if flat is not None:
+            opt_temp = optimizer.optimizer_temporary_bytes(flat, cfg, p_bytes)
     extra_states, extra_temp = _framework_state_bytes(lay, trained, share)
     states, opt_temp = states + extra_states, opt_temp + extra_temp
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
@@ -470,8 +525,8 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         batch_bytes=full.batch_bytes,
         optimizer_state_bytes=optimizer.optimizer_state_bytes(shapes, cfg, opt_bytes, share.optimizer_states)
         + extra_states,
-        optimizer_temporary_bytes=optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes,
-                                                                      share.optimizer_states) + extra_temp,
+        optimizer_temporary_bytes=_traced_optimizer_temporaries(shapes, cfg, lay, opt_bytes, share.optimizer_states,
+                                                                trained_total) + extra_temp,
         grads_resident=cfg.grad_accum > 1 or lay.grads_resident or sw.zero_grad_keeps_gradients(
             view.stack, cfg.parallelism, cfg.optimizer_impl),
         extra_forward_bytes=dp_extra,

@@ -32,6 +32,7 @@ from planner.spec import (
     Attention,
     Framework,
     Instance,
+    Loop,
     OptimizerImpl,
     OptimizerName,
     Parallelism,
@@ -166,14 +167,70 @@ class ShardedRun(MemoryRun):
     lora_alpha: float | None = None
     lora_targets: str = ""  # "q_proj,v_proj"
     lora_dropout: float = Field(0.0, ge=0, lt=1)
+    # the training loop's tensor lifetimes (`--loop`): "loss-only" where the script keeps only the loss
+    # (`loss = model(**batch).loss`), "plain" where it keeps the outputs until the step ends
+    loop: Loop = "plain"
+    # the job's DeepSpeed config, a file under sharded/ (`--ds-config`): its stage, buckets, and whether the
+    # script's own optimizer steps the partitions (no "optimizer" block)
+    ds_config: str = ""
 
     def train_config(self) -> TrainConfig:
         base = super().train_config()
-        extra: dict[str, Any] = {"framework": self.framework}
+        extra: dict[str, Any] = {"framework": self.framework, "loop": self.loop}
+        if self.ds_config:
+            from planner.parallel.ds_config import read_ds_config
+
+            extra["deepspeed"] = read_ds_config(str(public_dir() / "sharded" / self.ds_config))
         if self.lora_r is not None:
             extra |= {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
                       "lora_targets": tuple(t for t in self.lora_targets.split(",") if t)}
         return base.model_copy(update=extra)
+
+
+class ShardedSpeedRun(BaseModel):
+    """A published FSDP / ZeRO-3 training speed (`sharded/speed.csv`): tokens per second per GPU of a model
+    given as a config.json under `sharded/` (`model_config`, its parameter count `params` as the source
+    prints it), on `gpus` GPUs of nodes of 8 linked at `network_gbps` (the run's own interconnect)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    id: str = Field(min_length=1)
+    source_id: str = Field(min_length=1)
+    model_config_file: str = Field(min_length=1, alias="model_config")
+    params: int = Field(gt=0)
+    gpu: str = Field(min_length=1)
+    gpus: int = Field(ge=1, le=1024)
+    network_gbps: float = Field(gt=0)
+    parallelism: Parallelism
+    framework: Framework = "pytorch"
+    batch_size: int = Field(ge=1)
+    grad_accum: int = Field(1, ge=1)
+    seq_len: int = Field(ge=1)
+    precision: Precision
+    checkpointing: bool = False
+    attention: Attention
+    tokens_per_s_per_gpu: float = Field(gt=0)
+    stack_note: str = ""
+    where: str = Field(min_length=3)
+    quote: str = Field(min_length=3)
+
+    def config_path(self, root: Path | None = None) -> Path:
+        return (root or public_dir()) / "sharded" / self.model_config_file
+
+    def train_config(self, gpus_per_node: int) -> TrainConfig:
+        return TrainConfig(batch_size=self.batch_size, grad_accum=self.grad_accum, seq_len=self.seq_len,
+                           precision=self.precision, checkpointing=self.checkpointing, attention=self.attention,
+                           parallelism=self.parallelism, framework=self.framework,
+                           instances=max(self.gpus // gpus_per_node, 1))
+
+    def instance(self) -> Instance:
+        """A node of this GPU (all of its GPUs, or `gpus` when fewer) with the run's network between nodes."""
+        from planner.hardware import get_gpu, instance_table
+
+        wanted = get_gpu(self.gpu)
+        node = max((n for n, rec in instance_table().items() if get_gpu(rec["gpu"]).name == wanted.name),
+                   key=lambda n: (instance_table()[n]["gpus"], n))
+        base = public_instance(self.gpu, min(self.gpus, instance_table()[node]["gpus"]))
+        return base.model_copy(update={"network_gbps": self.network_gbps})
 
 
 # ---- the GPU a row ran on --------------------------------------------------------------------------
@@ -310,6 +367,30 @@ def load_public_sharded(root: Path | None = None) -> list[ShardedRun]:
     _check_peaks(rows, SHARDED_FILE)
     for row in rows:
         assert row.framework in FRAMEWORKS
+    return rows
+
+
+SHARDED_SPEED_FILE = "sharded/speed.csv"
+
+
+def load_public_sharded_speed(root: Path | None = None) -> list[ShardedSpeedRun]:
+    """Validated rows of `results/public/sharded/speed.csv` (published FSDP / ZeRO-3 speeds)."""
+    from planner.hardware import get_gpu
+
+    base = root or public_dir()
+    rows = _parse(ShardedSpeedRun, base / SHARDED_SPEED_FILE)
+    sources = load_public_sources(base)
+    seen: set[str] = set()
+    for row in rows:
+        where = f"{SHARDED_SPEED_FILE} row {row.id}"
+        if row.id in seen:
+            raise PlannerError(f"{where} id", row.id, "unique ids")
+        seen.add(row.id)
+        if row.source_id not in sources:
+            raise PlannerError(f"{where} source_id", row.source_id, sorted(sources))
+        if not row.config_path(base).is_file():
+            raise PlannerError(f"{where} model_config", row.model_config_file, "a config.json under sharded/")
+        get_gpu(row.gpu)
     return rows
 
 
