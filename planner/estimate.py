@@ -143,8 +143,11 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
         return {"front_end": "traced", "blocks": []}
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
-    from planner.pipeline.resolve import context
+    from planner.pipeline.resolve import FP8_COMPUTE, context
 
     spec = _resolve_model(model, model_options)
-    ctx = context(spec, est.config, _resolve_instance(est.instance), backend)  # est.config is resolved
-    return program_report(spec, est.config, sharding(est.config, est.world_size), ctx)
+    cfg = est.config  # resolved; --precision fp8 computes as FP8_COMPUTE with its Linears in FP8
+    if cfg.precision == "fp8":
+        cfg = cfg.model_copy(update={"precision": FP8_COMPUTE})
+    ctx = context(spec, cfg, _resolve_instance(est.instance), backend)
+    return program_report(spec, cfg, sharding(cfg, est.world_size), ctx)

@@ -38,6 +38,13 @@ class Ctx:
     backend: Backend
     padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
     flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
+    # FP8 (planner.ir.fp8): the recipe whose rules the transformer layers' Linears follow (None: no FP8; the
+    # precision above is then the 16-bit one FP8 training computes everything else in), and whether FSDP2
+    # all-gathers their weights in FP8.
+    fp8: str | None = None
+    fp8_gather: bool = False
+    # torch.compile (planner.ir.transforms.compile_ops): Inductor's fusion and the min-cut partitioner's rules
+    compile: bool = False
 
     @property
     def n(self) -> int:

@@ -172,6 +172,9 @@ class Resolved:
     fragmentation_given: bool  # the user (runtime override) or calibration set `fragmentation`
     throughput_scale: float | None  # measured/predicted speed of this GPU family (`planner calibrate`)
     ctx: Ctx  # the resolved configuration's context record
+    # the configuration an Estimate reports: `cfg` except under --precision fp8, which computes as amp-bf16
+    # plus the FP8 rules carried by `ctx` (planner.ir.fp8), and reports "fp8" with its recipe
+    reported: TrainConfig | None = None
 
 
 def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda") -> Ctx:
@@ -180,7 +183,50 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
     runs them (sm80+)."""
     padded = spec.inputs.attention_mask if spec is not None else False
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
-               padded, instance.gpu.flash_attention)
+               padded, instance.gpu.flash_attention, fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None,
+               fp8_gather=cfg.fp8_param_gather, compile=cfg.compile)
+
+
+# --precision fp8 computes as this precision, its Linears in FP8 (planner.ir.fp8)
+FP8_COMPUTE = "amp-bf16"
+
+
+def check_fp8_and_compile(config: TrainConfig, instance: Instance, torch_version: str) -> TrainConfig:
+    """`config` with its FP8 recipe resolved (the framework's default), after the checks: FP8 tensor cores
+    (sm89+; MXFP8 sm100+), and torch.compile on torch 2.0 or later. Raises PlannerError naming the flag."""
+    from planner.ir import fp8
+
+    gpu = instance.gpu
+    cc = tuple(gpu.compute_capability)
+    if config.compile and sw.parse_version("torch", torch_version) < sw.parse_version("torch", "2.0"):
+        raise PlannerError("--compile", f"with torch {torch_version}",
+                           "torch 2.0 or later (torch.compile first shipped in 2.0); use --torch-version 2.0+ "
+                           "or drop --compile")
+    if config.precision != "fp8":
+        return config
+    if cc < fp8.FP8_MIN_CC:
+        raise PlannerError("--precision", "fp8",
+                           f"{gpu.family} (sm{cc[0]}{cc[1]}) has no FP8 tensor cores (sm89+); use an instance type "
+                           f"whose GPU has them: {', '.join(fp8_instances())}")
+    recipe = config.fp8_recipe or fp8.default_recipe(config.framework)
+    if recipe == "mxfp8" and cc < fp8.MXFP8_MIN_CC:
+        raise PlannerError("--fp8-recipe", "mxfp8", f"Blackwell (sm100+); {gpu.family} is sm{cc[0]}{cc[1]}: use "
+                           "tensorwise, rowwise, delayed or current")
+    if config.fp8_param_gather and fp8.library(recipe) != "torchao":
+        raise PlannerError("--fp8-param-gather", "on", f"a torchao recipe (tensorwise or rowwise), not {recipe} "
+                           "(FSDP2's FP8 all-gather is torchao's enable_fsdp_float8_all_gather)")
+    if config.lora:
+        raise PlannerError("--precision", "fp8", "full training (no --lora-r): FP8 with adapters is not modelled")
+    return config.model_copy(update={"fp8_recipe": recipe})
+
+
+def fp8_instances() -> list[str]:
+    """Instance types whose GPU has FP8 tensor cores (sm89+), for the error line."""
+    from planner.hardware import get_instance, list_instances
+    from planner.ir import fp8
+
+    names = [n for n in list_instances() if tuple(get_instance(n).gpu.compute_capability) >= fp8.FP8_MIN_CC]
+    return names[:6] + (["..."] if len(names) > 6 else [])
 
 
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
@@ -217,6 +263,11 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
             if len(_RUNTIME) >= RUNTIME_CACHE_SIZE:
                 _RUNTIME.clear()
             _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
+    reported = None
+    if cfg.precision == "fp8" or cfg.compile:
+        cfg = check_fp8_and_compile(cfg, inst, view.stack.torch)
+        if cfg.precision == "fp8":
+            reported, cfg = cfg, cfg.model_copy(update={"precision": FP8_COMPUTE})
     check_supported(spec, cfg, inst)
     world = parallel.world_size(cfg, inst)
     share = parallel.sharding(cfg, world)
@@ -224,4 +275,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
-    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale, context(spec, cfg, inst, backend))
+    if reported is not None:  # what the stack decided (attention), as --precision fp8
+        reported = cfg.model_copy(update={"precision": "fp8"})
+    return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale, context(spec, cfg, inst, backend),
+                    reported)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from planner import caches
+from planner.errors import PlannerError
 from planner.identity_cache import per_object
 from planner.ir.context import Ctx
 from planner.memory import batch as batch_mem
@@ -209,6 +210,7 @@ class _Prepared:
     fragmentation_range: tuple[float, ...] = ()  # calibrated [min, max] reserved/allocated - 1
     traced: Any = None  # planner.program.trace.StepTrace of a traced model (its events feed the allocator)
     ctx: Ctx | None = None  # the context record resolve built (planner.pipeline.resolve.Resolved.ctx)
+    reported: TrainConfig | None = None  # the configuration the Estimate shows (Resolved.reported; None: cfg)
 
 
 def _loop_fields(cfg: TrainConfig, outputs: int) -> dict[str, Any]:
@@ -304,7 +306,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
                      r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
                      view.stack, view.context, view.given,
-                     view.fragmentation_range, ctx=r.ctx)
+                     view.fragmentation_range, ctx=r.ctx, reported=r.reported)
 
 
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
@@ -316,6 +318,9 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     from planner.program.sources import model_trace
 
     r = resolve(None, config, instance, runtime, stack, calibration, backend)
+    if r.reported is not None:
+        raise PlannerError("--precision", "fp8", "a model the planner lays out (catalog name or config.json); "
+                           "FP8 on a traced model is not modelled")
     inst, cfg, world, share, rt, view = r.inst, r.cfg, r.world, r.share, r.rt, r.view
     fragmentation_given = r.fragmentation_given
 
