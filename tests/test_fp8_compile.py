@@ -87,10 +87,9 @@ def test_compile_rules_equal_the_min_cut_partitioner(precision, amp):
 
 
 def test_compile_marks_only_pointwise_ops():
-    from tests.saved_tensors import model
-
     from planner.families.forms import block_ops, load_forms
     from planner.models.blocks import model_blocks
+    from tests.saved_tensors import model
 
     load_forms()
     spec = model("llama", layers=1, hidden=H, heads=HEADS, intermediate=INTER, kv_heads=KV)
@@ -153,6 +152,11 @@ def test_the_done_when_command_and_what_fp8_and_compile_change():
     (["--instance", "ml.p5.48xlarge", "--precision", "fp8", "--fp8-recipe", "mxfp8"], ("--fp8-recipe", "mxfp8")),
     (["--instance", "ml.p5.48xlarge", "--precision", "fp8", "--fp8-recipe", "bogus"], ("fp8",)),
     (["--instance", "ml.g5.2xlarge", "--compile", "--torch-version", "1.13"], ("--compile", "1.13", "2.0")),
+    (["--instance", "ml.p5.48xlarge", "--fp8-recipe", "rowwise"], ("--fp8-recipe", "--precision fp8")),
+    (["--instance", "ml.p5.48xlarge", "--precision", "fp8", "--fp8-recipe", "delayed", "--parallelism", "fsdp",
+      "--fp8-param-gather"], ("--fp8-param-gather", "torchao")),
+    (["--instance", "ml.p5.48xlarge", "--precision", "fp8", "--parallelism", "ddp", "--fp8-param-gather"],
+     ("--fp8-param-gather", "fsdp")),
 ])
 def test_bad_input_is_one_line(args, names, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -20,7 +20,9 @@ from planner.spec import Backend, TransformerSpec
 
 F32, BOOL, I64 = "float32", "bool", "int64"
 
-LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
+# "fp8": everything but the FP8 Linears computes as amp-bf16 (planner.ir.fp8)
+LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16",
+             "fp8": "bfloat16"}
 
 
 # FlashAttention-2 (and SDPA's flash backend) supports head_dim <= 256 (sdp_utils.cpp check_head_dim_size_flash).
@@ -60,7 +62,7 @@ class Ctx:
 
     @property
     def act(self) -> str:
-        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else LOW_DTYPE[self.precision]
+        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16", "fp8") else LOW_DTYPE[self.precision]
 
 
 def promote(a: str, b: str) -> str:

@@ -440,7 +440,8 @@ def fused(chain: list[Kernel]) -> list[Kernel]:
     launch. Empty for an empty run."""
     if not chain:
         return []
-    read = chain[0].bytes_read + sum(max(0, k.bytes_read - p.bytes_written) for p, k in zip(chain, chain[1:]))
+    read = chain[0].bytes_read + sum(max(0, k.bytes_read - p.bytes_written)
+                                     for p, k in zip(chain, chain[1:], strict=False))
     return [_with(chain[-1], name=f"{chain[0].name}.fused", kind="memory_bound", flops=0, bytes_read=read,
                   bytes_written=chain[-1].bytes_written, launches=1, gemm=None)]
 
@@ -503,7 +504,7 @@ def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: 
 
     Element sizes: p and g are the parameter dtype (fp32 under AMP), m and v `STATE_BYTES`/2 each.
     """
-    p_bytes = 4 if precision in ("fp32", "amp-fp16", "amp-bf16") else 2
+    p_bytes = 4 if precision in ("fp32", "amp-fp16", "amp-bf16", "fp8") else 2
     state = STATE_BYTES[optimizer]
     size = {"p": p_bytes, "g": p_bytes, "m": state / 2, "v": state / 2, "t": 4}
     ks: list[Kernel] = []

@@ -203,7 +203,14 @@ def check_fp8_and_compile(config: TrainConfig, instance: Instance, torch_version
                            "torch 2.0 or later (torch.compile first shipped in 2.0); use --torch-version 2.0+ "
                            "or drop --compile")
     if config.precision != "fp8":
+        if config.fp8_recipe is not None:
+            raise PlannerError("--fp8-recipe", config.fp8_recipe, "--precision fp8 with it (or leave it out)")
+        if config.fp8_param_gather:
+            raise PlannerError("--fp8-param-gather", "on", "--precision fp8 with it (or leave it out)")
         return config
+    if config.fp8_param_gather and not strategies.get(config.parallelism).fsdp:
+        raise PlannerError("--fp8-param-gather", "on", f"--parallelism fsdp or zero3 (FSDP2 all-gathers the "
+                           f"weights), not {config.parallelism}")
     if cc < fp8.FP8_MIN_CC:
         raise PlannerError("--precision", "fp8",
                            f"{gpu.family} (sm{cc[0]}{cc[1]}) has no FP8 tensor cores (sm89+); use an instance type "
@@ -264,7 +271,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
                 _RUNTIME.clear()
             _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
     reported = None
-    if cfg.precision == "fp8" or cfg.compile:
+    if cfg.precision == "fp8" or cfg.compile or cfg.fp8_recipe is not None or cfg.fp8_param_gather:
         cfg = check_fp8_and_compile(cfg, inst, view.stack.torch)
         if cfg.precision == "fp8":
             reported, cfg = cfg, cfg.model_copy(update={"precision": FP8_COMPUTE})

@@ -252,6 +252,18 @@ def _optimizer_config(cfg: TrainConfig, lay: framework_layout.StateLayout) -> Tr
     return cfg
 
 
+def _fp8_buffer_bytes(spec: ModelSpec, ctx: Ctx) -> int:
+    """Delayed scaling's amax histories, module buffers for the whole run (planner.ir.fp8)."""
+    if not ctx.fp8:
+        return 0
+    from planner.ir import fp8
+    from planner.memory.activations import linear_params
+    from planner.models.blocks import model_blocks
+
+    linears = sum(len(linear_params(b)) for b in model_blocks(spec) if b.role == "layer")
+    return fp8.amax_history_bytes(ctx.fp8, linears)
+
+
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
              calibration: dict[str, Any] | None = None) -> _Prepared:
     """Everything `estimate` needs before the verdict: resolved inputs and the step's memory per block.
@@ -292,7 +304,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
-        module_buffer_bytes=facts.buffer_bytes,
+        module_buffer_bytes=facts.buffer_bytes + _fp8_buffer_bytes(spec, r.ctx),
         ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
