@@ -620,7 +620,16 @@ GELU_NEW_BACKWARD_TENSORS = 6
 
 
 def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) -> Ctx:
-    return Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend, padded, flash_ok)
+    """The context of `config` for callers without the pipeline's record; --precision fp8 as the pipeline
+    computes it (amp-bf16 with FP8 Linears: planner.pipeline.resolve)."""
+    recipe = None
+    precision = config.precision
+    if precision == "fp8":
+        from planner.ir.fp8 import default_recipe
+
+        recipe, precision = config.fp8_recipe or default_recipe(config.framework), "amp-bf16"
+    return Ctx(config.batch_size, config.seq_len, precision, config.attention, backend, padded, flash_ok,
+               fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:

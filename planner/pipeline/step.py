@@ -89,7 +89,7 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # What `activations.activation_blocks` reads of a TrainConfig (its `_ctx` and the checkpointing flag):
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
-                     "lora_dropout", "base_dtype")
+                     "lora_dropout", "base_dtype", "fp8_recipe", "fp8_param_gather", "compile")
 _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATIONS", scope="step",
     key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
@@ -422,4 +422,16 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
         if cfg.base_dtype == "nf4" and not cfg.checkpointing:
             notes.append("QLoRA: peft's prepare_model_for_kbit_training turns gradient checkpointing on by "
                          "default; this estimate has it off (--checkpointing to match)")
+    if cfg.fp8_recipe is not None:  # --precision fp8, computed as amp-bf16 (planner.pipeline.resolve)
+        from planner.ir import fp8
+
+        lib = "torchao float8" if fp8.library(cfg.fp8_recipe) == "torchao" else "Transformer Engine"
+        keeps = ("saves bf16 inputs; no 16-bit weight copies (cast to FP8 per GEMM)" if lib.startswith("torchao")
+                 else "saves FP8 inputs and each FP8 weight with its transpose")
+        notes.append(f"FP8 ({cfg.fp8_recipe}, {lib}): the layers' Linear GEMMs at the FP8 peak plus casting "
+                     f"kernels; the LM head, norms and attention in bf16; {keeps}"
+                     + ("; FSDP all-gathers FP8 weights" if cfg.fp8_param_gather else ""))
+    if cfg.compile:
+        notes.append("torch.compile: pointwise ops fused into one kernel per chain; the min-cut partitioner "
+                     "recomputes norms and activations in backward instead of saving them")
     return notes
