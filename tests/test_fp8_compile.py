@@ -163,3 +163,32 @@ def test_bad_input_is_one_line(args, names, tmp_path, monkeypatch):
     code, _, err = invoke(["estimate", "--model", "llama-3-8b", "--batch-size", "1", *args])
     assert_one_line_error(code, err, *names)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fp8_gemms_are_the_layers_and_compile_fuses_launches():
+    """Under FP8 the layers' Linear GEMMs (forward, dgrad, wgrad) are FP8, the LM head's stay bf16, each FP8
+    Linear adds casting kernels, and the FP8 peak is the one the roofline reads; compile leaves the GEMMs and
+    launches fewer kernels."""
+    from planner.hardware import get_instance
+    from planner.models.catalog import cached_model
+    from planner.perf import kernels as K
+    from planner.perf.roofline import peak_key
+    from planner.spec import TrainConfig
+
+    spec = cached_model("llama-3-8b")
+    cfg = TrainConfig(batch_size=1, seq_len=256, precision="amp-bf16", attention="sdpa", parallelism="fsdp")
+
+    def kernels(**ctx_kw):
+        ctx = Ctx(1, 256, "amp-bf16", "sdpa", "cuda", False, **ctx_kw)
+        return K.training_kernels(spec, cfg, ctx=ctx)
+
+    base, f8, comp = kernels(), kernels(fp8="tensorwise"), kernels(compile=True)
+    layer_gemms = [k for k in f8 if k.gemm is not None and k.kind == "gemm" and k.block_role == "layer"]
+    assert layer_gemms and all(k.dtype == fp8.F8 for k in layer_gemms)
+    assert all(k.dtype == "bfloat16" for k in f8 if k.gemm is not None and k.block_role == "head")
+    assert any(".fp8_cast" in k.name for k in f8) and not any(".fp8_cast" in k.name for k in base)
+    assert peak_key(get_instance("ml.p5.48xlarge").gpu, fp8.F8, False) == "fp8"
+    gemm_flops = sorted(k.flops * k.count for k in comp if k.gemm is not None)
+    assert gemm_flops == sorted(k.flops * k.count for k in base if k.gemm is not None)
+    launches = {n: sum(k.launches * k.count for k in ks) for n, ks in (("base", base), ("compile", comp))}
+    assert launches["compile"] < launches["base"]
