@@ -22,7 +22,6 @@ def _min_cut_saved(amp: bool) -> int:
     the forward graph's outputs after the layer's output, less the parameters and the rotary tables (shared
     by every layer); the layer's input counts (the partitioner saves it)."""
     import torch
-    from functorch.compile import aot_function, min_cut_rematerialization_partition
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -43,6 +42,15 @@ def _min_cut_saved(amp: bool) -> int:
                                              {"position_embeddings": (cos, sin), "attention_mask": None})
         return out[0] if isinstance(out, tuple) else out
 
+    return _aot_saved_bytes(f, (x, cos, sin, *params.values()), (cos, sin, *params.values()))
+
+
+def _aot_saved_bytes(f, inputs, skip) -> int:
+    """Bytes of the storages the forward graph of `f` saves for backward under the min-cut partitioner (no-op
+    compilers), less those of `skip`."""
+    import torch
+    from functorch.compile import aot_function, min_cut_rematerialization_partition
+
     record: dict[str, tuple] = {}
 
     def fw(gm, _):
@@ -51,16 +59,44 @@ def _min_cut_saved(amp: bool) -> int:
             return record["out"]
         return run
 
-    aot_function(f, fw_compiler=fw, bw_compiler=lambda gm, _: gm, partition_fn=min_cut_rematerialization_partition)(
-        x, cos, sin, *params.values())
-    skip = {t.untyped_storage().data_ptr() for t in (cos, sin, *params.values())}
-    seen: set[int] = set()
+    aot_function(f, fw_compiler=fw, bw_compiler=lambda gm, _: gm,
+                 partition_fn=min_cut_rematerialization_partition)(*inputs)
+    known = {t.untyped_storage().data_ptr() for t in skip}
     total = 0
     for t in record["out"][1:]:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip | seen:
-            seen.add(t.untyped_storage().data_ptr())
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in known:
+            known.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
     return total
+
+
+def test_compile_rules_on_a_post_norm_layer_equal_the_min_cut_partitioner():
+    """A BERT layer (LayerNorm, GELU, no dropout) in bf16: the partitioner saves as many bytes as eager (it
+    trades the GELU output for the up-projection's output), which the planner's rules give too."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    from tests.saved_tensors import model
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=H, intermediate_size=4 * H, num_attention_heads=HEADS, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "sdpa"
+    layer = BertLayer(cfg).to(torch.bfloat16).train()
+    x = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
+    params = dict(layer.named_parameters())
+
+    def f(x, *ps):
+        out = torch.func.functional_call(layer, dict(zip(params, ps, strict=True)), (x,))
+        return out[0] if isinstance(out, tuple) else out
+
+    measured = _aot_saved_bytes(f, (x, *params.values()), params.values())
+    spec = model("bert", layers=1, hidden=H, heads=HEADS, intermediate=4 * H, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0)
+    ctx = Ctx(B, S, "bf16", "sdpa", "cpu", False, compile=True)
+    assert sum(t.nbytes for t in act.layer_saved(spec.transformers[0], ctx, 1)) == measured
 
 
 def _planner_saved(precision: str, compiled: bool) -> int:
