@@ -147,10 +147,13 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
         return {"front_end": "traced", "blocks": []}
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
-    from planner.pipeline.resolve import context, parallel_dims
+    from planner.pipeline.resolve import FP8_COMPUTE, context, parallel_dims
 
     spec = _resolve_model(model, model_options)
-    dims = parallel_dims(spec, est.config, est.world_size) if est.parallel is not None else None
-    ctx = context(spec, est.config, _resolve_instance(est.instance), backend, dims)  # est.config is resolved
+    cfg = est.config  # resolved; --precision fp8 computes as FP8_COMPUTE with its Linears in FP8
+    if cfg.precision == "fp8":
+        cfg = cfg.model_copy(update={"precision": FP8_COMPUTE})
+    dims = parallel_dims(spec, cfg, est.world_size) if est.parallel is not None else None
+    ctx = context(spec, cfg, _resolve_instance(est.instance), backend, dims)
     degree = est.parallel.dp_shard if est.parallel is not None else None  # model parallel: the DP shard group
-    return program_report(spec, est.config, sharding(est.config, est.world_size, degree), ctx)
+    return program_report(spec, cfg, sharding(cfg, est.world_size, degree), ctx)

@@ -21,8 +21,15 @@ from pydantic import (
 from planner import caches, env
 from planner.identity_cache import per_object
 
-Precision = Literal["fp32", "amp-fp16", "amp-bf16", "fp16", "bf16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16")
+# "fp8": FP8 training (issue 35): the transformer layers' Linear GEMMs in FP8 (torchao float8 or Transformer
+# Engine, by fp8_recipe); everything else as amp-bf16 (fp32 master weights, bf16 activations and non-linear
+# ops). planner.pipeline.resolve computes it as amp-bf16 plus the FP8 rules of planner.ir.fp8.
+Precision = Literal["fp32", "amp-fp16", "amp-bf16", "fp16", "bf16", "fp8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "amp-fp16", "amp-bf16", "fp16", "bf16", "fp8")
+# FP8 scaling recipes: torchao float8's (tensorwise, rowwise: dynamic scaling) and Transformer Engine's
+# (delayed: DelayedScaling, current: Float8CurrentScaling, mxfp8: MXFP8BlockScaling, Blackwell only).
+Fp8Recipe = Literal["tensorwise", "rowwise", "delayed", "current", "mxfp8"]
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "delayed", "current", "mxfp8")
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
@@ -87,7 +94,7 @@ MAX_GRAD_ACCUM = int(env.limit("PLANNER_MAX_GRAD_ACCUM"))
 MAX_DATASET_SIZE = 2**53
 
 BYTES_PER_DTYPE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
-                                    "uint8": 1}
+                                    "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class Frozen(BaseModel):
@@ -282,6 +289,14 @@ class TrainConfig(Frozen):
     ep: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
     etp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
     moe_imbalance: float = Field(1.0, ge=1.0, le=1024.0, allow_inf_nan=False)
+    # FP8 (issue 35; planner.ir.fp8): the scaling recipe (None: the framework's default, tensorwise for
+    # torchao / torchtitan, delayed for Transformer Engine under Megatron) and FSDP2's FP8 all-gather of
+    # weights (torchao enable_fsdp_float8_all_gather). Read only when precision is "fp8".
+    fp8_recipe: Fp8Recipe | None = None
+    fp8_param_gather: bool = False
+    # torch.compile (issue 35; planner.ir.transforms.compile_ops): Inductor's fused pointwise kernels and the
+    # min-cut partitioner's saved tensors.
+    compile: bool = False
 
     @field_validator("recompute_modules", mode="before")
     @classmethod

@@ -97,7 +97,7 @@ def test_explain_on_oom_suggests_fixes_that_fit():
     (["--batch-size", "0"], "--batch-size"),
     (["--batch-size", "-3"], "--batch-size"),
     (["--seq-len", "4096", "--model", "bert-base-uncased"], "--seq-len"),
-    (["--precision", "fp8"], "--precision"),
+    (["--precision", "fp4"], "--precision"),
 ])
 def test_bad_input_is_one_line_exit_2(args, field):
     r = run("estimate", *args)

@@ -153,7 +153,7 @@ def test_failed_searches_leave_no_study_files(tmp_path):
     results = tmp_path / "r"
     fails = [["--model", "no-such-model"], ["--instance", "ml.no.such"], ["--storage", "sqlite:////nonexistent/d/x.db"],
              ["--storage", str(_blocker(tmp_path) / "j.log")], ["--torch-version", "0.1"], ["--study", "../x"],
-             ["--objective", "fastest"], ["--precisions", "fp8"]]
+             ["--objective", "fastest"], ["--precisions", "fp4"]]
     for args in fails:
         code, out, err = invoke([*SMALL_SEARCH, "--results-dir", str(results), *args])
         assert code == 2 and "Traceback" not in err, (args, err)

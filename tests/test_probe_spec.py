@@ -125,5 +125,5 @@ def test_probe_run_bad_input(tmp_path, monkeypatch):
     res = runner.invoke(app, ["probe", "run", "--instance", "ml.g5.xlarge", "--batch-size", "2"])
     assert res.exit_code == 2 and "--model" in res.stderr
     res = runner.invoke(app, ["probe", "run", "--model", "bert-base-uncased", "--instance", "ml.g5.xlarge",
-                              "--batch-size", "2", "--precision", "fp8"])
+                              "--batch-size", "2", "--precision", "fp4"])
     assert res.exit_code == 2 and "precision" in res.stderr and "Traceback" not in res.output

@@ -108,7 +108,7 @@ def test_min_seq_len_filters_and_names_the_flag():
 
 
 @pytest.mark.parametrize(("field", "text", "flag"), [("batch_sizes", "1,x", "--batch-sizes"),
-                                                     ("precisions", "fp8", "--precisions"),
+                                                     ("precisions", "fp4", "--precisions"),
                                                      ("checkpointing", "maybe", "--checkpointing"),
                                                      ("optimizer_impls", "magic", "--optimizer-impls")])
 def test_space_flag_errors_name_the_flag(field, text, flag):

@@ -94,7 +94,7 @@ BatchOpt = Annotated[int | None, typer.Option("--batch-size", "-b", help="Micro-
 GlobalBatchOpt = Annotated[int | None, typer.Option("--global-batch-size",
                                                     help="Samples per optimizer step over all GPUs; sets --batch-size.")]
 SeqOpt = Annotated[int, typer.Option("--seq-len", "-s", help="Tokens per sample.")]
-PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, amp-fp16, amp-bf16, fp16, bf16.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="fp32, amp-fp16, amp-bf16, fp16, bf16, fp8.")]
 OptimizerOpt = Annotated[str, typer.Option(help="adamw, adam, sgd, sgd-momentum, adafactor, adamw-8bit.")]
 OptimizerImplOpt = Annotated[str, typer.Option(help="foreach (PyTorch default), fused, for-loop.")]
 ParallelismOpt = Annotated[str, typer.Option(help="auto, single, dp, ddp, zero1, zero2, zero3, fsdp.")]

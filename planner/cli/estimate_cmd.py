@@ -78,6 +78,13 @@ FragOpt = Annotated[float | None, typer.Option("--fragmentation", help="Override
 DatasetOpt = Annotated[int | None, typer.Option("--dataset-size", help="Samples per epoch, for $/epoch.")]
 SpotOpt = Annotated[bool, typer.Option("--spot/--on-demand", help="Managed spot price.")]
 PlotOpt = Annotated[str | None, typer.Option("--plot", help="Write the memory timeline to FILE.png or FILE.html.")]
+# FP8 and torch.compile (issue 35)
+Fp8RecipeOpt = Annotated[str | None, typer.Option(
+    "--fp8-recipe", help="With --precision fp8: tensorwise, rowwise (torchao), delayed, current, mxfp8 "
+    "(Transformer Engine). Default: tensorwise (delayed under megatron).")]
+Fp8GatherOpt = Annotated[bool, typer.Option("--fp8-param-gather/--no-fp8-param-gather",
+                                            help="FSDP2 all-gathers FP8 weights (torchao).")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the model (Inductor).")]
 
 
 def run_estimate(model: str, instance: str, batch_size: int | None, global_batch_size: int | None, seq_len: int,
@@ -126,7 +133,7 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
-                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"])
+                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]) | fp8_compile_fields(f)
                        | parallel_fields(tp=f["tp"], sp=f["sp"], cp=f["cp"], pp=f["pp"], pp_schedule=f["pp_schedule"],
                                          vp=f["vp"], dp_replicas=f["dp_replicas"],
                                          distributed_optimizer=f["distributed_optimizer"], recompute=f["recompute"],
@@ -137,6 +144,19 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
 
         write_timeline(est, f["plot"], model_options=parse_model_options(f["model_option"]))
     return est, run
+
+
+def fp8_compile_fields(f: dict[str, Any]) -> dict[str, Any]:
+    """The TrainConfig fields of --fp8-recipe, --fp8-param-gather and --compile (issue 35), left out at
+    their defaults so that other estimates' configurations stay as they were."""
+    out: dict[str, Any] = {}
+    if f.get("fp8_recipe") is not None:
+        out["fp8_recipe"] = f["fp8_recipe"]
+    if f.get("fp8_param_gather"):
+        out["fp8_param_gather"] = True
+    if f.get("compile"):
+        out["compile"] = True
+    return out
 
 
 def _ddp_buckets(est: Estimate) -> bool:
@@ -333,6 +353,9 @@ def register(app: typer.Typer) -> None:
         padding: PaddingOpt = None,
         run_steps: RunStepsOpt = None,
         run_seed: RunSeedOpt = None,
+        fp8_recipe: Fp8RecipeOpt = None,
+        fp8_param_gather: Fp8GatherOpt = False,
+        compile: CompileOpt = False,
     ) -> None:
         """Per-GPU memory of one training step by phase, the OOM verdict, throughput and cost."""
         est, _ = estimate_from_flags(locals())

@@ -591,7 +591,7 @@ def register(app: typer.Typer) -> None:
             min=1, max=MAX_SEARCH_INSTANCES, help="Search 1..N instances per job (default 1).")] = None,
         batch_sizes: Annotated[str | None, typer.Option(help="Micro-batches per GPU, e.g. 1,2,4,8.")] = None,
         seq_lens: Annotated[str | None, typer.Option(help="Older spelling of --seq-len.")] = None,
-        precisions: Annotated[str | None, typer.Option(help="fp32, amp-fp16, amp-bf16, fp16, bf16.")] = None,
+        precisions: Annotated[str | None, typer.Option(help="fp32, amp-fp16, amp-bf16, fp16, bf16, fp8.")] = None,
         checkpointing: Annotated[str | None, typer.Option(help="on, off or both (default both).")] = None,
         grad_accums: Annotated[str | None, typer.Option(help="Gradient accumulation steps, e.g. 1,2,4.")] = None,
         optimizers: Annotated[str | None, typer.Option(help="adamw (default), adam, sgd, ...")] = None,

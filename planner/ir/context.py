@@ -20,7 +20,9 @@ from planner.spec import Backend, TransformerSpec
 
 F32, BOOL, I64 = "float32", "bool", "int64"
 
-LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16"}
+# "fp8": everything but the FP8 Linears computes as amp-bf16 (planner.ir.fp8)
+LOW_DTYPE = {"fp32": F32, "amp-fp16": "float16", "amp-bf16": "bfloat16", "fp16": "float16", "bf16": "bfloat16",
+             "fp8": "bfloat16"}
 
 
 # FlashAttention-2 (and SDPA's flash backend) supports head_dim <= 256 (sdp_utils.cpp check_head_dim_size_flash).
@@ -43,6 +45,13 @@ class Ctx:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    # FP8 (planner.ir.fp8): the recipe whose rules the transformer layers' Linears follow (None: no FP8; the
+    # precision above is then the 16-bit one FP8 training computes everything else in), and whether FSDP2
+    # all-gathers their weights in FP8.
+    fp8: str | None = None
+    fp8_gather: bool = False
+    # torch.compile (planner.ir.transforms.compile_ops): Inductor's fusion and the min-cut partitioner's rules
+    compile: bool = False
 
     @property
     def n(self) -> int:
@@ -58,7 +67,7 @@ class Ctx:
 
     @property
     def act(self) -> str:
-        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16") else LOW_DTYPE[self.precision]
+        return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16", "fp8") else LOW_DTYPE[self.precision]
 
 
 def promote(a: str, b: str) -> str:

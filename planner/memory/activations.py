@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from planner.errors import PlannerError
 from planner.families import family
+from planner.ir import fp8
 
 # The context record and the CUDA/CPU rules live in planner.ir.context (issue 33: the layer forms read them
 # too); re-exported here for the formulas below and their callers.
@@ -342,6 +343,10 @@ def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
     load_rules()
     traits = family(spec.family)
     ops = load_forms()[traits.layer](LayerArgs(spec, traits, ctx, index, ""))
+    if ctx.fp8 or ctx.compile:
+        from planner.ir.transforms import for_context
+
+        ops = for_context(ops, ctx, "layer")
     return [t for op in ops for t in apply("saved", op, ctx)]
 
 
@@ -447,7 +452,13 @@ def linear_params(block: Block) -> list[tuple[int, int]]:
 
 
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
-    """16-bit weight copies the block's matmuls save under autocast (0 without autocast)."""
+    """16-bit weight copies the block's matmuls save under autocast (0 without autocast). Under FP8 a layer's
+    Linears are torchao / Transformer Engine modules that cast their weights themselves: no 16-bit copy;
+    Transformer Engine saves the FP8 weight and its transpose instead (planner.ir.fp8.weight_copies)."""
+    if ctx.fp8 and block.role == "layer":
+        per = fp8.weight_copies(ctx.fp8)
+        return [Saved(f"weight{k}.fp8", math.ceil(w * per), fp8.F8) for k, (w, _) in enumerate(linear_params(block))
+                ] if per else []
     if not ctx.amp:
         return []
     return [Saved(f"weight{k}.cast", w, ctx.low) for k, (w, _) in enumerate(linear_params(block))]
@@ -457,8 +468,8 @@ def autocast_cache(block: Block, ctx: Ctx) -> list[Saved]:
     """Every parameter cast autocast caches for this block: weights and biases. They stay alive until the
     autocast context exits (autocast_mode.cpp: the cache is cleared when the outermost autocast exits), even
     for checkpointed layers, whose casts are not saved: under AMP + checkpointing the end of the forward
-    holds all layers' casts."""
-    if not ctx.amp:
+    holds all layers' casts. FP8 layers' Linears cast their own weights (no autocast cache for them)."""
+    if not ctx.amp or (ctx.fp8 and block.role == "layer"):
         return []
     out = []
     for k, (w, bias) in enumerate(linear_params(block)):
@@ -609,7 +620,16 @@ GELU_NEW_BACKWARD_TENSORS = 6
 
 
 def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) -> Ctx:
-    return Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend, padded, flash_ok)
+    """The context of `config` for callers without the pipeline's record; --precision fp8 as the pipeline
+    computes it (amp-bf16 with FP8 Linears: planner.pipeline.resolve)."""
+    recipe = None
+    precision = config.precision
+    if precision == "fp8":
+        from planner.ir.fp8 import default_recipe
+
+        recipe, precision = config.fp8_recipe or default_recipe(config.framework), "amp-bf16"
+    return Ctx(config.batch_size, config.seq_len, precision, config.attention, backend, padded, flash_ok,
+               fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:

@@ -28,7 +28,7 @@ from planner.parallel import frameworks
 from planner.parallel import get as strategy_of
 from planner.spec import DeepSpeedSettings, TrainConfig
 
-_SIXTEEN = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16", "fp16": "fp16"}
+_SIXTEEN = {"amp-bf16": "bf16", "bf16": "bf16", "amp-fp16": "fp16", "fp16": "fp16", "fp8": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,21 @@ def _deepspeed(cfg: TrainConfig) -> DeepSpeedSettings:
 
 
 def layout(cfg: TrainConfig) -> StateLayout:
-    """The layout of `cfg` (parallelism resolved; its framework checked by frameworks.check)."""
+    """The layout of `cfg` (parallelism resolved; its framework checked by frameworks.check). FSDP2's FP8
+    all-gather (`fp8_param_gather`, torchao enable_fsdp_float8_all_gather) gathers units in one byte per
+    parameter (every parameter counted so: the FP8 Linears hold all but the embeddings, norms and LM head)."""
+    lay = _layout(cfg)
+    if cfg.fp8_param_gather and cfg.fp8_recipe is not None and strategy_of(cfg.parallelism).fsdp:
+        from dataclasses import replace
+
+        from planner.ir import fp8
+
+        one = fp8.gather_bytes(True)
+        return replace(lay, gather_bytes=one, gather_comm_bytes=one)
+    return lay
+
+
+def _layout(cfg: TrainConfig) -> StateLayout:
     fw = frameworks.get(cfg.framework)
     strategy = cfg.parallelism
     fsdp = strategy_of(strategy).fsdp

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from planner.ir.context import I64, Ctx
+from planner.ir import fp8
+from planner.ir.context import F32, I64, Ctx
 from planner.ir.interpret import register
 from planner.ir.ops import Op
 from planner.memory import activations as act
@@ -31,8 +32,17 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
     if not a["saves_input"]:
         return []
     numel = math.prod(op.shapes["input"])
+    saved_fp8 = fp8.input_saved(a["fp8"]) if a.get("fp8") else None
+    if saved_fp8 is not None:  # Transformer Engine: each Linear saves its own FP8 copy of its input
+        name = f"{a['input']}.fp8{a['consumer']}" if a["consumers"] > 1 else f"{a['input']}.fp8"
+        out = [Saved(name, numel, fp8.F8)]
+        if a["fp8"] == "mxfp8":
+            out.append(Saved(f"{name}.scale", -(-numel // fp8.MX_BLOCK), "uint8"))
+        return out
     if a.get("as_is"):
         return [Saved(a["input"], numel, op.dtypes["input"])]
+    if ctx.compile and a["consumers"] > 1:  # the graph's CSE merges the Linears' identical autocast casts
+        return act.linear_inputs(a["input"], numel, op.dtypes["input"], ctx, 1) if a["consumer"] == 0 else []
     tensors = act.linear_inputs(a["input"], numel, op.dtypes["input"], ctx, a["consumers"])
     if len(tensors) == a["consumers"] and a["consumers"] > 1:
         return [tensors[a["consumer"]]]
@@ -47,8 +57,19 @@ def layer_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "rms_norm")
 def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """Eager: `activations.rmsnorm_saved`. Fused (torch.compile): the min-cut partitioner recomputes the
+    normalisation in backward, so the norm keeps its input in its own dtype (unless an fp32 input is owned
+    by its caller, as in eager) and the fp32 rstd per row (planner.ir.transforms, the compile rules)."""
     rows, width = op.shapes["input"]
-    return act.rmsnorm_saved(op.name, rows, width, op.dtypes["input"], ctx, op.attrs["input_is_new"])
+    dtype = op.dtypes["input"]
+    if op.attrs.get("fused"):
+        stats = [Saved(f"{op.name}.rsqrt", rows, F32)]
+        if op.attrs.get("block_input"):  # the block's input itself, in its dtype
+            return ([Saved(f"{op.name}.input", rows * width, dtype)]
+                    if dtype != F32 or op.attrs["input_is_new"] else []) + stats
+        # after a residual add: recomputed from the block input and the branch's last matmul output (16-bit)
+        return [Saved(f"{op.name}.branch_output", rows * width, ctx.low)] + stats
+    return act.rmsnorm_saved(op.name, rows, width, dtype, ctx, op.attrs["input_is_new"])
 
 
 @register("saved", "activation")
@@ -58,9 +79,11 @@ def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "gated_mul")
 def gated_mul_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    """act(gate) · up saves both factors."""
+    """act(gate) · up saves both factors; fused (torch.compile), act(gate) is recomputed from the gate the
+    activation saves, so only `up` stays."""
     n = math.prod(op.shapes["input"])
-    return [Saved("mlp.act_output", n, op.dtypes["input"]), Saved("mlp.up", n, op.dtypes["other"])]
+    up = Saved("mlp.up", n, op.dtypes["other"])
+    return [up] if op.attrs.get("fused") else [Saved("mlp.act_output", n, op.dtypes["input"]), up]
 
 
 @register("saved", "dropout")

@@ -120,8 +120,9 @@ def gemm(name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, bias: bo
          kind: Kind = "gemm") -> Kernel:
     """(m×k)·(k×n) in `dtype`, `batch` times: 2·batch·m·n·k FLOPs; reads both operands, writes the output."""
     e = nbytes(dtype)
-    read = batch * (m * k + k * n) * e + (n * e if bias else 0)
-    return Kernel(name, kind, batch * matmul_flops(m, n, k), read, batch * m * n * e, dtype,
+    out_e = 2 if dtype.startswith("float8") else e  # an FP8 GEMM (torch._scaled_mm, TE) writes bf16
+    read = batch * (m * k + k * n) * e + (n * out_e if bias else 0)
+    return Kernel(name, kind, batch * matmul_flops(m, n, k), read, batch * m * n * out_e, dtype,
                   gemm=(batch, m, n, k))
 
 
@@ -183,13 +184,41 @@ def shapes_for(model: ModelSpec, config: TrainConfig, ctx: Ctx | None, padded: b
 
 
 def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
-           batch: int = 1) -> list[Kernel]:
-    """nn.Linear on `rows` rows: the autocast input cast (when the input is not 16-bit) + the GEMM."""
+           batch: int = 1, fp8_recipe: str | None = None) -> list[Kernel]:
+    """nn.Linear on `rows` rows: the autocast input cast (when the input is not 16-bit) + the GEMM; an FP8
+    Linear (`fp8_recipe`, planner.ir.fp8) scales and casts its input and weight first and runs the GEMM at the
+    FP8 peak."""
     ks = []
     if sh.amp and in_dtype != sh.low:
         ks.append(elementwise(f"{name}.input_cast", batch * rows * inp, (in_dtype,), (sh.low,), sh.low))
-    ks.append(gemm(name, rows, out, inp, sh.low, batch, bias))
+    if fp8_recipe is None:
+        ks.append(gemm(name, rows, out, inp, sh.low, batch, bias))
+        return ks
+    weight_dtype = F32 if sh.amp else sh.low  # fp32 master under autocast, the gathered 16-bit unit otherwise
+    ks += fp8_casts(f"{name}.input", batch * rows * inp, sh.low, fp8_recipe)
+    if not sh.fp8_gather:  # FSDP2's FP8 all-gather casts the shard before gathering (negligible)
+        ks += [_with(k, param_work="weight_cast") for k in fp8_casts(f"{name}.weight", out * inp, weight_dtype,
+                                                                      fp8_recipe)]
+    ks.append(gemm(name, rows, out, inp, FP8_DTYPE, batch, bias))
     return ks
+
+
+FP8_DTYPE = "float8_e4m3fn"
+
+
+def fp8_casts(name: str, numel: int, dtype: str, recipe: str) -> list[Kernel]:
+    """Scaling and casting one GEMM operand to FP8 (memory-bound). Dynamic scaling (torchao tensorwise /
+    rowwise, TE current): an amax reduction (one read) then the scaled cast (read, write 1 B). TE delayed
+    scaling uses the previous steps' amax: one fused cast that also records the amax. TE writes the
+    transposed copy too (cast_transpose, for the backward's column-major operand on Hopper): 2 B written.
+    Each kernel's backward pass (backward_of) stands for the backward's casts of the output gradient and
+    torchao's recasts of input and weight."""
+    te = recipe in ("delayed", "current", "mxfp8")
+    writes = (FP8_DTYPE, FP8_DTYPE) if te else (FP8_DTYPE,)
+    cast = elementwise(f"{name}.fp8_cast", numel, (dtype,), writes, FP8_DTYPE)
+    if recipe == "delayed":
+        return [cast]
+    return [reduction(f"{name}.amax", numel, 1, dtype), cast]
 
 
 def layernorm(name: str, rows: int, width: int, dtype: str, sh: Shapes) -> Kernel:
@@ -340,7 +369,7 @@ def _weights(block: Block) -> list[tuple[int, int]]:
 def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kernel]]:
     """Autocast casts each weight and bias to 16-bit once per forward; backward casts their 16-bit
     gradients back to fp32 (the cast's backward) before AccumulateGrad."""
-    if not sh.amp:
+    if not sh.amp or (sh.fp8 and block.role == "layer"):  # FP8 Linears cast their weights themselves
         return [], []
     fwd, bwd = [], []
     for j, (w, bias) in enumerate(_weights(block)):
@@ -391,12 +420,30 @@ def program_forward(block: Block, model: ModelSpec, sh: Shapes, causal_fraction:
     load_rules()
     load_forms()
     out: list[Kernel] = []
+    chain: list[Kernel] = []  # kernels of consecutive ops torch.compile fuses (planner.ir.transforms)
     for op in block_ops(block, model, sh):  # this block only: the caller asks for one layer of a stack
         if op.kind.startswith("attention_") and op.kind != "attention_mask":
-            out += attention(op.attrs["spec"], sh, causal_fraction)
+            ks = attention(op.attrs["spec"], sh, causal_fraction)
         else:
-            out += apply("kernels", op, sh)
-    return out
+            ks = apply("kernels", op, sh)
+        if op.attrs.get("fused"):
+            chain += ks
+            continue
+        out += fused(chain) + ks
+        chain = []
+    return out + fused(chain)
+
+
+def fused(chain: list[Kernel]) -> list[Kernel]:
+    """One Inductor kernel for a run of pointwise kernels (torch.compile): it reads what the run reads from
+    outside (each kernel's reads less what the kernel before it wrote) and writes the run's last output; one
+    launch. Empty for an empty run."""
+    if not chain:
+        return []
+    read = chain[0].bytes_read + sum(max(0, k.bytes_read - p.bytes_written)
+                                     for p, k in zip(chain, chain[1:], strict=False))
+    return [_with(chain[-1], name=f"{chain[0].name}.fused", kind="memory_bound", flops=0, bytes_read=read,
+                  bytes_written=chain[-1].bytes_written, launches=1, gemm=None)]
 
 
 def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfig,
@@ -457,7 +504,7 @@ def optimizer_kernels(n_params: int, n_tensors: int, precision: str, optimizer: 
 
     Element sizes: p and g are the parameter dtype (fp32 under AMP), m and v `STATE_BYTES`/2 each.
     """
-    p_bytes = 4 if precision in ("fp32", "amp-fp16", "amp-bf16") else 2
+    p_bytes = 4 if precision in ("fp32", "amp-fp16", "amp-bf16", "fp8") else 2
     state = STATE_BYTES[optimizer]
     size = {"p": p_bytes, "g": p_bytes, "m": state / 2, "v": state / 2, "t": 4}
     ks: list[Kernel] = []

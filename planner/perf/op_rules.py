@@ -49,7 +49,8 @@ def no_matmul_flops(op: Op, ctx: Ctx) -> int:
 def linear_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """The autocast input cast and the GEMM (bias added in the epilogue)."""
     rows, n_in = op.shapes["input"]
-    return K.linear(op.name, rows, op.shapes["output"][1], n_in, op.dtypes["input"], ctx, op.attrs["bias"])
+    return K.linear(op.name, rows, op.shapes["output"][1], n_in, op.dtypes["input"], ctx, op.attrs["bias"],
+                    fp8_recipe=op.attrs.get("fp8"))
 
 
 @register("kernels", "layer_norm")

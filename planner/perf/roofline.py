@@ -144,7 +144,7 @@ def peak_key(gpu: GPU, dtype: str, allow_tf32: bool) -> str:
     """Which of the GPU's peaks a kernel computing in `dtype` runs at: tensor cores for 16-bit, FP32 CUDA cores
     for fp32 (TF32 tensor cores when allowed and present). A dtype the GPU lacks (bf16 on V100) falls back to
     fp32."""
-    key = {"float16": "fp16", "bfloat16": "bf16"}.get(dtype, "fp32")
+    key = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}.get(dtype, "fp32")
     if key == "fp32" and allow_tf32 and "tf32" in gpu.peak_tflops:
         key = "tf32"
     return key if key in gpu.peak_tflops else "fp32"

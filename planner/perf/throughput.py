@@ -88,9 +88,10 @@ TFLOP = 1e12
 
 # ---- precision -----------------------------------------------------------------------------------
 
-PEAK_KEY: dict[str, str] = {"fp32": "fp32", "amp-fp16": "fp16", "fp16": "fp16", "amp-bf16": "bf16", "bf16": "bf16"}
+PEAK_KEY: dict[str, str] = {"fp32": "fp32", "amp-fp16": "fp16", "fp16": "fp16", "amp-bf16": "bf16", "bf16": "bf16",
+                             "fp8": "bf16"}  # fp8: MFU against the bf16 peak, as torchtitan reports it
 # Parameter/gradient element size: AMP keeps fp32 parameters and gradients; pure fp16/bf16 do not.
-PARAM_BYTES: dict[str, int] = {"fp32": 4, "amp-fp16": 4, "amp-bf16": 4, "fp16": 2, "bf16": 2}
+PARAM_BYTES: dict[str, int] = {"fp32": 4, "amp-fp16": 4, "amp-bf16": 4, "fp16": 2, "bf16": 2, "fp8": 4}
 
 
 def peak_tflops(instance: Instance, precision: str, constants: ThroughputConstants) -> tuple[float, bool]:

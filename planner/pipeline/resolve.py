@@ -175,6 +175,9 @@ class Resolved:
     ctx: Ctx  # the resolved configuration's context record
     # how the world splits into data, tensor, context and pipeline groups (issue 34), checked once
     dims: layout.ParallelDims | None = None
+    # the configuration an Estimate reports: `cfg` except under --precision fp8, which computes as amp-bf16
+    # plus the FP8 rules carried by `ctx` (planner.ir.fp8), and reports "fp8" with its recipe
+    reported: TrainConfig | None = None
 
 
 def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda",
@@ -185,7 +188,9 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
     padded = spec.inputs.attention_mask if spec is not None else False
     tp, sp, cp = (dims.tp, dims.sp, dims.cp) if dims is not None else (1, False, 1)
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
-               padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp)
+               padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp,
+               fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
+               compile=cfg.compile)
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:
@@ -216,6 +221,55 @@ def parallel_dims(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> layou
     t = spec.transformers[0]
     return layout.build(cfg, world, layers=t.num_layers, heads=t.num_heads, kv_heads=t.num_kv_heads,
                         seq_len=cfg.seq_len, ffn=t.intermediate_size)
+
+
+# --precision fp8 computes as this precision, its Linears in FP8 (planner.ir.fp8)
+FP8_COMPUTE = "amp-bf16"
+
+
+def check_fp8_and_compile(config: TrainConfig, instance: Instance, torch_version: str) -> TrainConfig:
+    """`config` with its FP8 recipe resolved (the framework's default), after the checks: FP8 tensor cores
+    (sm89+; MXFP8 sm100+), and torch.compile on torch 2.0 or later. Raises PlannerError naming the flag."""
+    from planner.ir import fp8
+
+    gpu = instance.gpu
+    cc = tuple(gpu.compute_capability)
+    if config.compile and sw.parse_version("torch", torch_version) < sw.parse_version("torch", "2.0"):
+        raise PlannerError("--compile", f"with torch {torch_version}",
+                           "torch 2.0 or later (torch.compile first shipped in 2.0); use --torch-version 2.0+ "
+                           "or drop --compile")
+    if config.precision != "fp8":
+        if config.fp8_recipe is not None:
+            raise PlannerError("--fp8-recipe", config.fp8_recipe, "--precision fp8 with it (or leave it out)")
+        if config.fp8_param_gather:
+            raise PlannerError("--fp8-param-gather", "on", "--precision fp8 with it (or leave it out)")
+        return config
+    if config.fp8_param_gather and not strategies.get(config.parallelism).fsdp:
+        raise PlannerError("--fp8-param-gather", "on", f"--parallelism fsdp or zero3 (FSDP2 all-gathers the "
+                           f"weights), not {config.parallelism}")
+    if cc < fp8.FP8_MIN_CC:
+        raise PlannerError("--precision", "fp8",
+                           f"{gpu.family} (sm{cc[0]}{cc[1]}) has no FP8 tensor cores (sm89+); use an instance type "
+                           f"whose GPU has them: {', '.join(fp8_instances())}")
+    recipe = config.fp8_recipe or fp8.default_recipe(config.framework)
+    if recipe == "mxfp8" and cc < fp8.MXFP8_MIN_CC:
+        raise PlannerError("--fp8-recipe", "mxfp8", f"Blackwell (sm100+); {gpu.family} is sm{cc[0]}{cc[1]}: use "
+                           "tensorwise, rowwise, delayed or current")
+    if config.fp8_param_gather and fp8.library(recipe) != "torchao":
+        raise PlannerError("--fp8-param-gather", "on", f"a torchao recipe (tensorwise or rowwise), not {recipe} "
+                           "(FSDP2's FP8 all-gather is torchao's enable_fsdp_float8_all_gather)")
+    if config.lora:
+        raise PlannerError("--precision", "fp8", "full training (no --lora-r): FP8 with adapters is not modelled")
+    return config.model_copy(update={"fp8_recipe": recipe})
+
+
+def fp8_instances() -> list[str]:
+    """Instance types whose GPU has FP8 tensor cores (sm89+), for the error line."""
+    from planner.hardware import get_instance, list_instances
+    from planner.ir import fp8
+
+    names = [n for n in list_instances() if tuple(get_instance(n).gpu.compute_capability) >= fp8.FP8_MIN_CC]
+    return names[:6] + (["..."] if len(names) > 6 else [])
 
 
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
@@ -252,6 +306,11 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
             if len(_RUNTIME) >= RUNTIME_CACHE_SIZE:
                 _RUNTIME.clear()
             _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
+    reported = None
+    if cfg.precision == "fp8" or cfg.compile or cfg.fp8_recipe is not None or cfg.fp8_param_gather:
+        cfg = check_fp8_and_compile(cfg, inst, view.stack.torch)
+        if cfg.precision == "fp8":
+            reported, cfg = cfg, cfg.model_copy(update={"precision": FP8_COMPUTE})
     check_supported(spec, cfg, inst)
     world = parallel.world_size(cfg, inst)
     dims = parallel_dims(spec, cfg, world)
@@ -261,5 +320,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
                            or "fragmentation" in calibrated_values(calibration, inst.gpu.family))
     scale = calibration_entry(calibration, inst.gpu.family).get("throughput_scale")
+    if reported is not None:  # what the stack decided (attention), as --precision fp8
+        reported = cfg.model_copy(update={"precision": "fp8"})
     return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale,
-                    context(spec, cfg, inst, backend, dims), dims)
+                    context(spec, cfg, inst, backend, dims), dims, reported)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from planner import caches
+from planner.errors import PlannerError
 from planner.identity_cache import per_object
 from planner.ir.context import Ctx
 from planner.memory import batch as batch_mem
@@ -88,7 +89,8 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # What `activations.activation_blocks` reads of a TrainConfig (its `_ctx` and the checkpointing flag):
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
-                     "lora_dropout", "base_dtype", "recompute", "recompute_modules")
+                     "lora_dropout", "base_dtype", "recompute", "recompute_modules", "fp8_recipe", "fp8_param_gather",
+                     "compile")
 _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATIONS", scope="step",
     key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
@@ -237,6 +239,7 @@ class _Prepared:
     dims: Any = None  # planner.parallel.dims.ParallelDims (resolve built it)
     # every pipeline stage's step under tensor/pipeline parallelism (`step` is the worst one's); () otherwise
     stages: tuple[StageStep, ...] = ()
+    reported: TrainConfig | None = None  # the configuration the Estimate shows (Resolved.reported; None: cfg)
 
 
 @dataclass(frozen=True)
@@ -401,6 +404,16 @@ def _traced_optimizer_temporaries(shapes, cfg: TrainConfig, lay: framework_layou
     if flat is not None:
         return optimizer.optimizer_temporary_bytes(flat, cfg, opt_bytes)
     return optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes, share)
+def _fp8_buffer_bytes(spec: ModelSpec, ctx: Ctx) -> int:
+    """Delayed scaling's amax histories, module buffers for the whole run (planner.ir.fp8)."""
+    if not ctx.fp8:
+        return 0
+    from planner.ir import fp8
+    from planner.memory.activations import linear_params
+    from planner.models.blocks import model_blocks
+
+    linears = sum(len(linear_params(b)) for b in model_blocks(spec) if b.role == "layer")
+    return fp8.amax_history_bytes(ctx.fp8, linears)
 
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
@@ -446,7 +459,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(
         blocks=block_mem,
-        module_buffer_bytes=facts.buffer_bytes,
+        module_buffer_bytes=facts.buffer_bytes + _fp8_buffer_bytes(spec, r.ctx),
         ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, full_grad_bytes),
         workspace_bytes=rt.cublas_workspace_bytes,
         batch_bytes=micro_batch,
@@ -467,7 +480,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     return _Prepared(spec, inst, cfg, world, rt, counts, step, tuple(activations), share, r.fragmentation_given,
                      r.throughput_scale, spec.name, (*_notes(spec, cfg), *inst.gpu.assumptions, *inst.assumptions),
                      view.stack, view.context, view.given,
-                     view.fragmentation_range, ctx=r.ctx, dims=r.dims, stages=stage_steps)
+                     view.fragmentation_range, ctx=r.ctx, dims=r.dims, stages=stage_steps, reported=r.reported)
 
 
 def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, runtime, backend: str,
@@ -479,6 +492,9 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
     from planner.program.sources import model_trace
 
     r = resolve(None, config, instance, runtime, stack, calibration, backend)
+    if r.reported is not None:
+        raise PlannerError("--precision", "fp8", "a model the planner lays out (catalog name or config.json); "
+                           "FP8 on a traced model is not modelled")
     inst, cfg, world, share, rt, view = r.inst, r.cfg, r.world, r.share, r.rt, r.view
     fragmentation_given = r.fragmentation_given
 
@@ -568,4 +584,16 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
         if cfg.base_dtype == "nf4" and not cfg.checkpointing:
             notes.append("QLoRA: peft's prepare_model_for_kbit_training turns gradient checkpointing on by "
                          "default; this estimate has it off (--checkpointing to match)")
+    if cfg.fp8_recipe is not None:  # --precision fp8, computed as amp-bf16 (planner.pipeline.resolve)
+        from planner.ir import fp8
+
+        lib = "torchao float8" if fp8.library(cfg.fp8_recipe) == "torchao" else "Transformer Engine"
+        keeps = ("saves bf16 inputs; no 16-bit weight copies (cast to FP8 per GEMM)" if lib.startswith("torchao")
+                 else "saves FP8 inputs and each FP8 weight with its transpose")
+        notes.append(f"FP8 ({cfg.fp8_recipe}, {lib}): the layers' Linear GEMMs at the FP8 peak plus casting "
+                     f"kernels; the LM head, norms and attention in bf16; {keeps}"
+                     + ("; FSDP all-gathers FP8 weights" if cfg.fp8_param_gather else ""))
+    if cfg.compile:
+        notes.append("torch.compile: pointwise ops fused into one kernel per chain; the min-cut partitioner "
+                     "recomputes norms and activations in backward instead of saving them")
     return notes

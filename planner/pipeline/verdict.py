@@ -114,7 +114,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         model=prep.name,
         instance=inst.name,
         gpu=inst.gpu.name,
-        config=cfg,
+        config=prep.reported or cfg,
         world_size=world,
         parameters=counts,
         memory_bytes=memory,

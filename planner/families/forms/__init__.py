@@ -82,7 +82,15 @@ def base_prefix(model: ModelSpec, block: Block, spec: TransformerSpec) -> str:
 
 
 def block_ops(block: Block, model: ModelSpec, ctx: Ctx) -> list[Op]:
-    """The ops of one block of planner.models.blocks."""
+    """The ops of one block of planner.models.blocks, with the transforms the context asks for (FP8 Linears,
+    torch.compile: planner.ir.transforms.for_context)."""
+    from planner.ir.transforms import for_context
+
+    ops = _block_ops(block, model, ctx)
+    return for_context(ops, ctx, block.role) if ctx.fp8 or ctx.compile else ops
+
+
+def _block_ops(block: Block, model: ModelSpec, ctx: Ctx) -> list[Op]:
     from planner.families.forms import common
 
     layer = block.layer
