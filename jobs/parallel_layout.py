@@ -311,9 +311,10 @@ class Parallel:
         return coordinates(self.mesh)
 
 
-def parallelize(model: Any, layout: Layout, device: Any, *, attention: str, n_microbatches: int,
-                checkpointing: bool = False) -> Parallel:
-    """Split, shard and wrap `model` (built whole on `device`, identical on every rank) as `layout` says."""
+def parallelize(model: Any, layout: Layout, device: Any, *, attention: str, n_microbatches: int) -> Parallel:
+    """Split, shard and wrap `model` (built whole on `device`, identical on every rank) as `layout` says.
+    Activation checkpointing, when asked, is already on the decoder layers (transformers'
+    GradientCheckpointingLayer, set by probe.build), and stays on inside the stages."""
     import torch
 
     if torch.distributed.get_world_size() != layout.world:
@@ -326,15 +327,7 @@ def parallelize(model: Any, layout: Layout, device: Any, *, attention: str, n_mi
     n_stages = layout.pp * layout.vp
     stage_cls = _stage_class()
     stages = [stage_cls(inner, head, groups[s], first=s == 0, last=s == len(groups) - 1, attention=attention)
-              for s in (ids if layout.pp > 1 else [0])]
-    if layout.pp == 1:  # one stage, every layer
-        stages = [stage_cls(inner, head, list(range(len(inner.layers))), True, True, attention)]
-    if checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for stage in stages:
-            for key, layer in list(stage.layers.items()):
-                stage.layers[key] = checkpoint_wrapper(layer)
+              for s in ids]  # without PP: one stage holding every layer (groups has one entry)
     if layout.tp > 1:
         for stage in stages:
             apply_tp(stage, mesh["tp"], layout.sp)
@@ -349,8 +342,7 @@ def parallelize(model: Any, layout: Layout, device: Any, *, attention: str, n_mi
     if layout.pp > 1:
         schedule = make_schedule(stages, ids, n_stages, layout, mesh, device, n_microbatches)
     info = {"mesh": dict(zip(DIMS, layout.degrees, strict=True)), "coordinates": coords,
-            "stages": ids if layout.pp > 1 else [0], "stage_layers": [groups[s] for s in ids] if layout.pp > 1
-            else [list(range(len(inner.layers)))], "schedule": type(schedule).__name__ if schedule else None,
+            "stages": ids, "stage_layers": [groups[s] for s in ids], "schedule": type(schedule).__name__ if schedule else None,
             "n_microbatches": n_microbatches, "sp": layout.sp,
             "data_parallel": ("fully_shard" if layout.parallelism in SHARDED and layout.dp > 1
                               else "all-reduce" if dp_group is not None else None),
@@ -398,34 +390,37 @@ def local_parameter_count(parallel: Parallel) -> int:
     return sum(int((p.to_local() if hasattr(p, "to_local") else p).numel()) for p in parallel.parameters())
 
 
-def step(parallel: Parallel, batch: dict[str, Any], backward_ctx: Any = None) -> float | None:
-    """Forward and backward of one optimizer step's batch: the pipeline schedule (loss on the last stage),
-    else the one stage. Returns the mean loss where this rank computes it (None on other pipeline ranks)."""
+def forward_loss(parallel: Parallel, batch: dict[str, Any]) -> Any:
+    """The one stage's loss (no pipeline); call `backward` on it inside the same loss_context."""
+    return causal_lm_loss(parallel.stages[0](batch["input_ids"]), batch["labels"])
+
+
+def pipeline_step(parallel: Parallel, batch: dict[str, Any]) -> float | None:
+    """Forward and backward of all micro-batches by the schedule (loss on the last stage). Returns their mean
+    loss on the rank holding the last stage, None on the others."""
     import torch
 
-    ids, labels = batch["input_ids"], batch["labels"]
-    if parallel.schedule is not None:
-        coords = parallel.coords
-        # stage 0 on pp rank 0, the last stage on pp rank pp - 1 (also interleaved: the "loop" style)
-        first, last = coords["pp"] == 0, coords["pp"] == parallel.layout.pp - 1
-        losses: list[Any] = []
-        kwargs = {"target": labels, "losses": losses} if last else {}
-        with loss_context(parallel.layout.tp > 1):
-            if first:
-                parallel.schedule.step(ids, **kwargs)
-            else:
-                parallel.schedule.step(**kwargs)
-        if last and losses:
-            return float(torch.stack([x.detach().float() for x in losses]).mean().item())
-        return None
-    stage = parallel.stages[0]
+    coords = parallel.coords
+    # stage 0 on pp rank 0, the last stage on pp rank pp - 1 (also interleaved: the "loop" style)
+    first, last = coords["pp"] == 0, coords["pp"] == parallel.layout.pp - 1
+    losses: list[Any] = []
+    kwargs = {"target": batch["labels"], "losses": losses} if last else {}
     with loss_context(parallel.layout.tp > 1):
-        loss = causal_lm_loss(stage(ids), labels)
-        loss.backward()
-    value = loss.detach()
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value.float().item())
+        if first:
+            parallel.schedule.step(batch["input_ids"], **kwargs)
+        else:
+            parallel.schedule.step(**kwargs)
+    if last and losses:
+        return float(torch.stack([scalar(x) for x in losses]).mean().item())
+    return None
+
+
+def scalar(loss: Any) -> Any:
+    """A loss as a plain fp32 tensor (a DTensor loss under loss_parallel is replicated)."""
+    loss = loss.detach()
+    if hasattr(loss, "full_tensor"):
+        loss = loss.full_tensor()
+    return loss.float()
 
 
 def all_reduce_gradients(parallel: Parallel) -> None:

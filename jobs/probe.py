@@ -219,10 +219,13 @@ class Plan:
     # A run of varying lengths: step k's batch is padded to step_lengths[k] (one step per entry; warmup_steps
     # of them untimed). Empty: warmup_steps + measure_steps steps at seq_len.
     step_lengths: tuple[int, ...] = ()
+    # tensor / pipeline / context parallelism or HSDP asked for: run by parallel_layout.py over a DeviceMesh
+    model_parallel: bool = False
 
     @property
     def distributed(self) -> bool:
-        return self.parallelism in ("ddp", "zero1", "zero2", "zero3", "fsdp") and self.world_size > 1
+        return self.world_size > 1 and (self.model_parallel or
+                                        self.parallelism in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"))
 
 
 # Loops that keep `out = model(**batch)` past the forward: plain (to the step's end), accelerate (to the next
@@ -267,6 +270,7 @@ def make_plan(request: dict[str, Any]) -> Plan:
         loop=cfg.get("loop") or "plain",
         load=cfg.get("load") or "direct",
         framework=cfg.get("framework") or "pytorch",
+        model_parallel=import_parallel_layout().requested(cfg),
     )
 
 
@@ -379,6 +383,16 @@ def import_modeling() -> Any:
     import modeling  # type: ignore[import-not-found]
 
     return modeling
+
+
+def import_parallel_layout() -> Any:
+    """`parallel_layout.py` ships next to this file, as `modeling.py` does."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import parallel_layout  # type: ignore[import-not-found]
+
+    return parallel_layout
 
 
 def _hf_models(model: Any) -> list[Any]:
@@ -850,6 +864,9 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     # Set either way: a container or an earlier probe in this process may have changed PyTorch's default (off).
     torch.backends.cuda.matmul.allow_tf32 = plan.tf32
     spec = request["model"]
+    if plan.model_parallel:
+        _train_layout(ctx, request, modeling)
+        return
 
     # ---- load: model, wrapper, optimizer, batch ------------------------------------------------
     ctx.phase = "load"
@@ -958,6 +975,120 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     ctx.phase = "done"
 
 
+# --------------------------------------------------------------------------- model-parallel layouts
+
+
+def _train_layout(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
+    """Tensor / sequence / pipeline parallelism with FSDP2 or DDP over a DeviceMesh (parallel_layout.py).
+
+    The model is built whole on every rank from the same seed (so the same weights as a one-process probe of
+    the same request), then split into this rank's pipeline stages and sharded. The batch holds
+    batch_size × micro-batches rows of input_ids and labels (no padding: every position is real, as in
+    pretraining); the pipeline schedule cuts it into micro-batches of batch_size. Without PP, grad_accum
+    micro-steps run on the same batch as the one-process probe does. Phases: load, then per step forward and
+    backward (no PP) or `pipeline` (the schedule interleaves them), then optimizer.
+    """
+    import torch
+
+    pl = import_parallel_layout()
+    plan, dev, rec, result = ctx.plan, ctx.device, ctx.rec, ctx.result
+    cfg, spec = request["config"], request["model"]
+    try:
+        layout = pl.layout_of(cfg, plan.world_size)
+    except pl.LayoutError as exc:
+        raise Unsupported(str(exc)) from exc
+    if plan.precision in ("fp16", "amp-fp16"):
+        raise Unsupported(f"precision={plan.precision} with tp/pp: the probe runs fp32, bf16 and amp-bf16 layouts "
+                          "(no gradient scaler across pipeline stages)")
+    if plan.lora_r or plan.framework in ("megatron", "deepspeed"):
+        raise Unsupported("LoRA and the megatron/deepspeed frameworks have no model-parallel probe")
+    if plan.step_lengths:
+        raise Unsupported("a run of varying lengths (step_lengths) has no model-parallel probe")
+    if not torch.distributed.is_initialized():
+        raise Unsupported(f"tp/pp layouts run under torchrun with {plan.world_size} processes")
+    n_micro = pl.microbatches(cfg, layout, plan.batch_size) if layout.pp > 1 else 1
+    accum = 1 if layout.pp > 1 else plan.grad_accum
+
+    ctx.phase = "load"
+    rec.begin()
+    model, applied = build(modeling, spec, plan, dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    try:
+        parallel = pl.parallelize(model, layout, dev, attention=plan.attention, n_microbatches=n_micro)
+    except pl.LayoutError as exc:
+        raise Unsupported(str(exc)) from exc
+    del model  # the other stages' layers go with it
+    gc.collect()
+    params = parallel.parameters()
+    optimizer = make_optimizer(params, plan)
+    full = modeling.make_batch(spec, plan.batch_size * n_micro, plan.seq_len, dev)
+    batch = {"input_ids": full["input_ids"], "labels": full["labels"]}
+    rec.end("load", step=-1)
+    applied.update(parallelism=plan.parallelism, optimizer=type(optimizer).__name__,
+                   autocast="bfloat16" if plan.precision == "amp-bf16" else None,
+                   model_dtype=str(params[0].dtype).replace("torch.", ""), layout=parallel.info)
+    result["applied"] = applied
+    result["layout"] = {**layout.to_json(), "world": layout.world, "dp": layout.dp, **parallel.info,
+                        "samples_per_step": plan.batch_size * n_micro * accum * layout.dp}
+    result["tensors"] = {"parameter_count": int(n_params),
+                         "local_parameter_count": pl.local_parameter_count(parallel),
+                         "parameters_bytes": None,
+                         "local_parameters_bytes": int(sum(tensor_bytes(p) for p in params)),
+                         "buffers_bytes": int(sum(tensor_bytes(b) for s in parallel.stages for b in s.buffers())),
+                         "batch_bytes": int(sum(tensor_bytes(v) for v in batch.values())),
+                         "gradients_bytes": None, "optimizer_state_bytes": None, "saved_tensor_bytes": None,
+                         "saved_tensor_count": None}
+    losses: list[float | None] = []
+    step_times: list[float] = []
+    for step in range(plan.warmup_steps + plan.measure_steps):
+        t_step = time.perf_counter()
+        if parallel.schedule is not None:
+            ctx.phase = "pipeline"
+            rec.begin()
+            with _autocast(plan, dev):
+                loss_value = pl.pipeline_step(parallel, batch)
+            rec.end("pipeline", step, loss=loss_value)
+        else:
+            total = 0.0
+            for micro in range(accum):
+                for stage in parallel.stages:  # FSDP2: reduce-scatter on the last micro-step only
+                    if hasattr(stage, "set_requires_gradient_sync"):
+                        stage.set_requires_gradient_sync(micro == accum - 1)
+                ctx.phase = "forward"
+                rec.begin()
+                with pl.loss_context(layout.tp > 1):
+                    with _autocast(plan, dev):
+                        loss = pl.forward_loss(parallel, batch) / accum
+                    rec.end("forward", step, micro, loss=float(pl.scalar(loss).item()) * accum)
+                    ctx.phase = "backward"
+                    rec.begin()
+                    loss.backward()
+                total += float(pl.scalar(loss).item())
+                del loss
+                rec.end("backward", step, micro)
+            loss_value = total
+        pl.all_reduce_gradients(parallel)
+        if step == 0:
+            result["tensors"]["gradients_bytes"] = int(sum(tensor_bytes(p.grad) for p in params
+                                                           if p.grad is not None))
+        ctx.phase = "optimizer"
+        rec.begin()
+        optimizer.step()
+        alloc_after_step = rec.allocated()
+        optimizer.zero_grad(set_to_none=True)
+        rec.end("optimizer", step, allocated_after_step=alloc_after_step, optimizer_state=_has_state(optimizer))
+        if step == 0:
+            on_dev, host = optimizer_state_bytes(optimizer, dev)
+            result["tensors"].update(optimizer_state_bytes=on_dev, optimizer_state_host_bytes=host)
+        rec.sync()
+        step_times.append(time.perf_counter() - t_step)
+        losses.append(loss_value)
+    result["losses"] = losses
+    result["step_times_s"] = step_times
+    result["optimizer_states_from_step"] = 0
+    ctx.phase = "done"
+
+
 # ------------------------------------------------------------------------------------- summary
 
 
@@ -981,7 +1112,7 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
                          "device_peak": _max(rows, "device_used"), "device_total": _max(rows, "device_total"),
                          "peak_rss_bytes": _max(rows, "peak_rss_bytes")}
     by_phase: dict[str, int | None] = {}
-    for phase in ("load", "forward", "backward", "optimizer"):
+    for phase in ("load", "forward", "backward", "optimizer") + (("pipeline",) if result.get("layout") else ()):
         by_phase[phase] = _max([r for r in rows if r["phase"] == phase], "peak_allocated")
     s["phase_peak_allocated"] = by_phase
     s["peak_phase"] = (max((p for p in by_phase if by_phase[p] is not None), key=lambda p: by_phase[p] or 0)
@@ -1014,6 +1145,8 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
     average = statistics.mean if result.get("step_lengths") else statistics.median
     s["step_time_s"] = average(steady) if steady else None
     samples = plan.batch_size * plan.grad_accum * plan.world_size
+    if result.get("layout"):  # model parallelism: only the data-parallel ranks see different samples
+        samples = result["layout"]["samples_per_step"]
     lengths = result.get("step_lengths") or []
     steady_lengths = lengths[plan.warmup_steps:] or lengths
     mean_length = statistics.mean(steady_lengths) if steady_lengths else plan.seq_len
@@ -1027,6 +1160,9 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
         s["samples_per_s"] = s["tokens_per_s"] = None
     s["global_batch_size"] = samples
     s["oom"] = 1 if result.get("status") == "oom" else 0
+    losses = [x for x in result.get("losses") or [] if x is not None]
+    if losses:  # model-parallel layouts: each step's loss where this rank computes it
+        s["first_loss"], s["last_loss"] = losses[0], losses[-1]
     return s
 
 
@@ -1063,14 +1199,40 @@ def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     base["status"] = worst.get("status")
     if base is not worst and worst.get("status") != "ok":
         base.update(phase=worst.get("phase"), message=f"rank {worst.get('rank')}: {worst.get('message')}")
-    base["ranks"] = [{"rank": r.get("rank"), "status": r.get("status"), "phase": r.get("phase"),
-                      "peak_allocated": (r.get("summary") or {}).get("peak_allocated"),
-                      "peak_reserved": (r.get("summary") or {}).get("peak_reserved"),
-                      "device_peak": (r.get("summary") or {}).get("device_peak")} for r in results]
-    peaks = [x["peak_allocated"] for x in base["ranks"] if x["peak_allocated"] is not None]
-    if peaks:
-        base.setdefault("summary", {})["max_rank_peak_allocated"] = max(peaks)
+    base["ranks"] = [_rank_row(r) for r in results]
+    summary = base.setdefault("summary", {})
+    for key in ("peak_allocated", "peak_reserved"):
+        peaks = [x[key] for x in base["ranks"] if x[key] is not None]
+        if peaks:
+            summary[f"max_rank_{key}"] = max(peaks)
+    with_loss = [r for r in results if r.get("losses") and any(x is not None for x in r["losses"])]
+    if with_loss and not any(x is not None for x in base.get("losses") or []):
+        # a pipeline: the loss lives on the last stage's ranks
+        base["losses"] = with_loss[0]["losses"]
+        for key in ("first_loss", "last_loss"):
+            summary[key] = (with_loss[0].get("summary") or {}).get(key)
     return base
+
+
+def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One rank's reading in the merged result: its peaks, and under a model-parallel layout its place in
+    the mesh, its stages, the parameters it holds, its step time and losses."""
+    s = r.get("summary") or {}
+    row = {"rank": r.get("rank"), "status": r.get("status"), "phase": r.get("phase"),
+           "peak_allocated": s.get("peak_allocated"), "peak_reserved": s.get("peak_reserved"),
+           "device_peak": s.get("device_peak")}
+    layout = r.get("layout")
+    if layout:
+        tensors = r.get("tensors") or {}
+        row.update(coordinates=layout.get("coordinates"), stages=layout.get("stages"),
+                   stage_layers=layout.get("stage_layers"),
+                   local_parameter_count=tensors.get("local_parameter_count"),
+                   local_parameters_bytes=tensors.get("local_parameters_bytes"),
+                   gradients_bytes=tensors.get("gradients_bytes"),
+                   optimizer_state_bytes=tensors.get("optimizer_state_bytes"),
+                   step_time_s=s.get("step_time_s"), peak_rss_bytes=s.get("peak_rss_bytes"),
+                   losses=r.get("losses"))
+    return row
 
 
 def torchrun_command(script: str, request_arg: str, out: str, nproc: int, *, nnodes: int = 1,
