@@ -1245,8 +1245,9 @@ def torchrun_command(script: str, request_arg: str, out: str, nproc: int, *, nno
 
 
 def launch_distributed(request_arg: str, request: dict[str, Any], out: Path,
-                       device: str | None = None) -> dict[str, Any]:
-    """Re-run this script under torchrun (one process per GPU, and per node on SageMaker)."""
+                       device: str | None = None) -> dict[str, Any] | None:
+    """Re-run this script under torchrun (one process per GPU, and per node on SageMaker). None on the
+    nodes after the first, whose ranks global rank 0 gathered and wrote on the first node."""
     plan = make_plan(request)
     hosts = json.loads(os.environ.get("SM_HOSTS", "[]") or "[]")
     current = os.environ.get("SM_CURRENT_HOST")
@@ -1277,6 +1278,8 @@ def launch_distributed(request_arg: str, request: dict[str, Any], out: Path,
     parts = [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".rank*"))]
     for p in out.parent.glob(out.name + ".rank*"):
         p.unlink()
+    if not parts and code == 0 and node_rank > 0:
+        return None
     if not parts:
         return {"schema": SCHEMA, "request_id": request.get("request_id"), "status": "error", "phase": "launch",
                 "message": f"torchrun exited with code {code} and no rank wrote a result", "summary": {},
@@ -1329,28 +1332,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     outs = output_paths(args.out)
     plan = make_plan(request)
-    if args.rank_output:
-        rank = dist_env()[0]
-        import torch
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
-        if not dist.is_initialized():
-            if backend == "nccl":
-                torch.cuda.set_device(dist_env()[1])
-            dist.init_process_group(backend=backend)
-        result = run_probe(request, device=args.device)
-        write_json(outs[0].with_name(outs[0].name + f".rank{rank}"), result)
-        if result["status"] in ("oom", "error"):
-            os._exit(3)  # a peer may wait in a collective forever: let torchrun tear the group down
-        with contextlib.suppress(Exception):
-            dist.barrier()
-            dist.destroy_process_group()
-        return 0
+    # One process per GPU under torchrun: started by this script's own launcher (--rank-output, below), or
+    # by SageMaker's torch_distributed runner (`torchrun ... probe.py --request ...` on every instance).
+    if args.rank_output or ("LOCAL_RANK" in os.environ and plan.distributed):
+        return run_rank(args, request, outs)
     if plan.distributed and "LOCAL_RANK" not in os.environ:
         result = launch_distributed(args.request, request, outs[0], device=args.device)
-    else:
-        result = run_probe(request, device=args.device)
+        if result is None:  # another instance's node: rank 0 on the first node reports every rank
+            log("this node's ranks are reported by the first node")
+            return 0
+        return finish(result, outs)
+    return finish(run_probe(request, device=args.device), outs)
+
+
+def finish(result: dict[str, Any], outs: list[Path]) -> int:
+    """Write the result, print the metric lines, set the exit code."""
     for p in outs:
         write_json(p, result)
     for line in metric_lines(result):
@@ -1361,6 +1357,40 @@ def main(argv: list[str] | None = None) -> int:
         write_failure_file(f"probe error in {result.get('phase')}: {result.get('message')}")
         return 1
     return 0
+
+
+def run_rank(args: argparse.Namespace, request: dict[str, Any], outs: list[Path]) -> int:
+    """One rank: join the process group, run, and gather every rank's result on global rank 0, which writes
+    them (its launcher merges `<out>.rank<N>` files) or, started by torchrun directly, the merged result.
+    Gathering through the process group works across instances, where each node's files stay on its disk."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist_env()[0]
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(dist_env()[1])
+        dist.init_process_group(backend=backend)
+    result = run_probe(request, device=args.device)
+    if result["status"] in ("oom", "error"):
+        write_json(outs[0].with_name(outs[0].name + f".rank{rank}"), result)
+        if not args.rank_output:
+            finish(result, outs)
+        os._exit(3)  # a peer may wait in a collective forever: let torchrun tear the group down
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if rank == 0 and gathered is not None:
+        if args.rank_output:
+            for r in gathered:
+                write_json(outs[0].with_name(outs[0].name + f".rank{r['rank']}"), r)
+        else:
+            finish(merge_ranks(gathered), outs)
+    with contextlib.suppress(Exception):
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
 
 
 if __name__ == "__main__":

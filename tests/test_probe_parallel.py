@@ -60,11 +60,17 @@ def request(spec, world: int, **cfg) -> dict:
             "world_size": world, "gpus_per_instance": world, "lr": LR, "seed": 0}
 
 
-def run_probe(req: dict, tmp_path: Path, port: int) -> dict:
+def run_probe(req: dict, tmp_path: Path, port: int, *, torchrun: bool = False) -> dict:
+    """probe.py as `planner probe run` starts it (it launches torchrun itself), or, `torchrun`, started by
+    torchrun the way SageMaker's torch_distributed runner starts it on every instance."""
     (tmp_path / "req.json").write_text(json.dumps(req))
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "probe.py"), "--request", str(tmp_path / "req.json"),
-                           "--out", str(out), "--device", "cpu"], capture_output=True, text=True, timeout=240,
+    args = [str(ROOT / "jobs" / "probe.py"), "--request", str(tmp_path / "req.json"), "--out", str(out),
+            "--device", "cpu", "--tp", "2"]  # a SageMaker-style hyperparameter the probe ignores
+    if torchrun:
+        args = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={req['world_size']}",
+                "--master-addr=127.0.0.1", f"--master-port={port}", *args]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240,
                           env={**ENV, "PLANNER_MASTER_PORT": str(port)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -130,7 +136,8 @@ def expected_local_count(layers: list[int], first: bool, last: bool, tp: int, tp
 
 
 def test_tensor_parallel_two_processes_match_the_plain_model(llama_spec, tmp_path):
-    result = run_probe(request(llama_spec, 2, tp=2, parallelism="ddp"), tmp_path, 29531)
+    result = run_probe(request(llama_spec, 2, tp=2, parallelism="ddp"), tmp_path, 29531, torchrun=True)
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]  # rank 0 gathered both through the process group
     layout = result["layout"]
     assert layout["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2} and layout["sp"]
     ref = reference_losses(llama_spec, rows=2)
