@@ -224,3 +224,27 @@ def test_merged_ranks_carry_their_place_in_the_layout():
     assert merged["losses"] == [2.0] and merged["summary"]["first_loss"] == 2.0
     assert [(r["rank"], r["coordinates"], r["local_parameter_count"]) for r in merged["ranks"]] == [
         (0, {"pp": 0}, 10), (1, {"pp": 1}, 11)]
+
+
+def test_validate_measures_a_layout_at_its_worst_rank():
+    """The planner predicts the worst rank; validate compares it with the largest reading over ranks."""
+    from planner.probes.validate import compare, config_label, measured_terms
+
+    def rank(r, params, peak):
+        return {"rank": r, "status": "ok", "coordinates": {"pp": r}, "local_parameters_bytes": params,
+                "gradients_bytes": params, "optimizer_state_bytes": 2 * params, "peak_allocated": peak,
+                "peak_reserved": peak + 10, "device_peak": peak + 20}
+
+    record = {"status": "ok", "device": "cuda", "config": {"batch_size": 1, "seq_len": 16, "tp": 2, "pp": 2},
+              "tensors": {"local_parameters_bytes": 100, "gradients_bytes": 100, "optimizer_state_bytes": 200},
+              "summary": {"peak_allocated": 500, "peak_reserved": 510, "max_rank_peak_allocated": 900,
+                          "max_rank_peak_reserved": 910},
+              "ranks": [rank(0, 100, 500), rank(1, 300, 900)]}
+    measured = measured_terms(record)
+    assert (measured["parameters"], measured["gradients"], measured["optimizer_states"]) == (300, 300, 600)
+    assert (measured["peak_allocated"], measured["peak_reserved"], measured["device_peak"]) == (900, 910, 920)
+    row = compare(record, {"memory_bytes": {"parameters": 330, "peak_allocated": 810}}, "stored")
+    assert row.errors["parameters"] == pytest.approx(10.0) and row.errors["peak_allocated"] == pytest.approx(-10.0)
+    assert config_label(record["config"]).endswith("tp2 pp2")
+    plain = {**record, "ranks": [{"rank": 0, "peak_allocated": 1}]}  # data parallelism: rank 0 as before
+    assert measured_terms(plain)["parameters"] == 100 and measured_terms(plain)["peak_allocated"] == 500

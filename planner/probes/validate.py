@@ -17,6 +17,10 @@ device_peak            max(total - free) from torch.cuda.mem_get_info           
 samples_per_s          global samples per optimizer step / median steady step time    throughput
 =====================  =============================================================  ===================
 
+A model-parallel record (tensor / pipeline parallelism: its `ranks` carry their place in the layout) is
+measured at its worst rank, as the planner predicts it: each term is the maximum over ranks (the peaks from
+`max_rank_peak_*`), since pipeline stages and their ranks differ.
+
 Signed error = (predicted - measured) / measured x 100: positive means the planner over-estimates (safe
 for OOM), negative under-estimates. Fit agreement compares `Estimate.fits` with whether the run OOMed,
 only when the measured GPU is the one predicted for.
@@ -43,11 +47,30 @@ def signed_error_pct(predicted: float | None, measured: float | None) -> float |
     return (float(predicted) - float(measured)) / float(measured) * 100.0
 
 
+def layout_ranks(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-rank readings of a model-parallel record (empty for data parallelism and one process)."""
+    ranks = record.get("ranks") or []
+    return [r for r in ranks if isinstance(r, dict) and r.get("coordinates") is not None]
+
+
+def _worst(ranks: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in ranks if isinstance(r.get(key), int | float)]
+    return max(values) if values else None
+
+
 def measured_terms(record: dict[str, Any]) -> dict[str, float | None]:
     s = record.get("summary") or {}
     t = record.get("tensors") or {}
     cuda = record.get("device") == "cuda"
     params = t.get("local_parameters_bytes", t.get("parameters_bytes"))
+    ranks = layout_ranks(record)
+    if ranks:  # the worst rank, as the planner predicts it
+        t = {**t, "gradients_bytes": _worst(ranks, "gradients_bytes"),
+             "optimizer_state_bytes": _worst(ranks, "optimizer_state_bytes")}
+        params = _worst(ranks, "local_parameters_bytes")
+        s = {**s, "peak_allocated": s.get("max_rank_peak_allocated", s.get("peak_allocated")),
+             "peak_reserved": s.get("max_rank_peak_reserved", s.get("peak_reserved")),
+             "device_peak": _worst(ranks, "device_peak") if cuda else None}
     return {
         "parameters": params,
         "gradients": t.get("gradients_bytes"),
@@ -129,6 +152,9 @@ def config_label(cfg: dict[str, Any]) -> str:
         parts.append(f"ga{cfg['grad_accum']}")
     if not is_default(cfg.get("parallelism")):
         parts.append(str(cfg["parallelism"]))
+    for key in ("tp", "cp", "pp", "vp"):  # a model-parallel layout: tp2 pp4 vp5
+        if (cfg.get(key) or 1) > 1:
+            parts.append(f"{key}{cfg[key]}")
     if cfg.get("optimizer") not in (None, "adamw"):
         parts.append(str(cfg["optimizer"]))
     return " ".join(parts)
