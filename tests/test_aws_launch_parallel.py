@@ -100,3 +100,36 @@ def test_launch_sends_the_layout_job(aws_env, llama_config):  # noqa: F811
     assert sent["ResourceConfig"]["InstanceCount"] == 2
     assert json.loads(sent["HyperParameters"][TORCH_DISTRIBUTED_HP]) is True
     assert json.loads(sent["HyperParameters"]["tp"]) == 4
+
+
+def _cli(args):
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+
+    return CliRunner().invoke(app, args)
+
+
+def test_probe_launch_takes_the_layout_flags(aws_env, llama_config):  # noqa: F811
+    base = ["probe", "launch", "--dry-run", "--model", str(llama_config), "--instance", "ml.p4d.24xlarge",
+            "--batch-size", "1", "--seq-len", "32"]
+    res = _cli(base + ["--instances", "2", "--tp", "8", "--pp", "2", "--vp", "2", "--pp-schedule", "interleaved-1f1b",
+                       "--grad-accum", "4", "--parallelism", "fsdp"])
+    assert res.exit_code == 0, res.output
+    req = json.loads(res.stdout)
+    hp = hp_of(req)
+    assert req["ResourceConfig"]["InstanceCount"] == 2 and hp[TORCH_DISTRIBUTED_HP] is True
+    assert (hp["tp"], hp["pp"], hp["vp"], hp["pp_schedule"]) == (8, 2, 2, "interleaved-1f1b")
+    assert not (aws_env / "results").exists()
+
+
+@pytest.mark.parametrize("flags,named", [(["--tp", "3"], "--tp"), (["--vp", "2"], "--vp"),
+                                         (["--pp", "2", "--pp-schedule", "foo"], "--pp-schedule"),
+                                         (["--tp", "2", "--seq-len", "33"], "--seq-len")])
+def test_probe_launch_refuses_a_layout_that_cannot_exist(aws_env, llama_config, flags, named):  # noqa: F811
+    res = _cli(["probe", "launch", "--dry-run", "--model", str(llama_config), "--instance", "ml.p4d.24xlarge",
+                "--batch-size", "1", "--seq-len", "32", *flags])
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert named in line and "\n" not in line and "Traceback" not in line
+    assert not (aws_env / "results").exists()

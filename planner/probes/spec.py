@@ -181,9 +181,8 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
 
 def check_layout(config: TrainConfig, world: int, spec_json: dict[str, Any]) -> None:
     """A model-parallel layout that cannot exist is refused here, before any job (planner.parallel.dims
-    names the rule), with the model's layers and heads when the spec is one transformer."""
-    if max(config.tp, config.cp, config.pp) == 1 and config.dp_replicas is None:
-        return
+    names the rule), with the model's layers and heads when the spec is one transformer. A data-parallel
+    config passes unchanged (every degree 1)."""
     from planner.parallel.dims import build
 
     blocks = [layer for c in spec_json.get("components", []) for layer in c.get("layers", [])
