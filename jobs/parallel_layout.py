@@ -369,8 +369,10 @@ def make_schedule(stages: list[Any], ids: list[int], n_stages: int, layout: Layo
 
 def _pipeline_loss(vocab_parallel: bool) -> Any:
     def loss_fn(logits: Any, labels: Any) -> Any:
-        with loss_context(vocab_parallel):
-            return causal_lm_loss(logits, labels)
+        # runs inside pipeline_step's loss_context (a nested loss_parallel() would switch it off on exit)
+        loss = causal_lm_loss(logits, labels)
+        # the schedule back-propagates from a plain tensor (to_local is differentiable; the loss is replicated)
+        return loss.to_local() if vocab_parallel and hasattr(loss, "to_local") else loss
 
     return loss_fn
 
