@@ -94,6 +94,8 @@ def layout_of(config: dict[str, Any], world: int) -> Layout:
     (the same rules as planner/parallel/dims.build, which already refused bad input before the job)."""
     tp, cp, pp, vp = (int(config.get(k) or 1) for k in ("tp", "cp", "pp", "vp"))
     parallelism = config.get("parallelism") or "ddp"
+    if parallelism == "auto":  # as probe.make_plan resolves it for several processes
+        parallelism = "ddp"
     if world % (tp * cp * pp):
         raise LayoutError(f"tp × cp × pp = {tp * cp * pp} does not divide the {world} processes")
     dp = world // (tp * cp * pp)
@@ -348,6 +350,36 @@ def parallelize(model: Any, layout: Layout, device: Any, *, attention: str, n_mi
                               else "all-reduce" if dp_group is not None else None),
             "loss": "loss_parallel (vocabulary-sharded logits)" if layout.tp > 1 else "cross_entropy"}
     return Parallel(layout, mesh, stages, schedule, n_microbatches, dp_group, info)
+
+
+def materialize(parallel: Parallel, device: Any, *, std: float, seed: int) -> None:
+    """Give a layout built on the meta device its memory and weights, as torchtitan does (`to_empty`, then
+    `init_weights`), so no rank ever holds more than its own shards. Weights follow transformers' Llama
+    initialisation (`PreTrainedModel._init_weights`: linear and embedding weights normal(0, initializer_range),
+    biases zero, RMSNorm weights one); the rotary frequencies are computed afresh. Each rank draws its local
+    shards from its own generator, seeded by its place in the mesh without `dp_replicate`, so DDP/HSDP replicas
+    start equal (no DTensor RNG tracker needed). The weights differ from a whole-model build of the same seed:
+    what this path measures is memory and speed, and the loss only has to be finite."""
+    import torch
+
+    c, lay = parallel.coords, parallel.layout
+    place = ((c["pp"] * lay.dp_shard + c["dp_shard"]) * lay.cp + c["cp"]) * lay.tp + c["tp"]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + place)
+    for stage in parallel.stages:
+        stage.to_empty(device=device)
+        with torch.no_grad():
+            for module in stage.modules():
+                kind = type(module).__name__
+                for name, p in module.named_parameters(recurse=False):
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    if "Norm" in kind or name == "bias":
+                        local.fill_(1.0 if "Norm" in kind and name == "weight" else 0.0)
+                    else:
+                        local.normal_(0.0, std, generator=gen)
+        rotary = stage.rotary_emb
+        with torch.device(device):
+            stage.rotary_emb = type(rotary)(rotary.config)
 
 
 def make_schedule(stages: list[Any], ids: list[int], n_stages: int, layout: Layout, mesh: Any, device: Any,

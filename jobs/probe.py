@@ -1009,16 +1009,26 @@ def _train_layout(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     n_micro = pl.microbatches(cfg, layout, plan.batch_size) if layout.pp > 1 else 1
     accum = 1 if layout.pp > 1 else plan.grad_accum
 
+    # "meta": built on the meta device and each rank materialises only its shards (a model larger than one GPU);
+    # "full": built whole from the seed on every rank, then split (the weights of a one-process probe)
+    init = os.environ.get("PLANNER_PROBE_INIT") or ("meta" if dev.type == "cuda" else "full")
+    if init not in ("meta", "full"):
+        raise Unsupported(f"PLANNER_PROBE_INIT={init}: meta or full")
+
     ctx.phase = "load"
     rec.begin()
-    model, applied = build(modeling, spec, plan, dev)
+    model, applied = build(modeling, spec, plan, torch.device("meta") if init == "meta" else dev)
     n_params = sum(p.numel() for p in model.parameters())
+    std = float(getattr(getattr(model, "config", None), "initializer_range", None) or 0.02)
     try:
         parallel = pl.parallelize(model, layout, dev, attention=plan.attention, n_microbatches=n_micro)
     except pl.LayoutError as exc:
         raise Unsupported(str(exc)) from exc
     del model  # the other stages' layers go with it
     gc.collect()
+    if init == "meta":
+        pl.materialize(parallel, dev, std=std, seed=plan.seed)
+    applied["init"] = init
     params = parallel.parameters()
     optimizer = make_optimizer(params, plan)
     full = modeling.make_batch(spec, plan.batch_size * n_micro, plan.seq_len, dev)

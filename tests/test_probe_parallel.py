@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -248,3 +249,31 @@ def test_validate_measures_a_layout_at_its_worst_rank():
     assert config_label(record["config"]).endswith("tp2 pp2")
     plain = {**record, "ranks": [{"rank": 0, "peak_allocated": 1}]}  # data parallelism: rank 0 as before
     assert measured_terms(plain)["parameters"] == 100 and measured_terms(plain)["peak_allocated"] == 500
+
+
+def test_a_meta_built_layout_gets_its_weights_on_each_rank(tmp_path):
+    """The GPU path (PLANNER_PROBE_INIT=meta): built on the meta device, split, then `to_empty` and transformers'
+    Llama initialisation on this rank's shards; in one gloo process, the layout of a single rank."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k not in ("model_type", "architectures")}
+    config = LlamaConfig(**cfg, use_cache=False, attn_implementation="sdpa")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        lay = layout_mod.layout_of({"parallelism": "ddp"}, 1)
+        par = layout_mod.parallelize(model, lay, torch.device("cpu"), attention="sdpa", n_microbatches=1)
+        layout_mod.materialize(par, torch.device("cpu"), std=config.initializer_range, seed=0)
+        stage = par.stages[0]
+        assert not any(p.is_meta for p in stage.parameters())
+        assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in stage.layers.values())
+        weights = torch.cat([p.detach().flatten() for n, p in stage.named_parameters() if "norm" not in n])
+        assert float(weights.std()) == pytest.approx(config.initializer_range, rel=0.05)
+        assert torch.equal(stage.rotary_emb.inv_freq, LlamaForCausalLM(config).model.rotary_emb.inv_freq)
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        loss = layout_mod.forward_loss(par, {"input_ids": ids, "labels": ids})
+        assert float(loss.detach()) == pytest.approx(math.log(config.vocab_size), abs=0.1)  # near-uniform at init
+    finally:
+        dist.destroy_process_group()
