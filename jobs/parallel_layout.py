@@ -34,8 +34,11 @@ How each piece follows its source:
 * DDP with TP or PP: gradients all-reduced over the data-parallel group after backward (what DDP does,
   without its buckets; torchtitan refuses DDP with more than one dimension).
 * Context parallelism is refused: `torch.distributed.tensor.experimental.context_parallel` rewrites SDPA into
-  ring attention only for the CUDA flash / memory-efficient / cuDNN kernels, which a CPU test cannot run, and
-  the probe runs nothing it cannot test.
+  ring attention only for the CUDA kernels (torch 2.13,
+  torch/distributed/tensor/experimental/_context_parallel/_attention.py: handlers for
+  aten._scaled_dot_product_{flash,efficient,cudnn}_attention and their backwards; CPU SDPA dispatches to
+  _scaled_dot_product_flash_attention_for_cpu or the math kernel, which it leaves alone), so a CPU test
+  cannot run it, and the probe runs nothing its tests cannot.
 """
 
 from __future__ import annotations
