@@ -247,6 +247,8 @@ def test_validate_measures_a_layout_at_its_worst_rank():
     row = compare(record, {"memory_bytes": {"parameters": 330, "peak_allocated": 810}}, "stored")
     assert row.errors["parameters"] == pytest.approx(10.0) and row.errors["peak_allocated"] == pytest.approx(-10.0)
     assert config_label(record["config"]).endswith("tp2 pp2")
+    assert row.stages == {0: {"peak_allocated": 500, "peak_reserved": 510, "local_parameters_bytes": 100},
+                          1: {"peak_allocated": 900, "peak_reserved": 910, "local_parameters_bytes": 300}}
     plain = {**record, "ranks": [{"rank": 0, "peak_allocated": 1}]}  # data parallelism: rank 0 as before
     assert measured_terms(plain)["parameters"] == 100 and measured_terms(plain)["peak_allocated"] == 500
 

@@ -58,6 +58,18 @@ def _worst(ranks: list[dict[str, Any]], key: str) -> float | None:
     return max(values) if values else None
 
 
+def stage_peaks(record: dict[str, Any]) -> dict[int, dict[str, float | None]]:
+    """Per pipeline rank (the `pp` coordinate): the largest peaks over its ranks, for comparing with a
+    prediction per stage. Empty without a layout."""
+    out: dict[int, dict[str, float | None]] = {}
+    for r in layout_ranks(record):
+        pp = int((r.get("coordinates") or {}).get("pp", 0))
+        group = [x for x in layout_ranks(record) if int((x.get("coordinates") or {}).get("pp", 0)) == pp]
+        out[pp] = {"peak_allocated": _worst(group, "peak_allocated"), "peak_reserved": _worst(group, "peak_reserved"),
+                   "local_parameters_bytes": _worst(group, "local_parameters_bytes")}
+    return dict(sorted(out.items()))
+
+
 def measured_terms(record: dict[str, Any]) -> dict[str, float | None]:
     s = record.get("summary") or {}
     t = record.get("tensors") or {}
@@ -138,6 +150,7 @@ class Row:
     fit_agrees: bool | None
     prediction_source: str
     notes: list[str] = field(default_factory=list)
+    stages: dict[int, dict[str, float | None]] = field(default_factory=dict)  # measured, per pipeline rank
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -183,7 +196,7 @@ def compare(record: dict[str, Any], estimate: dict[str, Any] | None, source: str
                gpu_measured=gm, gpu_predicted=gp, config=record.get("config") or {}, status=status,
                device=record.get("device"), predicted=predicted, measured=measured, errors=errors,
                fits_predicted=fits_predicted, fits_measured=fits_measured, fit_agrees=agrees,
-               prediction_source=source, notes=notes)
+               prediction_source=source, notes=notes, stages=stage_peaks(record))
 
 
 EstimateFn = Callable[[dict[str, Any]], dict[str, Any] | None]
