@@ -247,8 +247,20 @@ def test_validate_measures_a_layout_at_its_worst_rank():
     row = compare(record, {"memory_bytes": {"parameters": 330, "peak_allocated": 810}}, "stored")
     assert row.errors["parameters"] == pytest.approx(10.0) and row.errors["peak_allocated"] == pytest.approx(-10.0)
     assert config_label(record["config"]).endswith("tp2 pp2")
-    assert row.stages == {0: {"peak_allocated": 500, "peak_reserved": 510, "local_parameters_bytes": 100},
-                          1: {"peak_allocated": 900, "peak_reserved": 910, "local_parameters_bytes": 300}}
+    assert row.stages[0] == {"peak_allocated": 500, "peak_reserved": 510, "local_parameters_bytes": 100,
+                             "local_parameter_count": None}
+    assert row.stages[1]["peak_allocated"] == 900 and row.stages[1]["local_parameters_bytes"] == 300
+    # the estimate's stages (Estimate.parallel.stages: each stage as its worst rank holds it)
+    for r in record["ranks"]:
+        r["local_parameter_count"] = r["local_parameters_bytes"] // 4
+    est = {"memory_bytes": {}, "parallel": {"stages": [
+        {"stage": 0, "parameters": 25, "peak_allocated_bytes": 550},
+        {"stage": 1, "parameters": 75, "peak_allocated_bytes": 900}]}}
+    errs = compare({**record, "layout": {"dp_shard": 1}}, est, "stored").stage_errors
+    assert errs == {0: {"peak_allocated": pytest.approx(10.0), "parameters": pytest.approx(0.0)},
+                    1: {"peak_allocated": pytest.approx(0.0), "parameters": pytest.approx(0.0)}}
+    sharded = compare({**record, "layout": {"dp_shard": 2}}, est, "stored").stage_errors
+    assert sharded[0]["parameters"] is None  # FSDP shards what the planner counts per rank before sharding
     plain = {**record, "ranks": [{"rank": 0, "peak_allocated": 1}]}  # data parallelism: rank 0 as before
     assert measured_terms(plain)["parameters"] == 100 and measured_terms(plain)["peak_allocated"] == 500
 

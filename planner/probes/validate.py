@@ -66,8 +66,28 @@ def stage_peaks(record: dict[str, Any]) -> dict[int, dict[str, float | None]]:
         pp = int((r.get("coordinates") or {}).get("pp", 0))
         group = [x for x in layout_ranks(record) if int((x.get("coordinates") or {}).get("pp", 0)) == pp]
         out[pp] = {"peak_allocated": _worst(group, "peak_allocated"), "peak_reserved": _worst(group, "peak_reserved"),
-                   "local_parameters_bytes": _worst(group, "local_parameters_bytes")}
+                   "local_parameters_bytes": _worst(group, "local_parameters_bytes"),
+                   "local_parameter_count": _worst(group, "local_parameter_count")}
     return dict(sorted(out.items()))
+
+
+def stage_errors(record: dict[str, Any], estimate: dict[str, Any] | None) -> dict[int, dict[str, float | None]]:
+    """Signed % per pipeline stage against the estimate's `parallel.stages` (issue 34: each stage as its
+    worst rank holds it): the peak (CUDA only) and the parameter elements per rank, which the planner counts
+    after tensor parallelism and before data-parallel sharding, so only where no data-parallel dimension
+    shards them (dp_shard 1)."""
+    stages = ((estimate or {}).get("parallel") or {}).get("stages") or []
+    predicted = {int(s["stage"]): s for s in stages if isinstance(s, dict) and "stage" in s}
+    cuda = record.get("device") == "cuda"
+    sharded = int((record.get("layout") or {}).get("dp_shard") or 1) > 1
+    out: dict[int, dict[str, float | None]] = {}
+    for stage, m in stage_peaks(record).items():
+        p = predicted.get(stage)
+        if p is not None:
+            out[stage] = {
+                "peak_allocated": signed_error_pct(p.get("peak_allocated_bytes"), m["peak_allocated"]) if cuda else None,
+                "parameters": None if sharded else signed_error_pct(p.get("parameters"), m["local_parameter_count"])}
+    return out
 
 
 def measured_terms(record: dict[str, Any]) -> dict[str, float | None]:
@@ -151,6 +171,7 @@ class Row:
     prediction_source: str
     notes: list[str] = field(default_factory=list)
     stages: dict[int, dict[str, float | None]] = field(default_factory=dict)  # measured, per pipeline rank
+    stage_errors: dict[int, dict[str, float | None]] = field(default_factory=dict)  # signed %, per stage
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -196,7 +217,8 @@ def compare(record: dict[str, Any], estimate: dict[str, Any] | None, source: str
                gpu_measured=gm, gpu_predicted=gp, config=record.get("config") or {}, status=status,
                device=record.get("device"), predicted=predicted, measured=measured, errors=errors,
                fits_predicted=fits_predicted, fits_measured=fits_measured, fit_agrees=agrees,
-               prediction_source=source, notes=notes, stages=stage_peaks(record))
+               prediction_source=source, notes=notes, stages=stage_peaks(record),
+               stage_errors=stage_errors(record, estimate))
 
 
 EstimateFn = Callable[[dict[str, Any]], dict[str, Any] | None]
