@@ -221,6 +221,7 @@ class Plan:
     step_lengths: tuple[int, ...] = ()
     # tensor / pipeline / context parallelism or HSDP asked for: run by parallel_layout.py over a DeviceMesh
     model_parallel: bool = False
+    recompute: str = "none"  # none, full (= checkpointing) or selective (not run by the probe)
 
     @property
     def distributed(self) -> bool:
@@ -246,7 +247,9 @@ def make_plan(request: dict[str, Any]) -> Plan:
         optimizer=cfg.get("optimizer", "adamw"),
         optimizer_impl=cfg.get("optimizer_impl", "foreach"),
         parallelism=parallelism,
-        checkpointing=bool(cfg.get("checkpointing", False)),
+        # --recompute full is --checkpointing (per-layer activation checkpointing)
+        checkpointing=bool(cfg.get("checkpointing", False)) or cfg.get("recompute") == "full",
+        recompute=cfg.get("recompute") or "none",
         attention=cfg.get("attention", "sdpa"),
         batch_size=int(cfg["batch_size"]),
         seq_len=int(cfg["seq_len"]),
@@ -834,6 +837,9 @@ def run_probe(request: dict[str, Any], *, modeling: Any = None, device: str | No
             raise Unsupported(f"parallelism={plan.parallelism} shards over GPUs: world size 1 has nothing to shard")
         if plan.precision in ("amp-bf16", "bf16") and dev.type == "cuda" and not _native_bf16():
             raise Unsupported(f"precision={plan.precision} needs a GPU with native bf16 (sm80+)")
+        if plan.recompute == "selective":
+            raise Unsupported("recompute=selective: the probe runs full per-layer checkpointing only "
+                              "(--recompute full or --checkpointing)")
         if plan.attention == "flash" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):
             raise Unsupported("attention=flash (FlashAttention-2) needs sm80+")
         _train(ctx, request, modeling or import_modeling())

@@ -114,12 +114,13 @@ def test_probe_launch_takes_the_layout_flags(aws_env, llama_config):  # noqa: F8
     base = ["probe", "launch", "--dry-run", "--model", str(llama_config), "--instance", "ml.p4d.24xlarge",
             "--batch-size", "1", "--seq-len", "32"]
     res = _cli(base + ["--instances", "2", "--tp", "8", "--pp", "2", "--vp", "2", "--pp-schedule", "interleaved-1f1b",
-                       "--grad-accum", "4", "--parallelism", "fsdp"])
+                       "--grad-accum", "4", "--parallelism", "fsdp", "--recompute", "full"])
     assert res.exit_code == 0, res.output
     req = json.loads(res.stdout)
     hp = hp_of(req)
     assert req["ResourceConfig"]["InstanceCount"] == 2 and hp[TORCH_DISTRIBUTED_HP] is True
     assert (hp["tp"], hp["pp"], hp["vp"], hp["pp_schedule"]) == (8, 2, 2, "interleaved-1f1b")
+    assert hp["recompute"] == "full"
     assert not (aws_env / "results").exists()
 
 

@@ -212,6 +212,13 @@ def test_a_layout_the_probe_cannot_run_is_unsupported_not_a_crash(llama_spec):
     assert "torchrun" in result["message"] or "context parallelism" in result["message"]
 
 
+def test_selective_recomputation_is_refused_and_full_is_checkpointing(llama_spec):
+    selective = request(llama_spec, 1, recompute="selective", recompute_modules=("core_attn",))
+    result = probe.run_probe(selective, device="cpu")
+    assert result["status"] == "unsupported" and "selective" in result["message"]
+    assert probe.make_plan(request(llama_spec, 1, recompute="full")).checkpointing
+
+
 def test_merged_ranks_carry_their_place_in_the_layout():
     def rank(r, pp, peak, losses):
         return {"rank": r, "status": "ok", "summary": {"peak_allocated": peak, "peak_reserved": peak + 1,

@@ -66,7 +66,13 @@ VpOpt = Annotated[int, typer.Option("--vp", help="Virtual pipeline stages per ra
 PpScheduleOpt = Annotated[str | None, typer.Option(
     "--pp-schedule", help="1f1b, interleaved-1f1b, gpipe or zero-bubble.")]
 DpReplicasOpt = Annotated[int | None, typer.Option("--dp-replicas", help="HSDP replica groups.")]
-LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas")
+DistOptOpt = Annotated[bool, typer.Option(
+    "--distributed-optimizer/--no-distributed-optimizer",
+    help="Megatron's distributed optimizer (the probe job refuses it).")]
+RecomputeOpt = Annotated[str | None, typer.Option("--recompute", help="none, full or selective.")]
+RecomputeModulesOpt = Annotated[str | None, typer.Option(
+    "--recompute-modules", help="With --recompute selective: e.g. core_attn,mlp.")]
+LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute")
 
 PROBE_TIMEOUT_S = 3600  # one local probe: model build + a few steps; generous for big models on slow GPUs
 run_process = subprocess.run  # a seam for tests
@@ -118,7 +124,10 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     fw = framework_fields(flags.get("framework") or "pytorch", flags.get("ds_config"), flags["parallelism"],
                           flags["precision"])
     args = {k: flags[k] for k in CONFIG_FLAGS} | {"parallelism": fw.pop("parallelism", flags["parallelism"])}
-    args |= {k: flags[k] for k in LAYOUT_FLAGS if flags.get(k) is not None}
+    args |= {k: flags[k] for k in LAYOUT_FLAGS if flags.get(k) not in (None, False)}
+    modules = tuple(m.strip() for m in (flags.get("recompute_modules") or "").split(",") if m.strip())
+    if modules:
+        args["recompute_modules"] = modules
     return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
         flags.get("base_dtype") or "auto") | fw | loop_fields(
@@ -281,6 +290,9 @@ def register(app: typer.Typer) -> None:
         vp: VpOpt = 1,
         pp_schedule: PpScheduleOpt = None,
         dp_replicas: DpReplicasOpt = None,
+        distributed_optimizer: DistOptOpt = False,
+        recompute: RecomputeOpt = None,
+        recompute_modules: RecomputeModulesOpt = None,
         tf32: Tf32Opt = False,
         lora_r: LoraROpt = None,
         lora_alpha: LoraAlphaOpt = None,
@@ -365,6 +377,9 @@ def register(app: typer.Typer) -> None:
         vp: VpOpt = 1,
         pp_schedule: PpScheduleOpt = None,
         dp_replicas: DpReplicasOpt = None,
+        distributed_optimizer: DistOptOpt = False,
+        recompute: RecomputeOpt = None,
+        recompute_modules: RecomputeModulesOpt = None,
         tf32: Tf32Opt = False,
         lora_r: LoraROpt = None,
         lora_alpha: LoraAlphaOpt = None,
