@@ -219,10 +219,14 @@ class Plan:
     # A run of varying lengths: step k's batch is padded to step_lengths[k] (one step per entry; warmup_steps
     # of them untimed). Empty: warmup_steps + measure_steps steps at seq_len.
     step_lengths: tuple[int, ...] = ()
+    # tensor / pipeline / context parallelism or HSDP asked for: run by parallel_layout.py over a DeviceMesh
+    model_parallel: bool = False
+    recompute: str = "none"  # none, full (= checkpointing) or selective (not run by the probe)
 
     @property
     def distributed(self) -> bool:
-        return self.parallelism in ("ddp", "zero1", "zero2", "zero3", "fsdp") and self.world_size > 1
+        return self.world_size > 1 and (self.model_parallel or
+                                        self.parallelism in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"))
 
 
 # Loops that keep `out = model(**batch)` past the forward: plain (to the step's end), accelerate (to the next
@@ -243,7 +247,9 @@ def make_plan(request: dict[str, Any]) -> Plan:
         optimizer=cfg.get("optimizer", "adamw"),
         optimizer_impl=cfg.get("optimizer_impl", "foreach"),
         parallelism=parallelism,
-        checkpointing=bool(cfg.get("checkpointing", False)),
+        # --recompute full is --checkpointing (per-layer activation checkpointing)
+        checkpointing=bool(cfg.get("checkpointing", False)) or cfg.get("recompute") == "full",
+        recompute=cfg.get("recompute") or "none",
         attention=cfg.get("attention", "sdpa"),
         batch_size=int(cfg["batch_size"]),
         seq_len=int(cfg["seq_len"]),
@@ -267,6 +273,7 @@ def make_plan(request: dict[str, Any]) -> Plan:
         loop=cfg.get("loop") or "plain",
         load=cfg.get("load") or "direct",
         framework=cfg.get("framework") or "pytorch",
+        model_parallel=import_parallel_layout().requested(cfg),
     )
 
 
@@ -379,6 +386,16 @@ def import_modeling() -> Any:
     import modeling  # type: ignore[import-not-found]
 
     return modeling
+
+
+def import_parallel_layout() -> Any:
+    """`parallel_layout.py` ships next to this file, as `modeling.py` does."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import parallel_layout  # type: ignore[import-not-found]
+
+    return parallel_layout
 
 
 def _hf_models(model: Any) -> list[Any]:
@@ -820,6 +837,9 @@ def run_probe(request: dict[str, Any], *, modeling: Any = None, device: str | No
             raise Unsupported(f"parallelism={plan.parallelism} shards over GPUs: world size 1 has nothing to shard")
         if plan.precision in ("amp-bf16", "bf16") and dev.type == "cuda" and not _native_bf16():
             raise Unsupported(f"precision={plan.precision} needs a GPU with native bf16 (sm80+)")
+        if plan.recompute == "selective":
+            raise Unsupported("recompute=selective: the probe runs full per-layer checkpointing only "
+                              "(--recompute full or --checkpointing)")
         if plan.attention == "flash" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 0):
             raise Unsupported("attention=flash (FlashAttention-2) needs sm80+")
         _train(ctx, request, modeling or import_modeling())
@@ -850,6 +870,9 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     # Set either way: a container or an earlier probe in this process may have changed PyTorch's default (off).
     torch.backends.cuda.matmul.allow_tf32 = plan.tf32
     spec = request["model"]
+    if plan.model_parallel:
+        _train_layout(ctx, request, modeling)
+        return
 
     # ---- load: model, wrapper, optimizer, batch ------------------------------------------------
     ctx.phase = "load"
@@ -958,6 +981,130 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     ctx.phase = "done"
 
 
+# --------------------------------------------------------------------------- model-parallel layouts
+
+
+def _train_layout(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
+    """Tensor / sequence / pipeline parallelism with FSDP2 or DDP over a DeviceMesh (parallel_layout.py).
+
+    The model is built whole on every rank from the same seed (so the same weights as a one-process probe of
+    the same request), then split into this rank's pipeline stages and sharded. The batch holds
+    batch_size × micro-batches rows of input_ids and labels (no padding: every position is real, as in
+    pretraining); the pipeline schedule cuts it into micro-batches of batch_size. Without PP, grad_accum
+    micro-steps run on the same batch as the one-process probe does. Phases: load, then per step forward and
+    backward (no PP) or `pipeline` (the schedule interleaves them), then optimizer.
+    """
+    import torch
+
+    pl = import_parallel_layout()
+    plan, dev, rec, result = ctx.plan, ctx.device, ctx.rec, ctx.result
+    cfg, spec = request["config"], request["model"]
+    try:
+        layout = pl.layout_of(cfg, plan.world_size)
+    except pl.LayoutError as exc:
+        raise Unsupported(str(exc)) from exc
+    if plan.precision in ("fp16", "amp-fp16"):
+        raise Unsupported(f"precision={plan.precision} with tp/pp: the probe runs fp32, bf16 and amp-bf16 layouts "
+                          "(no gradient scaler across pipeline stages)")
+    if plan.lora_r or plan.framework in ("megatron", "deepspeed"):
+        raise Unsupported("LoRA and the megatron/deepspeed frameworks have no model-parallel probe")
+    if plan.step_lengths:
+        raise Unsupported("a run of varying lengths (step_lengths) has no model-parallel probe")
+    if not torch.distributed.is_initialized():
+        raise Unsupported(f"tp/pp layouts run under torchrun with {plan.world_size} processes")
+    n_micro = pl.microbatches(cfg, layout, plan.batch_size) if layout.pp > 1 else 1
+    accum = 1 if layout.pp > 1 else plan.grad_accum
+
+    # "meta": built on the meta device and each rank materialises only its shards (a model larger than one GPU);
+    # "full": built whole from the seed on every rank, then split (the weights of a one-process probe)
+    init = os.environ.get("PLANNER_PROBE_INIT") or ("meta" if dev.type == "cuda" else "full")
+    if init not in ("meta", "full"):
+        raise Unsupported(f"PLANNER_PROBE_INIT={init}: meta or full")
+
+    ctx.phase = "load"
+    rec.begin()
+    model, applied = build(modeling, spec, plan, torch.device("meta") if init == "meta" else dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    std = float(getattr(getattr(model, "config", None), "initializer_range", None) or 0.02)
+    try:
+        parallel = pl.parallelize(model, layout, dev, attention=plan.attention, n_microbatches=n_micro)
+    except pl.LayoutError as exc:
+        raise Unsupported(str(exc)) from exc
+    del model  # the other stages' layers go with it
+    gc.collect()
+    if init == "meta":
+        pl.materialize(parallel, dev, std=std, seed=plan.seed)
+    applied["init"] = init
+    params = parallel.parameters()
+    optimizer = make_optimizer(params, plan)
+    full = modeling.make_batch(spec, plan.batch_size * n_micro, plan.seq_len, dev)
+    batch = {"input_ids": full["input_ids"], "labels": full["labels"]}
+    rec.end("load", step=-1)
+    applied.update(parallelism=plan.parallelism, optimizer=type(optimizer).__name__,
+                   autocast="bfloat16" if plan.precision == "amp-bf16" else None,
+                   model_dtype=str(params[0].dtype).replace("torch.", ""), layout=parallel.info)
+    result["applied"] = applied
+    result["layout"] = {**layout.to_json(), "world": layout.world, "dp": layout.dp, **parallel.info,
+                        "samples_per_step": plan.batch_size * n_micro * accum * layout.dp}
+    result["tensors"] = {"parameter_count": int(n_params),
+                         "local_parameter_count": pl.local_parameter_count(parallel),
+                         "parameters_bytes": None,
+                         "local_parameters_bytes": int(sum(tensor_bytes(p) for p in params)),
+                         "buffers_bytes": int(sum(tensor_bytes(b) for s in parallel.stages for b in s.buffers())),
+                         "batch_bytes": int(sum(tensor_bytes(v) for v in batch.values())),
+                         "gradients_bytes": None, "optimizer_state_bytes": None, "saved_tensor_bytes": None,
+                         "saved_tensor_count": None}
+    losses: list[float | None] = []
+    step_times: list[float] = []
+    for step in range(plan.warmup_steps + plan.measure_steps):
+        t_step = time.perf_counter()
+        if parallel.schedule is not None:
+            ctx.phase = "pipeline"
+            rec.begin()
+            with _autocast(plan, dev):
+                loss_value = pl.pipeline_step(parallel, batch)
+            rec.end("pipeline", step, loss=loss_value)
+        else:
+            total = 0.0
+            for micro in range(accum):
+                for stage in parallel.stages:  # FSDP2: reduce-scatter on the last micro-step only
+                    if hasattr(stage, "set_requires_gradient_sync"):
+                        stage.set_requires_gradient_sync(micro == accum - 1)
+                ctx.phase = "forward"
+                rec.begin()
+                with pl.loss_context(layout.tp > 1):
+                    with _autocast(plan, dev):
+                        loss = pl.forward_loss(parallel, batch) / accum
+                    rec.end("forward", step, micro, loss=float(pl.scalar(loss).item()) * accum)
+                    ctx.phase = "backward"
+                    rec.begin()
+                    loss.backward()
+                total += float(pl.scalar(loss).item())
+                del loss
+                rec.end("backward", step, micro)
+            loss_value = total
+        pl.all_reduce_gradients(parallel)
+        if step == 0:
+            result["tensors"]["gradients_bytes"] = int(sum(tensor_bytes(p.grad) for p in params
+                                                           if p.grad is not None))
+        ctx.phase = "optimizer"
+        rec.begin()
+        optimizer.step()
+        alloc_after_step = rec.allocated()
+        optimizer.zero_grad(set_to_none=True)
+        rec.end("optimizer", step, allocated_after_step=alloc_after_step, optimizer_state=_has_state(optimizer))
+        if step == 0:
+            on_dev, host = optimizer_state_bytes(optimizer, dev)
+            result["tensors"].update(optimizer_state_bytes=on_dev, optimizer_state_host_bytes=host)
+        rec.sync()
+        step_times.append(time.perf_counter() - t_step)
+        losses.append(loss_value)
+    result["losses"] = losses
+    result["step_times_s"] = step_times
+    result["optimizer_states_from_step"] = 0
+    ctx.phase = "done"
+
+
 # ------------------------------------------------------------------------------------- summary
 
 
@@ -981,7 +1128,7 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
                          "device_peak": _max(rows, "device_used"), "device_total": _max(rows, "device_total"),
                          "peak_rss_bytes": _max(rows, "peak_rss_bytes")}
     by_phase: dict[str, int | None] = {}
-    for phase in ("load", "forward", "backward", "optimizer"):
+    for phase in ("load", "forward", "backward", "optimizer") + (("pipeline",) if result.get("layout") else ()):
         by_phase[phase] = _max([r for r in rows if r["phase"] == phase], "peak_allocated")
     s["phase_peak_allocated"] = by_phase
     s["peak_phase"] = (max((p for p in by_phase if by_phase[p] is not None), key=lambda p: by_phase[p] or 0)
@@ -1014,6 +1161,8 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
     average = statistics.mean if result.get("step_lengths") else statistics.median
     s["step_time_s"] = average(steady) if steady else None
     samples = plan.batch_size * plan.grad_accum * plan.world_size
+    if result.get("layout"):  # model parallelism: only the data-parallel ranks see different samples
+        samples = result["layout"]["samples_per_step"]
     lengths = result.get("step_lengths") or []
     steady_lengths = lengths[plan.warmup_steps:] or lengths
     mean_length = statistics.mean(steady_lengths) if steady_lengths else plan.seq_len
@@ -1027,6 +1176,9 @@ def summarize(result: dict[str, Any], plan: Plan) -> dict[str, Any]:
         s["samples_per_s"] = s["tokens_per_s"] = None
     s["global_batch_size"] = samples
     s["oom"] = 1 if result.get("status") == "oom" else 0
+    losses = [x for x in result.get("losses") or [] if x is not None]
+    if losses:  # model-parallel layouts: each step's loss where this rank computes it
+        s["first_loss"], s["last_loss"] = losses[0], losses[-1]
     return s
 
 
@@ -1063,14 +1215,40 @@ def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     base["status"] = worst.get("status")
     if base is not worst and worst.get("status") != "ok":
         base.update(phase=worst.get("phase"), message=f"rank {worst.get('rank')}: {worst.get('message')}")
-    base["ranks"] = [{"rank": r.get("rank"), "status": r.get("status"), "phase": r.get("phase"),
-                      "peak_allocated": (r.get("summary") or {}).get("peak_allocated"),
-                      "peak_reserved": (r.get("summary") or {}).get("peak_reserved"),
-                      "device_peak": (r.get("summary") or {}).get("device_peak")} for r in results]
-    peaks = [x["peak_allocated"] for x in base["ranks"] if x["peak_allocated"] is not None]
-    if peaks:
-        base.setdefault("summary", {})["max_rank_peak_allocated"] = max(peaks)
+    base["ranks"] = [_rank_row(r) for r in results]
+    summary = base.setdefault("summary", {})
+    for key in ("peak_allocated", "peak_reserved"):
+        peaks = [x[key] for x in base["ranks"] if x[key] is not None]
+        if peaks:
+            summary[f"max_rank_{key}"] = max(peaks)
+    with_loss = [r for r in results if r.get("losses") and any(x is not None for x in r["losses"])]
+    if with_loss and not any(x is not None for x in base.get("losses") or []):
+        # a pipeline: the loss lives on the last stage's ranks
+        base["losses"] = with_loss[0]["losses"]
+        for key in ("first_loss", "last_loss"):
+            summary[key] = (with_loss[0].get("summary") or {}).get(key)
     return base
+
+
+def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One rank's reading in the merged result: its peaks, and under a model-parallel layout its place in
+    the mesh, its stages, the parameters it holds, its step time and losses."""
+    s = r.get("summary") or {}
+    row = {"rank": r.get("rank"), "status": r.get("status"), "phase": r.get("phase"),
+           "peak_allocated": s.get("peak_allocated"), "peak_reserved": s.get("peak_reserved"),
+           "device_peak": s.get("device_peak")}
+    layout = r.get("layout")
+    if layout:
+        tensors = r.get("tensors") or {}
+        row.update(coordinates=layout.get("coordinates"), stages=layout.get("stages"),
+                   stage_layers=layout.get("stage_layers"),
+                   local_parameter_count=tensors.get("local_parameter_count"),
+                   local_parameters_bytes=tensors.get("local_parameters_bytes"),
+                   gradients_bytes=tensors.get("gradients_bytes"),
+                   optimizer_state_bytes=tensors.get("optimizer_state_bytes"),
+                   step_time_s=s.get("step_time_s"), peak_rss_bytes=s.get("peak_rss_bytes"),
+                   losses=r.get("losses"))
+    return row
 
 
 def torchrun_command(script: str, request_arg: str, out: str, nproc: int, *, nnodes: int = 1,
@@ -1083,8 +1261,9 @@ def torchrun_command(script: str, request_arg: str, out: str, nproc: int, *, nno
 
 
 def launch_distributed(request_arg: str, request: dict[str, Any], out: Path,
-                       device: str | None = None) -> dict[str, Any]:
-    """Re-run this script under torchrun (one process per GPU, and per node on SageMaker)."""
+                       device: str | None = None) -> dict[str, Any] | None:
+    """Re-run this script under torchrun (one process per GPU, and per node on SageMaker). None on the
+    nodes after the first, whose ranks global rank 0 gathered and wrote on the first node."""
     plan = make_plan(request)
     hosts = json.loads(os.environ.get("SM_HOSTS", "[]") or "[]")
     current = os.environ.get("SM_CURRENT_HOST")
@@ -1115,6 +1294,8 @@ def launch_distributed(request_arg: str, request: dict[str, Any], out: Path,
     parts = [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".rank*"))]
     for p in out.parent.glob(out.name + ".rank*"):
         p.unlink()
+    if not parts and code == 0 and node_rank > 0:
+        return None
     if not parts:
         return {"schema": SCHEMA, "request_id": request.get("request_id"), "status": "error", "phase": "launch",
                 "message": f"torchrun exited with code {code} and no rank wrote a result", "summary": {},
@@ -1167,28 +1348,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     outs = output_paths(args.out)
     plan = make_plan(request)
-    if args.rank_output:
-        rank = dist_env()[0]
-        import torch
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
-        if not dist.is_initialized():
-            if backend == "nccl":
-                torch.cuda.set_device(dist_env()[1])
-            dist.init_process_group(backend=backend)
-        result = run_probe(request, device=args.device)
-        write_json(outs[0].with_name(outs[0].name + f".rank{rank}"), result)
-        if result["status"] in ("oom", "error"):
-            os._exit(3)  # a peer may wait in a collective forever: let torchrun tear the group down
-        with contextlib.suppress(Exception):
-            dist.barrier()
-            dist.destroy_process_group()
-        return 0
+    # One process per GPU under torchrun: started by this script's own launcher (--rank-output, below), or
+    # by SageMaker's torch_distributed runner (`torchrun ... probe.py --request ...` on every instance).
+    if args.rank_output or ("LOCAL_RANK" in os.environ and plan.distributed):
+        return run_rank(args, request, outs)
     if plan.distributed and "LOCAL_RANK" not in os.environ:
         result = launch_distributed(args.request, request, outs[0], device=args.device)
-    else:
-        result = run_probe(request, device=args.device)
+        if result is None:  # another instance's node: rank 0 on the first node reports every rank
+            log("this node's ranks are reported by the first node")
+            return 0
+        return finish(result, outs)
+    return finish(run_probe(request, device=args.device), outs)
+
+
+def finish(result: dict[str, Any], outs: list[Path]) -> int:
+    """Write the result, print the metric lines, set the exit code."""
     for p in outs:
         write_json(p, result)
     for line in metric_lines(result):
@@ -1199,6 +1373,40 @@ def main(argv: list[str] | None = None) -> int:
         write_failure_file(f"probe error in {result.get('phase')}: {result.get('message')}")
         return 1
     return 0
+
+
+def run_rank(args: argparse.Namespace, request: dict[str, Any], outs: list[Path]) -> int:
+    """One rank: join the process group, run, and gather every rank's result on global rank 0, which writes
+    them (its launcher merges `<out>.rank<N>` files) or, started by torchrun directly, the merged result.
+    Gathering through the process group works across instances, where each node's files stay on its disk."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist_env()[0]
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(dist_env()[1])
+        dist.init_process_group(backend=backend)
+    result = run_probe(request, device=args.device)
+    if result["status"] in ("oom", "error"):
+        write_json(outs[0].with_name(outs[0].name + f".rank{rank}"), result)
+        if not args.rank_output:
+            finish(result, outs)
+        os._exit(3)  # a peer may wait in a collective forever: let torchrun tear the group down
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if rank == 0 and gathered is not None:
+        if args.rank_output:
+            for r in gathered:
+                write_json(outs[0].with_name(outs[0].name + f".rank{r['rank']}"), r)
+        else:
+            finish(merge_ranks(gathered), outs)
+    with contextlib.suppress(Exception):
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
 
 
 if __name__ == "__main__":

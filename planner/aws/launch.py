@@ -32,7 +32,7 @@ from planner.probes.spec import ProbeRequest
 
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
-SOURCE_FILES = ("probe.py", "modeling.py", "requirements.txt")
+SOURCE_FILES = ("probe.py", "modeling.py", "parallel_layout.py", "requirements.txt")
 PROGRAM = "probe.py"
 # Names of the probe's `probe_<name>=<value>;` lines (jobs/probe.py METRIC_NAMES; a test keeps them equal).
 METRIC_NAMES: tuple[str, ...] = (
@@ -52,6 +52,20 @@ DEFAULT_VOLUME_GB = 30  # EBS for the container's pip cache and outputs (ignored
 SPOT_WAIT_FACTOR = 2  # MaxWaitTimeInSeconds = factor x MaxRuntime: time allowed to wait for spot capacity
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"  # SageMaker syncs it with CheckpointConfig.S3Uri (spot)
 TAG_VALUE_RE = re.compile(r"[^\w .:/=+\-@]")
+# SageMaker's torchrun launcher. The SDK's `PyTorch(distribution={"torch_distributed": {"enabled": True}})`
+# becomes these two hyperparameters (aws/sagemaker-python-sdk src/sagemaker/pytorch/estimator.py @f733a35e,
+# `_pytorch_distribution_configuration`: LAUNCH_TORCH_DISTRIBUTED_ENV_NAME and INSTANCE_TYPE_ENV_NAME); the
+# training toolkit then runs `torchrun --nnodes <hosts> --nproc_per_node <GPUs> --master_addr <first host>
+# --master_port 7777 --node_rank <i> probe.py ...` on every instance, with EFA set up on the instances that
+# have it (aws/sagemaker-training-toolkit src/sagemaker_training/torch_distributed.py @1d080881,
+# TorchDistributedRunner._create_command and _setup). The SDK allows it on GPU (ml.p*, ml.g*) and Trainium
+# instances (src/sagemaker/fw_utils.py, validate_torch_distributed_distribution).
+TORCH_DISTRIBUTED_HP = "sagemaker_torch_distributed_enabled"
+INSTANCE_TYPE_HP = "sagemaker_instance_type"
+# The layout, as hyperparameters for the console (the probe reads it from request.json): the names of
+# TrainConfig's fields, which are the flags of issue 34 (--tp, --sp, --cp, --pp, --vp, --pp-schedule, ...).
+LAYOUT_KEYS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute",
+               "recompute_modules")
 
 
 def metric_definitions() -> list[dict[str, str]]:
@@ -76,7 +90,17 @@ def _tag(key: str, value: Any) -> dict[str, str]:
     return {"Key": key, "Value": TAG_VALUE_RE.sub("_", str(value))[:256]}
 
 
-def hyperparameters(request: ProbeRequest, *, submit_uri: str, region: str, name: str) -> dict[str, str]:
+def uses_torchrun(request: ProbeRequest) -> bool:
+    """Whether the job runs under SageMaker's torchrun launcher: a model-parallel layout (tensor, context or
+    pipeline parallelism, HSDP), or any multi-process probe over several instances. A data-parallel probe on
+    one instance keeps starting torchrun itself (jobs/probe.py launch_distributed)."""
+    cfg = request.config
+    layout = any(int(cfg.get(k) or 1) > 1 for k in ("tp", "cp", "pp")) or cfg.get("parallelism") == "hsdp"
+    return layout or (request.world_size > 1 and int(cfg.get("instances") or 1) > 1)
+
+
+def hyperparameters(request: ProbeRequest, *, submit_uri: str, region: str, name: str,
+                    instance_type: str | None = None) -> dict[str, str]:
     """JSON-encoded strings: SageMaker's own keys, then the configuration (for humans and the console)."""
     cfg = request.config
     hp: dict[str, Any] = {
@@ -91,10 +115,17 @@ def hyperparameters(request: ProbeRequest, *, submit_uri: str, region: str, name
         "instance": request.instance,
         "world_size": request.world_size,
     }
+    if uses_torchrun(request):
+        hp[TORCH_DISTRIBUTED_HP] = True
+        hp[INSTANCE_TYPE_HP] = instance_type or request.instance
     for key in ("batch_size", "seq_len", "precision", "optimizer", "optimizer_impl", "parallelism",
                 "checkpointing", "attention", "grad_accum", "instances"):
         if key in cfg:
             hp[key] = cfg[key]
+    for key in LAYOUT_KEYS:  # only what departs from plain data parallelism
+        value = cfg.get(key)
+        if value not in (None, False, 1, (), []) and not (key == "recompute" and value == "none"):
+            hp[key] = ",".join(value) if isinstance(value, list | tuple) else value
     if request.study:
         hp["study"] = request.study
     if request.trial is not None:
@@ -164,7 +195,8 @@ def create_request(request: ProbeRequest, opts: LaunchOptions, *, name: str | No
         "AlgorithmSpecification": {"TrainingImage": image.uri, "TrainingInputMode": "File",
                                    "MetricDefinitions": metric_definitions()},
         "RoleArn": opts.role_arn,
-        "HyperParameters": hyperparameters(request, submit_uri=submit, region=opts.region, name=name),
+        "HyperParameters": hyperparameters(request, submit_uri=submit, region=opts.region, name=name,
+                                           instance_type=instance_type),
         "OutputDataConfig": {"S3OutputPath": opts.s3.child("output")},
         "ResourceConfig": {"InstanceType": instance_type, "InstanceCount": int(request.train_config.instances),
                            "VolumeSizeInGB": int(opts.volume_gb)},

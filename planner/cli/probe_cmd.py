@@ -56,6 +56,24 @@ ProbesOpt = Annotated[list[Path] | None, typer.Option(
 WarmupOpt = Annotated[int, typer.Option("--warmup-steps", help="Steps before timing (the first creates states).")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="Measured steps after warm-up.")]
 
+# The model-parallel layout (issue 34), spelled as `planner estimate` spells it; TrainConfig checks the values,
+# planner.parallel.dims how they combine (planner.probes.spec.make_request), before any job starts.
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")]
+SpOpt = Annotated[bool | None, typer.Option("--sp/--no-sp", help="Sequence parallelism (default: on with --tp).")]
+CpOpt = Annotated[int, typer.Option("--cp", help="Context-parallel degree (the probe job refuses it).")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel stages.")]
+VpOpt = Annotated[int, typer.Option("--vp", help="Virtual pipeline stages per rank.")]
+PpScheduleOpt = Annotated[str | None, typer.Option(
+    "--pp-schedule", help="1f1b, interleaved-1f1b, gpipe or zero-bubble.")]
+DpReplicasOpt = Annotated[int | None, typer.Option("--dp-replicas", help="HSDP replica groups.")]
+DistOptOpt = Annotated[bool, typer.Option(
+    "--distributed-optimizer/--no-distributed-optimizer",
+    help="Megatron's distributed optimizer (the probe job refuses it).")]
+RecomputeOpt = Annotated[str | None, typer.Option("--recompute", help="none, full or selective.")]
+RecomputeModulesOpt = Annotated[str | None, typer.Option(
+    "--recompute-modules", help="With --recompute selective: e.g. core_attn,mlp.")]
+LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute")
+
 PROBE_TIMEOUT_S = 3600  # one local probe: model build + a few steps; generous for big models on slow GPUs
 run_process = subprocess.run  # a seam for tests
 
@@ -109,6 +127,10 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     fw = framework_fields(flags.get("framework") or "pytorch", flags.get("ds_config"), flags["parallelism"],
                           flags["precision"])
     args = {k: flags[k] for k in CONFIG_FLAGS} | {"parallelism": fw.pop("parallelism", flags["parallelism"])}
+    args |= {k: flags[k] for k in LAYOUT_FLAGS if flags.get(k) not in (None, False)}
+    modules = tuple(m.strip() for m in (flags.get("recompute_modules") or "").split(",") if m.strip())
+    if modules:
+        args["recompute_modules"] = modules
     return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
         flags.get("base_dtype") or "auto") | fw | loop_fields(
@@ -264,6 +286,16 @@ def register(app: typer.Typer) -> None:
         attention: AttentionOpt = "sdpa",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
+        tp: TpOpt = 1,
+        sp: SpOpt = None,
+        cp: CpOpt = 1,
+        pp: PpOpt = 1,
+        vp: VpOpt = 1,
+        pp_schedule: PpScheduleOpt = None,
+        dp_replicas: DpReplicasOpt = None,
+        distributed_optimizer: DistOptOpt = False,
+        recompute: RecomputeOpt = None,
+        recompute_modules: RecomputeModulesOpt = None,
         tf32: Tf32Opt = False,
         lora_r: LoraROpt = None,
         lora_alpha: LoraAlphaOpt = None,
@@ -341,6 +373,16 @@ def register(app: typer.Typer) -> None:
         attention: AttentionOpt = "sdpa",
         grad_accum: GradAccumOpt = 1,
         instances: InstancesOpt = 1,
+        tp: TpOpt = 1,
+        sp: SpOpt = None,
+        cp: CpOpt = 1,
+        pp: PpOpt = 1,
+        vp: VpOpt = 1,
+        pp_schedule: PpScheduleOpt = None,
+        dp_replicas: DpReplicasOpt = None,
+        distributed_optimizer: DistOptOpt = False,
+        recompute: RecomputeOpt = None,
+        recompute_modules: RecomputeModulesOpt = None,
         tf32: Tf32Opt = False,
         lora_r: LoraROpt = None,
         lora_alpha: LoraAlphaOpt = None,

@@ -169,6 +169,7 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
     if est_json and est_json.get("world_size") and not strategy_of(resolved.parallelism).uses_one_gpu:
         world = int(est_json["world_size"])
         per_instance = max(1, world // resolved.instances)
+    check_layout(resolved, world, spec_json)
     gpu = getattr(getattr(inst, "gpu", None), "name", None)
     return ProbeRequest(model=spec_json, config=resolved.model_dump(mode="json"),
                         instance=getattr(inst, "name", inst if isinstance(inst, str) else None), gpu=gpu,
@@ -176,6 +177,23 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
                         measure_steps=measure_steps, seed=seed, estimate=est_json, estimate_error=estimate_error,
                         study=study, trial=trial,
                         model_options=dict(model_options or {}), step_lengths=tuple(step_lengths))
+
+
+def check_layout(config: TrainConfig, world: int, spec_json: dict[str, Any]) -> None:
+    """A model-parallel layout that cannot exist is refused here, before any job (planner.parallel.dims
+    names the rule), with the model's layers and heads when the spec is one transformer. A data-parallel
+    config passes unchanged (every degree 1)."""
+    from planner.parallel.dims import build
+
+    blocks = [layer for c in spec_json.get("components", []) for layer in c.get("layers", [])
+              if layer.get("kind") == "transformer"]
+    facts: dict[str, Any] = {}
+    if len(blocks) == 1:
+        hf = blocks[0].get("hf_config") or {}
+        heads = hf.get("num_attention_heads")
+        facts = {"layers": hf.get("num_hidden_layers"), "heads": heads,
+                 "kv_heads": hf.get("num_key_value_heads") or heads}
+    build(config, world, seq_len=config.seq_len, **facts)
 
 
 # ------------------------------------------------------------------------ candidates from a study

@@ -198,12 +198,14 @@ def add_jobs(entries: dict[str, dict[str, Any]], root: Path | None = None) -> No
 # ------------------------------------------------------------------------------------------ parquet
 
 FLAT_CONFIG = ("batch_size", "seq_len", "precision", "optimizer", "optimizer_impl", "parallelism",
-               "checkpointing", "attention", "grad_accum", "instances")
+               "checkpointing", "attention", "grad_accum", "instances", "tp", "sp", "cp", "pp", "vp", "pp_schedule",
+               "dp_replicas")
 FLAT_SUMMARY = ("peak_allocated", "peak_reserved", "device_peak", "device_total", "activations",
                 "activations_first_step", "model_states_after_first_step", "first_step_peak_allocated",
                 "steady_peak_allocated", "cuda_context", "fragmentation", "saved_tensor_bytes",
                 "model_state_bytes", "first_step_time_s", "step_time_s", "samples_per_s", "tokens_per_s",
-                "peak_rss_bytes", "peak_phase", "global_batch_size")
+                "peak_rss_bytes", "peak_phase", "global_batch_size", "max_rank_peak_allocated",
+                "max_rank_peak_reserved", "first_loss", "last_loss")
 FLAT_TENSORS = ("parameter_count", "parameters_bytes", "local_parameters_bytes", "gradients_bytes",
                 "optimizer_state_bytes", "batch_bytes")
 FLAT_PRED = ("parameters", "gradients", "optimizer_states", "activations", "peak_allocated", "peak_reserved",

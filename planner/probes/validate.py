@@ -17,6 +17,10 @@ device_peak            max(total - free) from torch.cuda.mem_get_info           
 samples_per_s          global samples per optimizer step / median steady step time    throughput
 =====================  =============================================================  ===================
 
+A model-parallel record (tensor / pipeline parallelism: its `ranks` carry their place in the layout) is
+measured at its worst rank, as the planner predicts it: each term is the maximum over ranks (the peaks from
+`max_rank_peak_*`), since pipeline stages and their ranks differ.
+
 Signed error = (predicted - measured) / measured x 100: positive means the planner over-estimates (safe
 for OOM), negative under-estimates. Fit agreement compares `Estimate.fits` with whether the run OOMed,
 only when the measured GPU is the one predicted for.
@@ -43,11 +47,62 @@ def signed_error_pct(predicted: float | None, measured: float | None) -> float |
     return (float(predicted) - float(measured)) / float(measured) * 100.0
 
 
+def layout_ranks(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-rank readings of a model-parallel record (empty for data parallelism and one process)."""
+    ranks = record.get("ranks") or []
+    return [r for r in ranks if isinstance(r, dict) and r.get("coordinates") is not None]
+
+
+def _worst(ranks: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in ranks if isinstance(r.get(key), int | float)]
+    return max(values) if values else None
+
+
+def stage_peaks(record: dict[str, Any]) -> dict[int, dict[str, float | None]]:
+    """Per pipeline rank (the `pp` coordinate): the largest peaks over its ranks, for comparing with a
+    prediction per stage. Empty without a layout."""
+    out: dict[int, dict[str, float | None]] = {}
+    for r in layout_ranks(record):
+        pp = int((r.get("coordinates") or {}).get("pp", 0))
+        group = [x for x in layout_ranks(record) if int((x.get("coordinates") or {}).get("pp", 0)) == pp]
+        out[pp] = {"peak_allocated": _worst(group, "peak_allocated"), "peak_reserved": _worst(group, "peak_reserved"),
+                   "local_parameters_bytes": _worst(group, "local_parameters_bytes"),
+                   "local_parameter_count": _worst(group, "local_parameter_count")}
+    return dict(sorted(out.items()))
+
+
+def stage_errors(record: dict[str, Any], estimate: dict[str, Any] | None) -> dict[int, dict[str, float | None]]:
+    """Signed % per pipeline stage against the estimate's `parallel.stages` (issue 34: each stage as its
+    worst rank holds it): the peak (CUDA only) and the parameter elements per rank, which the planner counts
+    after tensor parallelism and before data-parallel sharding, so only where no data-parallel dimension
+    shards them (dp_shard 1)."""
+    stages = ((estimate or {}).get("parallel") or {}).get("stages") or []
+    predicted = {int(s["stage"]): s for s in stages if isinstance(s, dict) and "stage" in s}
+    cuda = record.get("device") == "cuda"
+    sharded = int((record.get("layout") or {}).get("dp_shard") or 1) > 1
+    out: dict[int, dict[str, float | None]] = {}
+    for stage, m in stage_peaks(record).items():
+        p = predicted.get(stage)
+        if p is not None:
+            out[stage] = {
+                "peak_allocated": signed_error_pct(p.get("peak_allocated_bytes"), m["peak_allocated"]) if cuda else None,
+                "parameters": None if sharded else signed_error_pct(p.get("parameters"), m["local_parameter_count"])}
+    return out
+
+
 def measured_terms(record: dict[str, Any]) -> dict[str, float | None]:
     s = record.get("summary") or {}
     t = record.get("tensors") or {}
     cuda = record.get("device") == "cuda"
     params = t.get("local_parameters_bytes", t.get("parameters_bytes"))
+    ranks = layout_ranks(record)
+    if ranks:  # the worst rank, as the planner predicts it
+        t = {**t, "gradients_bytes": _worst(ranks, "gradients_bytes"),
+             "optimizer_state_bytes": _worst(ranks, "optimizer_state_bytes")}
+        params = _worst(ranks, "local_parameters_bytes")
+        s = {**s, "peak_allocated": s.get("max_rank_peak_allocated", s.get("peak_allocated")),
+             "peak_reserved": s.get("max_rank_peak_reserved", s.get("peak_reserved")),
+             "device_peak": _worst(ranks, "device_peak") if cuda else None}
     return {
         "parameters": params,
         "gradients": t.get("gradients_bytes"),
@@ -115,6 +170,8 @@ class Row:
     fit_agrees: bool | None
     prediction_source: str
     notes: list[str] = field(default_factory=list)
+    stages: dict[int, dict[str, float | None]] = field(default_factory=dict)  # measured, per pipeline rank
+    stage_errors: dict[int, dict[str, float | None]] = field(default_factory=dict)  # signed %, per stage
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -129,6 +186,9 @@ def config_label(cfg: dict[str, Any]) -> str:
         parts.append(f"ga{cfg['grad_accum']}")
     if not is_default(cfg.get("parallelism")):
         parts.append(str(cfg["parallelism"]))
+    for key in ("tp", "cp", "pp", "vp"):  # a model-parallel layout: tp2 pp4 vp5
+        if (cfg.get(key) or 1) > 1:
+            parts.append(f"{key}{cfg[key]}")
     if cfg.get("optimizer") not in (None, "adamw"):
         parts.append(str(cfg["optimizer"]))
     return " ".join(parts)
@@ -157,7 +217,8 @@ def compare(record: dict[str, Any], estimate: dict[str, Any] | None, source: str
                gpu_measured=gm, gpu_predicted=gp, config=record.get("config") or {}, status=status,
                device=record.get("device"), predicted=predicted, measured=measured, errors=errors,
                fits_predicted=fits_predicted, fits_measured=fits_measured, fit_agrees=agrees,
-               prediction_source=source, notes=notes)
+               prediction_source=source, notes=notes, stages=stage_peaks(record),
+               stage_errors=stage_errors(record, estimate))
 
 
 EstimateFn = Callable[[dict[str, Any]], dict[str, Any] | None]
