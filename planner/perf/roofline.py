@@ -9,6 +9,9 @@
   over the SMs; a partial last wave costs a whole wave, and padding inside a tile is wasted:
   wave = m·n·batch / (ceil(tiles / SMs) · SMs · tile_m · tile_n). When the tiles do not fill one wave, cuBLAS
   splits K (split-K) over the idle SMs, as far as K allows (>= `split_k_min` per slice).
+- on an architecture with a row in `arch_gemm_size` (Hopper), a 16-bit tensor-core GEMM of F FLOPs takes
+  F / (peak · r_inf · wave) + F_1/2 / (peak · r_inf) instead (Hockney's law: r_inf sourced, F_1/2 fitted;
+  see ARCH_GEMM_SIZE), so a 70B model's GEMMs reach the measured large-matmul ceiling and BERT's do not.
 - fused attention (SDPA flash / memory-efficient): `fused_attention_efficiency` of the peak instead of the
   GEMM ceiling, the same wave rule over b·a·ceil(s/128) query tiles.
 - memory-bound kernels: bytes at `hbm_efficiency` of the datasheet bandwidth.
