@@ -189,7 +189,9 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
     shape = None
-    if mp.has_model_parallelism(config) and model.transformers:
+    # Megatron's distributed optimizer (reduce-scatter, the step on a 1/DP shard, all-gather) is timed by the
+    # model-parallel step, also on a layout without TP, CP or PP
+    if (mp.has_model_parallelism(config) or config.distributed_optimizer) and model.transformers:
         dims, shape = dims or mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
     else:
         dims = None
@@ -222,7 +224,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         raise PlannerError("--tp/--cp/--pp", f"{config.tp}×{config.cp}×{config.pp}",
                            "1×1×1 for a traced model (tensor, context and pipeline parallelism need a model given "
                            "as a catalog name or a config.json)")
-    if dims is not None and shape is not None and not dims.plain:
+    if dims is not None and shape is not None and (not dims.plain or config.distributed_optimizer):
         return _model_parallel_throughput(table, n_params, n_tensors, tokens, config, instance, c, dims, shape,
                                           gather_params, peak)
 
