@@ -32,3 +32,16 @@ def test_the_optimizer_runs_on_a_shard():
     assert "dp_communication_s" not in whole.breakdown_s  # plain DDP keeps its own path and keys
     # the same kernels either way: only the optimizer and the collectives differ
     assert shard.breakdown_s["gemm"] == whole.breakdown_s["gemm"]
+
+
+def test_megatron_steps_adam_with_the_fused_kernel():
+    """Megatron-Core's FusedAdam whatever --optimizer-impl says: the step is as fast as with `fused`."""
+    from planner.perf.throughput import optimizer_impl
+
+    model = _gpt()
+    base = _config(False)
+    assert optimizer_impl(base) == "fused"
+    assert optimizer_impl(base.model_copy(update={"framework": "pytorch"})) == base.optimizer_impl
+    foreach = predict_throughput(model, base.model_copy(update={"optimizer_impl": "foreach"}), P5)
+    fused = predict_throughput(model, base.model_copy(update={"optimizer_impl": "fused"}), P5)
+    assert foreach.breakdown_s["optimizer_s"] == fused.breakdown_s["optimizer_s"]

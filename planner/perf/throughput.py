@@ -58,6 +58,7 @@ from planner.identity_cache import per_object
 from planner.ir.context import Ctx
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
+from planner.parallel import frameworks
 from planner.parallel import get as strategy_of
 from planner.perf import model_parallel as mp
 from planner.perf.collectives import dataparallel_host_launches, nccl_latency_s, prefetch_hidden
@@ -112,6 +113,15 @@ def expected_max_normal(n: int) -> float:
     pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     cdf = np.cumsum(pdf) * (x[1] - x[0])
     return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
+
+
+def optimizer_impl(config: TrainConfig) -> str:
+    """The optimizer kernels the framework runs: Megatron-Core steps Adam/AdamW with a fused multi-tensor kernel
+    whatever `--optimizer-impl` says (megatron/core/optimizer/__init__.py imports TransformerEngine's or apex's
+    FusedAdam), as the memory side already assumes (planner.pipeline.step._optimizer_config)."""
+    if config.optimizer in ("adam", "adamw") and frameworks.get(config.framework).kernels == "megatron":
+        return "fused"
+    return config.optimizer_impl
 
 
 def world_size(parallelism: str, instance: Instance, instances: int) -> int:
@@ -259,7 +269,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
-        local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
+        local_params, local_tensors, config.precision, config.optimizer, optimizer_impl(config), gpu, c)
     optimizer_gpu = opt_secs + opt_gap
     optimizer = overlapped(optimizer_gpu, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
     # every GPU waits for the slowest one of the `world` (module docstring)
@@ -381,7 +391,7 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
     local_params = rank_params // group_ranks if sharded else rank_params
     local_tensors = max(1, rank_tensors // group_ranks) if sharded else rank_tensors
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
-        local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
+        local_params, local_tensors, config.precision, config.optimizer, optimizer_impl(config), gpu, c)
     optimizer = overlapped(opt_secs + opt_gap, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
     slowest_wait = m * micro * c.rank_speed_spread * expected_max_normal(dims.world)
     step = pipeline + exposed + slowest_wait + optimizer + c.micro_step_overhead_s
