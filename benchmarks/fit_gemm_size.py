@@ -41,6 +41,7 @@ SHAPES = {  # (tokens, n, k): the forward GEMMs of one micro-batch
 }
 
 
+BEFORE_HBM = 0.65  # Hopper's HBM efficiency as benchmarks/fit_readings.py fitted it with the constant GEMM efficiency
 HBM_GRID = [round(0.50 + 0.05 * i, 3) for i in range(9)]  # 0.50 .. 0.90
 
 
@@ -53,9 +54,10 @@ def with_half(f_half: float, hbm: float | None = None) -> ThroughputConstants:
 
 
 def main() -> int:
-    report(ThroughputConstants(arch_gemm_size=()), "before (constant Hopper GEMM efficiency 0.45):")
+    before = with_half(0.0, BEFORE_HBM).model_copy(update={"arch_gemm_size": ()})
+    report(before, f"before (constant Hopper GEMM efficiency 0.45, HBM {BEFORE_HBM}):")
     fit_rows, _ = fit_split(load_steps(SHARED))
-    print(f"  mean |log error| on the fit rows, constant efficiency: {loss(errors(fit_rows, ThroughputConstants(arch_gemm_size=()))):.4f}")
+    print(f"  mean |log error| on the fit rows, constant efficiency: {loss(errors(fit_rows, before)):.4f}")
     scores = [(loss(errors(fit_rows, with_half(f, h))), f, h) for f in F_HALF_GRID for h in HBM_GRID]
     s, best, hbm = min(scores)
     print(f"fitted F_1/2 = {best / 1e9:.1f} GFLOP, Hopper HBM efficiency {hbm} (r_inf {R_INF}, sourced): mean "
