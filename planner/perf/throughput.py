@@ -124,6 +124,13 @@ def optimizer_impl(config: TrainConfig) -> str:
     return config.optimizer_impl
 
 
+def slowest_gpu_share(n: int, c: ThroughputConstants) -> float:
+    """Share of the compute time n synchronous GPUs wait for the slowest: rank_speed_spread x E[max of n
+    standard normals] (independent Gaussian per-GPU speed), capped at `slowest_gpu_wait_cap` (the whole-cluster
+    variation measured by Sinha et al. SC22: a Gaussian tail grows without bound, real GPUs' speeds do not)."""
+    return min(c.rank_speed_spread * expected_max_normal(n), c.slowest_gpu_wait_cap)
+
+
 def world_size(parallelism: str, instance: Instance, instances: int) -> int:
     return strategy_of(parallelism).world_size(instance.gpus, instances)
 
@@ -273,7 +280,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     optimizer_gpu = opt_secs + opt_gap
     optimizer = overlapped(optimizer_gpu, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
     # every GPU waits for the slowest one of the `world` (module docstring)
-    slowest_wait = config.grad_accum * micro * c.rank_speed_spread * expected_max_normal(world)
+    slowest_wait = config.grad_accum * micro * slowest_gpu_share(world, c)
     exposed_total = exposed + slowest_wait
     step = config.grad_accum * micro + exposed_total + optimizer
 
@@ -393,7 +400,7 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
         local_params, local_tensors, config.precision, config.optimizer, optimizer_impl(config), gpu, c)
     optimizer = overlapped(opt_secs + opt_gap, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
-    slowest_wait = m * micro * c.rank_speed_spread * expected_max_normal(dims.world)
+    slowest_wait = m * micro * slowest_gpu_share(dims.world, c)
     step = pipeline + exposed + slowest_wait + optimizer + c.micro_step_overhead_s
 
     whole = _micro_sums(table, b, gpu, c)  # the whole model's micro-batch: MFU's model FLOPs
