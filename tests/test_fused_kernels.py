@@ -79,3 +79,13 @@ def test_default_framework_is_untouched():
     model = cached_model("gpt2")
     config = _config("pytorch")
     assert micro_kernels(model, config) == training_kernels(model, config)
+
+
+def test_a_classifier_keeps_its_own_loss():
+    """The fused vocabulary-parallel cross-entropy is a language model's loss; a classifier's stays as it was."""
+    model = cached_model("bert-base-uncased", {"head": "sequence-classification"})
+    assert model.transformers[0].head == "sequence-classification"
+    eager = [k for k in micro_kernels(model, _config("pytorch")) if k.block_role == "" and k.kind == "memory_bound"]
+    mega = [k for k in micro_kernels(model, _config("megatron")) if k.block_role == "" and k.kind == "memory_bound"]
+    assert mega == eager and mega
+    assert not [k for k in micro_kernels(model, _config("megatron")) if "cross_entropy" in k.name]

@@ -113,12 +113,16 @@ def megatron_kernels(kernels: list[Kernel], model: ModelSpec, tokens: int) -> li
     layer_phases = sorted({k.phase for k in kernels if k.block_role == "layer" and k.kind == "gemm"
                            and k.phase in ("forward", "recompute", "backward")})
     has_final_norm = any(k.block_role == "final_norm" for k in kernels)
-    has_loss = any(k.block_role == "" and k.kind == "memory_bound" for k in kernels)
+    # the fused vocabulary-parallel cross-entropy replaces a language model's loss over every token's logits;
+    # a classifier's loss (over b x labels) keeps its eager kernels
+    lm_loss = t.head in ("causal-lm", "masked-lm") and any(
+        k.block_role == "" and k.kind == "memory_bound" for k in kernels)
+    fused_roles = _FUSED_ROLES if lm_loss else _FUSED_ROLES - {""}
     out: list[Kernel] = []
     for k in kernels:
         if k.param_work in _DROPPED_WORK or k.name.endswith((".input_cast", ".input_cast.backward")):
             continue
-        if k.kind == "memory_bound" and k.block_role in _FUSED_ROLES:
+        if k.kind == "memory_bound" and k.block_role in fused_roles:
             continue
         out.append(_bf16_stream(k) if k.kind == "memory_bound" and k.block_role == "embeddings" else k)
     for phase in layer_phases:
@@ -126,6 +130,6 @@ def megatron_kernels(kernels: list[Kernel], model: ModelSpec, tokens: int) -> li
     if has_final_norm:
         out += [_with(k, block_role="final_norm")
                 for ph in ("forward", "backward") for k in _norm("final_norm", tokens, t.hidden_size, ph, 1)]
-    if has_loss:
+    if lm_loss:
         out += _loss(tokens, t.vocab_size)
     return out
