@@ -91,7 +91,10 @@ ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
 # A 16-bit tensor-core GEMM's efficiency by its size, where an architecture has a row here (replacing that
 # architecture's constant GEMM efficiency for such GEMMs): Hockney's (r_inf, n_1/2) model of a pipelined unit
 # (Hockney & Jesshope, "Parallel Computers", 1981), with the GEMM's FLOPs as the length:
-#     efficiency = r_inf · F / (F + F_1/2) · wave(shape)
+#     t = F / (peak · r_inf · wave(shape)) + F_1/2 / (peak · r_inf)
+# i.e. efficiency r_inf · F / (F + F_1/2) for a GEMM that fills its waves (a GEMM too small to fill one wave
+# pays its wave loss and the fixed cost once each, not their product). The fixed cost is per GEMM launch, so a
+# tiny GEMM (a few KFLOP) also pays it whole: ~19 us where a bare launch would take ~5.
 # - r_inf, SOURCED: the largest share of the dense peak a bf16 `torch.matmul` reaches on the GPU over a search
 #   of shapes, Stas Bekman's "Maximum Achievable Matmul FLOPS" table (stas00/ml-engineering,
 #   compute/accelerator/README.md, stored copy b9e29720eebd4aa946fa9678975385efbc90a777; figures in

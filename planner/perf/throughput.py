@@ -23,8 +23,9 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   differ in speed (clocks under power and thermal limits; variability across nominally identical GPUs is
   several percent: Sinha et al., "Not All GPUs Are Created Equal", SC22), so n GPUs wait
   `rank_speed_spread` x e(n) of the compute time for the slowest, e(n) the expected maximum of n standard
-  normals (0 for one GPU, 0.56 for 2, 1.03 for 4, 1.42 for 8). Counted as communication: in a profile the
-  faster GPUs' wait shows as time inside the collective.
+  normals (0 for one GPU, 0.56 for 2, 1.03 for 4, 1.42 for 8), at most `slowest_gpu_wait_cap` (8 %: the
+  whole-cluster variation Sinha et al. measured, reached just beyond 8 GPUs). Counted as communication: in a
+  profile the faster GPUs' wait shows as time inside the collective.
 - optimizer: its kernels (foreach / fused / for-loop, GradScaler's unscale_) on this GPU's parameters
   (1/n under ZeRO/FSDP), memory-bound, same roofline.
 - fp32 matmuls use TF32 tensor cores only when `allow_tf32` (PyTorch's default
