@@ -54,6 +54,10 @@ class Framework:
     # DeepSpeed strategies run through a framework's DeepSpeed integration (Accelerate, Lightning)
     deepspeed_strategies: tuple[str, ...] = ()
     loss: str = "cross-entropy on the model's logits, upcast to fp32 (transformers' ForCausalLMLoss)"
+    # Which memory-bound kernels a step runs between the GEMMs: "eager" (one per PyTorch op, autocast casts:
+    # planner.perf.kernels) or "megatron" (TransformerEngine's and Megatron-Core's fused kernels, bf16
+    # parameters and residual stream: planner.perf.fused)
+    kernels: Literal["eager", "megatron"] = "eager"
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -117,7 +121,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         "megatron", "Megatron-LM (Megatron Core)",
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
-        engine="megatron",
+        engine="megatron", kernels="megatron",
         loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "

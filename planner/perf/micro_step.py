@@ -10,6 +10,8 @@ from __future__ import annotations
 from planner.adapters.lora import plan
 from planner.adapters.speed import lora_kernels
 from planner.ir.context import Ctx
+from planner.parallel import frameworks
+from planner.perf.fused import megatron_kernels
 from planner.perf.kernels import Kernel, shapes_for, training_kernels
 from planner.spec import ModelSpec, TrainConfig
 
@@ -21,6 +23,9 @@ def micro_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: flo
     kernels = training_kernels(model, config, causal_fraction=causal_fraction, flash_ok=flash_ok, padded=padded,
                                ctx=ctx)
     if not config.lora:
+        if frameworks.get(config.framework).kernels == "megatron":  # fused kernels (planner.perf.fused)
+            sh = shapes_for(model, config, ctx, padded, flash_ok)
+            return megatron_kernels(kernels, model, sh.b * sh.s)
         return kernels
     sh = shapes_for(model, config, ctx, padded, flash_ok)
     return lora_kernels(model, config, kernels, sh, plan(model, config))

@@ -9,6 +9,9 @@
   over the SMs; a partial last wave costs a whole wave, and padding inside a tile is wasted:
   wave = m·n·batch / (ceil(tiles / SMs) · SMs · tile_m · tile_n). When the tiles do not fill one wave, cuBLAS
   splits K (split-K) over the idle SMs, as far as K allows (>= `split_k_min` per slice).
+- on an architecture with a row in `arch_gemm_size` (Hopper), a 16-bit tensor-core GEMM of F FLOPs takes
+  F / (peak · r_inf · wave) + F_1/2 / (peak · r_inf) instead (Hockney's law: r_inf sourced, F_1/2 fitted;
+  see ARCH_GEMM_SIZE), so a 70B model's GEMMs reach the measured large-matmul ceiling and BERT's do not.
 - fused attention (SDPA flash / memory-efficient): `fused_attention_efficiency` of the peak instead of the
   GEMM ceiling, the same wave rule over b·a·ceil(s/128) query tiles.
 - memory-bound kernels: bytes at `hbm_efficiency` of the datasheet bandwidth.
@@ -83,7 +86,33 @@ HOPPER = 9
 CPU_DISPATCH_S = 20e-6
 HOST_OVERLAP_POWER = 2.0
 ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
-    (HOPPER, 0.45, 0.85, 0.65, 0.275),
+    (HOPPER, 0.45, 0.85, 0.50, 0.275),
+)
+# A 16-bit tensor-core GEMM's efficiency by its size, where an architecture has a row here (replacing that
+# architecture's constant GEMM efficiency for such GEMMs): Hockney's (r_inf, n_1/2) model of a pipelined unit
+# (Hockney & Jesshope, "Parallel Computers", 1981), with the GEMM's FLOPs as the length:
+#     t = F / (peak · r_inf · wave(shape)) + F_1/2 / (peak · r_inf)
+# i.e. efficiency r_inf · F / (F + F_1/2) for a GEMM that fills its waves (a GEMM too small to fill one wave
+# pays its wave loss and the fixed cost once each, not their product). The fixed cost is per GEMM launch, so a
+# tiny GEMM (a few KFLOP) also pays it whole: ~19 us where a bare launch would take ~5.
+# - r_inf, SOURCED: the largest share of the dense peak a bf16 `torch.matmul` reaches on the GPU over a search
+#   of shapes, Stas Bekman's "Maximum Achievable Matmul FLOPS" table (stas00/ml-engineering,
+#   compute/accelerator/README.md, stored copy b9e29720eebd4aa946fa9678975385efbc90a777; figures in
+#   results/public/gemm/mamf.csv): H100 SXM 792.1 of 989 TFLOPS (80.1 %, CUDA 12.1, best shape
+#   6144x17920x2816); GH200 (the H100/H200 die) 83.0 %. Hopper: 0.80.
+# - F_1/2 (the FLOPs at which a GEMM reaches half of r_inf: a fixed cost per GEMM of F_1/2 / (r_inf · peak)
+#   seconds: prologue, pipeline fill, epilogue, the tail of the last wave, the clock's ramp, and what eager
+#   PyTorch loses around each GEMM) FITTED by benchmarks/fit_gemm_size.py on the fit two thirds of the shared
+#   H200 readings (results/validation/h200/shared-2026-11-26), r_inf held at the sourced value, jointly with
+#   Hopper's HBM efficiency (fitted with the constant GEMM efficiency this replaces: 0.65 before, now 0.50, the
+#   lower bound of the grid: the fit moves time from the GEMMs into the memory-bound kernels), every other
+#   constant as benchmarks/fit_readings.py fitted it. F_1/2 = 15 GFLOP: 19 us of fixed cost on an H100/H200.
+#   The small models' GEMMs (BERT-base, GPT-2: 5-80 GFLOP) get 0.45-0.67, near the 0.45 the constant gave
+#   them; a 70B model's (0.2-2 TFLOP each) 0.75-0.79, as the MAMF search says large GEMMs reach.
+#   The 16-bit GEMM figure of ARCH_EFFICIENCIES (0.45) still times the step-level kernels (time_kernels).
+# Architectures without a row keep their constant efficiency (V100/A100 fitted on BERT-large: 0.625).
+ARCH_GEMM_SIZE: tuple[tuple[int, float, float], ...] = (
+    (HOPPER, 0.80, 15e9),
 )
 
 
@@ -128,6 +157,11 @@ class RooflineConstants(BaseModel):
         ARCH_EFFICIENCIES,
         description="per compute-capability major: (major, gemm, cuda-core gemm, hbm, tf32 gemm) efficiencies "
                     "replacing the universal ones on that architecture (FITTED, see ARCH_EFFICIENCIES)")
+    arch_gemm_size: tuple[tuple[int, float, float], ...] = Field(
+        ARCH_GEMM_SIZE,
+        description="per compute-capability major: (major, asymptotic efficiency, FLOPs at half of it) of a "
+                    "16-bit tensor-core GEMM, replacing that architecture's constant GEMM efficiency "
+                    "(asymptote SOURCED, half-FLOPs FITTED, see ARCH_GEMM_SIZE)")
     host_overlap_power: float = Field(
         HOST_OVERLAP_POWER, ge=1,
         description="micro-step = (gpu^p + host^p)^(1/p): how well the GPU's work hides the host's dispatch "
@@ -324,6 +358,22 @@ def efficiencies(gpu: GPU, c: RooflineConstants) -> tuple[float, float, float, f
     return c.gemm_efficiency, c.cuda_core_gemm_efficiency, c.hbm_efficiency, c.gemm_efficiency
 
 
+def gemm_size_law(gpu: GPU, c: RooflineConstants) -> tuple[float, float] | None:
+    """(asymptotic efficiency, FLOPs at half of it) of this GPU's 16-bit tensor-core GEMMs, or None where its
+    architecture has no row in `arch_gemm_size` (the constant efficiency applies)."""
+    major = gpu.compute_capability[0]
+    for row in c.arch_gemm_size:
+        if row[0] == major:
+            return row[1], row[2]
+    return None
+
+
+def gemm_size_efficiency(flops: np.ndarray, r_inf: float, f_half: float) -> np.ndarray:
+    """Hockney's r_inf · F / (F + F_1/2): a GEMM of F FLOPs pays a fixed cost worth F_1/2 FLOPs at r_inf."""
+    flops = np.maximum(flops, 1.0)
+    return r_inf * flops / (flops + f_half)
+
+
 def time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> KernelTimes:
     """Roofline time of every kernel of a micro-step at micro-batch b (cached on the table per b, GPU and
     constants: a search times one micro-step on many instance counts)."""
@@ -343,13 +393,19 @@ def _time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> K
     sms = gpu.sm_count or 0
     gemm, cuda_core, hbm, tf32 = efficiencies(gpu, c)
     unit = _units(table, gpu, c.allow_tf32)
-    base = np.choose(unit, (gemm, cuda_core, tf32))
+    base = np.choose(unit, (gemm, cuda_core, tf32)).astype(float)
+    law = gemm_size_law(gpu, c)
+    sized = table.is_gemm & (unit == 0) if law is not None else np.zeros_like(table.is_gemm)
+    if law is not None:  # 16-bit tensor-core GEMMs: r_inf, plus a fixed cost worth F_1/2 (ARCH_GEMM_SIZE)
+        base[sized] = law[0]
     eff = base.copy()
     if sms:
         g = table.is_gemm
         eff[g] = base[g] * wave_efficiency(v[g, 2], v[g, 3], v[g, 4], v[g, 5], sms, c)
     eff = np.where(table.is_fused_attention, c.fused_attention_efficiency, eff)
     compute = flops / (peaks * eff)
+    if law is not None:
+        compute = compute + np.where(sized, law[1] / (peaks * law[0]), 0.0)
     memory = nbytes / (gpu.memory_bandwidth_gbs * GB * hbm)
     per = np.maximum(compute, memory)
     arrays = (per * table.count, c.kernel_gap_s * table.launches * table.count, memory >= compute)

@@ -24,8 +24,9 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   differ in speed (clocks under power and thermal limits; variability across nominally identical GPUs is
   several percent: Sinha et al., "Not All GPUs Are Created Equal", SC22), so n GPUs wait
   `rank_speed_spread` x e(n) of the compute time for the slowest, e(n) the expected maximum of n standard
-  normals (0 for one GPU, 0.56 for 2, 1.03 for 4, 1.42 for 8). Counted as communication: in a profile the
-  faster GPUs' wait shows as time inside the collective.
+  normals (0 for one GPU, 0.56 for 2, 1.03 for 4, 1.42 for 8), at most `slowest_gpu_wait_cap` (8 %: the
+  whole-cluster variation Sinha et al. measured, reached just beyond 8 GPUs). Counted as communication: in a
+  profile the faster GPUs' wait shows as time inside the collective.
 - optimizer: its kernels (foreach / fused / for-loop, GradScaler's unscale_) on this GPU's parameters
   (1/n under ZeRO/FSDP), memory-bound, same roofline.
 - fp32 matmuls use TF32 tensor cores only when `allow_tf32` (PyTorch's default
@@ -59,6 +60,7 @@ from planner.identity_cache import per_object
 from planner.ir.context import Ctx
 from planner.memory.parallel import dataparallel_replica_io_bytes
 from planner.models.params import count_parameters
+from planner.parallel import frameworks
 from planner.parallel import get as strategy_of
 from planner.perf import model_parallel as mp
 from planner.perf.collectives import (
@@ -119,6 +121,22 @@ def expected_max_normal(n: int) -> float:
     pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     cdf = np.cumsum(pdf) * (x[1] - x[0])
     return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
+
+
+def optimizer_impl(config: TrainConfig) -> str:
+    """The optimizer kernels the framework runs: Megatron-Core steps Adam/AdamW with a fused multi-tensor kernel
+    whatever `--optimizer-impl` says (megatron/core/optimizer/__init__.py imports TransformerEngine's or apex's
+    FusedAdam), as the memory side already assumes (planner.pipeline.step._optimizer_config)."""
+    if config.optimizer in ("adam", "adamw") and frameworks.get(config.framework).kernels == "megatron":
+        return "fused"
+    return config.optimizer_impl
+
+
+def slowest_gpu_share(n: int, c: ThroughputConstants) -> float:
+    """Share of the compute time n synchronous GPUs wait for the slowest: rank_speed_spread x E[max of n
+    standard normals] (independent Gaussian per-GPU speed), capped at `slowest_gpu_wait_cap` (the whole-cluster
+    variation measured by Sinha et al. SC22: a Gaussian tail grows without bound, real GPUs' speeds do not)."""
+    return min(c.rank_speed_spread * expected_max_normal(n), c.slowest_gpu_wait_cap)
 
 
 def world_size(parallelism: str, instance: Instance, instances: int) -> int:
@@ -196,7 +214,9 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
     shape = None
-    if mp.has_model_parallelism(config) and model.transformers:
+    # Megatron's distributed optimizer (reduce-scatter, the step on a 1/DP shard, all-gather) is timed by the
+    # model-parallel step, also on a layout without TP, CP or PP
+    if (mp.has_model_parallelism(config) or config.distributed_optimizer) and model.transformers:
         dims, shape = dims or mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
     else:
         dims = None
@@ -229,7 +249,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         raise PlannerError("--tp/--cp/--pp", f"{config.tp}×{config.cp}×{config.pp}",
                            "1×1×1 for a traced model (tensor, context and pipeline parallelism need a model given "
                            "as a catalog name or a config.json)")
-    if dims is not None and shape is not None and not dims.plain:
+    if dims is not None and shape is not None and (not dims.plain or config.distributed_optimizer):
         return _model_parallel_throughput(table, n_params, n_tensors, tokens, config, instance, c, dims, shape,
                                           gather_params, peak)
 
@@ -264,11 +284,11 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
-        local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
+        local_params, local_tensors, config.precision, config.optimizer, optimizer_impl(config), gpu, c)
     optimizer_gpu = opt_secs + opt_gap
     optimizer = overlapped(optimizer_gpu, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
     # every GPU waits for the slowest one of the `world` (module docstring)
-    slowest_wait = config.grad_accum * micro * c.rank_speed_spread * expected_max_normal(world)
+    slowest_wait = config.grad_accum * micro * slowest_gpu_share(world, c)
     exposed_total = exposed + slowest_wait
     step = config.grad_accum * micro + exposed_total + optimizer
 
@@ -386,9 +406,9 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
     local_params = rank_params // group_ranks if sharded else rank_params
     local_tensors = max(1, rank_tensors // group_ranks) if sharded else rank_tensors
     opt_secs, opt_gap, opt_mem, opt_launches = _optimizer_times(
-        local_params, local_tensors, config.precision, config.optimizer, config.optimizer_impl, gpu, c)
+        local_params, local_tensors, config.precision, config.optimizer, optimizer_impl(config), gpu, c)
     optimizer = overlapped(opt_secs + opt_gap, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
-    slowest_wait = m * micro * c.rank_speed_spread * expected_max_normal(dims.world)
+    slowest_wait = m * micro * slowest_gpu_share(dims.world, c)
     step = pipeline + exposed + slowest_wait + optimizer + c.micro_step_overhead_s
 
     whole = _micro_sums(table, b, gpu, c)  # the whole model's micro-batch: MFU's model FLOPs
