@@ -31,6 +31,8 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
     if not a["saves_input"]:
         return []
     numel = math.prod(op.shapes["input"])
+    if a.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
+        numel //= ctx.tp  # Megatron saves the local sequence shard and all-gathers it again in backward
     if a.get("as_is"):
         return [Saved(a["input"], numel, op.dtypes["input"])]
     tensors = act.linear_inputs(a["input"], numel, op.dtypes["input"], ctx, a["consumers"])
@@ -101,31 +103,34 @@ def _context(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "attention_eager")
 def eager_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"]) + _context(op, ctx)
+    return act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"],
+                                     op.attrs.get("heads")) + _context(op, ctx)
 
 
 @register("saved", "attention_math")
 def math_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.math_attention_saved(op.attrs["spec"], ctx, op.attrs["masked"], op.attrs.get("v_storage", 0)) \
-        + _context(op, ctx)
+    return act.math_attention_saved(op.attrs["spec"], ctx, op.attrs["masked"], op.attrs.get("v_storage", 0),
+                                    op.attrs.get("heads")) + _context(op, ctx)
 
 
 @register("saved", "attention_efficient", "attention_flash", "attention_cpu_flash")
 def fused_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """q, k, v as they reach the kernel: three projections, views of GPT-2's one c_attn output (one storage),
-    or Llama's k, v at kv-head size unless a 4-D mask (or equal head counts) makes HF repeat them."""
+    or Llama's k, v at kv-head size unless a 4-D mask (or equal head counts) makes HF repeat them. Widths are
+    the op's (one tensor-parallel rank's heads)."""
     spec, masked = op.attrs["spec"], op.attrs["masked"]
     n, low = ctx.n, ctx.low
-    H = spec.num_heads * spec.head_dim
+    H, KV = op.shapes["q"][1], op.shapes["k"][1]
     layout = op.attrs["qkv"]
     if layout == "fused":
-        qkv = [Saved("attention.qkv", n * 3 * spec.hidden_size, low)]
+        qkv = [Saved("attention.qkv", n * (H + 2 * KV), low)]
     elif layout == "gqa":
-        kv = H if masked or spec.num_kv_heads == spec.num_heads else spec.num_kv_heads * spec.head_dim
+        kv = H if masked or KV == H else KV
         qkv = [Saved("attention.q", n * H, low), Saved("attention.k", n * kv, low), Saved("attention.v", n * kv, low)]
     else:
-        qkv = [Saved(f"attention.{x}", n * spec.hidden_size, low) for x in "qkv"]
-    return act.fused_attention_saved(spec, ctx, op.kind.removeprefix("attention_"), qkv, masked)
+        qkv = [Saved(f"attention.{x}", n * H, low) for x in "qkv"]
+    return act.fused_attention_saved(spec, ctx, op.kind.removeprefix("attention_"), qkv, masked,
+                                     op.attrs.get("heads"))
 
 
 @register("saved", "first_token")

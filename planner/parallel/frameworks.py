@@ -51,6 +51,10 @@ class Framework:
     # DeepSpeed strategies run through a framework's DeepSpeed integration (Accelerate, Lightning)
     deepspeed_strategies: tuple[str, ...] = ()
     loss: str = "cross-entropy on the model's logits, upcast to fp32 (transformers' ForCausalLMLoss)"
+    # Sequence parallelism: whether a column-parallel linear saves its all-gathered input (n rows) for
+    # backward, or its local n / tp shard, gathered again in backward (Megatron-Core's rule, the default;
+    # planner.ir.context.Ctx.sp_saves_gathered cites both).
+    sp_saves_gathered_input: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -99,8 +103,11 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         "torchtitan", "torchtitan",
         strategies={"single": "one GPU, torch.autocast", "ddp": "replicate (DDP), torch.autocast",
                     "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)"},
-        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True,
+        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, sp_saves_gathered_input=True,
         sources=(*_FSDP2_SOURCES,
+                 "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py apply_tp: attention_norm "
+                 "SequenceParallel(), then PrepareModuleInput(Shard(1) -> Replicate()) and ColwiseParallel wq/wk/wv: "
+                 "the linears read (and their mm saves) the all-gathered input",
                  "pytorch/torchtitan torchtitan/config/job_config.py Training.mixed_precision_param = 'bfloat16', "
                  "mixed_precision_reduce = 'float32' (@6404b932): applied 'via fully_shard when "
                  "data_parallel_shard_degree > 1', via torch.autocast under DDP or one device",

@@ -178,8 +178,11 @@ def shapes_for(model: ModelSpec, config: TrainConfig, ctx: Ctx | None, padded: b
     if ctx is not None:
         return ctx if ctx.b == config.batch_size and ctx.backend == "cuda" else replace(
             ctx, b=config.batch_size, backend="cuda")
-    return cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention,
-                       model.inputs.attention_mask if padded is None else padded, flash_ok)
+    from planner.ir.context import rank_context
+
+    return rank_context(config.batch_size, config.seq_len, config.precision, config.attention, "cuda",
+                        model.inputs.attention_mask if padded is None else padded, flash_ok, tp=config.tp,
+                        sp=config.sp, cp=config.cp)
 
 
 def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
@@ -233,17 +236,22 @@ def activation(name: str, act: str, numel: int, dtype: str, sh: Shapes) -> list[
     return [elementwise(name, numel, (dtype,), (dtype,), dtype)]
 
 
-def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
+def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float, heads: int | None = None) -> list[Kernel]:
     """Eager: QKᵀ bmm, scale, (+mask), softmax, dropout, (16-bit cast), P·V bmm, transpose copy.
-    Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o."""
-    b, s, a, d, low = sh.b, sh.s, spec.num_heads, spec.head_dim, sh.low
+    Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o.
+    On a model-parallel rank: `heads` of one tensor-parallel rank, and the local s / cp queries against all
+    s keys under context parallelism (planner.ir.context.Ctx.kv_s)."""
+    b, s, a, d, low = sh.b, sh.s, heads or spec.num_heads, spec.head_dim, sh.low
     ctx = sh
     masked = mask_materialised(spec, ctx)
-    s2 = b * a * s * s
+    kv_s = sh.kv_s
+    s2 = b * a * s * kv_s
     half = attention_score_flops(spec, b, s, causal_fraction) // 2
+    if sh.sharded:
+        half = half * a * sh.cp // spec.num_heads
     if attention_kernel(spec, ctx, masked) == "eager":
-        qk = _with(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
-        pv = _with(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
+        qk = _with(gemm("attention.scores", s, kv_s, d, low, b * a, kind="attention"), flops=half)
+        pv = _with(gemm("attention.context", s, d, kv_s, low, b * a, kind="attention"), flops=half)
         soft = F32 if sh.amp or family(spec.family).fp32_softmax else low
         # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
         ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
@@ -257,7 +265,7 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
         ks += [pv, elementwise("attention.transpose_copy", sh.n * a * d, (low,), (low,), low)]
         return [_with(k, kind="attention") for k in ks]
     e = nbytes(low)
-    io_in = 3 * sh.n * a * d * e + (b * s * s * e if masked else 0)
+    io_in = 3 * sh.n * a * d * e + (b * s * kv_s * e if masked else 0)
     io_out = sh.n * a * d * e + b * a * s * 4  # output + fp32 logsumexp
     return [Kernel("attention.fused", "attention", 2 * half, io_in, io_out, low, gemm=None)]
 
@@ -331,10 +339,10 @@ def dense_block(block: Block, sh: Shapes) -> list[Kernel]:
 # ------------------------------------------------------------------------------------ the step
 
 
-def _weights(block: Block) -> list[tuple[int, int]]:
+def _weights(block: Block, sh: Shapes | None = None) -> list[tuple[int, int]]:
     from planner.memory.activations import linear_params
 
-    return linear_params(block)
+    return linear_params(block, sh)
 
 
 def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kernel]]:
@@ -343,7 +351,7 @@ def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kerne
     if not sh.amp:
         return [], []
     fwd, bwd = [], []
-    for j, (w, bias) in enumerate(_weights(block)):
+    for j, (w, bias) in enumerate(_weights(block, sh)):
         for name, numel in ((f"weight{j}", w), (f"bias{j}", bias)):
             if numel:
                 part = "weight_cast" if name.startswith("weight") else "bias_cast"
@@ -393,7 +401,7 @@ def program_forward(block: Block, model: ModelSpec, sh: Shapes, causal_fraction:
     out: list[Kernel] = []
     for op in block_ops(block, model, sh):  # this block only: the caller asks for one layer of a stack
         if op.kind.startswith("attention_") and op.kind != "attention_mask":
-            out += attention(op.attrs["spec"], sh, causal_fraction)
+            out += attention(op.attrs["spec"], sh, causal_fraction, op.attrs.get("heads"))
         else:
             out += apply("kernels", op, sh)
     return out

@@ -13,7 +13,7 @@ from typing import Any
 from planner import caches
 from planner import parallel as strategies
 from planner.errors import PlannerError
-from planner.ir.context import Ctx
+from planner.ir.context import Ctx, rank_context
 from planner.memory import parallel
 from planner.memory import stack as sw
 from planner.parallel.frameworks import check as check_framework
@@ -177,10 +177,15 @@ class Resolved:
 def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda") -> Ctx:
     """The context record of a resolved configuration (attention never "auto"): the batch is padded when the
     model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
-    runs them (sm80+)."""
+    runs them (sm80+); one rank's shard of the sequence and the layer under the layout's tensor, sequence
+    and context parallelism (TrainConfig tp, sp, cp; planner.ir.context.rank_context), with what the
+    framework's column-parallel linears save under sequence parallelism."""
+    from planner.parallel.frameworks import get as framework
+
     padded = spec.inputs.attention_mask if spec is not None else False
-    return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
-               padded, instance.gpu.flash_attention)
+    return rank_context(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
+                        padded, instance.gpu.flash_attention, tp=cfg.tp, sp=cfg.sp, cp=cfg.cp,
+                        sp_saves_gathered=framework(cfg.framework).sp_saves_gathered_input)
 
 
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
