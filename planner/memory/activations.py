@@ -359,6 +359,22 @@ def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
     return [t for op in ops for t in apply("saved", op, ctx)]
 
 
+def selective_kept(spec: TransformerSpec, ctx: Ctx, index: int, modules: tuple[str, ...]) -> list[Saved] | None:
+    """What one layer keeps after its forward when the `modules` are recomputed (planner.ir.transforms
+    .selective_layer: the kept inputs of each recomputed region and the storages of every other op); None
+    when none of the modules is in this layer (moe_act in a dense model, say)."""
+    from planner.families.forms import LayerArgs, load_forms
+    from planner.ir.interpret import apply, load_rules
+    from planner.ir.transforms import selective_layer
+
+    load_rules()
+    traits = family(spec.family)
+    ops = selective_layer(load_forms()[traits.layer](LayerArgs(spec, traits, ctx, index, "")), modules)
+    if not any(op.attrs.get("recomputed") for op in ops):
+        return None
+    return [t for op in ops if not op.attrs.get("checkpointed") for t in apply("saved", op, ctx)]
+
+
 def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
     """What a checkpointed layer keeps: the tensors HF passes it positionally, which non-reentrant
     `torch.utils.checkpoint` saves (`_NoopSaveInputs`; transformers GradientCheckpointingLayer, whose
@@ -691,6 +707,9 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
     if ctx.attention == "flash" and backend == "cuda" and ctx.low == F32:
         raise PlannerError("attention", "flash", "fp16, bf16, amp-fp16 or amp-bf16 precision (FlashAttention-2 "
                            "has no fp32 kernel); use sdpa or eager with fp32")
+    from planner.ir.transforms import recompute_of
+
+    mode, modules = recompute_of(config)
     out: list[BlockActivations] = []
     # A model's transformer layers share one spec, and a layer's tensors depend on its index only through
     # "is it the first" (Llama's first layer, the checkpointed mask): compute two, copy the rest.
@@ -705,8 +724,11 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
                 continue
         saved = block_saved(block, model, ctx)
         casts = weight_casts(block, ctx)
-        ckpt = config.checkpointing and is_layer
+        ckpt = mode == "full" and is_layer
         kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
+        if mode == "selective" and is_layer:
+            some = selective_kept(block.layer, ctx, block.index, modules)  # type: ignore[arg-type]
+            ckpt, kept = (True, some) if some is not None else (False, saved)
         fwd, bwd = _transients(saved, ctx)
         if is_layer:
             bwd = layer_backward_tensors(block.layer, saved, ctx)  # type: ignore[arg-type]

@@ -30,6 +30,8 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
         return act.dense_block_saved(a["block"], a["model"], ctx)
     if not a["saves_input"]:
         return []
+    if a.get("input_discarded") and not (ctx.amp and op.dtypes["input"] != ctx.low):
+        return []  # the norm output it saved is freed and rebuilt in backward (selective "layernorm")
     numel = math.prod(op.shapes["input"])
     if a.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
         numel //= ctx.tp  # Megatron saves the local sequence shard and all-gathers it again in backward
@@ -160,8 +162,48 @@ def batch_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "checkpoint")
 def checkpoint_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    """The inputs a checkpointed layer keeps (`activations.checkpoint_inputs`)."""
+    """The inputs a checkpointed layer keeps (`activations.checkpoint_inputs`), or those of one region that
+    selective recomputation re-runs (planner.ir.transforms.selective_layer): `region_inputs`."""
+    if "region" in op.attrs:
+        return region_inputs(op.attrs["region"], op.attrs["ops"], ctx)
     return act.checkpoint_inputs(op.attrs["spec"], ctx, op.attrs["index"])
+
+
+def region_inputs(region: str, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:
+    """What a recomputed region keeps for backward: its inputs (torch.utils.checkpoint non-reentrant saves
+    them through `_NoopSaveInputs`; Megatron's `CheckpointFunction` with `save_for_backward(*args)`).
+
+    - core_attn: q, k and v as they reach the attention function (k, v at key/value-head width: HF repeats
+      them inside; q and k in the rotary output's dtype; GPT-2's one c_attn storage), and its output, which the
+      output projection saves anyway (the eager and math paths' context copy). The scores, softmax, dropout
+      mask and logsumexp are recomputed: Korthikanti et al. 2022 §5's 5·a·s/h term goes.
+    - mlp: the MLP's input (what its first Linear reads: under SP Megatron's local n/tp shard).
+    - layernorm: the norm's input (the residual stream); its statistics and output are rebuilt.
+    """
+    first = ops[0]
+    if region == "core_attn":
+        n, low = ctx.n, ctx.low
+        H, KV = first.shapes["q"][1], first.shapes["k"][1]
+        qd = first.dtypes["q"]
+        layout = first.attrs["qkv"]
+        if layout == "fused":
+            qkv = [Saved("attention.qkv", n * (H + 2 * KV), low)]
+        elif layout == "gqa":
+            qkv = [Saved("attention.q", n * H, qd), Saved("attention.k", n * KV, qd), Saved("attention.v", n * KV, low)]
+        else:
+            qkv = [Saved(f"attention.{x}", n * H, low) for x in "qkv"]
+        out = "attention.output" if first.kind in ("attention_efficient", "attention_flash", "attention_cpu_flash") \
+            else "attention.context"
+        return qkv + [Saved(out, n * H, low)]
+    if region == "mlp":
+        lin = next(o for o in ops if o.kind == "linear")
+        numel = math.prod(lin.shapes["input"])
+        if lin.attrs.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
+            numel //= ctx.tp
+        return [Saved("mlp.checkpoint.input", numel, lin.dtypes["input"])]
+    if region == "layernorm":
+        return [Saved(f"{first.name}.checkpoint.input", math.prod(first.shapes["input"]), first.dtypes["input"])]
+    raise ValueError(f"recompute region {region!r}: known core_attn, mlp, layernorm")
 
 
 def op_saved(op: Op, ctx: Ctx) -> list[Saved]:

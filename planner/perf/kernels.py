@@ -423,9 +423,36 @@ def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfi
     bwd += bias_grads(fwd) + first_token_backward(block, sh)
     casts, cast_grads = amp_weight_casts(block, sh)
     ks = casts + fwd + bwd + cast_grads
-    if config.checkpointing and block.role == "layer" and isinstance(layer, TransformerSpec):
+    from planner.ir.transforms import recompute_of as recompute_mode
+
+    mode, modules = recompute_mode(config)
+    if mode == "full" and block.role == "layer" and isinstance(layer, TransformerSpec):
         ks += recompute_of(layer, fwd)
+    if mode == "selective" and block.role == "layer" and isinstance(layer, TransformerSpec):
+        ks += selective_recompute(block, model, sh, causal_fraction, modules)
     return [_with(k, block_role=block.role) for k in ks]
+
+
+def selective_recompute(block: Block, model: ModelSpec, sh: Shapes, causal_fraction: float,
+                        modules: tuple[str, ...]) -> list[Kernel]:
+    """The forward kernels of the ops selective recomputation re-runs in backward (planner.ir.transforms
+    .selective_layer), as checkpointing's are counted: phase "recompute", timed like the forward."""
+    from planner.families.forms import block_ops, load_forms
+    from planner.ir.interpret import apply, load_rules
+    from planner.ir.transforms import selective_layer
+
+    load_rules()
+    load_forms()
+    out: list[Kernel] = []
+    for op in selective_layer(block_ops(block, model, sh), modules):
+        if not op.attrs.get("recomputed"):
+            continue
+        if op.kind.startswith("attention_") and op.kind != "attention_mask":
+            ks = attention(op.attrs["spec"], sh, causal_fraction, op.attrs.get("heads"))
+        else:
+            ks = apply("kernels", op, sh)
+        out += [_with(k, name=f"{block.role}.{k.name}.recompute", phase="recompute") for k in ks]
+    return out
 
 
 def foreach_launches(tensors: int, elements: int, depth: int) -> int:

@@ -58,6 +58,16 @@ def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
     return config.model_copy(update={"parallelism": p})
 
 
+def resolve_recompute(config: TrainConfig) -> TrainConfig:
+    """`config` with `checkpointing` saying whether whole layers are recomputed: `--recompute full` is
+    `--checkpointing` (and `--recompute none` or `selective` turns it off), so every reader of the flag (memory,
+    speed, FLOPs, the program report) sees one answer; `recompute` None keeps what `checkpointing` says."""
+    if config.recompute is None:
+        return config
+    full = config.recompute == "full"
+    return config if config.checkpointing == full else config.model_copy(update={"checkpointing": full})
+
+
 def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Instance) -> None:
     """What the GPU and the model allow (model None: a traced model, GPU checks only); raises PlannerError
     naming the flag."""
@@ -201,7 +211,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     )
 
     inst = _resolve_instance(instance)
-    cfg = resolve_parallelism(config, inst)
+    cfg = resolve_recompute(resolve_parallelism(config, inst))
     if calibration is None:
         calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     families = [t.family for t in spec.transformers] if spec is not None else []

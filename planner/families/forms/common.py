@@ -186,6 +186,12 @@ def activation(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[O
               {"act": act}), out
 
 
+def module(name: str, ops: list[Op]) -> list[Op]:
+    """`ops` tagged as one module of the layer (attrs `module`: Megatron's module name, which selective
+    recomputation selects by: planner.ir.transforms.selective_layer)."""
+    return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | {"module": name}) for op in ops]
+
+
 def mlp_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, prefix: str, in_dtype: str,
             up: tuple[Linear, ...], down: Linear) -> list[Op]:
     """Feed-forward: up (gate and up for SwiGLU, both reading the same input) -> act -> (· up) -> down."""

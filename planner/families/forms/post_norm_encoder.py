@@ -15,6 +15,7 @@ from planner.families.forms.common import (
     dropout,
     layer_norm,
     mlp_ops,
+    module,
     module_linear,
     tp_gather,
     tp_reduce,
@@ -45,9 +46,9 @@ def encoder_layer(a: LayerArgs) -> list[Op]:
     norm1, norm2 = a.traits.layer_norm_names
     ln, ln_dtype = layer_norm(norm1, a.prefix, rows, h, resid, ctx)
     ops.append(ln)
-    ops += tp_gather("mlp", h, ln_dtype, ctx)
-    ops += mlp_ops(spec, a.traits, ctx, a.prefix, ln_dtype, (up,), down)
-    ops += tp_reduce("output.dense", h, low, ctx)
+    ops += module("mlp", tp_gather("mlp", h, ln_dtype, ctx)
+                  + mlp_ops(spec, a.traits, ctx, a.prefix, ln_dtype, (up,), down)
+                  + tp_reduce("output.dense", h, low, ctx))
     ops.append(dropout("output.dropout", rows * h, low, spec.hidden_dropout))
     ops.append(add("mlp.residual_add", rows * h, low, resid, resid))
     ops.append(layer_norm(norm2, a.prefix, rows, h, resid, ctx)[0])

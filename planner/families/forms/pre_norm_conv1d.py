@@ -15,6 +15,7 @@ from planner.families.forms.common import (
     dropout,
     layer_norm,
     mlp_ops,
+    module,
     module_linear,
     tp_gather,
     tp_reduce,
@@ -44,9 +45,9 @@ def gpt2_layer(a: LayerArgs) -> list[Op]:
     ops.append(add("attention.residual_add", rows * h, low, act, resid))
     ln, ln_dtype = layer_norm(ln2, a.prefix, rows, h, resid, ctx)
     ops.append(ln)
-    ops += tp_gather("mlp", h, ln_dtype, ctx)
-    ops += mlp_ops(spec, a.traits, ctx, a.prefix, ln_dtype, (c_fc,), mlp_proj)
-    ops += tp_reduce("mlp.c_proj", h, low, ctx)
+    ops += module("mlp", tp_gather("mlp", h, ln_dtype, ctx)
+                  + mlp_ops(spec, a.traits, ctx, a.prefix, ln_dtype, (c_fc,), mlp_proj)
+                  + tp_reduce("mlp.c_proj", h, low, ctx))
     ops.append(dropout("mlp.dropout", rows * h, low, spec.hidden_dropout))
     ops.append(add("mlp.residual_add", rows * h, low, resid, resid))
     return ops

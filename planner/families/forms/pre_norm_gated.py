@@ -15,6 +15,7 @@ from planner.families.forms.common import (
     attention_op,
     cp_exchange,
     mlp_ops,
+    module,
     module_linear,
     rms_norm,
     tp_gather,
@@ -49,8 +50,8 @@ def gated_layer(a: LayerArgs) -> list[Op]:
     resid = promote(low, act)
     ops.append(add("attention.residual_add", rows * h, low, act, resid))
     ops.append(rms_norm(norm2, a.prefix, rows, h, act))
-    ops += tp_gather("mlp", h, act, ctx)
-    ops += mlp_ops(spec, a.traits, ctx, a.prefix, act, (gate, up), down)
-    ops += tp_reduce("mlp.down_proj", h, low, ctx)
+    ops += module("mlp", tp_gather("mlp", h, act, ctx)
+                  + mlp_ops(spec, a.traits, ctx, a.prefix, act, (gate, up), down)
+                  + tp_reduce("mlp.down_proj", h, low, ctx))
     ops.append(add("mlp.residual_add", rows * h, low, resid, resid))
     return ops
