@@ -93,7 +93,6 @@ def _checkpointed_attention(name: str, inner: str) -> None:
     Megatron's selective recomputation of core attention."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     fn = eager_attention_forward if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
