@@ -240,3 +240,13 @@ def test_selective_recompute_is_timed():
     assert not [k for k in training_kernels(spec, base) if k.phase == "recompute"]
     assert any("attention" in k.name for k in again) and any("mlp" in k.name for k in again)
     assert step_flops(spec, sel).recompute > step_flops(spec, base).recompute
+
+
+@pytest.mark.parametrize("kw", [dict(recompute="selective", recompute_modules=("attention",)),
+                                dict(recompute="full", recompute_modules=("core_attn",))])
+def test_recompute_modules_bad_input(kw):
+    from planner.errors import PlannerError
+    from planner.pipeline.resolve import resolve_recompute
+
+    with pytest.raises(PlannerError, match="--recompute-modules"):
+        resolve_recompute(TrainConfig(batch_size=1, seq_len=8, **kw))

@@ -62,6 +62,13 @@ def resolve_recompute(config: TrainConfig) -> TrainConfig:
     """`config` with `checkpointing` saying whether whole layers are recomputed: `--recompute full` is
     `--checkpointing` (and `--recompute none` or `selective` turns it off), so every reader of the flag (memory,
     speed, FLOPs, the program report) sees one answer; `recompute` None keeps what `checkpointing` says."""
+    from planner.ir.transforms import MEGATRON_RECOMPUTE_MODULES
+
+    unknown = [m for m in config.recompute_modules if m not in MEGATRON_RECOMPUTE_MODULES]
+    if unknown:
+        raise PlannerError("--recompute-modules", unknown[0], f"one of {', '.join(MEGATRON_RECOMPUTE_MODULES)}")
+    if config.recompute_modules and config.recompute != "selective":
+        raise PlannerError("--recompute-modules", ",".join(config.recompute_modules), "only with --recompute selective")
     if config.recompute is None:
         return config
     full = config.recompute == "full"
