@@ -145,12 +145,14 @@ def test_gpt3_layer_matches_korthikanti_table2(t, sp, selective):
     """Table 2 (arXiv 2205.05198): sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34/t + 5as/(ht)) with TP + SP, the
     5as/(ht) term gone under selective recomputation of core attention. The one difference, stated: the two
     LayerNorms' fp32 mean and rstd (2 · 2 · 4 bytes per row), which the paper leaves out."""
+    from planner.probes.korthikanti import load_formulas
+
     s, b, h, a = 64, 2, 128, 8
     if sp and t == 1:
         pytest.skip("sequence parallelism needs tp > 1")
-    sbh = s * b * h
-    per_t = 34 / t if sp else 10 + 24 / t
-    paper = sbh * per_t + (0 if selective else 5 * a * s * s * b / t)
+    technique = ("tp+sp" if sp else "tp" if t > 1 else "none") if not selective else \
+        ("tp+sp+selective" if sp else "tp+selective")
+    paper = load_formulas()[technique].bytes(s, b, h, a, t)
     rows = s * b // t if sp else s * b
     stats = 2 * 2 * 4 * rows
     _, raw = _gpt3_layer_bytes(t, sp, selective, s=s, b=b, h=h, a=a)
