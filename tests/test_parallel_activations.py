@@ -252,3 +252,30 @@ def test_recompute_modules_bad_input(kw):
 
     with pytest.raises(PlannerError, match="--recompute-modules"):
         resolve_recompute(TrainConfig(batch_size=1, seq_len=8, **kw))
+
+
+def test_torchtitan_op_policy():
+    """torchtitan's per-op selective checkpointing (`_save_list`: aten.mm, except every second one, and the
+    fused SDPA kernels): a Llama layer keeps its input, q_proj, v_proj, gate_proj and down_proj outputs and
+    the attention output and logsumexp; k_proj, o_proj and up_proj run again, attention does not."""
+    from planner.families.forms import model_program
+    from planner.perf.flops import attention_score_flops, step_flops
+    from planner.perf.kernels import training_kernels
+
+    spec = model("llama", "causal-lm", hidden=H, heads=HEADS, kv_heads=KV, intermediate=FFN, layers=2)
+    ctx = rank_context(B, S, "bf16", "flash", "cuda", False)
+    ops = selective_layer(model_program(spec, ctx).blocks[2].ops, ("op",))
+    kept = [o.name for o in ops[0].attrs["ops"]]
+    assert kept == ["self_attn.q_proj", "self_attn.v_proj", "attention", "mlp.gate_proj", "mlp.down_proj"]
+    again = {o.name for o in ops if o.attrs.get("recomputed") and o.kind == "linear"}
+    assert again == {"self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"}
+    cfg = TrainConfig(batch_size=B, seq_len=S, precision="bf16", attention="flash", recompute="selective",
+                      recompute_modules=("op",))
+    layer = activation_blocks(spec, cfg, "cuda", padded=False)[2]
+    n = B * S
+    expect = (n * H * 2 + n * H * 2 + n * (H // 2) * 2 + n * H * 2 + B * HEADS * S * 4 + n * FFN * 2 + n * H * 2)
+    assert sum(t.nbytes for t in layer.kept_tensors) == expect
+    gemms = [k for k in training_kernels(spec, cfg) if k.phase == "recompute" and k.kind in ("gemm", "attention")]
+    assert {k.name.split(".recompute")[0].removeprefix("layer.") for k in gemms} == again
+    fused_qk = attention_score_flops(spec.transformers[0], B, S) // 2  # flash backward's Q·Kᵀ, counted as before
+    assert step_flops(spec, cfg).recompute == 2 * (2 * n * (H * (H // 2) + H * H + H * FFN) + fused_qk)

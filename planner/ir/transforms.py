@@ -15,6 +15,12 @@ do for "core_attn" and "mlp". "layernorm" is Megatron's output-discarding checkp
 saved, is freed after the forward and rebuilt in backward (the Linears' `input_discarded`). Names of modules a
 dense model does not have (moe_act, moe, shared_experts, mla_up_proj) select nothing.
 
+torchtitan's per-op policy ("op", `--recompute-modules op`; torchtitan/models/llama3/infra/parallelize.py
+`_save_list` and `apply_ac` with selective_ac_option "op"): the whole layer is checkpointed with
+torch.utils.checkpoint's selective policy, which keeps the outputs of every other `aten.mm` (the 1st, 3rd,
+...: a Linear without bias; one with a bias runs addmm, which the list lacks) and of the fused SDPA kernels
+(flash, memory-efficient), and recomputes every other op in backward (`op_policy_layer`).
+
 Tensor-parallel sharding is not a transform: the layer forms emit one rank's ops from the context record
 (planner.ir.context.Ctx tp, sp, cp), because which ops run (the collectives, the SP all-gathers) and their
 shapes are the form's business exactly as the attention kernel and the autocast dtypes are; a transform that
@@ -31,6 +37,8 @@ from planner.ir.ops import Op, Program, ProgramBlock
 # Megatron-Core's module names (transformer_config.py `recompute_modules`, @d98e8a64), and its default.
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+TORCHTITAN_OP = "op"  # torchtitan's per-op selective checkpointing
+RECOMPUTE_MODULES = (*MEGATRON_RECOMPUTE_MODULES, TORCHTITAN_OP)
 NORMS = ("layer_norm", "rms_norm")
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "send_recv")
 
@@ -53,8 +61,32 @@ def _keep(region: str, ops: Sequence[Op]) -> Op:
     return Op("checkpoint", f"{region}.checkpoint", {}, (), {}, {"region": region, "ops": tuple(ops)})
 
 
+def op_policy_layer(ops: Sequence[Op]) -> list[Op]:
+    """One layer under torchtitan's per-op policy: every op checkpointed; the odd-numbered bias-free Linears
+    (aten.mm) and the fused attention kernels keep their outputs and are not run again; the rest is
+    recomputed. The kept bytes are the `checkpoint` op's (region "op": the layer's input and those outputs)."""
+    mm = 0
+    saved: list[Op] = []
+    marked = []
+    for op in ops:
+        keep = False
+        if op.kind == "linear" and not op.attrs.get("bias"):
+            mm += 1
+            keep = mm % 2 == 1
+        elif op.kind in ("attention_flash", "attention_efficient"):
+            keep = True
+        if keep:
+            saved.append(op)
+        marked.append(_mark(op, checkpointed=True, recomputed=not keep))
+    keep_op = Op("checkpoint", "op.checkpoint", {}, (), {}, {"region": TORCHTITAN_OP, "ops": tuple(saved),
+                                                            "input": ops[0] if ops else None})
+    return [keep_op, *marked]
+
+
 def selective_layer(ops: Sequence[Op], modules: Collection[str]) -> list[Op]:
-    """One transformer layer's ops with the `modules` (Megatron's names) recomputed."""
+    """One transformer layer's ops with the `modules` (Megatron's names, or torchtitan's "op") recomputed."""
+    if TORCHTITAN_OP in modules:
+        return op_policy_layer(ops)
     out = list(ops)
     marks: dict[int, dict[str, object]] = {}
     keeps: dict[int, Op] = {}  # index of a region's first op -> its checkpoint op

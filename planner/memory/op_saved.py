@@ -164,9 +164,26 @@ def batch_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 def checkpoint_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """The inputs a checkpointed layer keeps (`activations.checkpoint_inputs`), or those of one region that
     selective recomputation re-runs (planner.ir.transforms.selective_layer): `region_inputs`."""
+    if op.attrs.get("region") == "op":
+        return op_policy_kept(op.attrs["input"], op.attrs["ops"], ctx)
     if "region" in op.attrs:
         return region_inputs(op.attrs["region"], op.attrs["ops"], ctx)
     return act.checkpoint_inputs(op.attrs["spec"], ctx, op.attrs["index"])
+
+
+def op_policy_kept(first: Op, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:
+    """What a layer keeps under torchtitan's per-op policy: its input (what the layer's first op reads: the
+    residual stream's rows) and the outputs the policy caches: the kept mm outputs and each fused attention
+    call's output and logsumexp (SDPA's outputs; its Philox seed and offset are CPU scalars)."""
+    out = [Saved("checkpoint.hidden_states", math.prod(first.shapes["input"]), first.dtypes["input"])]
+    for op in ops:
+        if op.kind == "linear":
+            out.append(Saved(f"{op.name}.output", math.prod(op.shapes["output"]), op.dtypes["output"]))
+        else:
+            out.append(Saved("attention.output", math.prod(op.shapes["output"]), ctx.low))
+            out.append(act.attention_lse(op.kind.removeprefix("attention_"), ctx, op.attrs.get("heads")
+                                         or op.attrs["spec"].num_heads))
+    return out
 
 
 def region_inputs(region: str, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:

@@ -165,6 +165,17 @@ def selective_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_f
                               modules: tuple[str, ...]) -> int:
     """Matmul FLOPs selective recomputation re-runs in one layer: core attention's Q·Kᵀ and P·V, the MLP's
     matrices (planner.ir.transforms.selective_layer; norms run no matmul)."""
+    if "op" in modules:  # torchtitan's per-op policy: Linears it does not keep (planner.ir.transforms)
+        from planner.families.forms.common import has_bias, width
+
+        mm, out = 0, 0
+        for lin in family(t.family).layer_linears:
+            if not (lin.conv1d or has_bias(t, lin)):
+                mm += 1
+                if mm % 2 == 1:
+                    continue  # kept: its output is cached, the GEMM does not run again
+            out += matmul_flops(batch * seq, width(t, lin.n_out), width(t, lin.n_in))
+        return out
     out = 0
     if "core_attn" in modules:
         out += attention_score_flops(t, batch, seq, causal_fraction)

@@ -62,11 +62,15 @@ def resolve_recompute(config: TrainConfig) -> TrainConfig:
     """`config` with `checkpointing` saying whether whole layers are recomputed: `--recompute full` is
     `--checkpointing` (and `--recompute none` or `selective` turns it off), so every reader of the flag (memory,
     speed, FLOPs, the program report) sees one answer; `recompute` None keeps what `checkpointing` says."""
-    from planner.ir.transforms import MEGATRON_RECOMPUTE_MODULES
+    from planner.ir.transforms import RECOMPUTE_MODULES, TORCHTITAN_OP
 
-    unknown = [m for m in config.recompute_modules if m not in MEGATRON_RECOMPUTE_MODULES]
+    unknown = [m for m in config.recompute_modules if m not in RECOMPUTE_MODULES]
     if unknown:
-        raise PlannerError("--recompute-modules", unknown[0], f"one of {', '.join(MEGATRON_RECOMPUTE_MODULES)}")
+        raise PlannerError("--recompute-modules", unknown[0], f"one of {', '.join(RECOMPUTE_MODULES)} (op: "
+                           "torchtitan's per-op policy)")
+    if TORCHTITAN_OP in config.recompute_modules and len(config.recompute_modules) > 1:
+        raise PlannerError("--recompute-modules", ",".join(config.recompute_modules),
+                           "op alone (torchtitan's per-op policy), or Megatron's module names")
     if config.recompute_modules and config.recompute != "selective":
         raise PlannerError("--recompute-modules", ",".join(config.recompute_modules), "only with --recompute selective")
     if config.recompute is None:
