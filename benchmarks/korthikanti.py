@@ -71,7 +71,33 @@ def main(argv: list[str]) -> int:
                   f"{100 * diff / paper:>8.3f}{stats / MIB:>10.2f}")
     print(f"largest difference left after the LayerNorm statistics: {100 * worst:.4f} % of the paper's bytes "
           "(the allocator's 512-byte rounding)")
+    if not argv:
+        llama_against_formula(formulas)
     return 0
+
+
+def llama_against_formula(formulas) -> None:
+    """Where the planner's own models differ from the formula: Llama-3-8B (transformers LlamaDecoderLayer) in
+    bf16 with FlashAttention-2 at 4096 tokens, per layer on one rank. Flash saves no s² tensor (the 5as/h
+    term is not there to remove), there is no dropout, HF's RMSNorm saves an fp32 copy of its input and the
+    normalised tensor, and SwiGLU saves four ffn-wide tensors (ffn = 3.5 h)."""
+    from planner.models.catalog import cached_model
+
+    m = cached_model("llama-3-8b")
+    t0 = m.transformers[0]
+    s, b, h, a = 4096, 1, t0.hidden_size, t0.num_heads
+    print()
+    print("The planner's Llama-3-8B layer (bf16, FlashAttention-2, s=4096, b=1) against the same formula (MiB):")
+    print(f"{'technique':<28}{'t':>3}{'paper':>9}{'planner':>9}")
+    for tech, tp, sp, mods in (("none", 1, None, ()), ("tp", 8, False, ()), ("tp+sp", 8, True, ()),
+                               ("tp+sp+selective", 8, True, ("core_attn",)), ("tp+sp+selective", 8, True, ("op",)),
+                               ("full", 1, None, ())):
+        cfg = TrainConfig(batch_size=b, seq_len=s, precision="bf16", attention="flash", tp=tp, sp=sp,
+                          checkpointing=tech == "full", recompute="selective" if mods else None,
+                          recompute_modules=mods)
+        layer = activation_blocks(m, cfg, "cuda", padded=False)[2]
+        label = f"{tech} ({mods[0]})" if mods else tech
+        print(f"{label:<28}{tp:>3}{formulas[tech].bytes(s, b, h, a, tp) / MIB:>9.0f}{layer.kept_bytes / MIB:>9.0f}")
 
 
 if __name__ == "__main__":
