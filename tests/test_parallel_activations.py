@@ -279,3 +279,21 @@ def test_torchtitan_op_policy():
     assert {k.name.split(".recompute")[0].removeprefix("layer.") for k in gemms} == again
     fused_qk = attention_score_flops(spec.transformers[0], B, S) // 2  # flash backward's Q·Kᵀ, counted as before
     assert step_flops(spec, cfg).recompute == 2 * (2 * n * (H * (H // 2) + H * H + H * FFN) + fused_qk)
+
+
+def test_torchtitan_saves_the_gathered_input_under_sp():
+    """torchtitan's plan (PrepareModuleInput Shard(1) -> Replicate, then ColwiseParallel) makes the q/k/v mm save
+    the all-gathered n rows; Megatron's linear saves its n/tp shard (the framework record decides)."""
+    from planner.hardware import get_instance
+    from planner.pipeline.resolve import context
+
+    spec = model("llama", "causal-lm", hidden=H, heads=HEADS, kv_heads=KV, intermediate=FFN, layers=2)
+    inst = get_instance("ml.p5.48xlarge")
+    sizes = {}
+    for fw in ("megatron", "torchtitan"):
+        cfg = TrainConfig(batch_size=B, seq_len=S, precision="bf16", attention="sdpa", tp=4, framework=fw,
+                          parallelism="fsdp")
+        ctx = context(spec, cfg, inst)
+        layer = activation_blocks(spec, cfg, ctx=ctx)[2]
+        sizes[fw] = next(t.numel for t in layer.tensors if t.name == "self_attn.input")
+    assert sizes == {"megatron": B * S * H // 4, "torchtitan": B * S * H}
