@@ -143,9 +143,12 @@ def tp_gather(name: str, width_: int, dtype: str, ctx: Ctx) -> list[Op]:
     if ctx.tp <= 1:
         return []
     if ctx.sp:
+        # `regather`: Megatron's column-parallel linear saved only the local shard, so backward all-gathers it
+        # again before the weight gradient (layers.py backward `dist_all_gather_func(..., input, ...)`)
         return [Op("all_gather", f"{name}.sp_all_gather", {"input": (ctx.rows, width_), "output": (ctx.n, width_)},
                    (), {"input": dtype, "output": dtype}, {"group": "tp", "phase": "forward",
-                                                           "backward": "reduce_scatter"})]
+                                                           "backward": "reduce_scatter",
+                                                           "regather": not ctx.sp_saves_gathered})]
     return [Op("all_reduce", f"{name}.tp_grad_all_reduce", {"input": (ctx.n, width_), "output": (ctx.n, width_)},
                (), {"input": dtype, "output": dtype}, {"group": "tp", "phase": "backward"})]
 
