@@ -13,7 +13,7 @@ pure 16-bit, fp32 otherwise); "act" the dtype of the residual stream (fp32 for f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.families import family
 from planner.spec import Backend, TransformerSpec
@@ -73,6 +73,14 @@ class Ctx:
         """Keys each query attends over: the whole sequence (context parallelism exchanges the other ranks'
         keys and values in a ring)."""
         return self.s * self.cp
+
+    def whole_model(self) -> Ctx:
+        """This micro-batch on one GPU without model parallelism (the whole sequence, every head): what the
+        speed model's kernel table is built from, planner.perf.model_parallel `stage_table` then dividing
+        it per rank, so that the split is made once."""
+        if not (self.sharded or self.sp):
+            return self
+        return replace(self, s=self.s * self.cp, tp=1, sp=False, cp=1)
 
     @property
     def sharded(self) -> bool:

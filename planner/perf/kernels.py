@@ -174,15 +174,15 @@ def shapes_for(model: ModelSpec, config: TrainConfig, ctx: Ctx | None, padded: b
                flash_ok: bool) -> Ctx:
     """The speed interpreter's context at `config.batch_size`: the pipeline's record (planner.pipeline.resolve
     builds it once; here at this micro-batch and on CUDA, where kernels are timed), or, for callers without
-    one (tests, tools), built from `config`."""
+    one (tests, tools), built from `config`. Always the whole model's (Ctx.whole_model): the speed model's
+    kernel table is one GPU's whole micro-step, which planner.perf.model_parallel splits per rank once; the
+    per-rank kernels of each op (the op rules under a sharded record) are the program report's."""
     if ctx is not None:
+        ctx = ctx.whole_model()
         return ctx if ctx.b == config.batch_size and ctx.backend == "cuda" else replace(
             ctx, b=config.batch_size, backend="cuda")
-    from planner.ir.context import rank_context
-
-    return rank_context(config.batch_size, config.seq_len, config.precision, config.attention, "cuda",
-                        model.inputs.attention_mask if padded is None else padded, flash_ok, tp=config.tp,
-                        sp=config.sp, cp=config.cp)
+    return cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention,
+                       model.inputs.attention_mask if padded is None else padded, flash_ok)
 
 
 def linear(name: str, rows: int, out: int, inp: int, in_dtype: str, sh: Shapes, bias: bool = True,
