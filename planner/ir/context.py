@@ -31,17 +31,17 @@ FLASH_MAX_HEAD_DIM = 256
 class Ctx:
     """Everything the formulas need about one micro-batch, precision, kernel choice and backend, on one rank.
 
-    Model parallelism (issue 34; set from the layout, planner.parallel.dims, by `rank_context`): `tp` tensor-
-    parallel ranks split the heads, the feed-forward width and the vocabulary (the layer forms emit one rank's
-    ops: planner.families.forms.common `width`); with `sp` (sequence parallelism) the residual stream, its
-    norms, dropouts and adds hold `rows` = n / tp tokens; `cp` context-parallel ranks split the sequence, so
-    `s` is the tokens of one sample ON THIS RANK (seq_len / cp) and everything the layer saves is the local
-    chunk's, attention's keys and values spanning the whole sequence (`kv_s`). tp = cp = 1, sp False: one
-    GPU's whole micro-batch, as before issue 34.
+    Model parallelism (issue 34; set from the layout, planner.parallel.dims, by the pipeline's resolve): `tp`
+    tensor-parallel ranks split the heads, the feed-forward width and the vocabulary (the layer forms emit one
+    rank's ops: planner.families.forms.common `width`); with `sp` (sequence parallelism) the residual stream,
+    its norms, dropouts and adds hold `rows` = n / tp tokens; `cp` context-parallel ranks split the sequence:
+    `s` stays the sample's whole sequence, `chunk` = s / cp is what this rank holds (`n` = b · chunk tokens),
+    attention's keys and values spanning all s (`kv_s`). tp = cp = 1, sp False: one GPU's whole micro-batch,
+    as before issue 34.
     """
 
     b: int
-    s: int  # tokens of one sample on this rank: the sequence length over cp
+    s: int  # tokens of one sample (the whole sequence; this rank holds `chunk` of them under CP)
     precision: str
     attention: str
     backend: Backend
@@ -59,9 +59,14 @@ class Ctx:
     sp_saves_gathered: bool = False
 
     @property
+    def chunk(self) -> int:
+        """Tokens of one sample on this rank: s / cp (context parallelism's local chunk)."""
+        return self.s // self.cp
+
+    @property
     def n(self) -> int:
-        """Tokens of the micro-batch on this rank (b · s; with CP the local chunk)."""
-        return self.b * self.s
+        """Tokens of the micro-batch on this rank (b · chunk)."""
+        return self.b * self.chunk
 
     @property
     def rows(self) -> int:
@@ -72,7 +77,7 @@ class Ctx:
     def kv_s(self) -> int:
         """Keys each query attends over: the whole sequence (context parallelism exchanges the other ranks'
         keys and values in a ring)."""
-        return self.s * self.cp
+        return self.s
 
     def whole_model(self) -> Ctx:
         """This micro-batch on one GPU without model parallelism (the whole sequence, every head): what the
@@ -80,7 +85,7 @@ class Ctx:
         it per rank, so that the split is made once."""
         if not (self.sharded or self.sp):
             return self
-        return replace(self, s=self.s * self.cp, tp=1, sp=False, cp=1)
+        return replace(self, tp=1, sp=False, cp=1)
 
     @property
     def sharded(self) -> bool:
@@ -103,9 +108,9 @@ class Ctx:
 def rank_context(b: int, seq_len: int, precision: str, attention: str, backend: Backend, padded: bool,
                  flash_ok: bool = True, *, tp: int = 1, sp: bool | None = None, cp: int = 1,
                  sp_saves_gathered: bool = False) -> Ctx:
-    """The context record of one rank: the sequence over `cp`, sequence parallelism on by default with TP
-    (as Megatron-Core recipes run it; TrainConfig.sp None)."""
-    return Ctx(b, seq_len // cp, precision, attention, backend, padded, flash_ok, tp,
+    """The context record of one rank, sequence parallelism on by default with TP (as Megatron-Core recipes
+    run it; TrainConfig.sp None)."""
+    return Ctx(b, seq_len, precision, attention, backend, padded, flash_ok, tp,
                (tp > 1) if sp is None else (sp and tp > 1), cp, sp_saves_gathered)
 
 

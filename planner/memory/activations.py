@@ -168,7 +168,7 @@ def dropout_saved(name: str, numel: int, dtype: str, p: float, backend: Backend)
 def attention_lse(kernel: str, ctx: Ctx, heads: int) -> Saved:
     """Fused kernels save the fp32 logsumexp of each query row: b·a·s, padded to 32 rows by the
     memory-efficient kernel (EFFICIENT_LSE_ALIGN)."""
-    rows = math.ceil(ctx.s / EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN if kernel == "efficient" else ctx.s
+    rows = math.ceil(ctx.chunk / EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN if kernel == "efficient" else ctx.chunk
     return Saved("attention.logsumexp", ctx.b * heads * rows, F32)
 
 
@@ -181,10 +181,10 @@ def sdpa_bias(kernel: str, ctx: Ctx, dtype: str) -> list[Saved]:
     """
     kv_s = ctx.kv_s  # keys: the whole sequence under context parallelism (== s otherwise)
     if kernel == "cpu_flash":
-        return [Saved("attention.bias", ctx.b * ctx.s * kv_s, dtype)]
+        return [Saved("attention.bias", ctx.b * ctx.chunk * kv_s, dtype)]
     if kernel == "efficient":
         last = kv_s if kv_s % EFFICIENT_BIAS_ALIGN == 0 else kv_s + EFFICIENT_BIAS_ALIGN - kv_s % EFFICIENT_BIAS_ALIGN
-        return [Saved("attention.bias", ctx.b * ctx.s * last, dtype)]
+        return [Saved("attention.bias", ctx.b * ctx.chunk * last, dtype)]
     return []
 
 
@@ -272,7 +272,7 @@ def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked:
     probabilities (a new tensor; under AMP a 16-bit cast when they are fp32). GPT-2 casts the probs back to
     v's dtype before dropout, Llama after an fp32 softmax (`.to(query.dtype)`).
     """
-    b, s, a = ctx.b, ctx.s, heads or spec.num_heads  # heads: one tensor-parallel rank's
+    b, s, a = ctx.b, ctx.chunk, heads or spec.num_heads  # heads: one tensor-parallel rank's; CP: its chunk
     H = a * spec.head_dim
     s2 = b * a * s * ctx.kv_s
     low = ctx.low
@@ -308,7 +308,7 @@ def math_attention_saved(spec: TransformerSpec, ctx: Ctx, masked: bool, v_storag
     is a view and bmm saves the projection's whole storage (`v_storage` elements: n·3h for GPT-2's fused
     c_attn output).
     """
-    b, s, a = ctx.b, ctx.s, heads or spec.num_heads
+    b, s, a = ctx.b, ctx.chunk, heads or spec.num_heads
     H = a * spec.head_dim
     s2 = b * a * s * ctx.kv_s
     cd = math_sdpa_dtype(ctx.low, ctx.backend)
@@ -385,7 +385,7 @@ def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved
     """
     out = [Saved("checkpoint.hidden_states", ctx.rows * spec.hidden_size, ctx.act)]  # SP: the local n / tp rows
     if index == 0 and family(spec.family).mask_positional and mask_materialised(spec, ctx):
-        out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.s * ctx.s, mask_bytes_dtype(ctx)))
+        out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.chunk * ctx.s, mask_bytes_dtype(ctx)))
     return out
 
 
@@ -420,7 +420,7 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     if spec.head == "causal-lm":
         # pad(labels, (0, 1))[..., 1:].contiguous(): a copy, except for b == 1 where the slice already is
         # contiguous and the padded b·(s+1) tensor is what nll_loss saves
-        labels = b * (ctx.s + 1) if b == 1 else n
+        labels = b * (ctx.chunk + 1) if b == 1 else n
         if ctx.tp > 1:
             return [Saved("loss.softmax", n * vocab_per_rank(spec, ctx), F32), Saved("loss.target_mask", n, BOOL),
                     Saved("loss.masked_target", n, I64), Saved("loss.shift_labels", labels, I64)]

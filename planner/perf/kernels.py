@@ -241,7 +241,7 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float, heads: 
     Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o.
     On a model-parallel rank: `heads` of one tensor-parallel rank, and the local s / cp queries against all
     s keys under context parallelism (planner.ir.context.Ctx.kv_s)."""
-    b, s, a, d, low = sh.b, sh.s, heads or spec.num_heads, spec.head_dim, sh.low
+    b, s, a, d, low = sh.b, sh.chunk, heads or spec.num_heads, spec.head_dim, sh.low
     ctx = sh
     masked = mask_materialised(spec, ctx)
     kv_s = sh.kv_s
@@ -279,7 +279,7 @@ def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     """Building the 4-D additive mask once per forward, when HF materialises it (mask_materialised)."""
     if not mask_materialised(spec, sh):
         return []
-    k = elementwise("attention_mask.build", sh.b * sh.s * sh.s, ("bool",), (sh.act,), sh.act)
+    k = elementwise("attention_mask.build", sh.b * sh.chunk * sh.s, ("bool",), (sh.act,), sh.act)
     return [_with(k, launches=MASK_BUILD_LAUNCHES)]
 
 

@@ -32,7 +32,7 @@ def attention_flops(op: Op, ctx: Ctx) -> int:
     """Q·Kᵀ and P·V, counted full for causal models (FlopCounterMode's convention); on a model-parallel rank
     its heads and its s / cp queries against all s keys."""
     spec = op.attrs["spec"]
-    flops = attention_score_flops(spec, ctx.b, ctx.s)
+    flops = attention_score_flops(spec, ctx.b, ctx.chunk)
     return flops * op.attrs["heads"] * ctx.cp // spec.num_heads if ctx.sharded else flops
 
 

@@ -126,7 +126,7 @@ def attention_op(spec: TransformerSpec, ctx: Ctx, kernel: str, masked: bool, q_d
     n·3h c_attn output), "gqa" (Llama: k, v at kv-head size unless repeated)."""
     heads, kv = heads_per_rank(spec, ctx), kv_heads_per_rank(spec, ctx)
     n, H = ctx.n, heads * spec.head_dim
-    s2 = ctx.b * heads * ctx.s * ctx.kv_s
+    s2 = ctx.b * heads * ctx.chunk * ctx.kv_s
     return Op(f"attention_{kernel}", "attention", {"q": (n, H), "k": (n, kv * spec.head_dim),
               "scores": (s2,), "output": (n, H)}, (), {"q": q_dtype, "compute": ctx.low, "output": ctx.low},
               {"spec": spec, "masked": masked, "qkv": qkv, "heads": heads, "kv_heads": kv} | attrs)
@@ -224,7 +224,7 @@ def embedding_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, base: str, to
     HF's 4-D mask when it is built. The token-type table is looked up whenever the module has one
     (BertEmbeddings / RobertaEmbeddings call it unconditionally, with the buffered or gathered ids when the
     batch has none), not only when the batch carries token_type_ids."""
-    n, s, h, act = ctx.n, ctx.s, spec.hidden_size, ctx.act
+    n, s, h, act = ctx.n, ctx.chunk, spec.hidden_size, ctx.act
     lookups = [("word", traits.word_table, width(spec, "vocab", ctx))]
     index: list[Op] = []
     if traits.position_ids == "from_input_ids":
@@ -260,7 +260,7 @@ def embedding_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, base: str, to
     if traits.embedding_dropout:
         ops.append(dropout("embeddings.dropout", n * h, act, spec.embedding_dropout))
     if mask_materialised(spec, ctx):
-        ops.append(Op("attention_mask", "attention_mask.build", {"output": (ctx.b * s * s,)}, (),
+        ops.append(Op("attention_mask", "attention_mask.build", {"output": (ctx.b * s * ctx.s,)}, (),
                       {"input": "bool", "output": act}, {"spec": spec}))
     return _registration_order(ops, traits)
 

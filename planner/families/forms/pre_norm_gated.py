@@ -39,7 +39,7 @@ def gated_layer(a: LayerArgs) -> list[Op]:
     d = spec.head_dim
     ops.append(Op("rotary", "rotary", {"q": (n, heads_per_rank(spec, ctx) * d),
                                        "k": (n, kv_heads_per_rank(spec, ctx) * d),
-                                       "tables": (ctx.s, d)}, (), {"input": low, "tables": act},
+                                       "tables": (ctx.chunk, d)}, (), {"input": low, "tables": act},
                   {"first": a.index == 0}))
     masked = mask_materialised(spec, ctx)
     kernel = attention_kernel(spec, ctx, masked)
