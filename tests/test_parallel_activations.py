@@ -214,8 +214,7 @@ def test_recompute_modes():
     from planner.pipeline.resolve import resolve_recompute
 
     assert resolve_recompute(TrainConfig(batch_size=1, seq_len=8, recompute="full")).checkpointing
-    assert not resolve_recompute(TrainConfig(batch_size=1, seq_len=8, checkpointing=True,
-                                             recompute="selective")).checkpointing
+    assert recompute_of(resolve_recompute(TrainConfig(batch_size=1, seq_len=8, recompute="full"))) == ("full", ())
 
 
 def test_selective_layernorm_discards_the_norm_output():
