@@ -283,16 +283,15 @@ def test_torchtitan_op_policy():
 def test_torchtitan_saves_the_gathered_input_under_sp():
     """torchtitan's plan (PrepareModuleInput Shard(1) -> Replicate, then ColwiseParallel) makes the q/k/v mm save
     the all-gathered n rows; Megatron's linear saves its n/tp shard (the framework record decides)."""
-    from planner.hardware import get_instance
-    from planner.pipeline.resolve import context
+    from planner.pipeline.resolve import resolve
 
     spec = model("llama", "causal-lm", hidden=H, heads=HEADS, kv_heads=KV, intermediate=FFN, layers=2)
-    inst = get_instance("ml.p5.48xlarge")
     sizes = {}
     for fw in ("megatron", "torchtitan"):
         cfg = TrainConfig(batch_size=B, seq_len=S, precision="bf16", attention="sdpa", tp=4, framework=fw,
-                          parallelism="fsdp")
-        ctx = context(spec, cfg, inst)
+                          parallelism="ddp")
+        ctx = resolve(spec, cfg, "ml.p5.48xlarge", None, None, {}).ctx  # the record an estimate reads
+        assert (ctx.tp, ctx.sp) == (4, True)
         layer = activation_blocks(spec, cfg, ctx=ctx)[2]
         sizes[fw] = next(t.numel for t in layer.tensors if t.name == "self_attn.input")
     assert sizes == {"megatron": B * S * H // 4, "torchtitan": B * S * H}
