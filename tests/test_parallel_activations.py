@@ -295,3 +295,42 @@ def test_torchtitan_saves_the_gathered_input_under_sp():
         layer = activation_blocks(spec, cfg, ctx=ctx)[2]
         sizes[fw] = next(t.numel for t in layer.tensors if t.name == "self_attn.input")
     assert sizes == {"megatron": B * S * H // 4, "torchtitan": B * S * H}
+
+
+def test_torchtitan_op_policy_against_torch_selective_checkpoint():
+    """The same policy run by torch.utils.checkpoint's selective checkpointing on the rank's Llama layer (CPU:
+    SDPA's CPU flash op stands for the CUDA flash op of torchtitan's list): the outputs of the ops the policy
+    keeps (their sizes read from the real calls' arguments: mm (m, k)·(k, n) -> m·n; SDPA -> q's size and an
+    fp32 logsumexp per query row and head) plus the checkpoint's saved input equal the planner's kept bytes."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    kept: list[int] = []
+    mm = [0]
+
+    def policy(ctx, func, *args, **kwargs):
+        keep = False
+        if func == aten.mm.default:
+            mm[0] += 1
+            keep = mm[0] % 2 == 1
+            size = args[0].shape[0] * args[1].shape[1] * args[0].element_size()
+        elif func == aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q = args[0]
+            keep, size = True, q.numel() * q.element_size() + q.shape[0] * q.shape[1] * q.shape[2] * 4
+        if keep and not ctx.is_recompute:
+            kept.append(size)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    layer, rope = _rank_layer(2, "sdpa")
+    forward = layer.forward
+
+    def run(*a, **k):
+        mm[0] = 0
+        return checkpoint(forward, *a, use_reentrant=False,
+                          context_fn=lambda: create_selective_checkpoint_contexts(policy), **k)
+
+    layer.forward = run
+    inputs = _measure(layer, rope, False)  # the checkpoint's saved input (the region's own saves are hidden)
+    planned = _planner_layer(2, "sdpa", False, recompute="selective", recompute_modules=("op",))
+    assert len(kept) == 5  # q_proj, v_proj, attention, gate_proj, down_proj
+    assert planned == inputs + sum(kept)
