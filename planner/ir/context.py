@@ -110,8 +110,8 @@ def rank_context(b: int, seq_len: int, precision: str, attention: str, backend: 
                  sp_saves_gathered: bool = False) -> Ctx:
     """The context record of one rank, sequence parallelism on by default with TP (as Megatron-Core recipes
     run it; TrainConfig.sp None)."""
-    return Ctx(b, seq_len, precision, attention, backend, padded, flash_ok, tp,
-               (tp > 1) if sp is None else (sp and tp > 1), cp, sp_saves_gathered)
+    return Ctx(b, seq_len, precision, attention, backend, padded, flash_ok, tp=tp,
+               sp=(tp > 1) if sp is None else (sp and tp > 1), cp=cp, sp_saves_gathered=sp_saves_gathered)
 
 
 def heads_per_rank(spec: TransformerSpec, ctx: Ctx) -> int:
