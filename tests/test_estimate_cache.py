@@ -16,9 +16,7 @@ estimate_mod = importlib.import_module("planner.estimate")
 OTHER = {"optimizer": "sgd", "optimizer_impl": "for-loop", "parallelism": "zero3", "grad_accum": 4, "instances": 3,
          "gradient_as_bucket_view": True, "bucket_cap_mb": 100.0, "tf32": True, "lora_alpha": 64.0,
          "framework": "torchtitan", "deepspeed": DeepSpeedSettings(reduce_bucket_size=1000),
-         "loop": "lightning", "load": "cast",
-         # issue 34/35 layout fields: the context record carries tp/sp/cp to the activations (resolve sets it)
-         "tp": 2, "sp": True, "cp": 2, "pp": 2, "vp": 2, "pp_schedule": "gpipe", "dp_replicas": 2,
+         "loop": "lightning", "load": "cast", "pp": 2, "vp": 2, "pp_schedule": "gpipe", "dp_replicas": 2,
          "distributed_optimizer": True, "ep": 2, "etp": 2, "moe_imbalance": 1.5}
 
 

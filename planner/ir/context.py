@@ -13,7 +13,7 @@ pure 16-bit, fp32 otherwise); "act" the dtype of the residual stream (fp32 for f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.families import family
 from planner.spec import Backend, TransformerSpec
@@ -31,20 +31,28 @@ FLASH_MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class Ctx:
-    """Everything the formulas need about one micro-batch, precision, kernel choice and backend."""
+    """Everything the formulas need about one micro-batch, precision, kernel choice and backend, on one rank.
+
+    Model parallelism (issue 34; set from the layout, planner.parallel.dims, by the pipeline's resolve): `tp`
+    tensor-parallel ranks split the heads, the feed-forward width and the vocabulary (the layer forms emit one
+    rank's ops: planner.families.forms.common `width`); with `sp` (sequence parallelism) the residual stream,
+    its norms, dropouts and adds hold `rows` = n / tp tokens; `cp` context-parallel ranks split the sequence:
+    `s` stays the sample's whole sequence, `chunk` = s / cp is what this rank holds (`n` = b · chunk tokens),
+    attention's keys and values spanning all s (`kv_s`). tp = cp = 1, sp False: one GPU's whole micro-batch,
+    as before issue 34.
+    """
 
     b: int
-    s: int
+    s: int  # tokens of one sample (the whole sequence; this rank holds `chunk` of them under CP)
     precision: str
     attention: str
     backend: Backend
     padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
     flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
     # Model-parallel degrees of this rank's shard (planner.parallel.dims, set once by planner.pipeline.resolve):
-    # tensor parallel, sequence parallel (with tp), context parallel.
-    tp: int = 1
-    sp: bool = False
-    cp: int = 1
+    tp: int = 1  # tensor-parallel ranks sharing one layer
+    sp: bool = False  # sequence parallelism: the residual stream split over the tp ranks
+    cp: int = 1  # context-parallel ranks sharing one sequence
     # FP8 (planner.ir.fp8): the recipe whose rules the transformer layers' Linears follow (None: no FP8; the
     # precision above is then the 16-bit one FP8 training computes everything else in), and whether FSDP2
     # all-gathers their weights in FP8.
@@ -52,10 +60,47 @@ class Ctx:
     fp8_gather: bool = False
     # torch.compile (planner.ir.transforms.compile_ops): Inductor's fusion and the min-cut partitioner's rules
     compile: bool = False
+    # SP: what a column-parallel linear saves of its all-gathered input. False: its local n/tp shard, gathered
+    # again in backward (Megatron-Core, megatron/core/tensor_parallel/layers.py
+    # LinearWithGradAccumulationAndAsyncCommunication: `ctx.save_for_backward(input, weight)` before the
+    # all-gather; backward `dist_all_gather_func(all_gather_buffer, input, ...)`; Korthikanti et al. 2022
+    # §4.2.2). True: the gathered n rows (DTensor's ColwiseParallel after PrepareModuleInput(Shard(1) ->
+    # Replicate()), as torchtitan's Llama plan runs it: the mm saves its replicated input).
+    sp_saves_gathered: bool = False
+
+    @property
+    def chunk(self) -> int:
+        """Tokens of one sample on this rank: s / cp (context parallelism's local chunk)."""
+        return self.s // self.cp
 
     @property
     def n(self) -> int:
-        return self.b * self.s
+        """Tokens of the micro-batch on this rank (b · chunk)."""
+        return self.b * self.chunk
+
+    @property
+    def rows(self) -> int:
+        """Rows of the residual stream on this rank: n, or n / tp under sequence parallelism."""
+        return self.n // self.tp if self.sp else self.n
+
+    @property
+    def kv_s(self) -> int:
+        """Keys each query attends over: the whole sequence (context parallelism exchanges the other ranks'
+        keys and values in a ring)."""
+        return self.s
+
+    def whole_model(self) -> Ctx:
+        """This micro-batch on one GPU without model parallelism (the whole sequence, every head): what the
+        speed model's kernel table is built from, planner.perf.model_parallel `stage_table` then dividing
+        it per rank, so that the split is made once."""
+        if not (self.sharded or self.sp):
+            return self
+        return replace(self, tp=1, sp=False, cp=1)
+
+    @property
+    def sharded(self) -> bool:
+        """Any model-parallel split of the layer's activations (tp or cp above 1)."""
+        return self.tp > 1 or self.cp > 1
 
     @property
     def amp(self) -> bool:
@@ -68,6 +113,39 @@ class Ctx:
     @property
     def act(self) -> str:
         return F32 if self.precision in ("fp32", "amp-fp16", "amp-bf16", "fp8") else LOW_DTYPE[self.precision]
+
+
+def rank_context(b: int, seq_len: int, precision: str, attention: str, backend: Backend, padded: bool,
+                 flash_ok: bool = True, *, tp: int = 1, sp: bool | None = None, cp: int = 1,
+                 sp_saves_gathered: bool = False) -> Ctx:
+    """The context record of one rank, sequence parallelism on by default with TP (as Megatron-Core recipes
+    run it; TrainConfig.sp None)."""
+    return Ctx(b, seq_len, precision, attention, backend, padded, flash_ok, tp=tp,
+               sp=(tp > 1) if sp is None else (sp and tp > 1), cp=cp, sp_saves_gathered=sp_saves_gathered)
+
+
+def heads_per_rank(spec: TransformerSpec, ctx: Ctx) -> int:
+    """Attention heads one tensor-parallel rank holds (heads / tp: planner.parallel.dims checks it divides)."""
+    return max(1, spec.num_heads // ctx.tp)
+
+
+def kv_heads_per_rank(spec: TransformerSpec, ctx: Ctx) -> int:
+    """Key/value heads one TP rank holds: kv_heads / tp, or one replicated head when there are fewer key/value
+    heads than ranks (each rank keeps the head its query heads read)."""
+    kv = spec.num_kv_heads
+    return kv // ctx.tp if kv % ctx.tp == 0 else 1
+
+
+def ffn_per_rank(spec: TransformerSpec, ctx: Ctx) -> int:
+    """The feed-forward width of one TP rank (column-parallel up/gate, row-parallel down)."""
+    return -(-spec.intermediate_size // ctx.tp)
+
+
+def vocab_per_rank(spec: TransformerSpec, ctx: Ctx) -> int:
+    """Rows of the vocabulary-parallel embedding and LM head on one TP rank: ceil(V / tp), the largest shard
+    (Megatron pads V to a multiple of 128 · tp first, `make_vocab_size_divisible_by`; the padding is < 128
+    rows per rank and is not counted)."""
+    return -(-spec.vocab_size // ctx.tp)
 
 
 def promote(a: str, b: str) -> str:

@@ -57,13 +57,17 @@ from planner.ir.context import (  # noqa: E402, F401
     Ctx,
     attention_kernel,
     autocast_fp32_op,
+    ffn_per_rank,
+    heads_per_rank,
     mask_bytes_dtype,
     mask_materialised,
     math_sdpa_dtype,
     norm_stats_dtype,
     promote,
+    rank_context,
     sdpa_kernel,
     sdpa_math_for_mask_grad,
+    vocab_per_rank,
 )
 from planner.models.blocks import Block, model_blocks
 from planner.spec import (
@@ -165,7 +169,7 @@ def dropout_saved(name: str, numel: int, dtype: str, p: float, backend: Backend)
 def attention_lse(kernel: str, ctx: Ctx, heads: int) -> Saved:
     """Fused kernels save the fp32 logsumexp of each query row: b·a·s, padded to 32 rows by the
     memory-efficient kernel (EFFICIENT_LSE_ALIGN)."""
-    rows = math.ceil(ctx.s / EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN if kernel == "efficient" else ctx.s
+    rows = math.ceil(ctx.chunk / EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN if kernel == "efficient" else ctx.chunk
     return Saved("attention.logsumexp", ctx.b * heads * rows, F32)
 
 
@@ -176,11 +180,12 @@ def sdpa_bias(kernel: str, ctx: Ctx, dtype: str) -> list[Saved]:
     CPU flash saves it as is (b·s·s). CUDA memory-efficient pads the last dim to a multiple of 8 when s is
     not one (`preprocess_mask`), so the saved storage is b·s·(s + 8 - s % 8). Flash takes no mask.
     """
+    kv_s = ctx.kv_s  # keys: the whole sequence under context parallelism (== s otherwise)
     if kernel == "cpu_flash":
-        return [Saved("attention.bias", ctx.b * ctx.s * ctx.s, dtype)]
+        return [Saved("attention.bias", ctx.b * ctx.chunk * kv_s, dtype)]
     if kernel == "efficient":
-        last = ctx.s if ctx.s % EFFICIENT_BIAS_ALIGN == 0 else ctx.s + EFFICIENT_BIAS_ALIGN - ctx.s % EFFICIENT_BIAS_ALIGN
-        return [Saved("attention.bias", ctx.b * ctx.s * last, dtype)]
+        last = kv_s if kv_s % EFFICIENT_BIAS_ALIGN == 0 else kv_s + EFFICIENT_BIAS_ALIGN - kv_s % EFFICIENT_BIAS_ALIGN
+        return [Saved("attention.bias", ctx.b * ctx.chunk * last, dtype)]
     return []
 
 
@@ -258,7 +263,8 @@ def _eager_softmax_dtype(score_dtype: str, name: str, ctx: Ctx) -> str:
     return F32 if ctx.amp and autocast_fp32_op("softmax", ctx.backend) else score_dtype
 
 
-def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked: bool) -> list[Saved]:
+def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked: bool, heads: int | None = None
+                          ) -> list[Saved]:
     """HF `eager_attention_forward`: matmul(q, kᵀ)·scale (+ mask) -> softmax -> dropout -> matmul(·, v).
 
     q, k, v arrive as (b, a, s, d) views of the projections, so `matmul` copies them into contiguous bmm
@@ -267,8 +273,9 @@ def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked:
     probabilities (a new tensor; under AMP a 16-bit cast when they are fp32). GPT-2 casts the probs back to
     v's dtype before dropout, Llama after an fp32 softmax (`.to(query.dtype)`).
     """
-    b, s, a, H = ctx.b, ctx.s, spec.num_heads, spec.num_heads * spec.head_dim
-    s2 = b * a * s * s
+    b, s, a = ctx.b, ctx.chunk, heads or spec.num_heads  # heads: one tensor-parallel rank's; CP: its chunk
+    H = a * spec.head_dim
+    s2 = b * a * s * ctx.kv_s
     low = ctx.low
     out = [Saved("attention.q", ctx.n * H, low), Saved("attention.k", ctx.n * H, low),
            Saved("attention.v", ctx.n * H, low)]
@@ -292,7 +299,8 @@ def eager_attention_saved(spec: TransformerSpec, ctx: Ctx, q_dtype: str, masked:
     return out
 
 
-def math_attention_saved(spec: TransformerSpec, ctx: Ctx, masked: bool, v_storage: int = 0) -> list[Saved]:
+def math_attention_saved(spec: TransformerSpec, ctx: Ctx, masked: bool, v_storage: int = 0,
+                         heads: int | None = None) -> list[Saved]:
     """SDPA's math fallback (CPU training with dropout): q·√scale and kᵀ·√scale copies, v, softmax, dropout
     noise and dropped probs, all in `math_sdpa_dtype` (fp32 for 16-bit inputs on CPU). The bool mask is
     added in place and not saved.
@@ -301,8 +309,9 @@ def math_attention_saved(spec: TransformerSpec, ctx: Ctx, masked: bool, v_storag
     is a view and bmm saves the projection's whole storage (`v_storage` elements: n·3h for GPT-2's fused
     c_attn output).
     """
-    b, s, a, H = ctx.b, ctx.s, spec.num_heads, spec.num_heads * spec.head_dim
-    s2 = b * a * s * s
+    b, s, a = ctx.b, ctx.chunk, heads or spec.num_heads
+    H = a * spec.head_dim
+    s2 = b * a * s * ctx.kv_s
     cd = math_sdpa_dtype(ctx.low, ctx.backend)
     v = v_storage if b == 1 and cd == ctx.low and v_storage else ctx.n * H
     out = [Saved("attention.q", ctx.n * H, cd), Saved("attention.k", ctx.n * H, cd),
@@ -314,15 +323,20 @@ def math_attention_saved(spec: TransformerSpec, ctx: Ctx, masked: bool, v_storag
     return out
 
 
-def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: list[Saved], masked: bool
-                          ) -> list[Saved]:
+def fused_attention_saved(spec: TransformerSpec, ctx: Ctx, kernel: str, qkv: list[Saved], masked: bool,
+                          heads: int | None = None) -> list[Saved]:
     """Flash / memory-efficient / CPU-flash SDPA: saves q, k, v as passed (`qkv`, storages decided by the
     caller), the output (b·s·H, which the output projection saves too: one storage), the fp32 logsumexp
     and, with a mask, the per-layer converted bias. No s² tensor; dropout is regenerated from the Philox
-    seed/offset, which are CPU scalars outside CUDA-graph capture (0 GPU bytes)."""
+    seed/offset, which are CPU scalars outside CUDA-graph capture (0 GPU bytes).
+
+    Context parallelism (TransformerEngine `AttnFuncWithCPAndKVP2P`, Megatron-Core's default "p2p" ring):
+    each rank saves its own q, k, v chunk, its output and its rows' logsumexp, and sends k, v round the ring
+    again in backward, so the saved bytes are those of the local chunk (s = seq_len / cp here)."""
+    a = heads or spec.num_heads
     out = list(qkv)
-    out.append(Saved("attention.output", ctx.n * spec.num_heads * spec.head_dim, ctx.low))
-    out.append(attention_lse(kernel, ctx, spec.num_heads))
+    out.append(Saved("attention.output", ctx.n * a * spec.head_dim, ctx.low))
+    out.append(attention_lse(kernel, ctx, a))
     if ctx.attention == "flash" and ctx.backend == "cuda" and spec.attention_dropout > 0:
         out.append(Saved("attention.rng_state", 2, I64))  # flash_attn keeps its Philox state on the device
     if masked:
@@ -350,6 +364,22 @@ def layer_saved(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
     return [t for op in ops for t in apply("saved", op, ctx)]
 
 
+def selective_kept(spec: TransformerSpec, ctx: Ctx, index: int, modules: tuple[str, ...]) -> list[Saved] | None:
+    """What one layer keeps after its forward when the `modules` are recomputed (planner.ir.transforms
+    .selective_layer: the kept inputs of each recomputed region and the storages of every other op); None
+    when none of the modules is in this layer (moe_act in a dense model, say)."""
+    from planner.families.forms import LayerArgs, load_forms
+    from planner.ir.interpret import apply, load_rules
+    from planner.ir.transforms import selective_layer
+
+    load_rules()
+    traits = family(spec.family)
+    ops = selective_layer(load_forms()[traits.layer](LayerArgs(spec, traits, ctx, index, "")), modules)
+    if not any(op.attrs.get("recomputed") for op in ops):
+        return None
+    return [t for op in ops if not op.attrs.get("checkpointed") for t in apply("saved", op, ctx)]
+
+
 def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved]:
     """What a checkpointed layer keeps: the tensors HF passes it positionally, which non-reentrant
     `torch.utils.checkpoint` saves (`_NoopSaveInputs`; transformers GradientCheckpointingLayer, whose
@@ -358,9 +388,9 @@ def checkpoint_inputs(spec: TransformerSpec, ctx: Ctx, index: int) -> list[Saved
     The hidden states (n·h, the residual dtype), and for BERT-like encoders and GPT-2, which pass the 4-D
     mask positionally, that mask (shared by all layers: counted on the first). Llama passes it by keyword.
     """
-    out = [Saved("checkpoint.hidden_states", ctx.n * spec.hidden_size, ctx.act)]
+    out = [Saved("checkpoint.hidden_states", ctx.rows * spec.hidden_size, ctx.act)]  # SP: the local n / tp rows
     if index == 0 and family(spec.family).mask_positional and mask_materialised(spec, ctx):
-        out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.s * ctx.s, mask_bytes_dtype(ctx)))
+        out.append(Saved("checkpoint.attention_mask", ctx.b * ctx.chunk * ctx.s, mask_bytes_dtype(ctx)))
     return out
 
 
@@ -382,17 +412,28 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     classification heads call CrossEntropyLoss on the logits as they are: fp32 under autocast (the loss ops
     are on both fp32 lists), 16-bit in pure 16-bit. Decoder classifiers first pick each row's last token
     with `logits[arange(b), last_non_pad_token]`, whose backward saves both index vectors (2·b int64).
+
+    Tensor parallelism: the logits hold V / tp columns per rank and the loss is Megatron-Core's
+    vocabulary-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py
+    `_VocabParallelCrossEntropy.forward`: `ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)`:
+    the local softmax, n·V/tp, in the logits' dtype, fp32 here as HF upcasts them, a bool mask of the
+    targets outside this rank's rows and the shifted targets, n int64); torchtitan's `loss_parallel` saves
+    the same local log-softmax through DTensor.
     """
     n, b = ctx.n, ctx.b
     cls_dtype = F32 if ctx.amp or ctx.low == F32 else ctx.low
     if spec.head == "causal-lm":
         # pad(labels, (0, 1))[..., 1:].contiguous(): a copy, except for b == 1 where the slice already is
         # contiguous and the padded b·(s+1) tensor is what nll_loss saves
-        labels = b * (ctx.s + 1) if b == 1 else n
+        labels = b * (ctx.chunk + 1) if b == 1 else n
+        if ctx.tp > 1:
+            return [Saved("loss.softmax", n * vocab_per_rank(spec, ctx), F32), Saved("loss.target_mask", n, BOOL),
+                    Saved("loss.masked_target", n, I64), Saved("loss.shift_labels", labels, I64)]
         return [Saved("loss.log_softmax", n * spec.vocab_size, F32), Saved("loss.total_weight", 1, F32),
                 Saved("loss.shift_labels", labels, I64)]
     if spec.head == "masked-lm":
-        return [Saved("loss.log_softmax", n * spec.vocab_size, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
+        return [Saved("loss.log_softmax", n * vocab_per_rank(spec, ctx), cls_dtype),
+                Saved("loss.total_weight", 1, cls_dtype)]
     if spec.head == "sequence-classification":
         out = [Saved("loss.log_softmax", b * spec.num_labels, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
         if family(spec.family).classifier == "score_all_tokens":
@@ -405,7 +446,7 @@ def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
     """Logits the model returns (ModelOutput.logits), alive through backward while the caller holds the
     output: n·V (LM heads) or b·labels, in the matmul dtype."""
     rows = ctx.n if spec.head in ("causal-lm", "masked-lm") else ctx.b
-    width = spec.vocab_size if spec.head in ("causal-lm", "masked-lm") else spec.num_labels
+    width = vocab_per_rank(spec, ctx) if spec.head in ("causal-lm", "masked-lm") else spec.num_labels
     if spec.head == "base":
         return 0
     return rows * width * BYTES_PER_DTYPE[ctx.low]
@@ -414,9 +455,11 @@ def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
 # ---------------------------------------------------------------------------------- weight casts
 
 
-def linear_params(block: Block) -> list[tuple[int, int]]:
+def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]:
     """(weight, bias) element counts of each matmul a block runs. Autocast casts both to 16-bit and caches
-    the casts until the autocast context exits; the matmul saves the weight's cast for backward."""
+    the casts until the autocast context exits; the matmul saves the weight's cast for backward. With
+    tensor parallelism (`ctx.tp` > 1) one rank's shards: column-parallel weights and biases / tp, row-parallel
+    weights / tp with their bias whole (added after the reduction), the vocabulary / tp."""
     layer = block.layer
     if isinstance(layer, DenseSpec):
         return [(layer.in_features * layer.out_features, layer.out_features if layer.bias else 0)]
@@ -425,6 +468,19 @@ def linear_params(block: Block) -> list[tuple[int, int]]:
     spec = layer
     h, i, d, labels, vocab = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_labels, spec.vocab_size
     ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
+    if ctx is not None and ctx.tp > 1:
+        i, vocab = ffn_per_rank(spec, ctx), vocab_per_rank(spec, ctx)
+        if block.role == "layer":
+            from planner.ir.context import kv_heads_per_rank
+
+            q, kv = heads_per_rank(spec, ctx) * d, kv_heads_per_rank(spec, ctx) * d
+            traits = family(spec.family)
+            if traits.gated_mlp:
+                return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
+                        (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
+            if traits.conv1d:
+                return [(h * (q + 2 * kv), q + 2 * kv), (q * h, h), (h * i, i), (i * h, h)]
+            return [(h * q, q), (h * kv, kv), (h * kv, kv), (q * h, h), (h * i, i), (i * h, h)]
     if block.role == "layer":
         traits = family(spec.family)
         if traits.gated_mlp:
@@ -461,7 +517,7 @@ def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
                 ] if per else []
     if not ctx.amp:
         return []
-    return [Saved(f"weight{k}.cast", w, ctx.low) for k, (w, _) in enumerate(linear_params(block))]
+    return [Saved(f"weight{k}.cast", w, ctx.low) for k, (w, _) in enumerate(linear_params(block, ctx))]
 
 
 def autocast_cache(block: Block, ctx: Ctx) -> list[Saved]:
@@ -472,7 +528,7 @@ def autocast_cache(block: Block, ctx: Ctx) -> list[Saved]:
     if not ctx.amp or (ctx.fp8 and block.role == "layer"):
         return []
     out = []
-    for k, (w, bias) in enumerate(linear_params(block)):
+    for k, (w, bias) in enumerate(linear_params(block, ctx)):
         out.append(Saved(f"weight{k}.cast", w, ctx.low))
         if bias:
             out.append(Saved(f"bias{k}.cast", bias, ctx.low))
@@ -578,22 +634,23 @@ def layer_backward_tensors(spec: TransformerSpec, saved: list[Saved], ctx: Ctx) 
     CUDA kernel allocates exactly its output (no CPU-only scratch is counted: the tracer maps CPU to CUDA).
     """
     largest = max((alloc_bytes(t.nbytes, ctx.backend) for t in saved), default=0)
-    width = spec.num_heads * spec.head_dim
-    out_grad = alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[ctx.act], ctx.backend)
+    width = heads_per_rank(spec, ctx) * spec.head_dim  # one tensor-parallel rank's heads and ffn
+    ffn = ffn_per_rank(spec, ctx)
+    out_grad = alloc_bytes(ctx.rows * spec.hidden_size * BYTES_PER_DTYPE[ctx.act], ctx.backend)
     attention: tuple[int, ...] = (largest, largest)
     if ctx.attention == "eager":  # bmm's two gradients, then softmax's
         attention = (largest, alloc_bytes(ctx.n * width * BYTES_PER_DTYPE[ctx.low], ctx.backend), largest)
     mlp: tuple[int, ...] = ()
     if spec.hidden_act in ("gelu_new", "gelu_fast"):
         branch = F32 if ctx.amp and autocast_fp32_op("pow", ctx.backend) else ctx.low
-        numel = ctx.n * spec.intermediate_size
+        numel = ctx.n * ffn
         low = alloc_bytes(numel * BYTES_PER_DTYPE[ctx.low], ctx.backend)
         mlp = (low, *[alloc_bytes(numel * BYTES_PER_DTYPE[branch], ctx.backend)] * (GELU_NEW_BACKWARD_TENSORS - 2),
                low)
     if family(spec.family).gated_mlp:
-        up = alloc_bytes(ctx.n * spec.intermediate_size * BYTES_PER_DTYPE[ctx.low], ctx.backend)
+        up = alloc_bytes(ctx.n * ffn * BYTES_PER_DTYPE[ctx.low], ctx.backend)
         mlp = (up,) * GATED_MLP_BACKWARD_TENSORS
-        norm = (alloc_bytes(ctx.n * spec.hidden_size * BYTES_PER_DTYPE[F32], ctx.backend),) \
+        norm = (alloc_bytes(ctx.rows * spec.hidden_size * BYTES_PER_DTYPE[F32], ctx.backend),) \
             * (RMSNORM_BACKWARD_TENSORS - (ctx.act == F32))
         if sum(norm) > sum(mlp):
             mlp = norm
@@ -620,16 +677,20 @@ GELU_NEW_BACKWARD_TENSORS = 6
 
 
 def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) -> Ctx:
-    """The context of `config` for callers without the pipeline's record; --precision fp8 as the pipeline
-    computes it (amp-bf16 with FP8 Linears: planner.pipeline.resolve)."""
+    """The context of `config` for callers without the pipeline's record: one rank's shard under the config's
+    tp, sp and cp; --precision fp8 as the pipeline computes it (amp-bf16 with FP8 Linears:
+    planner.pipeline.resolve)."""
+    import dataclasses
+
     recipe = None
     precision = config.precision
     if precision == "fp8":
         from planner.ir.fp8 import default_recipe
 
         recipe, precision = config.fp8_recipe or default_recipe(config.framework), "amp-bf16"
-    return Ctx(config.batch_size, config.seq_len, precision, config.attention, backend, padded, flash_ok,
-               fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile)
+    ctx = rank_context(config.batch_size, config.seq_len, precision, config.attention, backend, padded,
+                       flash_ok, tp=config.tp, sp=config.sp, cp=config.cp)
+    return dataclasses.replace(ctx, fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:
@@ -669,6 +730,9 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
     if ctx.attention == "flash" and backend == "cuda" and ctx.low == F32:
         raise PlannerError("attention", "flash", "fp16, bf16, amp-fp16 or amp-bf16 precision (FlashAttention-2 "
                            "has no fp32 kernel); use sdpa or eager with fp32")
+    from planner.ir.transforms import recompute_of
+
+    mode, modules = recompute_of(config)
     out: list[BlockActivations] = []
     # A model's transformer layers share one spec, and a layer's tensors depend on its index only through
     # "is it the first" (Llama's first layer, the checkpointed mask): compute two, copy the rest.
@@ -683,8 +747,11 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
                 continue
         saved = block_saved(block, model, ctx)
         casts = weight_casts(block, ctx)
-        ckpt = config.checkpointing and is_layer
+        ckpt = mode == "full" and is_layer
         kept = checkpoint_inputs(block.layer, ctx, block.index) if ckpt else saved  # type: ignore[arg-type]
+        if mode == "selective" and is_layer:
+            some = selective_kept(block.layer, ctx, block.index, modules)  # type: ignore[arg-type]
+            ckpt, kept = (True, some) if some is not None else (False, saved)
         fwd, bwd = _transients(saved, ctx)
         if is_layer:
             bwd = layer_backward_tensors(block.layer, saved, ctx)  # type: ignore[arg-type]

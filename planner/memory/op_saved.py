@@ -31,7 +31,11 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
         return act.dense_block_saved(a["block"], a["model"], ctx)
     if not a["saves_input"]:
         return []
+    if a.get("input_discarded") and not (ctx.amp and op.dtypes["input"] != ctx.low):
+        return []  # the norm output it saved is freed and rebuilt in backward (selective "layernorm")
     numel = math.prod(op.shapes["input"])
+    if a.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
+        numel //= ctx.tp  # Megatron saves the local sequence shard and all-gathers it again in backward
     saved_fp8 = fp8.input_saved(a["fp8"]) if a.get("fp8") else None
     if saved_fp8 is not None:  # Transformer Engine: each Linear saves its own FP8 copy of its input
         name = f"{a['input']}.fp8{a['consumer']}" if a["consumers"] > 1 else f"{a['input']}.fp8"
@@ -124,31 +128,34 @@ def _context(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "attention_eager")
 def eager_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"]) + _context(op, ctx)
+    return act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"],
+                                     op.attrs.get("heads")) + _context(op, ctx)
 
 
 @register("saved", "attention_math")
 def math_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.math_attention_saved(op.attrs["spec"], ctx, op.attrs["masked"], op.attrs.get("v_storage", 0)) \
-        + _context(op, ctx)
+    return act.math_attention_saved(op.attrs["spec"], ctx, op.attrs["masked"], op.attrs.get("v_storage", 0),
+                                    op.attrs.get("heads")) + _context(op, ctx)
 
 
 @register("saved", "attention_efficient", "attention_flash", "attention_cpu_flash")
 def fused_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """q, k, v as they reach the kernel: three projections, views of GPT-2's one c_attn output (one storage),
-    or Llama's k, v at kv-head size unless a 4-D mask (or equal head counts) makes HF repeat them."""
+    or Llama's k, v at kv-head size unless a 4-D mask (or equal head counts) makes HF repeat them. Widths are
+    the op's (one tensor-parallel rank's heads)."""
     spec, masked = op.attrs["spec"], op.attrs["masked"]
     n, low = ctx.n, ctx.low
-    H = spec.num_heads * spec.head_dim
+    H, KV = op.shapes["q"][1], op.shapes["k"][1]
     layout = op.attrs["qkv"]
     if layout == "fused":
-        qkv = [Saved("attention.qkv", n * 3 * spec.hidden_size, low)]
+        qkv = [Saved("attention.qkv", n * (H + 2 * KV), low)]
     elif layout == "gqa":
-        kv = H if masked or spec.num_kv_heads == spec.num_heads else spec.num_kv_heads * spec.head_dim
+        kv = H if masked or KV == H else KV
         qkv = [Saved("attention.q", n * H, low), Saved("attention.k", n * kv, low), Saved("attention.v", n * kv, low)]
     else:
-        qkv = [Saved(f"attention.{x}", n * spec.hidden_size, low) for x in "qkv"]
-    return act.fused_attention_saved(spec, ctx, op.kind.removeprefix("attention_"), qkv, masked)
+        qkv = [Saved(f"attention.{x}", n * H, low) for x in "qkv"]
+    return act.fused_attention_saved(spec, ctx, op.kind.removeprefix("attention_"), qkv, masked,
+                                     op.attrs.get("heads"))
 
 
 @register("saved", "first_token")
@@ -178,8 +185,65 @@ def batch_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "checkpoint")
 def checkpoint_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    """The inputs a checkpointed layer keeps (`activations.checkpoint_inputs`)."""
+    """The inputs a checkpointed layer keeps (`activations.checkpoint_inputs`), or those of one region that
+    selective recomputation re-runs (planner.ir.transforms.selective_layer): `region_inputs`."""
+    if op.attrs.get("region") == "op":
+        return op_policy_kept(op.attrs["input"], op.attrs["ops"], ctx)
+    if "region" in op.attrs:
+        return region_inputs(op.attrs["region"], op.attrs["ops"], ctx)
     return act.checkpoint_inputs(op.attrs["spec"], ctx, op.attrs["index"])
+
+
+def op_policy_kept(first: Op, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:
+    """What a layer keeps under torchtitan's per-op policy: its input (what the layer's first op reads: the
+    residual stream's rows) and the outputs the policy caches: the kept mm outputs and each fused attention
+    call's output and logsumexp (SDPA's outputs; its Philox seed and offset are CPU scalars)."""
+    out = [Saved("checkpoint.hidden_states", math.prod(first.shapes["input"]), first.dtypes["input"])]
+    for op in ops:
+        if op.kind == "linear":
+            out.append(Saved(f"{op.name}.output", math.prod(op.shapes["output"]), op.dtypes["output"]))
+        else:
+            out.append(Saved("attention.output", math.prod(op.shapes["output"]), ctx.low))
+            out.append(act.attention_lse(op.kind.removeprefix("attention_"), ctx, op.attrs.get("heads")
+                                         or op.attrs["spec"].num_heads))
+    return out
+
+
+def region_inputs(region: str, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:
+    """What a recomputed region keeps for backward: its inputs (torch.utils.checkpoint non-reentrant saves
+    them through `_NoopSaveInputs`; Megatron's `CheckpointFunction` with `save_for_backward(*args)`).
+
+    - core_attn: q, k and v as they reach the attention function (k, v at key/value-head width: HF repeats
+      them inside; q and k in the rotary output's dtype; GPT-2's one c_attn storage), and its output, which the
+      output projection saves anyway (the eager and math paths' context copy). The scores, softmax, dropout
+      mask and logsumexp are recomputed: Korthikanti et al. 2022 §5's 5·a·s/h term goes.
+    - mlp: the MLP's input (what its first Linear reads: under SP Megatron's local n/tp shard).
+    - layernorm: the norm's input (the residual stream); its statistics and output are rebuilt.
+    """
+    first = ops[0]
+    if region == "core_attn":
+        n, low = ctx.n, ctx.low
+        H, KV = first.shapes["q"][1], first.shapes["k"][1]
+        qd = first.dtypes["q"]
+        layout = first.attrs["qkv"]
+        if layout == "fused":
+            qkv = [Saved("attention.qkv", n * (H + 2 * KV), low)]
+        elif layout == "gqa":
+            qkv = [Saved("attention.q", n * H, qd), Saved("attention.k", n * KV, qd), Saved("attention.v", n * KV, low)]
+        else:
+            qkv = [Saved(f"attention.{x}", n * H, low) for x in "qkv"]
+        out = "attention.output" if first.kind in ("attention_efficient", "attention_flash", "attention_cpu_flash") \
+            else "attention.context"
+        return qkv + [Saved(out, n * H, low)]
+    if region == "mlp":
+        lin = next(o for o in ops if o.kind == "linear")
+        numel = math.prod(lin.shapes["input"])
+        if lin.attrs.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
+            numel //= ctx.tp
+        return [Saved("mlp.checkpoint.input", numel, lin.dtypes["input"])]
+    if region == "layernorm":
+        return [Saved(f"{first.name}.checkpoint.input", math.prod(first.shapes["input"]), first.dtypes["input"])]
+    raise ValueError(f"recompute region {region!r}: known core_attn, mlp, layernorm")
 
 
 def op_saved(op: Op, ctx: Ctx) -> list[Saved]:

@@ -28,7 +28,8 @@ REPLAY_FIRST_STEP = True
 # (estimate.ACTIVATION_FIELDS), the parameter dtype, the optimizer's tensors, the DDP bucket size.
 TRACE_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "optimizer", "optimizer_impl",
                 "bucket_cap_mb", "lora_r", "lora_targets", "lora_dropout", "base_dtype",
-                "loop", "load", "recompute", "recompute_modules", "fp8_recipe", "fp8_param_gather", "compile")
+                "loop", "load", "recompute", "recompute_modules", "fp8_recipe", "fp8_param_gather", "compile",
+                "tp", "sp", "cp")
 
 
 class _Entry:

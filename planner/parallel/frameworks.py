@@ -58,6 +58,10 @@ class Framework:
     # planner.perf.kernels) or "megatron" (TransformerEngine's and Megatron-Core's fused kernels, bf16
     # parameters and residual stream: planner.perf.fused)
     kernels: Literal["eager", "megatron"] = "eager"
+    # Sequence parallelism: whether a column-parallel linear saves its all-gathered input (n rows) for
+    # backward, or its local n / tp shard, gathered again in backward (Megatron-Core's rule, the default;
+    # planner.ir.context.Ctx.sp_saves_gathered cites both).
+    sp_saves_gathered_input: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -108,8 +112,11 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU, torch.autocast", "ddp": "replicate (DDP), torch.autocast",
                     "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)",
                     "hsdp": "FSDP2 fully_shard on the (dp_replicate, dp_shard) mesh, the same policy"},
-        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True,
+        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, sp_saves_gathered_input=True,
         sources=(*_FSDP2_SOURCES,
+                 "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py apply_tp: attention_norm "
+                 "SequenceParallel(), then PrepareModuleInput(Shard(1) -> Replicate()) and ColwiseParallel wq/wk/wv: "
+                 "the linears read (and their mm saves) the all-gathered input",
                  "pytorch/torchtitan torchtitan/config/job_config.py Training.mixed_precision_param = 'bfloat16', "
                  "mixed_precision_reduce = 'float32' (@6404b932): applied 'via fully_shard when "
                  "data_parallel_shard_degree > 1', via torch.autocast under DDP or one device",

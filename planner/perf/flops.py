@@ -136,15 +136,20 @@ class StepFlops:
 
 def step_flops(model: ModelSpec, config: TrainConfig, *, causal_fraction: float = 1.0) -> StepFlops:
     """Per-block FLOPs of one micro-step with `config.batch_size` samples of `config.seq_len` tokens."""
+    from planner.ir.transforms import recompute_of
+
     b, s = config.batch_size, config.seq_len
     fused = config.attention != "eager"
+    mode, modules = recompute_of(config)
     out: list[BlockFlops] = []
     for block in model_blocks(model):
         fwd = block_forward_flops(block, b, s, causal_fraction)
         recompute = 0
         is_layer = block.role == "layer" and isinstance(block.layer, TransformerSpec)
-        if config.checkpointing and block.role in CHECKPOINTED_ROLES and is_layer:
+        if mode == "full" and block.role in CHECKPOINTED_ROLES and is_layer:
             recompute = layer_recompute_flops(block.layer, b, s, causal_fraction)
+        if mode == "selective" and is_layer:
+            recompute = selective_recompute_flops(block.layer, b, s, causal_fraction, modules)
         if fused and is_layer:
             recompute += attention_score_flops(block.layer, b, s, causal_fraction) // 2  # Q@K^T once more
         out.append(BlockFlops(block.name, block.role, fwd, BACKWARD_TO_FORWARD * fwd, recompute))
@@ -154,6 +159,29 @@ def step_flops(model: ModelSpec, config: TrainConfig, *, causal_fraction: float 
         backward=sum(x.backward for x in out),
         recompute=sum(x.recompute for x in out),
     )
+
+
+def selective_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float,
+                              modules: tuple[str, ...]) -> int:
+    """Matmul FLOPs selective recomputation re-runs in one layer: core attention's Q·Kᵀ and P·V, the MLP's
+    matrices (planner.ir.transforms.selective_layer; norms run no matmul)."""
+    if "op" in modules:  # torchtitan's per-op policy: Linears it does not keep (planner.ir.transforms)
+        from planner.families.forms.common import has_bias, width
+
+        mm, out = 0, 0
+        for lin in family(t.family).layer_linears:
+            if not (lin.conv1d or has_bias(t, lin)):
+                mm += 1
+                if mm % 2 == 1:
+                    continue  # kept: its output is cached, the GEMM does not run again
+            out += matmul_flops(batch * seq, width(t, lin.n_out), width(t, lin.n_in))
+        return out
+    out = 0
+    if "core_attn" in modules:
+        out += attention_score_flops(t, batch, seq, causal_fraction)
+    if "mlp" in modules:
+        out += (3 if family(t.family).gated_mlp else 2) * matmul_flops(batch * seq, t.intermediate_size, t.hidden_size)
+    return out
 
 
 def tokens_per_sample(model: ModelSpec, seq_len: int) -> int:

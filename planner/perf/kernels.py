@@ -175,8 +175,11 @@ def shapes_for(model: ModelSpec, config: TrainConfig, ctx: Ctx | None, padded: b
                flash_ok: bool) -> Ctx:
     """The speed interpreter's context at `config.batch_size`: the pipeline's record (planner.pipeline.resolve
     builds it once; here at this micro-batch and on CUDA, where kernels are timed), or, for callers without
-    one (tests, tools), built from `config`."""
+    one (tests, tools), built from `config`. Always the whole model's (Ctx.whole_model): the speed model's
+    kernel table is one GPU's whole micro-step, which planner.perf.model_parallel splits per rank once; the
+    per-rank kernels of each op (the op rules under a sharded record) are the program report's."""
     if ctx is not None:
+        ctx = ctx.whole_model()
         return ctx if ctx.b == config.batch_size and ctx.backend == "cuda" else replace(
             ctx, b=config.batch_size, backend="cuda")
     return cuda_shapes(config.batch_size, config.seq_len, config.precision, config.attention,
@@ -262,17 +265,22 @@ def activation(name: str, act: str, numel: int, dtype: str, sh: Shapes) -> list[
     return [elementwise(name, numel, (dtype,), (dtype,), dtype)]
 
 
-def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list[Kernel]:
+def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float, heads: int | None = None) -> list[Kernel]:
     """Eager: QKᵀ bmm, scale, (+mask), softmax, dropout, (16-bit cast), P·V bmm, transpose copy.
-    Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o."""
-    b, s, a, d, low = sh.b, sh.s, spec.num_heads, spec.head_dim, sh.low
+    Fused (sdpa/flash): one kernel, its FLOPs as flops.attention_score_flops and its IO q, k, v, o.
+    On a model-parallel rank: `heads` of one tensor-parallel rank, and the local s / cp queries against all
+    s keys under context parallelism (planner.ir.context.Ctx.kv_s)."""
+    b, s, a, d, low = sh.b, sh.chunk, heads or spec.num_heads, spec.head_dim, sh.low
     ctx = sh
     masked = mask_materialised(spec, ctx)
-    s2 = b * a * s * s
+    kv_s = sh.kv_s
+    s2 = b * a * s * kv_s
     half = attention_score_flops(spec, b, s, causal_fraction) // 2
+    if sh.sharded:
+        half = half * a * sh.cp // spec.num_heads
     if attention_kernel(spec, ctx, masked) == "eager":
-        qk = _with(gemm("attention.scores", s, s, d, low, b * a, kind="attention"), flops=half)
-        pv = _with(gemm("attention.context", s, d, s, low, b * a, kind="attention"), flops=half)
+        qk = _with(gemm("attention.scores", s, kv_s, d, low, b * a, kind="attention"), flops=half)
+        pv = _with(gemm("attention.context", s, d, kv_s, low, b * a, kind="attention"), flops=half)
         soft = F32 if sh.amp or family(spec.family).fp32_softmax else low
         # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
         ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
@@ -286,7 +294,7 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float) -> list
         ks += [pv, elementwise("attention.transpose_copy", sh.n * a * d, (low,), (low,), low)]
         return [_with(k, kind="attention") for k in ks]
     e = nbytes(low)
-    io_in = 3 * sh.n * a * d * e + (b * s * s * e if masked else 0)
+    io_in = 3 * sh.n * a * d * e + (b * s * kv_s * e if masked else 0)
     io_out = sh.n * a * d * e + b * a * s * 4  # output + fp32 logsumexp
     return [Kernel("attention.fused", "attention", 2 * half, io_in, io_out, low, gemm=None)]
 
@@ -300,7 +308,7 @@ def attention_mask(spec: TransformerSpec, sh: Shapes) -> list[Kernel]:
     """Building the 4-D additive mask once per forward, when HF materialises it (mask_materialised)."""
     if not mask_materialised(spec, sh):
         return []
-    k = elementwise("attention_mask.build", sh.b * sh.s * sh.s, ("bool",), (sh.act,), sh.act)
+    k = elementwise("attention_mask.build", sh.b * sh.chunk * sh.s, ("bool",), (sh.act,), sh.act)
     return [_with(k, launches=MASK_BUILD_LAUNCHES)]
 
 
@@ -360,10 +368,10 @@ def dense_block(block: Block, sh: Shapes) -> list[Kernel]:
 # ------------------------------------------------------------------------------------ the step
 
 
-def _weights(block: Block) -> list[tuple[int, int]]:
+def _weights(block: Block, sh: Shapes | None = None) -> list[tuple[int, int]]:
     from planner.memory.activations import linear_params
 
-    return linear_params(block)
+    return linear_params(block, sh)
 
 
 def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kernel]]:
@@ -372,7 +380,7 @@ def amp_weight_casts(block: Block, sh: Shapes) -> tuple[list[Kernel], list[Kerne
     if not sh.amp or (sh.fp8 and block.role == "layer"):  # FP8 Linears cast their weights themselves
         return [], []
     fwd, bwd = [], []
-    for j, (w, bias) in enumerate(_weights(block)):
+    for j, (w, bias) in enumerate(_weights(block, sh)):
         for name, numel in ((f"weight{j}", w), (f"bias{j}", bias)):
             if numel:
                 part = "weight_cast" if name.startswith("weight") else "bias_cast"
@@ -423,7 +431,7 @@ def program_forward(block: Block, model: ModelSpec, sh: Shapes, causal_fraction:
     chain: list[Kernel] = []  # kernels of consecutive ops torch.compile fuses (planner.ir.transforms)
     for op in block_ops(block, model, sh):  # this block only: the caller asks for one layer of a stack
         if op.kind.startswith("attention_") and op.kind != "attention_mask":
-            ks = attention(op.attrs["spec"], sh, causal_fraction)
+            ks = attention(op.attrs["spec"], sh, causal_fraction, op.attrs.get("heads"))
         else:
             ks = apply("kernels", op, sh)
         if op.attrs.get("fused"):
@@ -462,9 +470,36 @@ def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfi
     bwd += bias_grads(fwd) + first_token_backward(block, sh)
     casts, cast_grads = amp_weight_casts(block, sh)
     ks = casts + fwd + bwd + cast_grads
-    if config.checkpointing and block.role == "layer" and isinstance(layer, TransformerSpec):
+    from planner.ir.transforms import recompute_of as recompute_mode
+
+    mode, modules = recompute_mode(config)
+    if mode == "full" and block.role == "layer" and isinstance(layer, TransformerSpec):
         ks += recompute_of(layer, fwd)
+    if mode == "selective" and block.role == "layer" and isinstance(layer, TransformerSpec):
+        ks += selective_recompute(block, model, sh, causal_fraction, modules)
     return [_with(k, block_role=block.role) for k in ks]
+
+
+def selective_recompute(block: Block, model: ModelSpec, sh: Shapes, causal_fraction: float,
+                        modules: tuple[str, ...]) -> list[Kernel]:
+    """The forward kernels of the ops selective recomputation re-runs in backward (planner.ir.transforms
+    .selective_layer), as checkpointing's are counted: phase "recompute", timed like the forward."""
+    from planner.families.forms import block_ops, load_forms
+    from planner.ir.interpret import apply, load_rules
+    from planner.ir.transforms import selective_layer
+
+    load_rules()
+    load_forms()
+    out: list[Kernel] = []
+    for op in selective_layer(block_ops(block, model, sh), modules):
+        if not op.attrs.get("recomputed"):
+            continue
+        if op.kind.startswith("attention_") and op.kind != "attention_mask":
+            ks = attention(op.attrs["spec"], sh, causal_fraction, op.attrs.get("heads"))
+        else:
+            ks = apply("kernels", op, sh)
+        out += [_with(k, name=f"{block.role}.{k.name}.recompute", phase="recompute") for k in ks]
+    return out
 
 
 def foreach_launches(tensors: int, elements: int, depth: int) -> int:

@@ -29,8 +29,11 @@ def linear_flops(op: Op, ctx: Ctx) -> int:
 @register("flops", "attention_eager", "attention_math", "attention_efficient", "attention_flash",
           "attention_cpu_flash")
 def attention_flops(op: Op, ctx: Ctx) -> int:
-    """Q·Kᵀ and P·V, counted full for causal models (FlopCounterMode's convention)."""
-    return attention_score_flops(op.attrs["spec"], ctx.b, ctx.s)
+    """Q·Kᵀ and P·V, counted full for causal models (FlopCounterMode's convention); on a model-parallel rank
+    its heads and its s / cp queries against all s keys."""
+    spec = op.attrs["spec"]
+    flops = attention_score_flops(spec, ctx.b, ctx.chunk)
+    return flops * op.attrs["heads"] * ctx.cp // spec.num_heads if ctx.sharded else flops
 
 
 @register("flops", "embedding", "index", "layer_norm", "rms_norm", "activation", "gated_mul", "dropout",
@@ -104,7 +107,7 @@ def rotary_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 @register("kernels", "attention_eager", "attention_math", "attention_efficient", "attention_flash",
           "attention_cpu_flash")
 def attention_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
-    return K.attention(op.attrs["spec"], ctx, 1.0)
+    return K.attention(op.attrs["spec"], ctx, 1.0, op.attrs.get("heads"))
 
 
 @register("kernels", "attention_mask")

@@ -25,7 +25,7 @@ from planner.families.forms import model_program
 from planner.ir.context import Ctx
 from planner.ir.interpret import apply, load_rules
 from planner.ir.ops import Op
-from planner.ir.transforms import checkpoint_layers
+from planner.ir.transforms import checkpoint_layers, recompute_of, recompute_selected
 from planner.memory.activations import Saved, alloc_bytes
 from planner.memory.model_states import parameter_dtype_bytes
 from planner.memory.parallel import Sharding
@@ -98,9 +98,12 @@ def program_report(model: ModelSpec, config: TrainConfig, share: Sharding, ctx: 
     peaks = {a.block: max(a.forward_transient_bytes, a.backward_transient_bytes)
              for a in activation_blocks(model, config, ctx=ctx)}
     program = model_program(model, ctx)
-    if config.checkpointing:
+    mode, modules = recompute_of(config)
+    if mode == "full":
         specs = {b.name: b.layer for b in model_blocks(model) if isinstance(b.layer, TransformerSpec)}
         program = checkpoint_layers(program, specs)
+    elif mode == "selective":
+        program = recompute_selected(program, modules)
     p_bytes = parameter_dtype_bytes(config.precision)
     blocks = []
     for block in program.blocks:

@@ -59,6 +59,27 @@ def resolve_parallelism(config: TrainConfig, instance: Instance) -> TrainConfig:
     return config.model_copy(update={"parallelism": p})
 
 
+def resolve_recompute(config: TrainConfig) -> TrainConfig:
+    """`config` with `checkpointing` saying whether whole layers are recomputed: `--recompute full` is
+    `--checkpointing` (and `--recompute none` or `selective` turns it off), so every reader of the flag (memory,
+    speed, FLOPs, the program report) sees one answer; `recompute` None keeps what `checkpointing` says."""
+    from planner.ir.transforms import RECOMPUTE_MODULES, TORCHTITAN_OP
+
+    unknown = [m for m in config.recompute_modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise PlannerError("--recompute-modules", unknown[0], f"one of {', '.join(RECOMPUTE_MODULES)} (op: "
+                           "torchtitan's per-op policy)")
+    if TORCHTITAN_OP in config.recompute_modules and len(config.recompute_modules) > 1:
+        raise PlannerError("--recompute-modules", ",".join(config.recompute_modules),
+                           "op alone (torchtitan's per-op policy), or Megatron's module names")
+    if config.recompute_modules and config.recompute != "selective":
+        raise PlannerError("--recompute-modules", ",".join(config.recompute_modules), "only with --recompute selective")
+    if config.recompute is None:
+        return config
+    full = config.recompute == "full"
+    return config if config.checkpointing == full else config.model_copy(update={"checkpointing": full})
+
+
 def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Instance) -> None:
     """What the GPU and the model allow (model None: a traced model, GPU checks only); raises PlannerError
     naming the flag."""
@@ -184,13 +205,16 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
             dims: layout.ParallelDims | None = None) -> Ctx:
     """The context record of a resolved configuration (attention never "auto"): the batch is padded when the
     model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
-    runs them (sm80+), and this rank's tensor/sequence/context-parallel degrees (`dims`)."""
+    runs them (sm80+), and this rank's tensor/sequence/context-parallel degrees (`dims`), with what the
+    framework's column-parallel linears save under sequence parallelism."""
+    from planner.parallel.frameworks import get as framework
+
     padded = spec.inputs.attention_mask if spec is not None else False
     tp, sp, cp = (dims.tp, dims.sp, dims.cp) if dims is not None else (1, False, 1)
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
                padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp,
                fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
-               compile=cfg.compile)
+               compile=cfg.compile, sp_saves_gathered=framework(cfg.framework).sp_saves_gathered_input)
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:
@@ -285,7 +309,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     )
 
     inst = _resolve_instance(instance)
-    cfg = resolve_parallelism(config, inst)
+    cfg = resolve_recompute(resolve_parallelism(config, inst))
     if calibration is None:
         calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     families = [t.family for t in spec.transformers] if spec is not None else []

@@ -11,16 +11,39 @@ from __future__ import annotations
 from typing import Any
 
 from planner.families.traits import Family, Linear
-from planner.ir.context import F32, I64, Ctx, autocast_fp32_op, mask_materialised, promote
+from planner.ir.context import (
+    F32,
+    I64,
+    Ctx,
+    autocast_fp32_op,
+    ffn_per_rank,
+    heads_per_rank,
+    kv_heads_per_rank,
+    mask_materialised,
+    promote,
+    vocab_per_rank,
+)
 from planner.ir.ops import Op, Param
 from planner.models.blocks import Block
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
 
-def width(spec: TransformerSpec, w: str) -> int:
-    """A traits.Width in elements."""
+def width(spec: TransformerSpec, w: str, ctx: Ctx | None = None) -> int:
+    """A traits.Width in elements, on one tensor-parallel rank of `ctx` (Megatron-Core's layout: the
+    column-parallel q/k/v and up/gate outputs and the vocabulary split over tp, the hidden size whole)."""
     if w == "h":
         return spec.hidden_size
+    if ctx is not None and ctx.tp > 1:
+        if w == "i":
+            return ffn_per_rank(spec, ctx)
+        q, kv = heads_per_rank(spec, ctx) * spec.head_dim, kv_heads_per_rank(spec, ctx) * spec.head_dim
+        if w == "q":
+            return q
+        if w == "kv":
+            return kv
+        if w == "qkv":
+            return q + 2 * kv
+        return spec.num_labels if w == "labels" else vocab_per_rank(spec, ctx)
     if w == "i":
         return spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -61,8 +84,11 @@ def linear(name: str, rows: int, n_in: int, n_out: int, in_dtype: str, ctx: Ctx,
 def module_linear(spec: TransformerSpec, lin: Linear, prefix: str, rows: int, in_dtype: str, ctx: Ctx,
                   **attrs: Any) -> Op:
     """A family record's Linear (traits.Linear) as an op, its parameters named under `prefix`."""
-    n_in, n_out = width(spec, lin.n_in), width(spec, lin.n_out)
+    n_in, n_out = width(spec, lin.n_in, ctx), width(spec, lin.n_out, ctx)
     bias = True if lin.conv1d else has_bias(spec, lin)
+    if ctx.tp > 1:  # which way tensor parallelism splits it (Megatron-Core ColumnParallelLinear / RowParallel)
+        attrs["tp"] = "column" if lin.n_in == "h" and lin.n_out in ("q", "kv", "qkv", "i", "vocab") else \
+            "row" if lin.n_out == "h" and lin.n_in in ("q", "i") else "replicated"
     return linear(lin.name, rows, n_in, n_out, in_dtype, ctx,
                   linear_params(prefix + lin.name + ".", n_in, n_out, bias, lin.conv1d), **attrs)
 
@@ -98,11 +124,59 @@ def attention_op(spec: TransformerSpec, ctx: Ctx, kernel: str, masked: bool, q_d
     """One attention call; its kind is the kernel that runs (planner.ir.context.attention_kernel). `qkv`
     says how q, k, v reach a fused kernel: "separate" (three n·H projections), "fused" (views of GPT-2's one
     n·3h c_attn output), "gqa" (Llama: k, v at kv-head size unless repeated)."""
-    n, H = ctx.n, spec.num_heads * spec.head_dim
-    s2 = ctx.b * spec.num_heads * ctx.s * ctx.s
-    return Op(f"attention_{kernel}", "attention", {"q": (n, H), "k": (n, spec.num_kv_heads * spec.head_dim),
+    heads, kv = heads_per_rank(spec, ctx), kv_heads_per_rank(spec, ctx)
+    n, H = ctx.n, heads * spec.head_dim
+    s2 = ctx.b * heads * ctx.chunk * ctx.kv_s
+    return Op(f"attention_{kernel}", "attention", {"q": (n, H), "k": (n, kv * spec.head_dim),
               "scores": (s2,), "output": (n, H)}, (), {"q": q_dtype, "compute": ctx.low, "output": ctx.low},
-              {"spec": spec, "masked": masked, "qkv": qkv} | attrs)
+              {"spec": spec, "masked": masked, "qkv": qkv, "heads": heads, "kv_heads": kv} | attrs)
+
+
+# ------------------------------------------------------------------------------ model parallelism
+
+
+def tp_gather(name: str, width_: int, dtype: str, ctx: Ctx) -> list[Op]:
+    """Sequence parallelism's all-gather of the residual stream (rows -> n) before a column-parallel linear
+    (Megatron-Core `gather_from_sequence_parallel_region`; its backward a reduce-scatter); nothing without SP.
+    Without SP a column-parallel linear's input gradient is all-reduced in backward (`copy_to_tensor_model_
+    parallel_region`): an all_reduce op whose `phase` is backward, so the speed model can time it."""
+    if ctx.tp <= 1:
+        return []
+    if ctx.sp:
+        # `regather`: Megatron's column-parallel linear saved only the local shard, so backward all-gathers it
+        # again before the weight gradient (layers.py backward `dist_all_gather_func(..., input, ...)`)
+        return [Op("all_gather", f"{name}.sp_all_gather", {"input": (ctx.rows, width_), "output": (ctx.n, width_)},
+                   (), {"input": dtype, "output": dtype}, {"group": "tp", "phase": "forward",
+                                                           "backward": "reduce_scatter",
+                                                           "regather": not ctx.sp_saves_gathered})]
+    return [Op("all_reduce", f"{name}.tp_grad_all_reduce", {"input": (ctx.n, width_), "output": (ctx.n, width_)},
+               (), {"input": dtype, "output": dtype}, {"group": "tp", "phase": "backward"})]
+
+
+def tp_reduce(name: str, width_: int, dtype: str, ctx: Ctx) -> list[Op]:
+    """A row-parallel linear's partial sums combined: all-reduce (n rows stay), or with SP a reduce-scatter
+    to n / tp rows (Megatron-Core `reduce_from_tensor_model_parallel_region` /
+    `reduce_scatter_to_sequence_parallel_region`; the latter's backward an all-gather)."""
+    if ctx.tp <= 1:
+        return []
+    if ctx.sp:
+        return [Op("reduce_scatter", f"{name}.sp_reduce_scatter", {"input": (ctx.n, width_),
+                   "output": (ctx.rows, width_)}, (), {"input": dtype, "output": dtype},
+                   {"group": "tp", "phase": "forward", "backward": "all_gather"})]
+    return [Op("all_reduce", f"{name}.tp_all_reduce", {"input": (ctx.n, width_), "output": (ctx.n, width_)}, (),
+               {"input": dtype, "output": dtype}, {"group": "tp", "phase": "forward"})]
+
+
+def cp_exchange(spec: TransformerSpec, ctx: Ctx, dtype: str) -> list[Op]:
+    """Context parallelism's ring exchange of keys and values: cp - 1 steps, each sending this rank's local
+    k and v chunk to the next rank (TransformerEngine `AttnFuncWithCPAndKVP2P`, Megatron-Core's default
+    cp_comm_type "p2p"); backward sends them again with their gradients. Each rank saves only its own chunk
+    (the ring's received chunks are freed after each step)."""
+    if ctx.cp <= 1:
+        return []
+    kv = kv_heads_per_rank(spec, ctx) * spec.head_dim
+    return [Op("send_recv", "attention.cp_ring", {"input": (ctx.n, 2 * kv), "output": (ctx.n, 2 * kv)}, (),
+               {"input": dtype, "output": dtype}, {"group": "cp", "steps": ctx.cp - 1, "phase": "forward"})]
 
 
 def activation(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[Op, str]:
@@ -115,10 +189,16 @@ def activation(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[O
               {"act": act}), out
 
 
+def module(name: str, ops: list[Op]) -> list[Op]:
+    """`ops` tagged as one module of the layer (attrs `module`: Megatron's module name, which selective
+    recomputation selects by: planner.ir.transforms.selective_layer)."""
+    return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | {"module": name}) for op in ops]
+
+
 def mlp_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, prefix: str, in_dtype: str,
             up: tuple[Linear, ...], down: Linear) -> list[Op]:
     """Feed-forward: up (gate and up for SwiGLU, both reading the same input) -> act -> (· up) -> down."""
-    n, i = ctx.n, spec.intermediate_size
+    n, i = ctx.n, width(spec, "i", ctx)
     gated = len(up) == 2
     ops = [module_linear(spec, lin, prefix, n, in_dtype, ctx, input="mlp.input", consumers=len(up), consumer=k)
            for k, lin in enumerate(up)]
@@ -144,8 +224,8 @@ def embedding_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, base: str, to
     HF's 4-D mask when it is built. The token-type table is looked up whenever the module has one
     (BertEmbeddings / RobertaEmbeddings call it unconditionally, with the buffered or gathered ids when the
     batch has none), not only when the batch carries token_type_ids."""
-    n, s, h, act = ctx.n, ctx.s, spec.hidden_size, ctx.act
-    lookups = [("word", traits.word_table, spec.vocab_size)]
+    n, s, h, act = ctx.n, ctx.chunk, spec.hidden_size, ctx.act
+    lookups = [("word", traits.word_table, width(spec, "vocab", ctx))]
     index: list[Op] = []
     if traits.position_ids == "from_input_ids":
         index.append(Op("index", "embeddings.position_ids", {"output": (n,)}, (), {"output": I64}))
@@ -160,10 +240,18 @@ def embedding_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, base: str, to
         ops.append(Op("index", "embeddings.token_type_ids", {"output": (token_types,)}, (), {"output": I64}))
     if traits.position_ids == "arange":
         ops.append(Op("index", "embeddings.position_ids", {"output": (s,)}, (), {"output": I64}))
+    if ctx.tp > 1:
+        # Vocabulary-parallel look-up: ids outside this rank's rows are shifted and zeroed into a new index
+        # tensor, which the look-up saves for its backward (Megatron-Core VocabParallelEmbedding.forward:
+        # `masked_input = input_.clone() - self.vocab_start_index; masked_input[input_mask] = 0`; DTensor's
+        # MaskPartial does the same), then the partial rows are all-reduced (reduce-scattered under SP).
+        ops.append(Op("index", "embeddings.masked_input", {"output": (n,)}, (), {"output": I64}))
     for t, _, rows in lookups:
         ops.append(Op("embedding", f"embeddings.{t}", {"input": (n,), "table": (rows, h), "output": (n, h)},
                       (params[t],), {"input": I64, "output": act}))
     ops += [add(f"embeddings.add{j}", n * h, act, act, act) for j in range(len(lookups) - 1)]
+    ops += tp_reduce("embeddings", h, act, ctx)
+    n = ctx.rows  # what follows (the encoders' norm and dropout) holds the residual stream's rows
     if traits.embedding_norm:
         norm_prefix = base + traits.embedding_norm_name.rsplit(".", 1)[0] + "." if "." in traits.embedding_norm_name \
             else base
@@ -172,7 +260,7 @@ def embedding_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, base: str, to
     if traits.embedding_dropout:
         ops.append(dropout("embeddings.dropout", n * h, act, spec.embedding_dropout))
     if mask_materialised(spec, ctx):
-        ops.append(Op("attention_mask", "attention_mask.build", {"output": (ctx.b * s * s,)}, (),
+        ops.append(Op("attention_mask", "attention_mask.build", {"output": (ctx.b * s * ctx.s,)}, (),
                       {"input": "bool", "output": act}, {"spec": spec}))
     return _registration_order(ops, traits)
 
@@ -196,8 +284,8 @@ def final_norm_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, base: str) -
     """The decoders' final norm: the layer form decides (GPT2Model builds nn.LayerNorm ln_f, LlamaModel
     LlamaRMSNorm norm), as for the layers' own norms."""
     if traits.gated_mlp:
-        return [rms_norm(traits.final_norm_name, base, ctx.n, spec.hidden_size, ctx.act)]
-    return [layer_norm(traits.final_norm_name, base, ctx.n, spec.hidden_size, ctx.act, ctx)[0]]
+        return [rms_norm(traits.final_norm_name, base, ctx.rows, spec.hidden_size, ctx.act)]
+    return [layer_norm(traits.final_norm_name, base, ctx.rows, spec.hidden_size, ctx.act, ctx)[0]]
 
 
 def first_token(ctx: Ctx, spec: TransformerSpec, consumer: str) -> Op:
@@ -259,15 +347,16 @@ def head_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, root: str) -> list
         ln, ln_dtype = layer_norm(norm_prefix[-1], (root + norm_prefix[0] + ".") if len(norm_prefix) == 2 else root,
                                   n, h, act_out, ctx)
         ln = Op(ln.kind, "lm.transform.LayerNorm", ln.shapes, ln.params, ln.dtypes, ln.attrs)
-        own_bias = Param(root + traits.lm_head_bias, (spec.vocab_size,))
-        dec_params = linear_params(root + decoder.name + ".", h, spec.vocab_size,
+        vocab = width(spec, "vocab", ctx)
+        own_bias = Param(root + traits.lm_head_bias, (vocab,))
+        dec_params = linear_params(root + decoder.name + ".", h, vocab,
                                    untied and traits.lm_head != "transform_projector", weight=untied)
         if traits.lm_head == "transform_projector":  # DistilBERT: vocab_projector's own bias, after its weight
-            dec = linear("lm.decoder", n, h, spec.vocab_size, ln_dtype, ctx, dec_params + (own_bias,),
+            dec = linear("lm.decoder", n, h, vocab, ln_dtype, ctx, dec_params + (own_bias,),
                          input="lm.decoder.input")
             first: tuple[Param, ...] = ()
         else:  # BERT / RoBERTa: the head's own bias (V,) registered first, then dense, norm, decoder
-            dec = linear("lm.decoder", n, h, spec.vocab_size, ln_dtype, ctx, dec_params, input="lm.decoder.input",
+            dec = linear("lm.decoder", n, h, vocab, ln_dtype, ctx, dec_params, input="lm.decoder.input",
                          bias=True)
             first = (own_bias,)
         dense_op = module_linear(spec, dense, root, n, act, ctx, input="lm.transform.dense.input")
@@ -278,7 +367,8 @@ def head_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, root: str) -> list
         lin = traits.lm_head_linears[0]
         untied = not spec.tie_word_embeddings
         op = module_linear(spec, lin, root, n, act, ctx, input="lm_head.input")
-        return [op if untied else Op(op.kind, op.name, op.shapes, (), op.dtypes, op.attrs)]
+        return [*tp_gather("lm_head", h, act, ctx), op if untied else Op(op.kind, op.name, op.shapes, (), op.dtypes,
+                                                                          op.attrs)]
     return []
 
 
