@@ -43,6 +43,18 @@ from planner.cli.common import (
 from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt
 from planner.cli.loop_opts import LoadOpt, LoopOpt
 from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
+from planner.cli.parallel_opts import (
+    CpOpt,
+    DistOptOpt,
+    DpReplicasOpt,
+    PpOpt,
+    PpScheduleOpt,
+    RecomputeModulesOpt,
+    RecomputeOpt,
+    SpOpt,
+    TpOpt,
+    VpOpt,
+)
 from planner.errors import PlannerError
 from planner.io import dumps_json
 
@@ -56,22 +68,10 @@ ProbesOpt = Annotated[list[Path] | None, typer.Option(
 WarmupOpt = Annotated[int, typer.Option("--warmup-steps", help="Steps before timing (the first creates states).")]
 StepsOpt = Annotated[int, typer.Option("--steps", help="Measured steps after warm-up.")]
 
-# The model-parallel layout (issue 34), spelled as `planner estimate` spells it; TrainConfig checks the values,
-# planner.parallel.dims how they combine (planner.probes.spec.make_request), before any job starts.
-TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")]
-SpOpt = Annotated[bool | None, typer.Option("--sp/--no-sp", help="Sequence parallelism (default: on with --tp).")]
-CpOpt = Annotated[int, typer.Option("--cp", help="Context-parallel degree (the probe job refuses it).")]
-PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel stages.")]
-VpOpt = Annotated[int, typer.Option("--vp", help="Virtual pipeline stages per rank.")]
-PpScheduleOpt = Annotated[str | None, typer.Option(
-    "--pp-schedule", help="1f1b, interleaved-1f1b, gpipe or zero-bubble.")]
-DpReplicasOpt = Annotated[int | None, typer.Option("--dp-replicas", help="HSDP replica groups.")]
-DistOptOpt = Annotated[bool, typer.Option(
-    "--distributed-optimizer/--no-distributed-optimizer",
-    help="Megatron's distributed optimizer (the probe job refuses it).")]
-RecomputeOpt = Annotated[str | None, typer.Option("--recompute", help="none, full or selective.")]
-RecomputeModulesOpt = Annotated[str | None, typer.Option(
-    "--recompute-modules", help="With --recompute selective: e.g. core_attn,mlp.")]
+# The model-parallel layout (issue 34): `planner estimate`'s own options (planner/cli/parallel_opts.py);
+# TrainConfig checks the values, planner.parallel.dims how they combine (planner.probes.spec.make_request),
+# before any job starts. The probe job refuses what it cannot run (context parallelism, the distributed
+# optimizer) with one line.
 LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute")
 
 PROBE_TIMEOUT_S = 3600  # one local probe: model build + a few steps; generous for big models on slow GPUs
