@@ -38,6 +38,11 @@ class Ctx:
     backend: Backend
     padded: bool  # the batch has padding, so HF materialises a 4-D attention mask
     flash_ok: bool = True  # the GPU runs FlashAttention-2 kernels (sm80+)
+    # Mixture-of-experts layers (issue 35): the expert-parallel degree this rank's experts are split over
+    # (each rank holds experts / ep and computes the token-expert pairs sent to them) and the hottest rank's
+    # share of pairs over the mean (--moe-imbalance). Dense models never read them.
+    ep: int = 1
+    moe_imbalance: float = 1.0
 
     @property
     def n(self) -> int:

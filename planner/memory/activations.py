@@ -422,6 +422,8 @@ def linear_params(block: Block) -> list[tuple[int, int]]:
     ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
     if block.role == "layer":
         traits = family(spec.family)
+        if traits.layer == "moe_gated":
+            return _program_linear_params(block)
         if traits.gated_mlp:
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
             return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
@@ -444,6 +446,25 @@ def linear_params(block: Block) -> list[tuple[int, int]]:
         if spec.head == "causal-lm":
             return [(h * vocab, 0)]
     return []
+
+
+def _program_linear_params(block: Block) -> list[tuple[int, int]]:
+    """(weight, bias) of the matmuls autocast casts, read from the layer's program: its Linears and the MoE
+    router (F.linear). The experts' grouped GEMMs are not autocast (transformers' `_grouped_mm` casts the
+    input to the fp32 weights instead: planner/families/forms/moe_gated.py), so their weights are not cast."""
+    from planner.families.forms import PARAMETER_CONTEXT, LayerArgs, load_forms
+
+    spec = block.layer
+    assert isinstance(spec, TransformerSpec)
+    traits = family(spec.family)
+    ops = load_forms()[traits.layer](LayerArgs(spec, traits, PARAMETER_CONTEXT, block.index, ""))
+    out = []
+    for op in ops:
+        if op.kind in ("linear", "router"):
+            w = sum(p.numel for p in op.params if p.name.endswith("weight") and len(p.shape) == 2)
+            b = sum(p.numel for p in op.params if p.name.endswith("bias"))
+            out.append((w, b))
+    return out
 
 
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:

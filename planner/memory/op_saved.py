@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from planner.ir.context import I64, Ctx
+from planner.ir.context import F32, I64, Ctx
 from planner.ir.interpret import register
 from planner.ir.ops import Op
 from planner.memory import activations as act
@@ -58,8 +58,11 @@ def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "gated_mul")
 def gated_mul_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    """act(gate) · up saves both factors."""
+    """act(gate) · up saves both factors. A broadcast product (Qwen2-MoE's sigmoid(gate) (n, 1) times the
+    shared expert's output) adds only the wide factor: the narrow one is the sigmoid's saved output."""
     n = math.prod(op.shapes["input"])
+    if "broadcast" in op.attrs:
+        return [Saved(f"{op.name}.other", n, op.dtypes["other"])]
     return [Saved("mlp.act_output", n, op.dtypes["input"]), Saved("mlp.up", n, op.dtypes["other"])]
 
 
@@ -157,6 +160,60 @@ def batch_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 def checkpoint_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """The inputs a checkpointed layer keeps (`activations.checkpoint_inputs`)."""
     return act.checkpoint_inputs(op.attrs["spec"], ctx, op.attrs["index"])
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+# transformers 5 *TopKRouter.forward and integrations/moe.py grouped_mm_experts_forward, op by op; what each
+# ATen op saves is its derivatives.yaml formula (softmax its output, topk its indices, index its indices,
+# mul both factors, grouped_mm its input and offsets).
+
+
+@register("saved", "router")
+def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """F.linear(x, gate.weight) saves x (its own 16-bit cast under autocast: one of the block input's
+    readers); softmax(dtype=float) its fp32 output; topk its int64 indices; the renormalising division
+    (`top /= top.sum(-1, keepdim=True)`) the top-k values and their sums."""
+    n, h = op.shapes["input"]
+    a = op.attrs
+    tensors = act.linear_inputs(a["input_name"], n * h, op.dtypes["input"], ctx, a["consumers"])
+    if len(tensors) == a["consumers"] and a["consumers"] > 1:
+        out = [tensors[a["consumer"]]]
+    else:
+        out = tensors if a["consumer"] == 0 else []
+    rows, k = op.shapes["topk"]
+    out += [Saved(f"{op.name}.probs", math.prod(op.shapes["logits"]), F32),
+            Saved(f"{op.name}.topk_indices", rows * k, I64)]
+    if a["renormalise"]:
+        out += [Saved(f"{op.name}.topk_values", rows * k, F32), Saved(f"{op.name}.topk_sum", rows, F32)]
+    return out
+
+
+@register("saved", "permute")
+def permute_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """`hidden_states[perm // top_k]` saves its index, `sample_weights[perm]` the sort's permutation (S int64
+    each); the per-expert offsets (int32, one per local expert) are saved by the grouped GEMMs."""
+    pairs = op.shapes["output"][0]
+    return [Saved(f"{op.name}.token_index", pairs, I64), Saved(f"{op.name}.perm", pairs, I64),
+            Saved(f"{op.name}.offsets", op.attrs["experts"], "int32")]
+
+
+@register("saved", "expert_gemm")
+def expert_gemm_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """grouped_mm(input.to(weight.dtype), weight) saves its input: the gathered pairs (gate_up) or the
+    gated product (down), as a new cast when the input is not already in the weights' dtype."""
+    rows, n_in = op.shapes["input"]
+    dtype = op.dtypes["compute"]
+    name = f"{op.name}.input" + (".cast" if op.dtypes["input"] != dtype else "")
+    return [Saved(name, rows * n_in, dtype)]
+
+
+@register("saved", "unpermute")
+def unpermute_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """`proj_out * sample_weights_g` saves both (S·h and S), `weighted_out[inv_perm]` its index (S int64);
+    the sum over top-k saves nothing."""
+    pairs, h = op.shapes["input"]
+    return [Saved(f"{op.name}.expert_output", pairs * h, op.dtypes["input"]),
+            Saved(f"{op.name}.weights", pairs, op.dtypes["weights"]), Saved(f"{op.name}.inv_perm", pairs, I64)]
 
 
 def op_saved(op: Op, ctx: Ctx) -> list[Saved]:

@@ -1,0 +1,166 @@
+"""The gated pre-norm layer with a mixture-of-experts MLP (transformers 5 MixtralDecoderLayer,
+Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer, OlmoeDecoderLayer; issue 35).
+
+Attention is Llama's (planner/families/forms/pre_norm_gated.py), with the family's q/k RMSNorms where it has
+them (Qwen3: per head over head_dim, `q_norm(q_proj(x).view(..., d))`; OLMoE: over the whole q and k
+projections). The MLP of a sparse layer is the `*SparseMoeBlock`:
+
+- the router (`*TopKRouter`): logits = F.linear(x, gate.weight) (E, h); softmax in fp32; top-k; the top-k
+  weights renormalised where the family does (Mixtral always, Qwen/OLMoE when norm_topk_prob);
+- the experts (`*Experts`, 3-D parameters gate_up_proj (E, 2i, h) and down_proj (E, h, i)) as transformers 5
+  runs them by default, `grouped_mm_experts_forward` (transformers/integrations/moe.py;
+  PreTrainedModel.get_correct_experts_implementation picks "grouped_mm" when nothing is asked): the
+  token-expert pairs (S = tokens · top_k) sorted by expert and gathered (`permute`), one grouped GEMM for
+  gate_up and one for down over all experts (`expert_gemm`, offsets per expert), silu(gate) · up between
+  them, then weighted by the routing weights, put back in token order and summed over top-k (`unpermute`).
+  `_grouped_mm` casts the input to the weights' dtype and is not autocast (its comment cites
+  pytorch/pytorch#174763), so under `amp-*` the experts compute in the fp32 of the weights;
+- Qwen2-MoE's shared expert (a SwiGLU MLP on every token) times sigmoid(shared_expert_gate(x)).
+
+A dense layer (Qwen's mlp_only_layers / decoder_sparse_step) runs Llama's MLP. Under expert parallelism
+(`ctx.ep` > 1) the pairs are dispatched to their experts' ranks and combined back by two all-to-alls; this
+rank holds E / ep experts and (at load imbalance `ctx.moe_imbalance`) that share of the pairs times it.
+"""
+
+from __future__ import annotations
+
+from planner.families.forms import LayerArgs, layer_form
+from planner.families.forms.common import (
+    activation,
+    add,
+    attention_op,
+    linear,
+    linear_params,
+    mlp_ops,
+    module_linear,
+    rms_norm,
+)
+from planner.ir.context import F32, attention_kernel, mask_materialised, promote
+from planner.ir.ops import Op, Param
+from planner.spec import TransformerSpec
+
+
+def expert_pairs(spec: TransformerSpec, tokens: int, ep: int = 1, imbalance: float = 1.0) -> int:
+    """Token-expert pairs one rank's experts compute: tokens · top_k over the whole group of `ep` ranks
+    (each rank sends its tokens' pairs and receives ep · (its share)), times the hottest rank's share over the
+    mean (`imbalance`, 1.0 balanced)."""
+    pairs = tokens * spec.experts_per_token
+    return int(round(pairs * imbalance)) if ep > 1 or imbalance != 1.0 else pairs
+
+
+def _attention(a: LayerArgs) -> list[Op]:
+    spec, ctx = a.spec, a.ctx
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    q, k, v, o = a.traits.layer_linears[:4]
+    ops = [module_linear(spec, lin, a.prefix, n, act, ctx, input="self_attn.input", consumers=3, consumer=j,
+                         attention_input=True) for j, lin in enumerate((q, k, v))]
+    d = spec.head_dim
+    qw, kw = spec.num_heads * d, spec.num_kv_heads * d
+    rope_in = low
+    if a.traits.qk_norm != "none":
+        per_head = a.traits.qk_norm == "head"
+        for name, width, heads in (("q_norm", qw, spec.num_heads), ("k_norm", kw, spec.num_kv_heads)):
+            rows, w = (n * heads, d) if per_head else (n, width)
+            norm = rms_norm(f"self_attn.{name}", a.prefix, rows, w, low)
+            if not per_head and name == "q_norm":  # OlmoeAttention: q_norm = RMSNorm(hidden_size)
+                norm = Op(norm.kind, norm.name, norm.shapes, (Param(f"{a.prefix}self_attn.q_norm.weight", (h,)),),
+                          norm.dtypes, norm.attrs)
+            ops.append(norm)
+        rope_in = promote(low, act)  # weight (fp32 under AMP) · normed.to(bf16) promotes
+    ops.append(Op("rotary", "rotary", {"q": (n, qw), "k": (n, kw), "tables": (ctx.s, d)}, (),
+                  {"input": rope_in, "tables": act}, {"first": a.index == 0}))
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    ops.append(attention_op(spec, ctx, kernel, masked, promote(rope_in, act), "gqa"))
+    ops.append(module_linear(spec, o, a.prefix, n, low, ctx, saves_input=False))
+    return ops
+
+
+def router_op(spec: TransformerSpec, a: LayerArgs, x_dtype: str, consumers: int, consumer: int) -> Op:
+    ctx = a.ctx
+    e, k = spec.num_experts, spec.experts_per_token
+    return Op("router", "mlp.gate", {"input": (ctx.n, spec.hidden_size), "logits": (ctx.n, e), "topk": (ctx.n, k)},
+              (Param(f"{a.prefix}mlp.gate.weight", (e, spec.hidden_size)),),
+              {"input": x_dtype, "compute": ctx.low, "probs": F32},
+              {"renormalise": spec.norm_topk_prob, "consumers": consumers, "consumer": consumer,
+               "input_name": "mlp.input"})
+
+
+def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
+    """The sparse MoE block (see the module docstring); `x_dtype` the post-attention norm's output."""
+    spec, ctx = a.spec, a.ctx
+    n, h, e, i = ctx.n, spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    ep, imbalance = ctx.ep, ctx.moe_imbalance
+    s = expert_pairs(spec, n, ep, imbalance)
+    local = e // ep
+    wd = ctx.act  # the weights' dtype: fp32 under fp32 and AMP, 16-bit in pure 16-bit
+    shared = a.traits.shared_expert and spec.shared_expert_intermediate_size > 0
+    readers = 4 if shared else 1  # Linears reading the block's input (each its own cast under autocast)
+    ops: list[Op] = []
+    if shared:  # Qwen2MoeSparseMoeBlock runs the shared expert first
+        si = spec.shared_expert_intermediate_size
+        pre = f"{a.prefix}mlp.shared_expert."
+        ops += [linear(f"mlp.shared_expert.{p}", n, h, si, x_dtype, ctx, linear_params(pre + p + ".", h, si, False),
+                       input="mlp.input", consumers=readers, consumer=1 + j)
+                for j, p in enumerate(("gate_proj", "up_proj"))]
+        act_op, act_out = activation("mlp.shared_expert.act", spec.hidden_act, n * si, ctx.low, ctx)
+        ops.insert(1, act_op)
+        ops.append(Op("gated_mul", "mlp.shared_expert.gate_mul_up", {"input": (n * si,), "output": (n * si,)}, (),
+                      {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)}))
+        ops.append(linear("mlp.shared_expert.down_proj", n, si, h, promote(act_out, ctx.low), ctx,
+                          linear_params(pre + "down_proj.", si, h, False), input="mlp.shared_expert.product",
+                          as_is=True))
+    ops.append(router_op(spec, a, x_dtype, readers, 0))
+    ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
+                  {"input": x_dtype, "output": x_dtype}, {"experts": local, "ep": ep}))
+    if ep > 1:
+        ops.append(Op("all_to_all", "mlp.experts.dispatch", {"input": (s, h), "output": (s, h)}, (),
+                      {"input": x_dtype, "output": x_dtype}, {"ep": ep}))
+    ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (s, h), "output": (s, 2 * i), "experts": (local,)},
+                  (Param(f"{a.prefix}mlp.experts.gate_up_proj", (e, 2 * i, h)),),
+                  {"input": x_dtype, "compute": wd, "output": wd}, {}))
+    act_op, act_out = activation("mlp.experts.act", spec.hidden_act, s * i, wd, ctx)
+    ops.append(act_op)
+    ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (s * i,), "output": (s * i,)}, (),
+                  {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
+    ops.append(Op("expert_gemm", "mlp.experts.down", {"input": (s, i), "output": (s, h), "experts": (local,)},
+                  (Param(f"{a.prefix}mlp.experts.down_proj", (e, h, i)),),
+                  {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
+    if ep > 1:
+        ops.append(Op("all_to_all", "mlp.experts.combine", {"input": (s, h), "output": (s, h)}, (),
+                      {"input": wd, "output": wd}, {"ep": ep}))
+    # Qwen2/Qwen3/OLMoE cast the top-k weights back to the logits' dtype; Mixtral keeps them fp32.
+    weights = F32 if a.traits.topk_fp32 else ctx.low
+    ops.append(Op("unpermute", "mlp.experts.unpermute", {"input": (s, h), "output": (n, h)}, (),
+                  {"input": wd, "weights": weights, "output": promote(wd, weights)}, {}))
+    if shared:
+        ops.append(linear("mlp.shared_expert_gate", n, h, 1, x_dtype, ctx,
+                          linear_params(f"{a.prefix}mlp.shared_expert_gate.", h, 1, False), input="mlp.input",
+                          consumers=readers, consumer=3))
+        ops.append(Op("tanh", "mlp.shared_expert_gate.sigmoid", {"input": (n,), "output": (n,)}, (),
+                      {"input": ctx.low, "output": ctx.low}, {"act": "sigmoid", "saves_output": True}))
+        ops.append(Op("gated_mul", "mlp.shared_expert.scale", {"input": (n * h,), "output": (n * h,)}, (),
+                      {"input": ctx.low, "other": ctx.low, "output": ctx.low}, {"broadcast": n}))
+        ops.append(add("mlp.shared_add", n * h, x_dtype, ctx.low, promote(x_dtype, ctx.low)))
+    return ops
+
+
+@layer_form("moe_gated")
+def moe_layer(a: LayerArgs) -> list[Op]:
+    spec, ctx = a.spec, a.ctx
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    norm1, norm2 = a.traits.layer_norm_names
+    ops = [rms_norm(norm1, a.prefix, n, h, act)]
+    ops += _attention(a)
+    resid = promote(low, act)
+    ops.append(add("attention.residual_add", n * h, low, act, resid))
+    ops.append(rms_norm(norm2, a.prefix, n, h, act))
+    if spec.sparse_layer(a.index):
+        ops += moe_ops(a, act)
+        out = ops[-1].dtypes["output"]
+    else:
+        gate, up, down = a.traits.layer_linears[4:7]
+        ops += mlp_ops(spec, a.traits, ctx, a.prefix, act, (gate, up), down)
+        out = low
+    ops.append(add("mlp.residual_add", n * h, out, resid, resid))
+    return ops
