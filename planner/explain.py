@@ -77,7 +77,7 @@ def _precision_lines(est: Estimate) -> list[str]:
     total = est.parameters["total"]
     lines = [f"{'component':<16}{'parameters':>14}{'fp32 (4 B)':>14}{'fp16/bf16 (2 B)':>18}"]
     for name, n in est.parameters.items():
-        if name in ("trainable", "frozen"):  # an adapter run's split of the total: its own step says more
+        if name in ("trainable", "frozen", "active"):  # an adapter run's split, MoE's active: said elsewhere
             continue
         lines.append(f"{name:<16}{n:>14,}{fmt_bytes(4 * n):>14}{fmt_bytes(2 * n):>18}")
     p = est.config.precision

@@ -503,7 +503,7 @@ class Estimate(Frozen):
     gpu: str
     config: TrainConfig  # resolved: parallelism is never "auto" here
     world_size: int
-    parameters: dict[str, int]  # one entry per component, plus "total"
+    parameters: dict[str, int]  # one entry per component, plus "total" (and "active" for a mixture of experts)
     memory_bytes: MemoryBytes
     phases: tuple[PhasePeak, ...]
     peak_phase: str

@@ -46,6 +46,7 @@ from planner.cli.lora_opts import (
     lora_fields,
     lora_flags,
 )
+from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields, moe_flags
 from planner.cli.options import build_config
 from planner.cli.prices_cmd import PriceRegionOpt
 from planner.cli.run_options import LengthsOpt, PaddingOpt, RunSeedOpt, RunStepsOpt, run_lines, run_request
@@ -112,7 +113,8 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
-                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]))
+                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"])
+                       | moe_fields(f.get("ep", 1), f.get("etp", 1), f.get("moe_imbalance", 1.0)))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -206,7 +208,7 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg) + moe_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -263,6 +265,9 @@ def register(app: typer.Typer) -> None:
         load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
+        ep: EpOpt = 1,
+        etp: EtpOpt = 1,
+        moe_imbalance: MoeImbalanceOpt = 1.0,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,

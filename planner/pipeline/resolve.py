@@ -180,7 +180,22 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
     runs them (sm80+)."""
     padded = spec.inputs.attention_mask if spec is not None else False
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
-               padded, instance.gpu.flash_attention)
+               padded, instance.gpu.flash_attention, cfg.ep, cfg.moe_imbalance)
+
+
+def check_experts(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> None:
+    """The expert layout where the model is known (issue 35): --ep must divide the experts, ep · etp · pp the
+    GPUs, and a model without experts takes neither (planner.parallel.dims.build holds the rules)."""
+    moe = [t for t in spec.transformers if t.moe] if spec is not None else []
+    if not moe and cfg.ep == 1 and cfg.etp == 1:
+        return
+    from planner.parallel import dims
+
+    if spec is None:  # a traced model: its experts are not known here
+        raise PlannerError("--ep" if cfg.ep > 1 else "--etp", cfg.ep if cfg.ep > 1 else cfg.etp,
+                           "1 for a model of your own (expert parallelism needs a config.json or catalog model)")
+    dims.build(cfg, world, experts=moe[0].num_experts if moe else None,
+               top_k=moe[0].experts_per_token if moe else None)
 
 
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
@@ -219,6 +234,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
             _RUNTIME[key] = (inst.gpu, calibration, (rt, view, cfg.attention))
     check_supported(spec, cfg, inst)
     world = parallel.world_size(cfg, inst)
+    check_experts(spec, cfg, world)
     share = parallel.sharding(cfg, world)
     # A flat fragmentation is honoured only when given: explicit RuntimeConstants, an override, calibration.
     fragmentation_given = (isinstance(runtime, RuntimeConstants) or "fragmentation" in (runtime or {})
