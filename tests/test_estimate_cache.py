@@ -16,7 +16,7 @@ estimate_mod = importlib.import_module("planner.estimate")
 OTHER = {"optimizer": "sgd", "optimizer_impl": "for-loop", "parallelism": "zero3", "grad_accum": 4, "instances": 3,
          "gradient_as_bucket_view": True, "bucket_cap_mb": 100.0, "tf32": True, "lora_alpha": 64.0,
          "framework": "torchtitan", "deepspeed": DeepSpeedSettings(reduce_bucket_size=1000),
-         "loop": "lightning", "load": "cast"}
+         "loop": "lightning", "load": "cast", "etp": 2, "ep": 2, "moe_imbalance": 1.5}
 
 
 def test_every_other_field_is_listed():

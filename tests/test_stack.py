@@ -134,7 +134,9 @@ def test_default_attention_switches_at_the_sourced_version(family):
 
 HF_CLASSES = {"bert": ("BertConfig", "BertModel"), "roberta": ("RobertaConfig", "RobertaModel"),
               "distilbert": ("DistilBertConfig", "DistilBertModel"), "gpt2": ("GPT2Config", "GPT2Model"),
-              "llama": ("LlamaConfig", "LlamaModel"), "mistral": ("MistralConfig", "MistralModel")}
+              "llama": ("LlamaConfig", "LlamaModel"), "mistral": ("MistralConfig", "MistralModel"),
+              "mixtral": ("MixtralConfig", "MixtralModel"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeModel"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeModel"), "olmoe": ("OlmoeConfig", "OlmoeModel")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -630,7 +630,8 @@ GELU_NEW_BACKWARD_TENSORS = 6
 
 
 def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) -> Ctx:
-    return Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend, padded, flash_ok)
+    return Ctx(config.batch_size, config.seq_len, config.precision, config.attention, backend, padded, flash_ok,
+               config.ep, config.moe_imbalance)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:
