@@ -89,6 +89,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, qk_norm="full",
            classifier_head=False, layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
            classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    # gpt-oss: every projection biased (attention_bias), a sink logit per head, the router and experts above;
+    # transformers 5 runs it eager by default (GptOssPreTrainedModel._supports_sdpa = False).
+    Family("gpt_oss", "GptOss", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=False, sliding_window=True,
+           router_name="mlp.router", router_bias=True, topk_then_softmax=True, expert_bias=True,
+           experts_transposed=True, clamped_swiglu=True, attention_sinks=True,
+           layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER, classifier_linears=_DECODER_SCORE,
+           lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
 )}
 
 

@@ -97,6 +97,17 @@ class Family:
     # q/k norms; a shared expert with a sigmoid gate (Qwen2-MoE); whether transformers has a
     # *ForSequenceClassification class (OLMoE has none).
     topk_fp32: bool = False
+    # gpt-oss (transformers 5 modeling_gpt_oss): the router is `mlp.router` with a bias, picks the top-k
+    # logits and softmaxes only those; the experts are stored transposed ((E, h, 2i), (E, i, h)) with biases
+    # and gate and up interleaved, joined by a clamped SwiGLU ((up + 1) · gate · sigmoid(α · gate)); each
+    # attention head has a learned sink logit (`self_attn.sinks`).
+    router_name: str = "mlp.gate"
+    router_bias: bool = False
+    topk_then_softmax: bool = False
+    expert_bias: bool = False
+    experts_transposed: bool = False
+    clamped_swiglu: bool = False
+    attention_sinks: bool = False
     qk_norm: QkNorm = "none"
     shared_expert: bool = False
     classifier_head: bool = True

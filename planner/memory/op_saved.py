@@ -53,6 +53,8 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "activation")
 def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    if op.attrs["act"] == "clamped_swiglu":
+        return clamped_swiglu_saved(op)
     return act.activation_saved(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)[0]
 
 
@@ -104,7 +106,19 @@ def _context(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "attention_eager")
 def eager_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"]) + _context(op, ctx)
+    out = act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"]) + _context(op, ctx)
+    if op.attrs.get("sinks"):
+        out += _sinks_saved(op, ctx)
+    return out
+
+
+def _sinks_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """gpt-oss's eager attention (modeling_gpt_oss.eager_attention_forward) joins a sink column to the scores
+    before the softmax (cat), subtracts the row max (`max(dim)` saves its int64 indices) and drops the column
+    after: one more softmax column and the indices, b · heads · s each."""
+    spec = op.attrs["spec"]
+    rows = ctx.b * spec.num_heads * ctx.s
+    return [Saved("attention.sink_column", rows, F32), Saved("attention.row_max_indices", rows, I64)]
 
 
 @register("saved", "attention_math")
@@ -162,6 +176,15 @@ def checkpoint_saved(op: Op, ctx: Ctx) -> list[Saved]:
     return act.checkpoint_inputs(op.attrs["spec"], ctx, op.attrs["index"])
 
 
+def clamped_swiglu_saved(op: Op) -> list[Saved]:
+    """gpt-oss's expert gate (GptOssExperts._apply_gate) on n = pairs · i elements: both clamps save the
+    gate_up output (their inputs are views of it: 2n), sigmoid its output, gate · sigmoid both factors (the
+    clamped gate), (up + 1) · glu both factors: four new n-element tensors besides the 2n storage."""
+    n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+    return [Saved(f"{op.name}.gate_up", 2 * n, d), Saved(f"{op.name}.gate_clamped", n, d),
+            Saved(f"{op.name}.sigmoid", n, d), Saved(f"{op.name}.up_plus_one", n, d), Saved(f"{op.name}.glu", n, d)]
+
+
 # ------------------------------------------------------------------------------ mixture of experts
 # transformers 5 *TopKRouter.forward and integrations/moe.py grouped_mm_experts_forward, op by op; what each
 # ATen op saves is its derivatives.yaml formula (softmax its output, topk its indices, index its indices,
@@ -181,6 +204,9 @@ def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
     else:
         out = tensors if a["consumer"] == 0 else []
     rows, k = op.shapes["topk"]
+    if a.get("topk_then_softmax"):  # gpt-oss: top-k of the logits, then a softmax over those k (logits' dtype)
+        return out + [Saved(f"{op.name}.topk_indices", rows * k, I64),
+                      Saved(f"{op.name}.scores", rows * k, op.dtypes["compute"])]
     out += [Saved(f"{op.name}.probs", math.prod(op.shapes["logits"]), F32),
             Saved(f"{op.name}.topk_indices", rows * k, I64)]
     if a["renormalise"]:
@@ -193,8 +219,11 @@ def permute_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """`hidden_states[perm // top_k]` saves its index, `sample_weights[perm]` the sort's permutation (S int64
     each); the per-expert offsets (int32, one per local expert) are saved by the grouped GEMMs."""
     pairs = op.shapes["output"][0]
-    return [Saved(f"{op.name}.token_index", pairs, I64), Saved(f"{op.name}.perm", pairs, I64),
-            Saved(f"{op.name}.offsets", op.attrs["experts"], "int32")]
+    out = [Saved(f"{op.name}.token_index", pairs, I64), Saved(f"{op.name}.perm", pairs, I64),
+           Saved(f"{op.name}.offsets", op.attrs["experts"], "int32")]
+    if op.attrs.get("bias_index"):  # `*_proj_bias[expert_ids_g]`: the sorted expert ids, one storage for both
+        out.append(Saved(f"{op.name}.expert_ids", pairs, I64))
+    return out
 
 
 @register("saved", "expert_gemm")

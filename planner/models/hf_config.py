@@ -6,7 +6,8 @@ absent optional keys are those of the transformers 5 config classes (e.g. `BertC
 `LlamaConfig.tie_word_embeddings=False`), so the spec describes exactly the module that
 `transformers` would build from the same dict; tests/test_params.py checks this against real modules.
 
-Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral, mixtral, qwen2_moe, qwen3_moe, olmoe; `architectures[0]` picks the head:
+Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral, mixtral, qwen2_moe, qwen3_moe, olmoe,
+gpt_oss; `architectures[0]` picks the head:
 `<Prefix>Model` -> "base", `...ForSequenceClassification`, `...ForMaskedLM` (encoders),
 `GPT2LMHeadModel` / `...ForCausalLM` (decoders).
 """
@@ -252,6 +253,7 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
                       shared_i=5632),
     "qwen3_moe": dict(experts_key="num_experts", experts=128, top_k=8, kv=4, positions=32768, moe_i=768),
     "olmoe": dict(experts_key="num_experts", experts=64, top_k=8, kv=16, positions=4096),
+    "gpt_oss": dict(experts_key="num_local_experts", experts=128, top_k=4, kv=8, positions=131072),
 }
 
 
@@ -274,7 +276,12 @@ def _moe_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     assert experts is not None and top_k is not None
     if experts and top_k > experts:
         raise PlannerError(f"{FIELD}:num_experts_per_tok", top_k, f"at most {d['experts_key']}={experts}")
-    if family == "mixtral":
+    if family == "gpt_oss":  # GptOssConfig: head_dim 64, experts intermediate_size wide, no renormalising
+        head_dim = head_dim or 64
+        inner = _int(cfg, "intermediate_size", 2880)
+        assert inner is not None
+        moe_inner, norm_topk, dense = inner, False, ()
+    elif family == "mixtral":
         jitter = cfg.get("router_jitter_noise") or 0.0
         if jitter:
             raise PlannerError(f"{FIELD}:router_jitter_noise", jitter, "0 (the router's jitter is not modelled)")
@@ -293,7 +300,7 @@ def _moe_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         raise PlannerError(f"{FIELD}:output_router_logits", True,
                            "false (the auxiliary loss's kept router logits are not modelled)")
     biased = _bool(cfg, "qkv_bias", True) if family == "qwen2_moe" else \
-        family != "mixtral" and _bool(cfg, "attention_bias", False)
+        family != "mixtral" and _bool(cfg, "attention_bias", family == "gpt_oss")
     return dict(
         vocab_size=_req(cfg, "vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, intermediate_size=inner, head_size=head_dim or 0,

@@ -86,6 +86,10 @@ def dropout_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "activation")
 def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    if op.attrs["act"] == "clamped_swiglu":  # gpt-oss: two clamps, α·, sigmoid, ·, +1, ·: seven passes
+        n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+        return [K.elementwise(f"{op.name}.{k}", n, (d,) * (2 if k.startswith("mul") else 1), (d,), d)
+                for k in ("clamp_gate", "clamp_up", "scale", "sigmoid", "mul_glu", "add_one", "mul_out")]
     return K.activation(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)
 
 
@@ -155,7 +159,7 @@ def router_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     rows, h = op.shapes["input"]
     e = op.shapes["logits"][1]
     k = op.shapes["topk"][1]
-    ks = K.linear(op.name, rows, e, h, op.dtypes["input"], ctx, False)
+    ks = K.linear(op.name, rows, e, h, op.dtypes["input"], ctx, op.attrs.get("bias", False))
     ks.append(K.elementwise(f"{op.name}.softmax", rows * e, (ctx.low,), (F32,), F32))
     ks.append(K.elementwise(f"{op.name}.topk", rows * e, (F32,), (F32, "int64"), F32))
     if op.attrs["renormalise"]:

@@ -71,7 +71,11 @@ def _attention(a: LayerArgs) -> list[Op]:
                   {"input": rope_in, "tables": act}, {"first": a.index == 0}))
     masked = mask_materialised(spec, ctx)
     kernel = attention_kernel(spec, ctx, masked)
-    ops.append(attention_op(spec, ctx, kernel, masked, promote(rope_in, act), "gqa"))
+    attn = attention_op(spec, ctx, kernel, masked, promote(rope_in, act), "gqa")
+    if a.traits.attention_sinks:  # gpt-oss: one learned sink logit per head, joined to each softmax row
+        attn = Op(attn.kind, attn.name, attn.shapes, (Param(f"{a.prefix}self_attn.sinks", (spec.num_heads,)),),
+                  attn.dtypes, attn.attrs | {"sinks": True})
+    ops.append(attn)
     ops.append(module_linear(spec, o, a.prefix, n, low, ctx, saves_input=False))
     return ops
 
@@ -79,11 +83,15 @@ def _attention(a: LayerArgs) -> list[Op]:
 def router_op(spec: TransformerSpec, a: LayerArgs, x_dtype: str, consumers: int, consumer: int) -> Op:
     ctx = a.ctx
     e, k = spec.num_experts, spec.experts_per_token
-    return Op("router", "mlp.gate", {"input": (ctx.n, spec.hidden_size), "logits": (ctx.n, e), "topk": (ctx.n, k)},
-              (Param(f"{a.prefix}mlp.gate.weight", (e, spec.hidden_size)),),
-              {"input": x_dtype, "compute": ctx.low, "probs": F32},
+    name = a.traits.router_name
+    params = (Param(f"{a.prefix}{name}.weight", (e, spec.hidden_size)),)
+    if a.traits.router_bias:
+        params += (Param(f"{a.prefix}{name}.bias", (e,)),)
+    return Op("router", name, {"input": (ctx.n, spec.hidden_size), "logits": (ctx.n, e), "topk": (ctx.n, k)},
+              params, {"input": x_dtype, "compute": ctx.low, "probs": F32},
               {"renormalise": spec.norm_topk_prob, "consumers": consumers, "consumer": consumer,
-               "input_name": "mlp.input"})
+               "input_name": "mlp.input", "topk_then_softmax": a.traits.topk_then_softmax,
+               "bias": a.traits.router_bias})
 
 
 def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
@@ -112,20 +120,30 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
                           as_is=True))
     ops.append(router_op(spec, a, x_dtype, readers, 0))
     ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
-                  {"input": x_dtype, "output": x_dtype}, {"experts": local, "ep": ep}))
+                  {"input": x_dtype, "output": x_dtype},
+                  {"experts": local, "ep": ep, "bias_index": a.traits.expert_bias}))
     if ep > 1:
         ops.append(Op("all_to_all", "mlp.experts.dispatch", {"input": (s, h), "output": (s, h)}, (),
                       {"input": x_dtype, "output": x_dtype}, {"ep": ep}))
+    pre, t = f"{a.prefix}mlp.experts.", a.traits.experts_transposed
+    up_params = (Param(pre + "gate_up_proj", (e, h, 2 * i) if t else (e, 2 * i, h)),)
+    down_params = (Param(pre + "down_proj", (e, i, h) if t else (e, h, i)),)
+    if a.traits.expert_bias:
+        up_params += (Param(pre + "gate_up_proj_bias", (e, 2 * i)),)
+        down_params += (Param(pre + "down_proj_bias", (e, h)),)
     ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (s, h), "output": (s, 2 * i), "experts": (local,)},
-                  (Param(f"{a.prefix}mlp.experts.gate_up_proj", (e, 2 * i, h)),),
-                  {"input": x_dtype, "compute": wd, "output": wd}, {}))
-    act_op, act_out = activation("mlp.experts.act", spec.hidden_act, s * i, wd, ctx)
-    ops.append(act_op)
-    ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (s * i,), "output": (s * i,)}, (),
-                  {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
+                  up_params, {"input": x_dtype, "compute": wd, "output": wd}, {}))
+    if a.traits.clamped_swiglu:  # gpt-oss: clamp, sigmoid(α·gate), (up + 1)·glu on interleaved halves
+        ops.append(Op("activation", "mlp.experts.act", {"input": (s * i,), "output": (s * i,)}, (),
+                      {"input": wd, "output": wd}, {"act": "clamped_swiglu"}))
+        act_out = wd
+    else:
+        act_op, act_out = activation("mlp.experts.act", spec.hidden_act, s * i, wd, ctx)
+        ops.append(act_op)
+        ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (s * i,), "output": (s * i,)}, (),
+                      {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
     ops.append(Op("expert_gemm", "mlp.experts.down", {"input": (s, i), "output": (s, h), "experts": (local,)},
-                  (Param(f"{a.prefix}mlp.experts.down_proj", (e, h, i)),),
-                  {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
+                  down_params, {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
     if ep > 1:
         ops.append(Op("all_to_all", "mlp.experts.combine", {"input": (s, h), "output": (s, h)}, (),
                       {"input": wd, "output": wd}, {"ep": ep}))
