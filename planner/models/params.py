@@ -136,11 +136,13 @@ def _from_program(block: Block) -> bool:
 
 
 def expert_parameters(block: Block) -> int:
-    """Parameters of the routed experts of one layer (E · 3·h·i for SwiGLU experts; 0 for a dense layer)."""
+    """Parameters of the routed experts of one layer (E · 3·h·i for SwiGLU experts, plus E · (2i + h) where
+    they have biases, gpt-oss; 0 for a dense layer)."""
     spec = block.layer
     if block.role != "layer" or not isinstance(spec, TransformerSpec) or not spec.sparse_layer(block.index):
         return 0
-    return spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    return spec.num_experts * (3 * h * i + ((2 * i + h) if family(spec.family).expert_bias else 0))
 
 
 def active_parameters(model: ModelSpec) -> int:
