@@ -97,6 +97,7 @@ class Family:
     # q/k norms; a shared expert with a sigmoid gate (Qwen2-MoE); whether transformers has a
     # *ForSequenceClassification class (OLMoE has none).
     topk_fp32: bool = False
+    experts_before_router: bool = False  # Qwen3MoeSparseMoeBlock registers `experts` before `gate`
     # gpt-oss (transformers 5 modeling_gpt_oss): the router is `mlp.router` with a bias, picks the top-k
     # logits and softmaxes only those; the experts are stored transposed ((E, h, 2i), (E, i, h)) with biases
     # and gate and up interleaved, joined by a clamped SwiGLU ((up + 1) · gate · sigmoid(α · gate)); each

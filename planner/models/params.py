@@ -123,11 +123,13 @@ def program_layer_params(block: Block) -> tuple:
     mixture-of-experts layer (planner/families/forms/moe_gated.py) is counted from its program, which
     tests/test_params.py and tests/test_program.py check against the module built on the meta device."""
     from planner.families.forms import PARAMETER_CONTEXT, LayerArgs, load_forms
+    from planner.families.forms.moe_gated import registration_order
 
     spec = block.layer
     traits = family(spec.family)
-    return tuple(p for op in load_forms()[traits.layer](LayerArgs(spec, traits, PARAMETER_CONTEXT, block.index, ""))
-                 for p in op.params)
+    params = [p for op in load_forms()[traits.layer](LayerArgs(spec, traits, PARAMETER_CONTEXT, block.index, ""))
+              for p in op.params]
+    return tuple(registration_order(params, "", traits.router_name, traits.experts_before_router))
 
 
 def _from_program(block: Block) -> bool:

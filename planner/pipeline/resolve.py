@@ -187,6 +187,9 @@ def check_experts(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> None:
     """The expert layout where the model is known (issue 35): --ep must divide the experts, ep · etp · pp the
     GPUs, and a model without experts takes neither (planner.parallel.dims.build holds the rules)."""
     moe = [t for t in spec.transformers if t.moe] if spec is not None else []
+    if moe and cfg.lora:
+        raise PlannerError("--lora-r", cfg.lora_r, "none for a mixture-of-experts model (LoRA on its attention "
+                           "or experts is not modelled yet)")
     if not moe and cfg.ep == 1 and cfg.etp == 1:
         return
     from planner.parallel import dims

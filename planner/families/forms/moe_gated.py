@@ -80,6 +80,31 @@ def _attention(a: LayerArgs) -> list[Op]:
     return ops
 
 
+# `named_parameters()` order inside a layer (a module's own parameters, then its children in __init__ order),
+# by module path: attention (gpt-oss's own `sinks` first, then q, k, v, o, the q/k norms), the MLP (router and
+# experts, the experts first in Qwen3MoeSparseMoeBlock; Qwen2's shared expert and its gate; a dense layer's
+# gate, up, down), the two norms last.
+_ORDER = ("self_attn.sinks", "self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
+          "self_attn.q_norm.", "self_attn.k_norm.", "mlp.ROUTER", "mlp.experts.", "mlp.shared_expert.",
+          "mlp.shared_expert_gate.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
+          "post_attention_layernorm.")
+
+
+def registration_order(params: list[Param], prefix: str, router: str, experts_first: bool) -> list[Param]:
+    """The layer's parameter tensors in the order the module registers them (the program lists them in run
+    order); planner.models.params reads this order (Adafactor and the optimizers' tensor lists follow it)."""
+    order = [x.replace("mlp.ROUTER", router + ".") for x in _ORDER]
+    if experts_first:
+        i = order.index(router + ".")
+        order[i], order[i + 1] = order[i + 1], order[i]
+
+    def rank(p: Param) -> int:
+        name = p.name[len(prefix):]
+        return next(i for i, x in enumerate(order) if name.startswith(x))
+
+    return sorted(params, key=rank)
+
+
 def router_op(spec: TransformerSpec, a: LayerArgs, x_dtype: str, consumers: int, consumer: int) -> Op:
     ctx = a.ctx
     e, k = spec.num_experts, spec.experts_per_token
