@@ -148,6 +148,24 @@ def _gpu_peaks(gpu_name: str) -> dict[str, float]:
 
 
 def _storage_lines(est: Estimate) -> list[str]:
+    lines = _storage_lines_of_strategy(est)
+    if "active" in est.parameters:  # a mixture-of-experts model (issue 35; docs/moe.md)
+        cfg = est.config
+        ep = cfg.ep * cfg.etp
+        lines.append(f"Mixture of experts: {est.parameters['active']:,} of {est.parameters['total']:,} parameters "
+                     "are active per token (the FLOPs count those). "
+                     + (f"--ep {cfg.ep}{f' × --etp {cfg.etp}' if cfg.etp > 1 else ''}: each GPU holds 1/{ep} of "
+                        f"every MoE layer's experts (and their gradients and optimizer states), sharded further "
+                        f"over the {est.world_size // ep} GPU(s) of the expert data-parallel group when the "
+                        "strategy shards; attention, norms, embeddings and routers as above. Each MoE layer "
+                        "sends its tokens to their experts' GPUs and back (all-to-all) in forward and backward"
+                        + (f"; the busiest GPU gets {cfg.moe_imbalance:g}× the mean share of tokens and decides "
+                           "the verdict." if cfg.moe_imbalance != 1.0 else ".") if ep > 1 else
+                        "Every GPU holds all experts (--ep 1)."))
+    return lines
+
+
+def _storage_lines_of_strategy(est: Estimate) -> list[str]:
     cfg, m, world = est.config, est.memory_bytes, est.world_size
     p = cfg.parallelism
     strategy = strategy_of(p)
