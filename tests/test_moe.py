@@ -253,3 +253,15 @@ def _cli_json(*args: str):
     from planner.cli.main import app
 
     return runner.invoke(app, ["estimate", "--instance", "ml.p5.48xlarge", "--instances", "2", "--json", *args])
+
+
+def test_explain_says_how_the_experts_are_laid_out():
+    from planner.cli.main import app
+
+    res = runner.invoke(app, ["explain", "--model", "qwen3-30b-a3b", "--instance", "ml.p5.48xlarge", "--instances",
+                              "2", "--ep", "8", "--moe-imbalance", "1.5", "--batch-size", "1", "--seq-len", "256",
+                              "--parallelism", "fsdp"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "3,353,032,704 of 30,532,122,624 parameters are active" in text
+    assert "--ep 8: each GPU holds 1/8 of every MoE layer's experts" in text and "1.5× the mean" in text
