@@ -265,3 +265,19 @@ def test_explain_says_how_the_experts_are_laid_out():
     text = " ".join(res.output.split())
     assert "3,353,032,704 of 30,532,122,624 parameters are active" in text
     assert "--ep 8: each GPU holds 1/8 of every MoE layer's experts" in text and "1.5× the mean" in text
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b"])
+def test_flops_are_six_active_parameters_per_token(name):
+    """Forward + backward matmul FLOPs = 6 · (active parameters in matmuls) · tokens + the attention scores:
+    the routed experts count top_k times, not E (the embedding table is a look-up: no FLOPs; norms, biases,
+    sinks are not matmuls either, well under 0.1 % here)."""
+    from planner.perf.flops import attention_score_flops, step_flops
+
+    spec = get_model(name)
+    t = spec.transformers[0]
+    cfg = TrainConfig(batch_size=2, seq_len=512, precision="bf16", attention="sdpa")
+    tokens = cfg.batch_size * cfg.seq_len
+    matmul_params = active_parameters(spec) - t.vocab_size * t.hidden_size
+    scores = 3 * t.num_layers * attention_score_flops(t, cfg.batch_size, cfg.seq_len)
+    assert abs(step_flops(spec, cfg).model / (6 * matmul_params * tokens + scores) - 1) < 1e-3
