@@ -26,9 +26,9 @@ PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3
 Attention = Literal["auto", "eager", "sdpa", "flash"]
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
 Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "olmoe", "gpt_oss"]
+                 "olmoe", "gpt_oss", "deepseek_v3"]
 FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "mixtral", "qwen2_moe",
-                             "qwen3_moe", "olmoe", "gpt_oss")
+                             "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
 Head = Literal["base", "sequence-classification", "masked-lm", "causal-lm"]
 # Where kernels run. "cuda" is what the planner predicts; "cpu" exists so tests can compare the same
 # formulas with what CPU kernels save (dropout masks, SDPA fallback, autocast op lists differ).
@@ -134,6 +134,13 @@ class TransformerSpec(Frozen):
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V3's multi-head latent attention (MLA): q through a rank-q_lora_rank bottleneck (0: one q_proj),
+    # keys and values from a rank-kv_lora_rank latent, qk_rope_head_dim of each head rotated; head_size is the
+    # query/key head (nope + rope), v_head_dim the value head. All 0 for other attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @property

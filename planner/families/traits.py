@@ -109,6 +109,12 @@ class Family:
     experts_transposed: bool = False
     clamped_swiglu: bool = False
     attention_sinks: bool = False
+    # DeepSeek-V3 (modeling_deepseek_v3): multi-head latent attention, `mlp.shared_experts` without a gate, a
+    # sigmoid router with a registered fp32 `e_score_correction_bias` buffer (group-limited top-k).
+    latent_attention: bool = False
+    shared_experts_name: str = "mlp.shared_expert"
+    shared_expert_gate: bool = True
+    router_score_buffer: bool = False
     qk_norm: QkNorm = "none"
     shared_expert: bool = False
     classifier_head: bool = True

@@ -7,7 +7,7 @@ absent optional keys are those of the transformers 5 config classes (e.g. `BertC
 `transformers` would build from the same dict; tests/test_params.py checks this against real modules.
 
 Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral, mixtral, qwen2_moe, qwen3_moe, olmoe,
-gpt_oss; `architectures[0]` picks the head:
+gpt_oss, deepseek_v3; `architectures[0]` picks the head:
 `<Prefix>Model` -> "base", `...ForSequenceClassification`, `...ForMaskedLM` (encoders),
 `GPT2LMHeadModel` / `...ForCausalLM` (decoders).
 """
@@ -315,6 +315,45 @@ def _moe_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     )
 
 
+def _deepseek_v3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 (DeepseekV3Config defaults): MLA, n_routed_experts routed experts (top num_experts_per_tok,
+    sigmoid scores, group-limited, renormalised and scaled), n_shared_experts shared ones as one MLP of
+    moe_intermediate_size · n_shared_experts, dense MLPs (intermediate_size) in the first first_k_dense_replace
+    layers. Multi-token prediction (num_nextn_predict_layers) is not built by transformers: not counted."""
+    hidden, heads = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
+    _check_heads(hidden, heads, heads, None)
+    layers = _req(cfg, "num_hidden_layers")
+    experts = _int(cfg, "n_routed_experts", 256)
+    top_k = _int(cfg, "num_experts_per_tok", 8)
+    groups = _int(cfg, "n_group", 8)
+    assert experts is not None and top_k is not None and groups is not None
+    if top_k > experts:
+        raise PlannerError(f"{FIELD}:num_experts_per_tok", top_k, f"at most n_routed_experts={experts}")
+    if experts % groups:
+        raise PlannerError(f"{FIELD}:n_group", groups, f"a divisor of n_routed_experts={experts}")
+    moe_inner = _int(cfg, "moe_intermediate_size", 2048)
+    shared = _int(cfg, "n_shared_experts", 1, minimum=0)
+    dense = _int(cfg, "first_k_dense_replace", 3, minimum=0)
+    nope, rope = _int(cfg, "qk_nope_head_dim", 128), _int(cfg, "qk_rope_head_dim", 64)
+    assert moe_inner is not None and shared is not None and dense is not None and nope and rope
+    if _bool(cfg, "output_router_logits", False):
+        raise PlannerError(f"{FIELD}:output_router_logits", True,
+                           "false (the auxiliary loss's kept router logits are not modelled)")
+    return dict(
+        vocab_size=_int(cfg, "vocab_size", 129280), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, intermediate_size=_int(cfg, "intermediate_size", 18432), head_size=nope + rope,
+        max_positions=_int(cfg, "max_position_embeddings", 4096), position_table=0, type_vocab_size=0,
+        hidden_act=_str(cfg, "hidden_act", "silu"), norm="rmsnorm", hidden_dropout=0.0,
+        attention_dropout=_float(cfg, "attention_dropout", 0.0), embedding_dropout=0.0, classifier_dropout=None,
+        attention_bias=_bool(cfg, "attention_bias", False), mlp_bias=False, num_experts=experts,
+        experts_per_token=top_k, moe_intermediate_size=moe_inner, shared_expert_intermediate_size=moe_inner * shared,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", True), dense_layers=tuple(range(min(dense, layers))),
+        q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else _int(cfg, "q_lora_rank", 1536),
+        kv_lora_rank=_int(cfg, "kv_lora_rank", 512) or 512,
+        qk_rope_head_dim=rope, v_head_dim=_int(cfg, "v_head_dim", 128) or 128,
+    )
+
+
 def _qwen_sparse(cfg: dict[str, Any], index: int, experts: int) -> bool:
     """Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer: the sparse block unless mlp_only_layers lists the layer or
     decoder_sparse_step skips it."""
@@ -393,6 +432,8 @@ def _transformer(config: dict[str, Any], family: str) -> TransformerSpec:
         fields = _gpt2(config)
     elif family in _MOE_DEFAULTS:
         fields = _moe_like(config, family)
+    elif family == "deepseek_v3":
+        fields = _deepseek_v3(config)
     else:
         fields = _llama_like(config, family)
     _check_limits(fields)

@@ -215,13 +215,16 @@ def block_buffers_bytes(block: Block, float_bytes: int = FLOAT32_BYTES) -> int:
     layer = block.layer
     if isinstance(layer, BatchNormSpec):
         return 2 * layer.num_features * float_bytes + INT64_BYTES
+    if isinstance(layer, TransformerSpec) and block.role == "layer" and layer.sparse_layer(block.index) \
+            and family(layer.family).router_score_buffer:  # DeepseekV3TopkRouter.e_score_correction_bias (E,)
+        return layer.num_experts * float_bytes
     if isinstance(layer, DenseSpec) or block.role != "embeddings":
         return 0
     traits = family(layer.family)
     if traits.int64_buffer_tables:
         return traits.int64_buffer_tables * layer.position_table * INT64_BYTES
-    if traits.position_ids == "rotary":
-        return 2 * ((layer.head_dim + 1) // 2) * float_bytes
+    if traits.position_ids == "rotary":  # MLA rotates qk_rope_head_dim of each head (DeepseekV3Config.head_dim)
+        return 2 * (((layer.qk_rope_head_dim or layer.head_dim) + 1) // 2) * float_bytes
     return 0
 
 

@@ -62,14 +62,21 @@ def moe_layer_flops(t: TransformerSpec, index: int, batch: int, seq: int, causal
     tokens = batch * seq
     h = t.hidden_size
     q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
-    flops = 2 * matmul_flops(tokens, q, h) + 2 * matmul_flops(tokens, kv, h)
+    if t.kv_lora_rank:  # DeepSeek's latent attention: q (through its bottleneck), kv_a, kv_b, o
+        H, rope, v, ql, kvl = t.num_heads, t.qk_rope_head_dim, t.v_head_dim, t.q_lora_rank, t.kv_lora_rank
+        flops = matmul_flops(tokens, ql, h) + matmul_flops(tokens, q, ql) if ql else matmul_flops(tokens, q, h)
+        flops += matmul_flops(tokens, kvl + rope, h) + matmul_flops(tokens, H * (t.head_dim - rope + v), kvl)
+        flops += matmul_flops(tokens, h, H * v)
+    else:
+        flops = 2 * matmul_flops(tokens, q, h) + 2 * matmul_flops(tokens, kv, h)
     flops += attention_score_flops(t, batch, seq, causal_fraction)
     if not t.sparse_layer(index):
         return flops + 3 * matmul_flops(tokens, t.intermediate_size, h)
     pairs = tokens * t.experts_per_token
     flops += matmul_flops(tokens, t.num_experts, h) + 3 * matmul_flops(pairs, t.moe_intermediate_size, h)
-    if t.shared_expert_intermediate_size:
-        flops += 3 * matmul_flops(tokens, t.shared_expert_intermediate_size, h) + matmul_flops(tokens, 1, h)
+    if t.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert has a 1-wide sigmoid gate, DeepSeek's none
+        flops += 3 * matmul_flops(tokens, t.shared_expert_intermediate_size, h)
+        flops += matmul_flops(tokens, 1, h) if family(t.family).shared_expert_gate else 0
     return flops
 
 

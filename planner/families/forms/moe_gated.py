@@ -48,7 +48,47 @@ def expert_pairs(spec: TransformerSpec, tokens: int, ep: int = 1, imbalance: flo
     return int(round(pairs * imbalance)) if ep > 1 or imbalance != 1.0 else pairs
 
 
+def _latent_attention(a: LayerArgs) -> list[Op]:
+    """DeepseekV3Attention (multi-head latent attention): q = q_b(norm(q_a(x))) (or q_proj(x)); the latent
+    [kv, k_rope] = kv_a_proj_with_mqa(x), kv = kv_b(norm(kv)) split into k_nope and v per head; rotary on
+    q's and k's rope parts; attention over q/k heads of nope + rope and v heads of v_head_dim; o_proj.
+    ASSUMPTION: the attention op is the one of heads of head_size (nope + rope) for q, k, v and output, so the
+    value and the output are counted at the q/k head width (192 where DeepSeek's v head is 128)."""
+    spec, ctx = a.spec, a.ctx
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    H, d, rope, v = spec.num_heads, spec.head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    ql, kvl, b = spec.q_lora_rank, spec.kv_lora_rank, spec.attention_bias
+    nope = d - rope
+    pre = a.prefix + "self_attn."
+    ops: list[Op] = []
+    if ql:
+        ops.append(linear("self_attn.q_a_proj", n, h, ql, act, ctx, linear_params(pre + "q_a_proj.", h, ql, b),
+                          input="self_attn.input", consumers=2, consumer=0))
+        ops.append(rms_norm("self_attn.q_a_layernorm", a.prefix, n, ql, low))
+        ops.append(linear("self_attn.q_b_proj", n, ql, H * d, promote(low, act), ctx,
+                          linear_params(pre + "q_b_proj.", ql, H * d, False)))
+    else:
+        ops.append(linear("self_attn.q_proj", n, h, H * d, act, ctx, linear_params(pre + "q_proj.", h, H * d, False),
+                          input="self_attn.input", consumers=2, consumer=0))
+    ops.append(linear("self_attn.kv_a_proj_with_mqa", n, h, kvl + rope, act, ctx,
+                      linear_params(pre + "kv_a_proj_with_mqa.", h, kvl + rope, b), input="self_attn.input",
+                      consumers=2, consumer=1))
+    ops.append(rms_norm("self_attn.kv_a_layernorm", a.prefix, n, kvl, low))
+    ops.append(linear("self_attn.kv_b_proj", n, kvl, H * (nope + v), promote(low, act), ctx,
+                      linear_params(pre + "kv_b_proj.", kvl, H * (nope + v), False)))
+    ops.append(Op("rotary", "rotary", {"q": (n, H * rope), "k": (n, rope), "tables": (ctx.s, rope)}, (),
+                  {"input": low, "tables": act}, {"first": a.index == 0}))
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    ops.append(attention_op(spec, ctx, kernel, masked, low, "gqa"))
+    ops.append(linear("self_attn.o_proj", n, H * v, h, low, ctx, linear_params(pre + "o_proj.", H * v, h, b),
+                      saves_input=False))
+    return ops
+
+
 def _attention(a: LayerArgs) -> list[Op]:
+    if a.traits.latent_attention:
+        return _latent_attention(a)
     spec, ctx = a.spec, a.ctx
     n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
     q, k, v, o = a.traits.layer_linears[:4]
@@ -84,9 +124,11 @@ def _attention(a: LayerArgs) -> list[Op]:
 # by module path: attention (gpt-oss's own `sinks` first, then q, k, v, o, the q/k norms), the MLP (router and
 # experts, the experts first in Qwen3MoeSparseMoeBlock; Qwen2's shared expert and its gate; a dense layer's
 # gate, up, down), the two norms last.
-_ORDER = ("self_attn.sinks", "self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
+_ORDER = ("self_attn.sinks", "self_attn.q_proj.", "self_attn.q_a_proj.", "self_attn.q_a_layernorm.",
+          "self_attn.q_b_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.kv_a_layernorm.", "self_attn.kv_b_proj.",
+          "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
           "self_attn.q_norm.", "self_attn.k_norm.", "mlp.ROUTER", "mlp.experts.", "mlp.shared_expert.",
-          "mlp.shared_expert_gate.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
+          "mlp.shared_experts.", "mlp.shared_expert_gate.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
           "post_attention_layernorm.")
 
 
@@ -128,21 +170,23 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     local = e // ep
     wd = ctx.act  # the weights' dtype: fp32 under fp32 and AMP, 16-bit in pure 16-bit
     shared = a.traits.shared_expert and spec.shared_expert_intermediate_size > 0
-    readers = 4 if shared else 1  # Linears reading the block's input (each its own cast under autocast)
+    gated = shared and a.traits.shared_expert_gate
+    # Linears reading the block's input (each its own cast under autocast): router, shared gate/up, its gate
+    readers = 1 + (2 if shared else 0) + (1 if gated else 0)
     ops: list[Op] = []
-    if shared:  # Qwen2MoeSparseMoeBlock runs the shared expert first
+    if shared:  # Qwen2MoeSparseMoeBlock runs the shared expert first (DeepseekV3MoE last: the same ops)
         si = spec.shared_expert_intermediate_size
-        pre = f"{a.prefix}mlp.shared_expert."
-        ops += [linear(f"mlp.shared_expert.{p}", n, h, si, x_dtype, ctx, linear_params(pre + p + ".", h, si, False),
+        name = a.traits.shared_experts_name
+        pre = f"{a.prefix}{name}."
+        ops += [linear(f"{name}.{p}", n, h, si, x_dtype, ctx, linear_params(pre + p + ".", h, si, False),
                        input="mlp.input", consumers=readers, consumer=1 + j)
                 for j, p in enumerate(("gate_proj", "up_proj"))]
-        act_op, act_out = activation("mlp.shared_expert.act", spec.hidden_act, n * si, ctx.low, ctx)
+        act_op, act_out = activation(f"{name}.act", spec.hidden_act, n * si, ctx.low, ctx)
         ops.insert(1, act_op)
-        ops.append(Op("gated_mul", "mlp.shared_expert.gate_mul_up", {"input": (n * si,), "output": (n * si,)}, (),
+        ops.append(Op("gated_mul", f"{name}.gate_mul_up", {"input": (n * si,), "output": (n * si,)}, (),
                       {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)}))
-        ops.append(linear("mlp.shared_expert.down_proj", n, si, h, promote(act_out, ctx.low), ctx,
-                          linear_params(pre + "down_proj.", si, h, False), input="mlp.shared_expert.product",
-                          as_is=True))
+        ops.append(linear(f"{name}.down_proj", n, si, h, promote(act_out, ctx.low), ctx,
+                          linear_params(pre + "down_proj.", si, h, False), input=f"{name}.product", as_is=True))
     ops.append(router_op(spec, a, x_dtype, readers, 0))
     ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
                   {"input": x_dtype, "output": x_dtype},
@@ -176,7 +220,9 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     weights = F32 if a.traits.topk_fp32 else ctx.low
     ops.append(Op("unpermute", "mlp.experts.unpermute", {"input": (s, h), "output": (n, h)}, (),
                   {"input": wd, "weights": weights, "output": promote(wd, weights)}, {}))
-    if shared:
+    if shared and not gated:  # DeepseekV3MoE: routed + shared_experts(residuals)
+        ops.append(add("mlp.shared_add", n * h, promote(wd, weights), ctx.low, promote(promote(wd, weights), ctx.low)))
+    if gated:
         ops.append(linear("mlp.shared_expert_gate", n, h, 1, x_dtype, ctx,
                           linear_params(f"{a.prefix}mlp.shared_expert_gate.", h, 1, False), input="mlp.input",
                           consumers=readers, consumer=3))
