@@ -52,7 +52,7 @@ def hf_config_object(layer: dict[str, Any], attention: str = "sdpa", use_cache: 
         if cfg.get("id2label") is not None and len(cfg["id2label"]) != layer["num_labels"]:
             cfg.pop("id2label")
             cfg.pop("label2id", None)
-        if layer["family"] in ("gpt2", "llama", "mistral") and cfg.get("pad_token_id") is None:
+        if layer["family"] not in ("bert", "roberta", "distilbert") and cfg.get("pad_token_id") is None:
             eos = cfg.get("eos_token_id")
             cfg["pad_token_id"] = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
     if attention == "auto":  # transformers picks its own default kernel for this model type and torch
@@ -64,8 +64,10 @@ def build_transformer(layer: dict[str, Any], attention: str = "sdpa", use_cache:
     """The transformers class named by `architecture`, randomly initialised from `hf_config`."""
     import transformers
 
-    config = hf_config_object(layer, attention, use_cache)
     cls = getattr(transformers, layer["architecture"])
+    if attention == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
+        attention = "eager"  # gpt-oss has no SDPA path (its attention sinks); transformers defaults it to eager
+    config = hf_config_object(layer, attention, use_cache)
     if layer["head"] == "base" and layer["family"] in ("bert", "roberta"):
         return cls(config, add_pooling_layer=layer["pooler"])
     return cls(config)

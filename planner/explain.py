@@ -77,7 +77,7 @@ def _precision_lines(est: Estimate) -> list[str]:
     total = est.parameters["total"]
     lines = [f"{'component':<16}{'parameters':>14}{'fp32 (4 B)':>14}{'fp16/bf16 (2 B)':>18}"]
     for name, n in est.parameters.items():
-        if name in ("trainable", "frozen"):  # an adapter run's split of the total: its own step says more
+        if name in ("trainable", "frozen", "active"):  # an adapter run's split, MoE's active: said elsewhere
             continue
         lines.append(f"{name:<16}{n:>14,}{fmt_bytes(4 * n):>14}{fmt_bytes(2 * n):>18}")
     p = est.config.precision
@@ -151,7 +151,26 @@ def _storage_lines(est: Estimate) -> list[str]:
     if est.parallel is not None:  # the model split over tensor/context/pipeline groups: one rank's share
         from planner.explain_parallel import storage_lines
 
-        return storage_lines(est)
+        lines = storage_lines(est)
+    else:
+        lines = _storage_lines_of_strategy(est)
+    if "active" in est.parameters:  # a mixture-of-experts model (issue 35; docs/moe.md)
+        cfg = est.config
+        ep = cfg.ep * cfg.etp
+        lines.append(f"Mixture of experts: {est.parameters['active']:,} of {est.parameters['total']:,} parameters "
+                     "are active per token (the FLOPs count those). "
+                     + (f"--ep {cfg.ep}{f' × --etp {cfg.etp}' if cfg.etp > 1 else ''}: each GPU holds 1/{ep} of "
+                        f"every MoE layer's experts (and their gradients and optimizer states), sharded further "
+                        f"over the {est.world_size // ep} GPU(s) of the expert data-parallel group when the "
+                        "strategy shards; attention, norms, embeddings and routers as above. Each MoE layer "
+                        "sends its tokens to their experts' GPUs and back (all-to-all) in forward and backward"
+                        + (f"; the busiest GPU gets {cfg.moe_imbalance:g}× the mean share of tokens and decides "
+                           "the verdict." if cfg.moe_imbalance != 1.0 else ".") if ep > 1 else
+                        "Every GPU holds all experts (--ep 1)."))
+    return lines
+
+
+def _storage_lines_of_strategy(est: Estimate) -> list[str]:
     cfg, m, world = est.config, est.memory_bytes, est.world_size
     p = cfg.parallelism
     strategy = strategy_of(p)

@@ -40,8 +40,10 @@ PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3
 # (planner.memory.stack.default_attention); `estimate` resolves it, so an Estimate's config never says "auto".
 Attention = Literal["auto", "eager", "sdpa", "flash"]
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
-Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral"]
-FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral")
+Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe",
+                 "olmoe", "gpt_oss", "deepseek_v3"]
+FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "mixtral", "qwen2_moe",
+                             "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
 Head = Literal["base", "sequence-classification", "masked-lm", "causal-lm"]
 # Where kernels run. "cuda" is what the planner predicts; "cpu" exists so tests can compare the same
 # formulas with what CPU kernels save (dropout masks, SDPA fallback, autocast op lists differ).
@@ -134,11 +136,40 @@ class TransformerSpec(Frozen):
     tie_word_embeddings: bool = True
     attention_bias: bool = True
     mlp_bias: bool = True
+    # The attention heads' width when config.json sets `head_dim` apart from hidden/heads (Qwen3-MoE: 128 with
+    # hidden 2048 and 32 heads); 0: hidden_size // num_heads.
+    head_size: int = 0
+    # Mixture-of-experts layers (issue 35; planner/families/forms/moe_gated.py): routed experts, how many each
+    # token picks (top-k), each expert's SwiGLU width, the shared expert's width (Qwen2-MoE; 0 none), whether
+    # top-k weights are renormalised, and the layers whose MLP is a dense one (Qwen's mlp_only_layers /
+    # decoder_sparse_step). All 0 / empty for a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V3's multi-head latent attention (MLA): q through a rank-q_lora_rank bottleneck (0: one q_proj),
+    # keys and values from a rank-kv_lora_rank latent, qk_rope_head_dim of each head rotated; head_size is the
+    # query/key head (nope + rope), v_head_dim the value head. All 0 for other attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model (some layers route each token to `experts_per_token` of its experts)."""
+        return self.num_experts > 0
+
+    def sparse_layer(self, index: int) -> bool:
+        """Layer `index` runs the routed experts (not a dense MLP)."""
+        return self.moe and index not in self.dense_layers
 
 
 class DenseSpec(Frozen):
@@ -596,7 +627,7 @@ class Estimate(Frozen):
     gpu: str
     config: TrainConfig  # resolved: parallelism is never "auto" here
     world_size: int
-    parameters: dict[str, int]  # one entry per component, plus "total"
+    parameters: dict[str, int]  # one entry per component, plus "total" (and "active" for a mixture of experts)
     memory_bytes: MemoryBytes
     phases: tuple[PhasePeak, ...]
     peak_phase: str

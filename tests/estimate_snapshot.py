@@ -70,10 +70,12 @@ BATCH, SEQ = 4, 256
 
 def grid_cases() -> list[tuple[str, str, dict[str, Any], str, dict[str, Any]]]:
     """(key, model, TrainConfig fields, instance, extra estimate() keywords) of the torch-free grid."""
-    from planner.models.catalog import list_models
+    from planner.models.catalog import cached_model, list_models
 
+    # the mixture-of-experts models came after the fixture (issue 35): tests/test_moe.py checks them
+    dense = [m for m in list_models() if not any(t.moe for t in cached_model(m).transformers)]
     out = []
-    for model, prec, ckpt, par, inst in itertools.product(list_models(), PRECISIONS, CHECKPOINTING, PARALLELISMS,
+    for model, prec, ckpt, par, inst in itertools.product(dense, PRECISIONS, CHECKPOINTING, PARALLELISMS,
                                                           INSTANCES):
         cfg = {"batch_size": BATCH, "seq_len": SEQ, "precision": prec, "checkpointing": ckpt, "parallelism": par}
         out.append((f"{model}|{prec}|ckpt={ckpt}|{par}|{inst}", model, cfg, inst, {}))

@@ -122,6 +122,9 @@ def test_a_defaulted_stack_has_a_wider_context_band_than_the_same_stack_given():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_default_attention_switches_at_the_sourced_version(family):
+    if sw.table()["sdpa_default"]["families"][family]["since"] is None:  # never SDPA by default (gpt-oss)
+        assert sw.default_attention(st("2.9", "12.8", "5.23"), family) == "eager"
+        return
     since = sw.parse_version("since", sw.table()["sdpa_default"]["families"][family]["since"])
     before = f"{since[0]}.{since[1] - 1}"
     at = f"{since[0]}.{since[1]}"
@@ -134,7 +137,10 @@ def test_default_attention_switches_at_the_sourced_version(family):
 
 HF_CLASSES = {"bert": ("BertConfig", "BertModel"), "roberta": ("RobertaConfig", "RobertaModel"),
               "distilbert": ("DistilBertConfig", "DistilBertModel"), "gpt2": ("GPT2Config", "GPT2Model"),
-              "llama": ("LlamaConfig", "LlamaModel"), "mistral": ("MistralConfig", "MistralModel")}
+              "llama": ("LlamaConfig", "LlamaModel"), "mistral": ("MistralConfig", "MistralModel"),
+              "mixtral": ("MixtralConfig", "MixtralModel"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeModel"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeModel"), "olmoe": ("OlmoeConfig", "OlmoeModel"),
+              "gpt_oss": ("GptOssConfig", "GptOssModel"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3Model")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -46,6 +46,7 @@ from planner.cli.lora_opts import (
     lora_fields,
     lora_flags,
 )
+from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields, moe_flags
 from planner.cli.options import build_config
 from planner.cli.parallel_opts import (
     CpOpt,
@@ -134,6 +135,7 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
                                    f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]) | fp8_compile_fields(f)
+                       | moe_fields(f.get("ep", 1), f.get("etp", 1), f.get("moe_imbalance", 1.0))
                        | parallel_fields(tp=f["tp"], sp=f["sp"], cp=f["cp"], pp=f["pp"], pp_schedule=f["pp_schedule"],
                                          vp=f["vp"], dp_replicas=f["dp_replicas"],
                                          distributed_optimizer=f["distributed_optimizer"], recompute=f["recompute"],
@@ -274,7 +276,8 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg) + parallel_flags(cfg))
+    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg) + parallel_flags(cfg)
+                    + moe_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:
@@ -341,6 +344,9 @@ def register(app: typer.Typer) -> None:
         distributed_optimizer: DistOptOpt = False,
         recompute: RecomputeOpt = None,
         recompute_modules: RecomputeModulesOpt = None,
+        ep: EpOpt = 1,
+        etp: EtpOpt = 1,
+        moe_imbalance: MoeImbalanceOpt = 1.0,
         torch_version: TorchVersionOpt = None,
         cuda_version: CudaVersionOpt = None,
         transformers_version: TransformersVersionOpt = None,

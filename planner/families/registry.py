@@ -20,6 +20,11 @@ _LLAMA_LAYER = (Linear("self_attn.q_proj", "h", "q", "attention"), Linear("self_
                 Linear("mlp.gate_proj", "h", "i", "mlp"), Linear("mlp.up_proj", "h", "i", "mlp"),
                 Linear("mlp.down_proj", "i", "h", "mlp"))
 
+# Qwen2-MoE: q, k, v biased by config.qkv_bias, o_proj never (Qwen2MoeAttention).
+_QWEN2_MOE_LAYER = (Linear("self_attn.q_proj", "h", "q", "attention"), Linear("self_attn.k_proj", "h", "kv", "attention"),
+                    Linear("self_attn.v_proj", "h", "kv", "attention"), Linear("self_attn.o_proj", "q", "h", "no"),
+                    *_LLAMA_LAYER[4:])
+
 _LLAMA_NAMES = {"word_table": "embed_tokens", "layer_norm_names": ("input_layernorm", "post_attention_layernorm"),
                 "final_norm_name": "norm"}
 
@@ -63,6 +68,44 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, sliding_window=True,
            lora_default_targets=("q_proj", "v_proj"), layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
            classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    # Mixture-of-experts decoders (issue 35): transformers 5 modeling_mixtral / modeling_qwen2_moe /
+    # modeling_qwen3_moe / modeling_olmoe. Their attention is Llama's (Qwen3 adds per-head q/k RMSNorms,
+    # OLMoE norms over the whole q and k projections); the MLP is `mlp.gate` (a TopKRouter) and `mlp.experts`
+    # (gate_up_proj (E, 2i, h) and down_proj (E, h, i) as 3-D parameters), Qwen2-MoE adds `mlp.shared_expert`
+    # and `mlp.shared_expert_gate`. peft 0.18 maps only mixtral (q_proj, v_proj); the others ask for targets.
+    Family("mixtral", "Mixtral", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, sliding_window=True,
+           topk_fp32=True,
+           lora_default_targets=("q_proj", "v_proj"), layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    Family("qwen2_moe", "Qwen2Moe", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, shared_expert=True,
+           layer_prefix="layers.{i}.", layer_linears=_QWEN2_MOE_LAYER, classifier_linears=_DECODER_SCORE,
+           lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    Family("qwen3_moe", "Qwen3Moe", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, qk_norm="head",
+           experts_before_router=True, layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    Family("olmoe", "Olmoe", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, qk_norm="full",
+           classifier_head=False, layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    # gpt-oss: every projection biased (attention_bias), a sink logit per head, the router and experts above;
+    # transformers 5 runs it eager by default (GptOssPreTrainedModel._supports_sdpa = False).
+    Family("gpt_oss", "GptOss", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=False, sliding_window=True,
+           router_name="mlp.router", router_bias=True, topk_then_softmax=True, expert_bias=True,
+           experts_transposed=True, clamped_swiglu=True, attention_sinks=True,
+           layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER, classifier_linears=_DECODER_SCORE,
+           lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    # DeepSeek-V3 (and Moonlight, the same model type): MLA, experts then router then shared experts
+    # (DeepseekV3MoE.__init__), the first `first_k_dense_replace` layers dense.
+    Family("deepseek_v3", "DeepseekV3", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, shared_expert=True,
+           experts_before_router=True, latent_attention=True, shared_experts_name="mlp.shared_experts",
+           shared_expert_gate=False, router_score_buffer=True, layer_prefix="layers.{i}.",
+           layer_linears=_LLAMA_LAYER, classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM,
+           **_LLAMA_NAMES),
 )}
 
 

@@ -14,8 +14,11 @@ from typing import Literal
 
 # The layer forms the interpreters know (each is a block of rules in activations/kernels/params):
 # post-norm encoder (BertLayer), pre-norm with Conv1D projections (GPT2Block), pre-norm gated with RMSNorm and
-# rotary positions (LlamaDecoderLayer).
-LayerForm = Literal["post_norm_encoder", "pre_norm_conv1d", "pre_norm_gated"]
+# rotary positions (LlamaDecoderLayer), and that layer with a mixture-of-experts MLP (MixtralDecoderLayer,
+# Qwen2/3-MoE, OLMoE: a router and routed SwiGLU experts, a shared expert where the family has one).
+LayerForm = Literal["post_norm_encoder", "pre_norm_conv1d", "pre_norm_gated", "moe_gated"]
+# Per-head query/key norms: none, RMSNorm over each head's width (Qwen3), over the whole projection (OLMoE).
+QkNorm = Literal["none", "head", "full"]
 # Sequence-classification heads: BERT's classifier on the pooled output; RoBERTa's dense -> tanh -> out_proj
 # on hidden[:, 0]; DistilBERT's pre_classifier -> ReLU -> classifier on hidden[:, 0]; decoders' `score` on
 # every token (then the last non-pad token is picked).
@@ -89,6 +92,32 @@ class Family:
     final_norm_name: str = ""  # under the base model (decoders)
     lm_head_norm: str = ""  # the masked-LM transform's norm, from the model's root
     lm_head_bias: str = ""  # the masked-LM head's own (V,) bias parameter, from the model's root
+    # Mixture-of-experts layers (layer form "moe_gated"): the router keeps its top-k weights in fp32
+    # (MixtralTopKRouter) or casts them back to the logits' dtype (Qwen2/Qwen3/OLMoE `.to(router_logits.dtype)`);
+    # q/k norms; a shared expert with a sigmoid gate (Qwen2-MoE); whether transformers has a
+    # *ForSequenceClassification class (OLMoE has none).
+    topk_fp32: bool = False
+    experts_before_router: bool = False  # Qwen3MoeSparseMoeBlock registers `experts` before `gate`
+    # gpt-oss (transformers 5 modeling_gpt_oss): the router is `mlp.router` with a bias, picks the top-k
+    # logits and softmaxes only those; the experts are stored transposed ((E, h, 2i), (E, i, h)) with biases
+    # and gate and up interleaved, joined by a clamped SwiGLU ((up + 1) · gate · sigmoid(α · gate)); each
+    # attention head has a learned sink logit (`self_attn.sinks`).
+    router_name: str = "mlp.gate"
+    router_bias: bool = False
+    topk_then_softmax: bool = False
+    expert_bias: bool = False
+    experts_transposed: bool = False
+    clamped_swiglu: bool = False
+    attention_sinks: bool = False
+    # DeepSeek-V3 (modeling_deepseek_v3): multi-head latent attention, `mlp.shared_experts` without a gate, a
+    # sigmoid router with a registered fp32 `e_score_correction_bias` buffer (group-limited top-k).
+    latent_attention: bool = False
+    shared_experts_name: str = "mlp.shared_expert"
+    shared_expert_gate: bool = True
+    router_score_buffer: bool = False
+    qk_norm: QkNorm = "none"
+    shared_expert: bool = False
+    classifier_head: bool = True
 
     @property
     def encoder(self) -> bool:
@@ -102,8 +131,8 @@ class Family:
 
     @property
     def gated_mlp(self) -> bool:
-        """SwiGLU MLP (gate, up, down) with RMSNorm and rotary positions."""
-        return self.layer == "pre_norm_gated"
+        """SwiGLU MLP (gate, up, down) with RMSNorm and rotary positions (the MoE layers' experts too)."""
+        return self.layer in ("pre_norm_gated", "moe_gated")
 
     @property
     def conv1d(self) -> bool:

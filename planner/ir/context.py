@@ -72,6 +72,11 @@ class Ctx:
     def chunk(self) -> int:
         """Tokens of one sample on this rank: s / cp (context parallelism's local chunk)."""
         return self.s // self.cp
+    # Mixture-of-experts layers (issue 35): the expert-parallel degree this rank's experts are split over
+    # (each rank holds experts / ep and computes the token-expert pairs sent to them) and the hottest rank's
+    # share of pairs over the mean (--moe-imbalance). Dense models never read them.
+    ep: int = 1
+    moe_imbalance: float = 1.0
 
     @property
     def n(self) -> int:

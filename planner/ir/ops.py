@@ -44,6 +44,11 @@ OP_KINDS: dict[str, str] = {
     "cross_entropy": "log_softmax + nll_loss over the logits",
     "batch_norm": "nn.BatchNorm1d on per-sample features",
     "checkpoint": "the inputs a checkpointed block keeps (torch.utils.checkpoint non-reentrant)",
+    # Mixture-of-experts (issue 35; planner/families/forms/moe_gated.py, transformers' grouped_mm experts)
+    "router": "an MoE router: logits = x·Wᵀ (E experts), softmax in fp32, top-k, top-k weights renormalised",
+    "permute": "token-expert pairs sorted by expert and gathered (tokens·top_k rows of the hidden state)",
+    "expert_gemm": "one grouped GEMM over every local expert (torch grouped_mm with per-expert offsets)",
+    "unpermute": "expert outputs times their routing weights, put back in token order, summed over top-k",
     # Collectives and quantisation: in the vocabulary for the transforms that will emit them (parallel
     # sharding, QLoRA's dequantize); no form emits them yet.
     "all_reduce": "NCCL all-reduce", "all_gather": "NCCL all-gather", "reduce_scatter": "NCCL reduce-scatter",

@@ -483,6 +483,8 @@ def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]
             return [(h * q, q), (h * kv, kv), (h * kv, kv), (q * h, h), (h * i, i), (i * h, h)]
     if block.role == "layer":
         traits = family(spec.family)
+        if traits.layer == "moe_gated":
+            return _program_linear_params(block)
         if traits.gated_mlp:
             q, kv = spec.num_heads * d, spec.num_kv_heads * d
             return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
@@ -505,6 +507,25 @@ def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]
         if spec.head == "causal-lm":
             return [(h * vocab, 0)]
     return []
+
+
+def _program_linear_params(block: Block) -> list[tuple[int, int]]:
+    """(weight, bias) of the matmuls autocast casts, read from the layer's program: its Linears and the MoE
+    router (F.linear). The experts' grouped GEMMs are not autocast (transformers' `_grouped_mm` casts the
+    input to the fp32 weights instead: planner/families/forms/moe_gated.py), so their weights are not cast."""
+    from planner.families.forms import PARAMETER_CONTEXT, LayerArgs, load_forms
+
+    spec = block.layer
+    assert isinstance(spec, TransformerSpec)
+    traits = family(spec.family)
+    ops = load_forms()[traits.layer](LayerArgs(spec, traits, PARAMETER_CONTEXT, block.index, ""))
+    out = []
+    for op in ops:
+        if op.kind in ("linear", "router"):
+            w = sum(p.numel for p in op.params if p.name.endswith("weight") and len(p.shape) == 2)
+            b = sum(p.numel for p in op.params if p.name.endswith("bias"))
+            out.append((w, b))
+    return out
 
 
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
@@ -678,8 +699,8 @@ GELU_NEW_BACKWARD_TENSORS = 6
 
 def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) -> Ctx:
     """The context of `config` for callers without the pipeline's record: one rank's shard under the config's
-    tp, sp and cp; --precision fp8 as the pipeline computes it (amp-bf16 with FP8 Linears:
-    planner.pipeline.resolve)."""
+    tp, sp and cp (and its expert layout); --precision fp8 as the pipeline computes it (amp-bf16 with FP8
+    Linears: planner.pipeline.resolve)."""
     import dataclasses
 
     recipe = None
@@ -690,7 +711,8 @@ def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) ->
         recipe, precision = config.fp8_recipe or default_recipe(config.framework), "amp-bf16"
     ctx = rank_context(config.batch_size, config.seq_len, precision, config.attention, backend, padded,
                        flash_ok, tp=config.tp, sp=config.sp, cp=config.cp)
-    return dataclasses.replace(ctx, fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile)
+    return dataclasses.replace(ctx, fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile,
+                               ep=config.ep, moe_imbalance=config.moe_imbalance)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:

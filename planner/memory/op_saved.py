@@ -78,14 +78,19 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "activation")
 def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    if op.attrs["act"] == "clamped_swiglu":
+        return clamped_swiglu_saved(op)
     return act.activation_saved(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)[0]
 
 
 @register("saved", "gated_mul")
 def gated_mul_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """act(gate) · up saves both factors; fused (torch.compile), act(gate) is recomputed from the gate the
-    activation saves, so only `up` stays."""
+    activation saves, so only `up` stays. A broadcast product (Qwen2-MoE's sigmoid(gate) (n, 1) times the
+    shared expert's output) adds only the wide factor: the narrow one is the sigmoid's saved output."""
     n = math.prod(op.shapes["input"])
+    if "broadcast" in op.attrs:
+        return [Saved(f"{op.name}.other", n, op.dtypes["other"])]
     up = Saved("mlp.up", n, op.dtypes["other"])
     return [up] if op.attrs.get("fused") else [Saved("mlp.act_output", n, op.dtypes["input"]), up]
 
@@ -128,8 +133,20 @@ def _context(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "attention_eager")
 def eager_saved(op: Op, ctx: Ctx) -> list[Saved]:
-    return act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"],
-                                     op.attrs.get("heads")) + _context(op, ctx)
+    out = act.eager_attention_saved(op.attrs["spec"], ctx, op.dtypes["q"], op.attrs["masked"],
+                                    op.attrs.get("heads")) + _context(op, ctx)
+    if op.attrs.get("sinks"):
+        out += _sinks_saved(op, ctx)
+    return out
+
+
+def _sinks_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """gpt-oss's eager attention (modeling_gpt_oss.eager_attention_forward) joins a sink column to the scores
+    before the softmax (cat), subtracts the row max (`max(dim)` saves its int64 indices) and drops the column
+    after: one more softmax column and the indices, b · heads · s each."""
+    spec = op.attrs["spec"]
+    rows = ctx.b * spec.num_heads * ctx.s
+    return [Saved("attention.sink_column", rows, F32), Saved("attention.row_max_indices", rows, I64)]
 
 
 @register("saved", "attention_math")
@@ -244,6 +261,75 @@ def region_inputs(region: str, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:
     if region == "layernorm":
         return [Saved(f"{first.name}.checkpoint.input", math.prod(first.shapes["input"]), first.dtypes["input"])]
     raise ValueError(f"recompute region {region!r}: known core_attn, mlp, layernorm")
+
+
+def clamped_swiglu_saved(op: Op) -> list[Saved]:
+    """gpt-oss's expert gate (GptOssExperts._apply_gate) on n = pairs · i elements: both clamps save the
+    gate_up output (their inputs are views of it: 2n), sigmoid its output, gate · sigmoid both factors (the
+    clamped gate), (up + 1) · glu both factors: four new n-element tensors besides the 2n storage."""
+    n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+    return [Saved(f"{op.name}.gate_up", 2 * n, d), Saved(f"{op.name}.gate_clamped", n, d),
+            Saved(f"{op.name}.sigmoid", n, d), Saved(f"{op.name}.up_plus_one", n, d), Saved(f"{op.name}.glu", n, d)]
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+# transformers 5 *TopKRouter.forward and integrations/moe.py grouped_mm_experts_forward, op by op; what each
+# ATen op saves is its derivatives.yaml formula (softmax its output, topk its indices, index its indices,
+# mul both factors, grouped_mm its input and offsets).
+
+
+@register("saved", "router")
+def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """F.linear(x, gate.weight) saves x (its own 16-bit cast under autocast: one of the block input's
+    readers); softmax(dtype=float) its fp32 output; topk its int64 indices; the renormalising division
+    (`top /= top.sum(-1, keepdim=True)`) the top-k values and their sums."""
+    n, h = op.shapes["input"]
+    a = op.attrs
+    tensors = act.linear_inputs(a["input_name"], n * h, op.dtypes["input"], ctx, a["consumers"])
+    if len(tensors) == a["consumers"] and a["consumers"] > 1:
+        out = [tensors[a["consumer"]]]
+    else:
+        out = tensors if a["consumer"] == 0 else []
+    rows, k = op.shapes["topk"]
+    if a.get("topk_then_softmax"):  # gpt-oss: top-k of the logits, then a softmax over those k (logits' dtype)
+        return out + [Saved(f"{op.name}.topk_indices", rows * k, I64),
+                      Saved(f"{op.name}.scores", rows * k, op.dtypes["compute"])]
+    out += [Saved(f"{op.name}.probs", math.prod(op.shapes["logits"]), F32),
+            Saved(f"{op.name}.topk_indices", rows * k, I64)]
+    if a["renormalise"]:
+        out += [Saved(f"{op.name}.topk_values", rows * k, F32), Saved(f"{op.name}.topk_sum", rows, F32)]
+    return out
+
+
+@register("saved", "permute")
+def permute_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """`hidden_states[perm // top_k]` saves its index, `sample_weights[perm]` the sort's permutation (S int64
+    each); the per-expert offsets (int32, one per local expert) are saved by the grouped GEMMs."""
+    pairs = op.shapes["output"][0]
+    out = [Saved(f"{op.name}.token_index", pairs, I64), Saved(f"{op.name}.perm", pairs, I64),
+           Saved(f"{op.name}.offsets", op.attrs["experts"], "int32")]
+    if op.attrs.get("bias_index"):  # `*_proj_bias[expert_ids_g]`: the sorted expert ids, one storage for both
+        out.append(Saved(f"{op.name}.expert_ids", pairs, I64))
+    return out
+
+
+@register("saved", "expert_gemm")
+def expert_gemm_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """grouped_mm(input.to(weight.dtype), weight) saves its input: the gathered pairs (gate_up) or the
+    gated product (down), as a new cast when the input is not already in the weights' dtype."""
+    rows, n_in = op.shapes["input"]
+    dtype = op.dtypes["compute"]
+    name = f"{op.name}.input" + (".cast" if op.dtypes["input"] != dtype else "")
+    return [Saved(name, rows * n_in, dtype)]
+
+
+@register("saved", "unpermute")
+def unpermute_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """`proj_out * sample_weights_g` saves both (S·h and S), `weighted_out[inv_perm]` its index (S int64);
+    the sum over top-k saves nothing."""
+    pairs, h = op.shapes["input"]
+    return [Saved(f"{op.name}.expert_output", pairs * h, op.dtypes["input"]),
+            Saved(f"{op.name}.weights", pairs, op.dtypes["weights"]), Saved(f"{op.name}.inv_perm", pairs, I64)]
 
 
 def op_saved(op: Op, ctx: Ctx) -> list[Saved]:

@@ -264,6 +264,8 @@ def default_attention(stack: SoftwareStack, family: str) -> str:
     row = sd["families"].get(family)
     if row is None:
         return "sdpa"
+    if row["since"] is None:  # a model class that never enables SDPA (gpt-oss: its attention sinks)
+        return "eager"
     tf_ok = parse_version("tf", stack.transformers) >= parse_version("tf", row["since"])
     torch_ok = parse_version("torch", stack.torch) >= parse_version("torch", sd["min_torch"])
     return "sdpa" if tf_ok and torch_ok else "eager"

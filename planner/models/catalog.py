@@ -26,7 +26,8 @@ TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels")
 # Listing order: by family, small to large; a config file added later is listed after these.
 ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-base", "roberta-large",
                           "distilroberta-base", "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large",
-                          "gpt2-xl", "llama-2-7b", "llama-3-8b", "mistral-7b")
+                          "gpt2-xl", "llama-2-7b", "llama-3-8b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b",
+                          "qwen3-235b-a22b", "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3")
 
 
 @caches.lru(None, scope="facts", key="none: the catalog's config files")

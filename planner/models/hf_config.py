@@ -6,7 +6,8 @@ absent optional keys are those of the transformers 5 config classes (e.g. `BertC
 `LlamaConfig.tie_word_embeddings=False`), so the spec describes exactly the module that
 `transformers` would build from the same dict; tests/test_params.py checks this against real modules.
 
-Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral; `architectures[0]` picks the head:
+Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral, mixtral, qwen2_moe, qwen3_moe, olmoe,
+gpt_oss, deepseek_v3; `architectures[0]` picks the head:
 `<Prefix>Model` -> "base", `...ForSequenceClassification`, `...ForMaskedLM` (encoders),
 `GPT2LMHeadModel` / `...ForCausalLM` (decoders).
 """
@@ -53,8 +54,11 @@ TOKEN_TYPE_INPUTS: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() 
 
 
 def heads_of(family: str) -> tuple[str, ...]:
-    """Heads the planner supports for a family: encoders have masked-LM, decoders causal-LM."""
+    """Heads the planner supports for a family: encoders have masked-LM, decoders causal-LM (and
+    sequence classification where transformers has the class: OLMoE has none)."""
     lm = "masked-lm" if family in ENCODERS else "causal-lm"
+    if not FAMILIES[family].classifier_head:
+        return ("base", lm)
     return ("base", "sequence-classification", lm)
 
 
@@ -241,6 +245,126 @@ def _llama_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     )
 
 
+# Mixture-of-experts families (issue 35): each config class's field names and transformers 5 defaults
+# (MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig; printed from the installed classes).
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(experts_key="num_local_experts", experts=8, top_k=2, kv=8, positions=4096 * 32),
+    "qwen2_moe": dict(experts_key="num_experts", experts=60, top_k=4, kv=16, positions=32768, moe_i=1408,
+                      shared_i=5632),
+    "qwen3_moe": dict(experts_key="num_experts", experts=128, top_k=8, kv=4, positions=32768, moe_i=768),
+    "olmoe": dict(experts_key="num_experts", experts=64, top_k=8, kv=16, positions=4096),
+    "gpt_oss": dict(experts_key="num_local_experts", experts=128, top_k=4, kv=8, positions=131072),
+}
+
+
+def _moe_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: Llama's attention (any head_dim) and a routed SwiGLU MoE MLP.
+
+    Which layers are sparse: every one for Mixtral and OLMoE; for Qwen, layer i unless it is in
+    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step` (Qwen3MoeDecoderLayer.__init__).
+    Mixtral's experts are `intermediate_size` wide and always renormalise their top-k weights; Qwen's are
+    `moe_intermediate_size` wide (dense layers `intermediate_size`) and renormalise when `norm_topk_prob`."""
+    d = _MOE_DEFAULTS[family]
+    hidden, heads = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads", d["kv"])
+    assert kv_heads is not None
+    head_dim = _int(cfg, "head_dim", None)
+    _check_heads(hidden, heads, kv_heads, None)  # head_dim may differ from hidden / heads (Qwen3-MoE)
+    layers = _req(cfg, "num_hidden_layers")
+    experts = _int(cfg, d["experts_key"], d["experts"], minimum=0)
+    top_k = _int(cfg, "num_experts_per_tok", d["top_k"])
+    assert experts is not None and top_k is not None
+    if experts and top_k > experts:
+        raise PlannerError(f"{FIELD}:num_experts_per_tok", top_k, f"at most {d['experts_key']}={experts}")
+    if family == "gpt_oss":  # GptOssConfig: head_dim 64, experts intermediate_size wide, no renormalising
+        head_dim = head_dim or 64
+        inner = _int(cfg, "intermediate_size", 2880)
+        assert inner is not None
+        moe_inner, norm_topk, dense = inner, False, ()
+    elif family == "mixtral":
+        jitter = cfg.get("router_jitter_noise") or 0.0
+        if jitter:
+            raise PlannerError(f"{FIELD}:router_jitter_noise", jitter, "0 (the router's jitter is not modelled)")
+        inner = _req(cfg, "intermediate_size")
+        moe_inner, norm_topk, dense = inner, True, ()
+    else:
+        inner = _int(cfg, "intermediate_size", 6144 if family == "qwen3_moe" else 5632 if family == "qwen2_moe"
+                     else 2048)
+        assert inner is not None
+        moe_inner = inner if family == "olmoe" else _int(cfg, "moe_intermediate_size", d["moe_i"])
+        norm_topk = _bool(cfg, "norm_topk_prob", False)
+        dense = tuple(i for i in range(layers) if not _qwen_sparse(cfg, i, experts)) if family != "olmoe" else ()
+    if family == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise PlannerError(f"{FIELD}:clip_qkv", cfg["clip_qkv"], "null (clamping q, k, v is not modelled)")
+    if _bool(cfg, "output_router_logits", False):
+        raise PlannerError(f"{FIELD}:output_router_logits", True,
+                           "false (the auxiliary loss's kept router logits are not modelled)")
+    biased = _bool(cfg, "qkv_bias", True) if family == "qwen2_moe" else \
+        family != "mixtral" and _bool(cfg, "attention_bias", family == "gpt_oss")
+    return dict(
+        vocab_size=_req(cfg, "vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, intermediate_size=inner, head_size=head_dim or 0,
+        max_positions=_int(cfg, "max_position_embeddings", d["positions"]), position_table=0, type_vocab_size=0,
+        hidden_act=_str(cfg, "hidden_act", "silu"), norm="rmsnorm", hidden_dropout=0.0,
+        attention_dropout=_float(cfg, "attention_dropout", 0.0), embedding_dropout=0.0, classifier_dropout=None,
+        attention_bias=biased, mlp_bias=False, num_experts=experts, experts_per_token=top_k if experts else 0,
+        moe_intermediate_size=moe_inner if experts else 0,
+        shared_expert_intermediate_size=(_int(cfg, "shared_expert_intermediate_size", d["shared_i"]) or 0)
+        if family == "qwen2_moe" and experts else 0,
+        norm_topk_prob=norm_topk, dense_layers=dense,
+    )
+
+
+def _deepseek_v3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 (DeepseekV3Config defaults): MLA, n_routed_experts routed experts (top num_experts_per_tok,
+    sigmoid scores, group-limited, renormalised and scaled), n_shared_experts shared ones as one MLP of
+    moe_intermediate_size · n_shared_experts, dense MLPs (intermediate_size) in the first first_k_dense_replace
+    layers. Multi-token prediction (num_nextn_predict_layers) is not built by transformers: not counted."""
+    hidden, heads = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
+    _check_heads(hidden, heads, heads, None)
+    layers = _req(cfg, "num_hidden_layers")
+    experts = _int(cfg, "n_routed_experts", 256)
+    top_k = _int(cfg, "num_experts_per_tok", 8)
+    groups = _int(cfg, "n_group", 8)
+    assert experts is not None and top_k is not None and groups is not None
+    if top_k > experts:
+        raise PlannerError(f"{FIELD}:num_experts_per_tok", top_k, f"at most n_routed_experts={experts}")
+    if experts % groups:
+        raise PlannerError(f"{FIELD}:n_group", groups, f"a divisor of n_routed_experts={experts}")
+    moe_inner = _int(cfg, "moe_intermediate_size", 2048)
+    shared = _int(cfg, "n_shared_experts", 1, minimum=0)
+    dense = _int(cfg, "first_k_dense_replace", 3, minimum=0)
+    nope, rope = _int(cfg, "qk_nope_head_dim", 128), _int(cfg, "qk_rope_head_dim", 64)
+    assert moe_inner is not None and shared is not None and dense is not None and nope and rope
+    if _bool(cfg, "output_router_logits", False):
+        raise PlannerError(f"{FIELD}:output_router_logits", True,
+                           "false (the auxiliary loss's kept router logits are not modelled)")
+    return dict(
+        vocab_size=_int(cfg, "vocab_size", 129280), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, intermediate_size=_int(cfg, "intermediate_size", 18432), head_size=nope + rope,
+        max_positions=_int(cfg, "max_position_embeddings", 4096), position_table=0, type_vocab_size=0,
+        hidden_act=_str(cfg, "hidden_act", "silu"), norm="rmsnorm", hidden_dropout=0.0,
+        attention_dropout=_float(cfg, "attention_dropout", 0.0), embedding_dropout=0.0, classifier_dropout=None,
+        attention_bias=_bool(cfg, "attention_bias", False), mlp_bias=False, num_experts=experts,
+        experts_per_token=top_k, moe_intermediate_size=moe_inner, shared_expert_intermediate_size=moe_inner * shared,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", True), dense_layers=tuple(range(min(dense, layers))),
+        q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else _int(cfg, "q_lora_rank", 1536),
+        kv_lora_rank=_int(cfg, "kv_lora_rank", 512) or 512,
+        qk_rope_head_dim=rope, v_head_dim=_int(cfg, "v_head_dim", 128) or 128,
+    )
+
+
+def _qwen_sparse(cfg: dict[str, Any], index: int, experts: int) -> bool:
+    """Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer: the sparse block unless mlp_only_layers lists the layer or
+    decoder_sparse_step skips it."""
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise PlannerError(f"{FIELD}:mlp_only_layers", only, "a list of layer indices")
+    step = _int(cfg, "decoder_sparse_step", 1)
+    assert step is not None
+    return index not in only and experts > 0 and (index + 1) % step == 0
+
+
 # ------------------------------------------------------------------------------------- public
 
 
@@ -306,6 +430,10 @@ def _transformer(config: dict[str, Any], family: str) -> TransformerSpec:
         fields = _distilbert(config)
     elif family == "gpt2":
         fields = _gpt2(config)
+    elif family in _MOE_DEFAULTS:
+        fields = _moe_like(config, family)
+    elif family == "deepseek_v3":
+        fields = _deepseek_v3(config)
     else:
         fields = _llama_like(config, family)
     _check_limits(fields)

@@ -15,6 +15,9 @@ from planner.identity_cache import per_object
 from planner.models.blocks import Block, model_blocks
 from planner.spec import BatchNormSpec, DenseSpec, ModelSpec, TransformerSpec
 
+_LAYER_PARAMS: dict[int, dict] = caches.table("planner.models.params._LAYER_PARAMS", scope="model",
+    key="TransformerSpec identity (per_object) -> {layer index: parameters} (program-counted layers)")
+
 INT64_BYTES = 8  # torch.long: position_ids / token_type_ids / num_batches_tracked buffers
 FLOAT32_BYTES = 4  # default dtype of float buffers (running stats, rotary inv_freq) before any .to(dtype)
 
@@ -115,9 +118,58 @@ def head_parameters(spec: TransformerSpec) -> int:
     return 0
 
 
+def program_layer_params(block: Block) -> tuple:
+    """The parameter tensors (planner.ir.ops.Param) of a layer whose form has no formula here: the
+    mixture-of-experts layer (planner/families/forms/moe_gated.py) is counted from its program, which
+    tests/test_params.py and tests/test_program.py check against the module built on the meta device."""
+    from planner.families.forms import PARAMETER_CONTEXT, LayerArgs, load_forms
+    from planner.families.forms.moe_gated import registration_order
+
+    spec = block.layer
+    traits = family(spec.family)
+    params = [p for op in load_forms()[traits.layer](LayerArgs(spec, traits, PARAMETER_CONTEXT, block.index, ""))
+              for p in op.params]
+    return tuple(registration_order(params, "", traits.router_name, traits.experts_before_router))
+
+
+def _from_program(block: Block) -> bool:
+    return block.role == "layer" and isinstance(block.layer, TransformerSpec) \
+        and family(block.layer.family).layer == "moe_gated"
+
+
+def expert_parameters(block: Block) -> int:
+    """Parameters of the routed experts of one layer (E · 3·h·i for SwiGLU experts, plus E · (2i + h) where
+    they have biases, gpt-oss; 0 for a dense layer)."""
+    spec = block.layer
+    if block.role != "layer" or not isinstance(spec, TransformerSpec) or not spec.sparse_layer(block.index):
+        return 0
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    return spec.num_experts * (3 * h * i + ((2 * i + h) if family(spec.family).expert_bias else 0))
+
+
+def active_parameters(model: ModelSpec) -> int:
+    """Parameters one token's forward reads: every parameter, less the routed experts it is not sent to
+    (each sparse layer runs top_k of its E experts). Equal to the total for a dense model. The figure MoE
+    papers quote as "active" (Mixtral 8x7B: 12.9B of 46.7B; Qwen3-30B-A3B: 3.3B of 30.5B) and the one
+    6·N·tokens FLOPs use."""
+    total = 0
+    for block in model_blocks(model):
+        n = block_parameters(block)
+        experts = expert_parameters(block)
+        if experts:
+            spec = block.layer
+            assert isinstance(spec, TransformerSpec)
+            n -= experts - experts // spec.num_experts * spec.experts_per_token
+        total += n
+    return total
+
+
 def block_parameters(block: Block) -> int:
     """Parameters of one block of `model_blocks` (each tensor counted once, tied ones in their owner)."""
     layer = block.layer
+    if _from_program(block):
+        return per_object(_LAYER_PARAMS, layer, dict).setdefault(block.index, sum(
+            p.numel for p in program_layer_params(block)))
     if isinstance(layer, DenseSpec):
         return linear_parameters(layer.in_features, layer.out_features, layer.bias)
     if isinstance(layer, BatchNormSpec):
@@ -163,13 +215,16 @@ def block_buffers_bytes(block: Block, float_bytes: int = FLOAT32_BYTES) -> int:
     layer = block.layer
     if isinstance(layer, BatchNormSpec):
         return 2 * layer.num_features * float_bytes + INT64_BYTES
+    if isinstance(layer, TransformerSpec) and block.role == "layer" and layer.sparse_layer(block.index) \
+            and family(layer.family).router_score_buffer:  # DeepseekV3TopkRouter.e_score_correction_bias (E,)
+        return layer.num_experts * float_bytes
     if isinstance(layer, DenseSpec) or block.role != "embeddings":
         return 0
     traits = family(layer.family)
     if traits.int64_buffer_tables:
         return traits.int64_buffer_tables * layer.position_table * INT64_BYTES
-    if traits.position_ids == "rotary":
-        return 2 * ((layer.head_dim + 1) // 2) * float_bytes
+    if traits.position_ids == "rotary":  # MLA rotates qk_rope_head_dim of each head (DeepseekV3Config.head_dim)
+        return 2 * (((layer.qk_rope_head_dim or layer.head_dim) + 1) // 2) * float_bytes
     return 0
 
 
@@ -313,6 +368,8 @@ def head_shapes(spec: TransformerSpec) -> list[Shape]:
 def block_tensor_shapes(block: Block) -> list[Shape]:
     """Shapes of the trainable parameter tensors of one block; sum of their products == `block_parameters`."""
     layer = block.layer
+    if _from_program(block):
+        return [p.shape for p in program_layer_params(block)]
     if isinstance(layer, DenseSpec):
         return linear_shapes(layer.in_features, layer.out_features, layer.bias)
     if isinstance(layer, BatchNormSpec):

@@ -89,3 +89,21 @@ def dataparallel_host_launches(launches: float, backward_launches: float, world:
     one thread at a time under the GIL (`dp_gil_share` of each), backward's in parallel C++ threads."""
     forward = launches - backward_launches
     return launches + (world - 1) * forward * c.dp_gil_share
+
+
+def all_to_all_seconds(nbytes: float, ep: int, gpus_per_node: int, intra_gbs: float, net_gbs_per_gpu: float,
+                       c: ThroughputConstants) -> float:
+    """Seconds of one all-to-all over an expert-parallel group of `ep` ranks, each sending `nbytes` in all
+    (a 1/ep share of it stays on the rank). The group's ranks are contiguous (Megatron-Core's and
+    torchtitan's expert mesh is the innermost dimension), so min(ep, gpus_per_node) of them share a node:
+    the share bound for the rest of the node moves over NVLink at `intra_gbs` (ASSUMPTION: NCCL's
+    all-to-all reaches its all-reduce bus bandwidth inside an NVSwitch node), the share bound for other
+    nodes over the node's network, `net_gbs_per_gpu` being each GPU's part of it; both run at once, so the
+    slower one decides. Plus one NCCL call's base latency and a hop."""
+    if ep <= 1 or nbytes <= 0:
+        return 0.0
+    inside = min(ep, gpus_per_node)
+    intra = nbytes * (inside - 1) / ep / (max(intra_gbs, 1e-9) * 1e9)
+    inter = nbytes * (ep - inside) / ep / (max(net_gbs_per_gpu, 1e-9) * 1e9) if ep > inside else 0.0
+    hop = c.nccl_hop_latency_net_s if ep > inside else c.nccl_hop_latency_nvlink_s
+    return max(intra, inter) + c.nccl_base_latency_s + hop

@@ -54,7 +54,35 @@ def attention_score_flops(t: TransformerSpec, batch: int, seq: int, causal_fract
     return round(2 * per_product * causal_fraction)
 
 
-def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+def moe_layer_flops(t: TransformerSpec, index: int, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+    """A mixture-of-experts decoder layer (planner/families/forms/moe_gated.py): q, k, v, o at the heads'
+    own width (head_dim may differ from h/a), the scores, and then either the router (2·T·h·E), the routed
+    experts (each token's top_k experts: 2·T·k·h·2i for gate_up and 2·T·k·i·h for down) and a shared expert
+    (3 matrices of h·i_shared and its 1-wide gate), or a dense layer's SwiGLU MLP (3 matrices of h·i)."""
+    tokens = batch * seq
+    h = t.hidden_size
+    q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
+    if t.kv_lora_rank:  # DeepSeek's latent attention: q (through its bottleneck), kv_a, kv_b, o
+        H, rope, v, ql, kvl = t.num_heads, t.qk_rope_head_dim, t.v_head_dim, t.q_lora_rank, t.kv_lora_rank
+        flops = matmul_flops(tokens, ql, h) + matmul_flops(tokens, q, ql) if ql else matmul_flops(tokens, q, h)
+        flops += matmul_flops(tokens, kvl + rope, h) + matmul_flops(tokens, H * (t.head_dim - rope + v), kvl)
+        flops += matmul_flops(tokens, h, H * v)
+    else:
+        flops = 2 * matmul_flops(tokens, q, h) + 2 * matmul_flops(tokens, kv, h)
+    flops += attention_score_flops(t, batch, seq, causal_fraction)
+    if not t.sparse_layer(index):
+        return flops + 3 * matmul_flops(tokens, t.intermediate_size, h)
+    pairs = tokens * t.experts_per_token
+    flops += matmul_flops(tokens, t.num_experts, h) + 3 * matmul_flops(pairs, t.moe_intermediate_size, h)
+    if t.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert has a 1-wide sigmoid gate, DeepSeek's none
+        flops += 3 * matmul_flops(tokens, t.shared_expert_intermediate_size, h)
+        flops += matmul_flops(tokens, 1, h) if family(t.family).shared_expert_gate else 0
+    return flops
+
+
+def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0, index: int = 0) -> int:
+    if t.moe or family(t.family).layer == "moe_gated":
+        return moe_layer_flops(t, index, batch, seq, causal_fraction)
     tokens = batch * seq
     h, kv = t.hidden_size, t.num_kv_heads * t.head_dim
     projections = 2 * matmul_flops(tokens, h, h) + 2 * matmul_flops(tokens, kv, h)
@@ -63,9 +91,13 @@ def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float
     return projections + mlp + attention_score_flops(t, batch, seq, causal_fraction)
 
 
-def layer_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
-    """Forward re-run of one checkpointed layer, less the trailing matmul early-stop skips."""
-    full = layer_flops(t, batch, seq, causal_fraction)
+def layer_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0,
+                          index: int = 0) -> int:
+    """Forward re-run of one checkpointed layer, less the trailing matmul early-stop skips. A sparse MoE
+    layer ends in the weighting of the experts' outputs, which saves them: nothing is skipped."""
+    full = layer_flops(t, batch, seq, causal_fraction, index)
+    if t.sparse_layer(index):
+        return full
     if family(t.family).early_stop_skips_mlp_out:
         full -= matmul_flops(batch * seq, t.hidden_size, t.intermediate_size)
     return full
@@ -97,7 +129,7 @@ def block_forward_flops(block: Block, batch: int, seq: int, causal_fraction: flo
     if isinstance(layer, BatchNormSpec):
         return 0
     if block.role == "layer":
-        return layer_flops(layer, batch, seq, causal_fraction)
+        return layer_flops(layer, batch, seq, causal_fraction, block.index)
     if block.role == "pooler":
         return matmul_flops(batch, layer.hidden_size, layer.hidden_size)
     if block.role == "head":
@@ -147,7 +179,7 @@ def step_flops(model: ModelSpec, config: TrainConfig, *, causal_fraction: float 
         recompute = 0
         is_layer = block.role == "layer" and isinstance(block.layer, TransformerSpec)
         if mode == "full" and block.role in CHECKPOINTED_ROLES and is_layer:
-            recompute = layer_recompute_flops(block.layer, b, s, causal_fraction)
+            recompute = layer_recompute_flops(block.layer, b, s, causal_fraction, block.index)
         if mode == "selective" and is_layer:
             recompute = selective_recompute_flops(block.layer, b, s, causal_fraction, modules)
         if fused and is_layer:

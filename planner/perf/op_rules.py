@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from planner.ir.context import Ctx
+from planner.ir.context import F32, Ctx
 from planner.ir.interpret import register
 from planner.ir.ops import Op
 from planner.perf import kernels as K
@@ -22,6 +22,21 @@ from planner.perf.kernels import Kernel
 
 @register("flops", "linear")
 def linear_flops(op: Op, ctx: Ctx) -> int:
+    rows, n_in = op.shapes["input"]
+    return matmul_flops(rows, op.shapes["output"][1], n_in)
+
+
+@register("flops", "router")
+def router_flops(op: Op, ctx: Ctx) -> int:
+    """The gate's logits: (n × h)·(h × E)."""
+    rows, h = op.shapes["input"]
+    return matmul_flops(rows, op.shapes["logits"][1], h)
+
+
+@register("flops", "expert_gemm")
+def expert_gemm_flops(op: Op, ctx: Ctx) -> int:
+    """A grouped GEMM: each of the S token-expert pairs times its expert's (in × out) matrix, 2·S·in·out in
+    all however the pairs split over the experts (FlopCounterMode's _grouped_mm formula)."""
     rows, n_in = op.shapes["input"]
     return matmul_flops(rows, op.shapes["output"][1], n_in)
 
@@ -39,7 +54,7 @@ def attention_flops(op: Op, ctx: Ctx) -> int:
 @register("flops", "embedding", "index", "layer_norm", "rms_norm", "activation", "gated_mul", "dropout",
           "residual_add", "tanh", "rotary", "attention_mask", "first_token", "cross_entropy", "batch_norm",
           "checkpoint", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "quantize",
-          "dequantize")
+          "dequantize", "permute", "unpermute")
 def no_matmul_flops(op: Op, ctx: Ctx) -> int:
     """Memory-bound ops: no matrix product (FlopCounterMode counts none)."""
     return 0
@@ -75,6 +90,10 @@ def dropout_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "activation")
 def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    if op.attrs["act"] == "clamped_swiglu":  # gpt-oss: two clamps, α·, sigmoid, ·, +1, ·: seven passes
+        n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+        return [K.elementwise(f"{op.name}.{k}", n, (d,) * (2 if k.startswith("mul") else 1), (d,), d)
+                for k in ("clamp_gate", "clamp_up", "scale", "sigmoid", "mul_glu", "add_one", "mul_out")]
     return K.activation(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)
 
 
@@ -135,6 +154,61 @@ def loss_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 @register("kernels", "batch_norm")
 def batch_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     return K.dense_block(op.attrs["block"], ctx)
+
+
+@register("kernels", "router")
+def router_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """The gate GEMM (no bias; the autocast input cast), softmax to fp32 over E, top-k, and the
+    renormalising sum and division."""
+    rows, h = op.shapes["input"]
+    e = op.shapes["logits"][1]
+    k = op.shapes["topk"][1]
+    ks = K.linear(op.name, rows, e, h, op.dtypes["input"], ctx, op.attrs.get("bias", False))
+    ks.append(K.elementwise(f"{op.name}.softmax", rows * e, (ctx.low,), (F32,), F32))
+    ks.append(K.elementwise(f"{op.name}.topk", rows * e, (F32,), (F32, "int64"), F32))
+    if op.attrs["renormalise"]:
+        ks.append(K.elementwise(f"{op.name}.renormalise", rows * k, (F32,), (F32,), F32))
+    return ks
+
+
+@register("kernels", "permute")
+def permute_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """Sort the S expert ids, gather S rows of the hidden state (a read and a write of S·h), and the
+    per-expert histogram and offsets."""
+    pairs, h = op.shapes["output"]
+    d = op.dtypes["input"]
+    return [K.elementwise(f"{op.name}.sort", pairs, ("int64",), ("int64", "int64"), "int64"),
+            K.elementwise(f"{op.name}.gather", pairs * h, (d,), (d,), d),
+            K.elementwise(f"{op.name}.histc", pairs, ("int64",), (), "int64")]
+
+
+@register("kernels", "expert_gemm")
+def expert_gemm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """The input cast to the weights' dtype (when it differs) and one grouped GEMM over the local experts,
+    timed as one GEMM of S rows that reads every local expert's weights once."""
+    rows, n_in = op.shapes["input"]
+    n_out = op.shapes["output"][1]
+    experts = op.shapes["experts"][0]
+    dtype = op.dtypes["compute"]
+    ks = []
+    if op.dtypes["input"] != dtype:
+        ks.append(K.elementwise(f"{op.name}.input_cast", rows * n_in, (op.dtypes["input"],), (dtype,), dtype))
+    g = K.gemm(op.name, rows, n_out, n_in, dtype)
+    e = K.nbytes(dtype)
+    ks.append(K._with(g, bytes_read=(rows * n_in + experts * n_in * n_out) * e))
+    return ks
+
+
+@register("kernels", "unpermute")
+def unpermute_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """Expert outputs times their weights, the scatter back to token order, the sum over top-k."""
+    pairs, h = op.shapes["input"]
+    rows = op.shapes["output"][0]
+    d, w, out = op.dtypes["input"], op.dtypes["weights"], op.dtypes["output"]
+    return [K.elementwise(f"{op.name}.weight", pairs * h, (d,), (out,), out),
+            K.elementwise(f"{op.name}.scatter", pairs * h, (out,), (out,), out),
+            K._with(K.reduction(f"{op.name}.sum", pairs * h, rows * h, out), bytes_read=pairs * h * K.nbytes(out)
+                    + pairs * K.nbytes(w))]
 
 
 @register("kernels", "index", "first_token", "checkpoint", "all_reduce", "all_gather", "reduce_scatter",

@@ -210,6 +210,13 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
 
         lora = plan(model, config)
         n_params, n_tensors = lora.trainable, len(lora.shapes)
+    if config.ep * config.etp > 1 and not config.lora:  # a rank's model holds its experts only
+        from planner.memory.experts import local_parameters
+        from planner.models.blocks import model_blocks
+        from planner.models.params import expert_parameters
+
+        experts = sum(expert_parameters(b) for b in model_blocks(model))
+        n_params = gather_params = local_parameters(n_params, experts, config.ep * config.etp)
     layers = sum(t.num_layers for t in model.transformers) or None
     one_process = strategy_of(config.parallelism).one_process
     io = dataparallel_replica_io_bytes(model, config) if one_process else 0
@@ -221,13 +228,41 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     else:
         dims = None
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
-                            c, layers=layers, dp_io_bytes=io, gather_params=gather_params, dims=dims, shape=shape)
+                            c, layers=layers, dp_io_bytes=io, gather_params=gather_params, dims=dims, shape=shape,
+                            expert_exchange_s=expert_exchange_seconds(model, config, instance, c))
+
+
+def expert_exchange_seconds(model: ModelSpec, config: TrainConfig, instance: Instance,
+                            c: ThroughputConstants) -> float:
+    """Seconds of one micro-step's expert-parallel all-to-alls on the hottest rank (issue 35): per sparse
+    layer, the dispatch of the token-expert pairs to their experts' ranks and the combine back in forward,
+    the same two exchanges of their gradients in backward, and the forward's again when checkpointing
+    re-runs the layer. Each moves the rank's pairs (tokens · top_k · the load imbalance) of hidden-state
+    rows (planner.perf.collectives.all_to_all_seconds). Exposed: transformers' experts and the planner's
+    probe run them in line (Megatron-Core's overlap of the all-to-all with expert compute is not modelled)."""
+    if config.ep <= 1:
+        return 0.0
+    from planner.families.forms.moe_gated import expert_pairs
+    from planner.perf.collectives import all_to_all_seconds
+
+    act = 2 if config.precision in ("fp16", "bf16") else 4  # the residual stream's dtype (ctx.act)
+    total = 0.0
+    for t in model.transformers:
+        sparse = sum(t.sparse_layer(i) for i in range(t.num_layers))
+        if not sparse:
+            continue
+        pairs = expert_pairs(t, config.batch_size * config.seq_len, config.ep, config.moe_imbalance)
+        one = all_to_all_seconds(pairs * t.hidden_size * act, config.ep, instance.gpus,
+                                 instance.allreduce_bandwidth_gbs, network_gbs(instance, c) / instance.gpus, c)
+        total += sparse * one * (4 + 2 * config.checkpointing)
+    return total
 
 
 def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int, config: TrainConfig,
                      instance: Instance, constants: ThroughputConstants | None = None, *,
                      layers: int | None = None, dp_io_bytes: int = 0, gather_params: int | None = None,
-                     dims: mp.ParallelDims | None = None, shape: mp.LayerShape | None = None) -> Throughput:
+                     dims: mp.ParallelDims | None = None, shape: mp.LayerShape | None = None,
+                     expert_exchange_s: float = 0.0) -> Throughput:
     """`predict_throughput` from a micro-step's kernel table, whoever built it (the analytic kernel list, or
     a traced model's own ops: planner.program.speed), the parameter and parameter-tensor counts and the
     tokens per sample. `layers` (FSDP's wrapped units; None: guessed from the tensors) and `dp_io_bytes`
@@ -289,7 +324,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     optimizer = overlapped(optimizer_gpu, host_seconds(opt_launches, c.cpu_dispatch_s, instance), p)
     # every GPU waits for the slowest one of the `world` (module docstring)
     slowest_wait = config.grad_accum * micro * slowest_gpu_share(world, c)
-    exposed_total = exposed + slowest_wait
+    exposed_total = exposed + slowest_wait + config.grad_accum * expert_exchange_s
     step = config.grad_accum * micro + exposed_total + optimizer
 
     # model FLOPs (MFU's, no recompute) = forward + backward = (1 + BACKWARD_TO_FORWARD) x forward matmuls,
@@ -312,6 +347,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         "communication_s": exposed,
         "communication_total_s": comm_total,
         "slowest_gpu_wait_s": slowest_wait,
+        **({"expert_all_to_all_s": config.grad_accum * expert_exchange_s} if expert_exchange_s else {}),
         "optimizer_s": optimizer,
         "host_dispatch_s": config.grad_accum * host,
     }

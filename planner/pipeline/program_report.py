@@ -19,6 +19,7 @@ its blocks come from the tracer (`front_end` says which).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from planner.families.forms import model_program
@@ -53,10 +54,10 @@ def op_kernels(op: Op, ctx: Ctx) -> list[K.Kernel]:
         bwd.append(K.Kernel(f"{op.name}.backward", "memory_bound", 0, ctx.b * h * e, rows * h * e, ctx.act,
                             "backward", launches=2))
     casts: list[K.Kernel] = []
-    if ctx.amp and op.kind == "linear":
+    if ctx.amp and op.kind in ("linear", "router"):
         rows, n_in = op.shapes["input"]
-        n_out = op.shapes["output"][1]
-        for name, numel in (("weight", n_in * n_out), ("bias", n_out if op.attrs["bias"] else 0)):
+        n_out = op.shapes["output" if op.kind == "linear" else "logits"][1]
+        for name, numel in (("weight", n_in * n_out), ("bias", n_out if op.attrs.get("bias") else 0)):
             if numel:
                 casts.append(K.elementwise(f"{op.name}.{name}.cast", numel, ("float32",), (ctx.low,), ctx.low))
                 casts.append(K._with(K.elementwise(f"{op.name}.{name}.grad_cast", numel, (ctx.low,), ("float32",),
@@ -74,6 +75,8 @@ def _saved(op: Op, ctx: Ctx) -> list[Saved]:
     if ctx.amp and op.kind == "linear":
         rows, n_in = op.shapes["input"]
         out.append(Saved(f"{op.name}.weight.cast", n_in * op.shapes["output"][1], ctx.low))
+    elif ctx.amp and op.kind == "router":  # F.linear(x, gate.weight): the same cast, E × h
+        out.append(Saved(f"{op.name}.weight.cast", math.prod(op.params[0].shape), ctx.low))
     return out
 
 

@@ -214,7 +214,8 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
                padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp,
                fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
-               compile=cfg.compile, sp_saves_gathered=framework(cfg.framework).sp_saves_gathered_input)
+               compile=cfg.compile, sp_saves_gathered=framework(cfg.framework).sp_saves_gathered_input,
+               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance)
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:
@@ -240,11 +241,13 @@ def parallel_dims(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> layou
         if strategies.get(cfg.parallelism).one_process:
             raise PlannerError("--parallelism", cfg.parallelism, "ddp, zero1-3, fsdp or hsdp with model "
                                "parallelism (nn.DataParallel is one process)")
+    moe = [t for t in spec.transformers if t.moe] if spec is not None else []
+    experts = {"experts": moe[0].num_experts, "top_k": moe[0].experts_per_token} if moe else {}
     if spec is None or len(spec.transformers) != 1:
-        return layout.build(cfg, world)
+        return layout.build(cfg, world, **experts)
     t = spec.transformers[0]
     return layout.build(cfg, world, layers=t.num_layers, heads=t.num_heads, kv_heads=t.num_kv_heads,
-                        seq_len=cfg.seq_len, ffn=t.intermediate_size)
+                        seq_len=cfg.seq_len, ffn=t.intermediate_size, **experts)
 
 
 # --precision fp8 computes as this precision, its Linears in FP8 (planner.ir.fp8)
@@ -296,6 +299,21 @@ def fp8_instances() -> list[str]:
     return names[:6] + (["..."] if len(names) > 6 else [])
 
 
+
+def check_experts(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> None:
+    """The expert layout where the model is known (issue 35): --ep must divide the experts, ep · etp · pp the
+    GPUs, and a model without experts takes neither (planner.parallel.dims.build holds the rules)."""
+    moe = [t for t in spec.transformers if t.moe] if spec is not None else []
+    if moe and cfg.lora:
+        raise PlannerError("--lora-r", cfg.lora_r, "none for a mixture-of-experts model (LoRA on its attention "
+                           "or experts is not modelled yet)")
+    if spec is None and (cfg.ep > 1 or cfg.etp > 1):  # a traced model: its experts are not known here
+        raise PlannerError("--ep" if cfg.ep > 1 else "--etp", cfg.ep if cfg.ep > 1 else cfg.etp,
+                           "1 for a model of your own (expert parallelism needs a config.json or catalog model)")
+    # the expert layout's own rules (--ep divides the experts, ep · etp · pp the GPUs, top-k at most the
+    # experts) are checked with the rest of the layout: parallel_dims passes the experts to dims.build
+
+
 def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | str, runtime, stack,
             calibration: dict[str, Any] | None, backend: str = "cuda") -> Resolved:
     """Resolve one configuration for `spec` (None: a traced model, which has no model type to look up, so
@@ -337,6 +355,7 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
             reported, cfg = cfg, cfg.model_copy(update={"precision": FP8_COMPUTE})
     check_supported(spec, cfg, inst)
     world = parallel.world_size(cfg, inst)
+    check_experts(spec, cfg, world)
     dims = parallel_dims(spec, cfg, world)
     layout.check_attention(dims, cfg.attention, cfg.framework)
     share = parallel.sharding(cfg, world, dims.dp_shard)

@@ -16,6 +16,7 @@ from planner.ir.context import Ctx
 from planner.memory import batch as batch_mem
 from planner.memory import framework_layout, model_states, optimizer, parallel, timeline
 from planner.memory import stack as sw
+from planner.memory.experts import expert_sharding, local_parameters, split_shapes
 from planner.parallel import get as strategy_of
 from planner.pipeline.resolve import (
     _resolve_model,
@@ -43,6 +44,8 @@ class _ModelFacts:
     # backward, not the embeddings' (`params.tied_gradient`).
     gradients_by_block: dict[str, int]
     optimizer: dict  # (optimizer, impl, param bytes, share) -> (state bytes, temporary bytes)
+    # Routed-expert parameters per block (mixture-of-experts layers; planner.memory.experts splits them)
+    experts_by_block: dict[str, int] | None = None
 
 
 _MODEL_FACTS: dict[int, tuple] = caches.table("planner.pipeline.step._MODEL_FACTS", scope="step",
@@ -54,9 +57,11 @@ def _model_facts(spec: ModelSpec) -> _ModelFacts:
 
 
 def _make_model_facts(spec: ModelSpec) -> _ModelFacts:
+    from planner.models.blocks import model_blocks
     from planner.models.params import (
         count_buffers_bytes,
         count_parameters,
+        expert_parameters,
         model_gradient_tensor_shapes,
         parameters_by_block,
         tied_gradient,
@@ -69,8 +74,9 @@ def _make_model_facts(spec: ModelSpec) -> _ModelFacts:
         emb, head, shape = tied
         gradients[emb] = gradients.get(emb, 0) - math.prod(shape)
         gradients[head] = gradients.get(head, 0) + math.prod(shape)
+    experts = {b.name: e for b in model_blocks(spec) if (e := expert_parameters(b))}
     return _ModelFacts(count_parameters(spec), count_buffers_bytes(spec), model_gradient_tensor_shapes(spec),
-                       by_block, gradients, {})
+                       by_block, gradients, {}, experts)
 
 
 def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: float) -> tuple[int, int]:
@@ -90,7 +96,7 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
                      "lora_dropout", "base_dtype", "recompute", "recompute_modules", "fp8_recipe", "fp8_param_gather",
-                     "compile", "tp", "sp", "cp")
+                     "compile", "tp", "sp", "cp", "ep", "moe_imbalance")
 _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATIONS", scope="step",
     key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
@@ -131,11 +137,13 @@ def _block_memory(model: ModelSpec, activations: tuple, config: TrainConfig,
     lay = lay or framework_layout.layout(config)
     p_bytes, g_bytes = lay.param_bytes, lay.grad_bytes
     lora = _lora_key(config)
-    key = (id(model), id(activations), p_bytes, g_bytes, share, lora, lay)
+    ep_etp = 1 if lora else config.ep * config.etp
+    key = (id(model), id(activations), p_bytes, g_bytes, share, lora, lay, ep_etp)
     hit = _BLOCKS.get(key)
     if hit is not None and hit[0] is model and hit[1] is activations:
         return hit[2]
-    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share, _lora_bytes(model, config), lay)
+    blocks = _resident_blocks(model, activations, p_bytes, g_bytes, share, _lora_bytes(model, config), lay,
+                              ep_etp=ep_etp)
     if len(_BLOCKS) >= ACTIVATION_CACHE_SIZE:
         _BLOCKS.clear()
     _BLOCKS[key] = (model, activations, blocks)
@@ -161,9 +169,11 @@ def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, i
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
                      share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
                      lay: framework_layout.StateLayout | None = None,
-                     counts: tuple[dict[str, int], dict[str, int]] | None = None) -> tuple[timeline.BlockMemory, ...]:
+                     counts: tuple[dict[str, int], dict[str, int]] | None = None, ep_etp: int = 1
+                     ) -> tuple[timeline.BlockMemory, ...]:
     """`counts`: (parameters, trained parameters) per block on this rank where tensor parallelism divides
-    them (planner.memory.stages); None: the model's own."""
+    them (planner.memory.stages); None: the model's own. `ep_etp`: the ranks a mixture-of-experts layer's
+    experts are split over (issue 35): this rank's experts are laid out over the expert data-parallel group."""
     facts = _model_facts(model)
     by_block, trained_by = counts or (facts.by_block, facts.gradients_by_block)
     root = _fsdp1_root_blocks(model, lay, share)
@@ -171,11 +181,19 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
     for act in activations:  # every block in forward order, then "loss"
         n_params = by_block.get(act.block, 0)
         n_trained = trained_by.get(act.block, 0)
-        full_p, full_g = n_params * p_bytes, n_trained * g_bytes
-        if lora is not None:
-            full_p, full_g, n_params, n_trained = lora.get(act.block, (0, 0, 0, 0))
-        laid = lay.block_bytes(share.parameters, share.gradients, n_params, full_p, n_trained, full_g) if lay else None
-        resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
+        experts = (facts.experts_by_block or {}).get(act.block, 0) if ep_etp > 1 else 0
+        parts = [(n_params - experts, n_trained - experts, share)]
+        if experts:  # this rank's experts, laid out over the expert data-parallel group (memory/experts.py)
+            local = experts // ep_etp
+            parts.append((local, local, expert_sharding(share, ep_etp)))
+        laid_parts = []
+        for n_p, n_t, sh in parts:
+            full_p, full_g = n_p * p_bytes, n_t * g_bytes
+            if lora is not None:
+                full_p, full_g, n_p, n_t = lora.get(act.block, (0, 0, 0, 0))
+            laid = lay.block_bytes(sh.parameters, sh.gradients, n_p, full_p, n_t, full_g) if lay else None
+            laid_parts.append(laid or sh.block_bytes(full_p, full_g))
+        resident_p, resident_g, gathered, transient_g = (sum(x) for x in zip(*laid_parts, strict=True))
         in_root = act.block in root and n_params > 0
         if in_root and lay is not None and gathered and lay.units_in_flight > 1 and not lay.legacy:
             gathered //= lay.units_in_flight  # the root is one unit, gathered once (not a prefetch window)
@@ -427,6 +445,10 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     facts = _model_facts(spec)
     counts = dict(facts.counts)
     total_params = counts["total"]
+    if facts.experts_by_block:  # a mixture-of-experts model: what one token's forward reads (issue 35)
+        from planner.models.params import active_parameters
+
+        counts["active"] = active_parameters(spec)
     lay = framework_layout.layout(cfg)
     p_bytes = lay.state_param_bytes
 
@@ -437,7 +459,9 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     activations = _activations(spec, act_cfg, act_ctx)
     block_mem = _block_memory(spec, activations, cfg, share, lay)
 
-    full_grad_bytes = model_states.gradient_bytes(total_params, cfg)
+    ep_etp = cfg.ep * cfg.etp
+    expert_total = sum((facts.experts_by_block or {}).values()) if ep_etp > 1 and not cfg.lora else 0
+    full_grad_bytes = model_states.gradient_bytes(local_parameters(total_params, expert_total, ep_etp), cfg)
     # optimizers keep states only for tensors with a .grad (facts.gradient_shapes)
     if cfg.lora:  # only the adapters train (planner.adapters.lora): their fp32 gradients and states
         from planner.adapters.lora import ADAPTER_BYTES, lora_counts, plan
@@ -448,6 +472,15 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         states = optimizer.optimizer_state_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
         opt_temp = optimizer.optimizer_temporary_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
         trained = lora.trainable
+    elif expert_total:  # experts' states over the expert data-parallel group (planner.memory.experts)
+        dense, local = split_shapes(facts.gradient_shapes, ep_etp)
+        opt_cfg, e_share = _optimizer_config(cfg, lay), expert_sharding(share, ep_etp)
+        states = (optimizer.optimizer_state_bytes(dense, opt_cfg, p_bytes, share.optimizer_states)
+                  + optimizer.optimizer_state_bytes(local, opt_cfg, p_bytes, e_share.optimizer_states))
+        opt_temp = max(optimizer.optimizer_temporary_bytes(dense, opt_cfg, p_bytes, share.optimizer_states),
+                       optimizer.optimizer_temporary_bytes(local, opt_cfg, p_bytes, e_share.optimizer_states))
+        trained = sum(facts.gradients_by_block.values()) - expert_total
+        local_trained = expert_total // ep_etp
     else:
         states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
         trained = sum(facts.gradients_by_block.values()) or total_params
@@ -455,6 +488,9 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         if flat is not None:
             opt_temp = optimizer.optimizer_temporary_bytes(flat, cfg, p_bytes)
     extra_states, extra_temp = _framework_state_bytes(lay, trained, share)
+    if expert_total:
+        more = _framework_state_bytes(lay, local_trained, expert_sharding(share, ep_etp))
+        extra_states, extra_temp = extra_states + more[0], extra_temp + more[1]
     states, opt_temp = states + extra_states, opt_temp + extra_temp
     micro_batch = batch_mem.micro_batch_bytes(spec, cfg)
     step = timeline.StepMemory(

@@ -1,0 +1,255 @@
+"""The gated pre-norm layer with a mixture-of-experts MLP (transformers 5 MixtralDecoderLayer,
+Qwen2MoeDecoderLayer, Qwen3MoeDecoderLayer, OlmoeDecoderLayer; issue 35).
+
+Attention is Llama's (planner/families/forms/pre_norm_gated.py), with the family's q/k RMSNorms where it has
+them (Qwen3: per head over head_dim, `q_norm(q_proj(x).view(..., d))`; OLMoE: over the whole q and k
+projections). The MLP of a sparse layer is the `*SparseMoeBlock`:
+
+- the router (`*TopKRouter`): logits = F.linear(x, gate.weight) (E, h); softmax in fp32; top-k; the top-k
+  weights renormalised where the family does (Mixtral always, Qwen/OLMoE when norm_topk_prob);
+- the experts (`*Experts`, 3-D parameters gate_up_proj (E, 2i, h) and down_proj (E, h, i)) as transformers 5
+  runs them by default, `grouped_mm_experts_forward` (transformers/integrations/moe.py;
+  PreTrainedModel.get_correct_experts_implementation picks "grouped_mm" when nothing is asked): the
+  token-expert pairs (S = tokens · top_k) sorted by expert and gathered (`permute`), one grouped GEMM for
+  gate_up and one for down over all experts (`expert_gemm`, offsets per expert), silu(gate) · up between
+  them, then weighted by the routing weights, put back in token order and summed over top-k (`unpermute`).
+  `_grouped_mm` casts the input to the weights' dtype and is not autocast (its comment cites
+  pytorch/pytorch#174763), so under `amp-*` the experts compute in the fp32 of the weights;
+- Qwen2-MoE's shared expert (a SwiGLU MLP on every token) times sigmoid(shared_expert_gate(x)).
+
+A dense layer (Qwen's mlp_only_layers / decoder_sparse_step) runs Llama's MLP. Under expert parallelism
+(`ctx.ep` > 1) the pairs are dispatched to their experts' ranks and combined back by two all-to-alls; this
+rank holds E / ep experts and (at load imbalance `ctx.moe_imbalance`) that share of the pairs times it.
+"""
+
+from __future__ import annotations
+
+from planner.families.forms import LayerArgs, layer_form
+from planner.families.forms.common import (
+    activation,
+    add,
+    attention_op,
+    linear,
+    linear_params,
+    mlp_ops,
+    module_linear,
+    rms_norm,
+)
+from planner.ir.context import F32, attention_kernel, mask_materialised, promote
+from planner.ir.ops import Op, Param
+from planner.spec import TransformerSpec
+
+
+def expert_pairs(spec: TransformerSpec, tokens: int, ep: int = 1, imbalance: float = 1.0) -> int:
+    """Token-expert pairs one rank's experts compute: tokens · top_k over the whole group of `ep` ranks
+    (each rank sends its tokens' pairs and receives ep · (its share)), times the hottest rank's share over the
+    mean (`imbalance`, 1.0 balanced)."""
+    pairs = tokens * spec.experts_per_token
+    return int(round(pairs * imbalance)) if ep > 1 or imbalance != 1.0 else pairs
+
+
+def _latent_attention(a: LayerArgs) -> list[Op]:
+    """DeepseekV3Attention (multi-head latent attention): q = q_b(norm(q_a(x))) (or q_proj(x)); the latent
+    [kv, k_rope] = kv_a_proj_with_mqa(x), kv = kv_b(norm(kv)) split into k_nope and v per head; rotary on
+    q's and k's rope parts; attention over q/k heads of nope + rope and v heads of v_head_dim; o_proj.
+    ASSUMPTION: the attention op is the one of heads of head_size (nope + rope) for q, k, v and output, so the
+    value and the output are counted at the q/k head width (192 where DeepSeek's v head is 128)."""
+    spec, ctx = a.spec, a.ctx
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    H, d, rope, v = spec.num_heads, spec.head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    ql, kvl, b = spec.q_lora_rank, spec.kv_lora_rank, spec.attention_bias
+    nope = d - rope
+    pre = a.prefix + "self_attn."
+    ops: list[Op] = []
+    if ql:
+        ops.append(linear("self_attn.q_a_proj", n, h, ql, act, ctx, linear_params(pre + "q_a_proj.", h, ql, b),
+                          input="self_attn.input", consumers=2, consumer=0))
+        ops.append(rms_norm("self_attn.q_a_layernorm", a.prefix, n, ql, low))
+        ops.append(linear("self_attn.q_b_proj", n, ql, H * d, promote(low, act), ctx,
+                          linear_params(pre + "q_b_proj.", ql, H * d, False)))
+    else:
+        ops.append(linear("self_attn.q_proj", n, h, H * d, act, ctx, linear_params(pre + "q_proj.", h, H * d, False),
+                          input="self_attn.input", consumers=2, consumer=0))
+    ops.append(linear("self_attn.kv_a_proj_with_mqa", n, h, kvl + rope, act, ctx,
+                      linear_params(pre + "kv_a_proj_with_mqa.", h, kvl + rope, b), input="self_attn.input",
+                      consumers=2, consumer=1))
+    ops.append(rms_norm("self_attn.kv_a_layernorm", a.prefix, n, kvl, low))
+    ops.append(linear("self_attn.kv_b_proj", n, kvl, H * (nope + v), promote(low, act), ctx,
+                      linear_params(pre + "kv_b_proj.", kvl, H * (nope + v), False)))
+    ops.append(Op("rotary", "rotary", {"q": (n, H * rope), "k": (n, rope), "tables": (ctx.s, rope)}, (),
+                  {"input": low, "tables": act}, {"first": a.index == 0}))
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    ops.append(attention_op(spec, ctx, kernel, masked, low, "gqa"))
+    ops.append(linear("self_attn.o_proj", n, H * v, h, low, ctx, linear_params(pre + "o_proj.", H * v, h, b),
+                      saves_input=False))
+    return ops
+
+
+def _attention(a: LayerArgs) -> list[Op]:
+    if a.traits.latent_attention:
+        return _latent_attention(a)
+    spec, ctx = a.spec, a.ctx
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    q, k, v, o = a.traits.layer_linears[:4]
+    ops = [module_linear(spec, lin, a.prefix, n, act, ctx, input="self_attn.input", consumers=3, consumer=j,
+                         attention_input=True) for j, lin in enumerate((q, k, v))]
+    d = spec.head_dim
+    qw, kw = spec.num_heads * d, spec.num_kv_heads * d
+    rope_in = low
+    if a.traits.qk_norm != "none":
+        per_head = a.traits.qk_norm == "head"
+        for name, width, heads in (("q_norm", qw, spec.num_heads), ("k_norm", kw, spec.num_kv_heads)):
+            rows, w = (n * heads, d) if per_head else (n, width)
+            norm = rms_norm(f"self_attn.{name}", a.prefix, rows, w, low)
+            if not per_head and name == "q_norm":  # OlmoeAttention: q_norm = RMSNorm(hidden_size)
+                norm = Op(norm.kind, norm.name, norm.shapes, (Param(f"{a.prefix}self_attn.q_norm.weight", (h,)),),
+                          norm.dtypes, norm.attrs)
+            ops.append(norm)
+        rope_in = promote(low, act)  # weight (fp32 under AMP) · normed.to(bf16) promotes
+    ops.append(Op("rotary", "rotary", {"q": (n, qw), "k": (n, kw), "tables": (ctx.s, d)}, (),
+                  {"input": rope_in, "tables": act}, {"first": a.index == 0}))
+    masked = mask_materialised(spec, ctx)
+    kernel = attention_kernel(spec, ctx, masked)
+    attn = attention_op(spec, ctx, kernel, masked, promote(rope_in, act), "gqa")
+    if a.traits.attention_sinks:  # gpt-oss: one learned sink logit per head, joined to each softmax row
+        attn = Op(attn.kind, attn.name, attn.shapes, (Param(f"{a.prefix}self_attn.sinks", (spec.num_heads,)),),
+                  attn.dtypes, attn.attrs | {"sinks": True})
+    ops.append(attn)
+    ops.append(module_linear(spec, o, a.prefix, n, low, ctx, saves_input=False))
+    return ops
+
+
+# `named_parameters()` order inside a layer (a module's own parameters, then its children in __init__ order),
+# by module path: attention (gpt-oss's own `sinks` first, then q, k, v, o, the q/k norms), the MLP (router and
+# experts, the experts first in Qwen3MoeSparseMoeBlock; Qwen2's shared expert and its gate; a dense layer's
+# gate, up, down), the two norms last.
+_ORDER = ("self_attn.sinks", "self_attn.q_proj.", "self_attn.q_a_proj.", "self_attn.q_a_layernorm.",
+          "self_attn.q_b_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.kv_a_layernorm.", "self_attn.kv_b_proj.",
+          "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
+          "self_attn.q_norm.", "self_attn.k_norm.", "mlp.ROUTER", "mlp.experts.", "mlp.shared_expert.",
+          "mlp.shared_experts.", "mlp.shared_expert_gate.", "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
+          "post_attention_layernorm.")
+
+
+def registration_order(params: list[Param], prefix: str, router: str, experts_first: bool) -> list[Param]:
+    """The layer's parameter tensors in the order the module registers them (the program lists them in run
+    order); planner.models.params reads this order (Adafactor and the optimizers' tensor lists follow it)."""
+    order = [x.replace("mlp.ROUTER", router + ".") for x in _ORDER]
+    if experts_first:
+        i = order.index(router + ".")
+        order[i], order[i + 1] = order[i + 1], order[i]
+
+    def rank(p: Param) -> int:
+        name = p.name[len(prefix):]
+        return next(i for i, x in enumerate(order) if name.startswith(x))
+
+    return sorted(params, key=rank)
+
+
+def router_op(spec: TransformerSpec, a: LayerArgs, x_dtype: str, consumers: int, consumer: int) -> Op:
+    ctx = a.ctx
+    e, k = spec.num_experts, spec.experts_per_token
+    name = a.traits.router_name
+    params = (Param(f"{a.prefix}{name}.weight", (e, spec.hidden_size)),)
+    if a.traits.router_bias:
+        params += (Param(f"{a.prefix}{name}.bias", (e,)),)
+    return Op("router", name, {"input": (ctx.n, spec.hidden_size), "logits": (ctx.n, e), "topk": (ctx.n, k)},
+              params, {"input": x_dtype, "compute": ctx.low, "probs": F32},
+              {"renormalise": spec.norm_topk_prob, "consumers": consumers, "consumer": consumer,
+               "input_name": "mlp.input", "topk_then_softmax": a.traits.topk_then_softmax,
+               "bias": a.traits.router_bias})
+
+
+def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
+    """The sparse MoE block (see the module docstring); `x_dtype` the post-attention norm's output."""
+    spec, ctx = a.spec, a.ctx
+    n, h, e, i = ctx.n, spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    ep, imbalance = ctx.ep, ctx.moe_imbalance
+    s = expert_pairs(spec, n, ep, imbalance)
+    local = e // ep
+    wd = ctx.act  # the weights' dtype: fp32 under fp32 and AMP, 16-bit in pure 16-bit
+    shared = a.traits.shared_expert and spec.shared_expert_intermediate_size > 0
+    gated = shared and a.traits.shared_expert_gate
+    # Linears reading the block's input (each its own cast under autocast): router, shared gate/up, its gate
+    readers = 1 + (2 if shared else 0) + (1 if gated else 0)
+    ops: list[Op] = []
+    if shared:  # Qwen2MoeSparseMoeBlock runs the shared expert first (DeepseekV3MoE last: the same ops)
+        si = spec.shared_expert_intermediate_size
+        name = a.traits.shared_experts_name
+        pre = f"{a.prefix}{name}."
+        ops += [linear(f"{name}.{p}", n, h, si, x_dtype, ctx, linear_params(pre + p + ".", h, si, False),
+                       input="mlp.input", consumers=readers, consumer=1 + j)
+                for j, p in enumerate(("gate_proj", "up_proj"))]
+        act_op, act_out = activation(f"{name}.act", spec.hidden_act, n * si, ctx.low, ctx)
+        ops.insert(1, act_op)
+        ops.append(Op("gated_mul", f"{name}.gate_mul_up", {"input": (n * si,), "output": (n * si,)}, (),
+                      {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)}))
+        ops.append(linear(f"{name}.down_proj", n, si, h, promote(act_out, ctx.low), ctx,
+                          linear_params(pre + "down_proj.", si, h, False), input=f"{name}.product", as_is=True))
+    ops.append(router_op(spec, a, x_dtype, readers, 0))
+    ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
+                  {"input": x_dtype, "output": x_dtype},
+                  {"experts": local, "ep": ep, "bias_index": a.traits.expert_bias}))
+    if ep > 1:
+        ops.append(Op("all_to_all", "mlp.experts.dispatch", {"input": (s, h), "output": (s, h)}, (),
+                      {"input": x_dtype, "output": x_dtype}, {"ep": ep}))
+    pre, t = f"{a.prefix}mlp.experts.", a.traits.experts_transposed
+    up_params = (Param(pre + "gate_up_proj", (e, h, 2 * i) if t else (e, 2 * i, h)),)
+    down_params = (Param(pre + "down_proj", (e, i, h) if t else (e, h, i)),)
+    if a.traits.expert_bias:
+        up_params += (Param(pre + "gate_up_proj_bias", (e, 2 * i)),)
+        down_params += (Param(pre + "down_proj_bias", (e, h)),)
+    ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (s, h), "output": (s, 2 * i), "experts": (local,)},
+                  up_params, {"input": x_dtype, "compute": wd, "output": wd}, {}))
+    if a.traits.clamped_swiglu:  # gpt-oss: clamp, sigmoid(α·gate), (up + 1)·glu on interleaved halves
+        ops.append(Op("activation", "mlp.experts.act", {"input": (s * i,), "output": (s * i,)}, (),
+                      {"input": wd, "output": wd}, {"act": "clamped_swiglu"}))
+        act_out = wd
+    else:
+        act_op, act_out = activation("mlp.experts.act", spec.hidden_act, s * i, wd, ctx)
+        ops.append(act_op)
+        ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (s * i,), "output": (s * i,)}, (),
+                      {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
+    ops.append(Op("expert_gemm", "mlp.experts.down", {"input": (s, i), "output": (s, h), "experts": (local,)},
+                  down_params, {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
+    if ep > 1:
+        ops.append(Op("all_to_all", "mlp.experts.combine", {"input": (s, h), "output": (s, h)}, (),
+                      {"input": wd, "output": wd}, {"ep": ep}))
+    # Qwen2/Qwen3/OLMoE cast the top-k weights back to the logits' dtype; Mixtral keeps them fp32.
+    weights = F32 if a.traits.topk_fp32 else ctx.low
+    ops.append(Op("unpermute", "mlp.experts.unpermute", {"input": (s, h), "output": (n, h)}, (),
+                  {"input": wd, "weights": weights, "output": promote(wd, weights)}, {}))
+    if shared and not gated:  # DeepseekV3MoE: routed + shared_experts(residuals)
+        ops.append(add("mlp.shared_add", n * h, promote(wd, weights), ctx.low, promote(promote(wd, weights), ctx.low)))
+    if gated:
+        ops.append(linear("mlp.shared_expert_gate", n, h, 1, x_dtype, ctx,
+                          linear_params(f"{a.prefix}mlp.shared_expert_gate.", h, 1, False), input="mlp.input",
+                          consumers=readers, consumer=3))
+        ops.append(Op("tanh", "mlp.shared_expert_gate.sigmoid", {"input": (n,), "output": (n,)}, (),
+                      {"input": ctx.low, "output": ctx.low}, {"act": "sigmoid", "saves_output": True}))
+        ops.append(Op("gated_mul", "mlp.shared_expert.scale", {"input": (n * h,), "output": (n * h,)}, (),
+                      {"input": ctx.low, "other": ctx.low, "output": ctx.low}, {"broadcast": n}))
+        ops.append(add("mlp.shared_add", n * h, x_dtype, ctx.low, promote(x_dtype, ctx.low)))
+    return ops
+
+
+@layer_form("moe_gated")
+def moe_layer(a: LayerArgs) -> list[Op]:
+    spec, ctx = a.spec, a.ctx
+    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    norm1, norm2 = a.traits.layer_norm_names
+    ops = [rms_norm(norm1, a.prefix, n, h, act)]
+    ops += _attention(a)
+    resid = promote(low, act)
+    ops.append(add("attention.residual_add", n * h, low, act, resid))
+    ops.append(rms_norm(norm2, a.prefix, n, h, act))
+    if spec.sparse_layer(a.index):
+        ops += moe_ops(a, act)
+        out = ops[-1].dtypes["output"]
+    else:
+        gate, up, down = a.traits.layer_linears[4:7]
+        ops += mlp_ops(spec, a.traits, ctx, a.prefix, act, (gate, up), down)
+        out = low
+    ops.append(add("mlp.residual_add", n * h, out, resid, resid))
+    return ops
