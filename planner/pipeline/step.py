@@ -507,7 +507,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)),
     )
     stage_steps: tuple[StageStep, ...] = ()
-    if r.dims is not None and not r.dims.plain:
+    if r.dims is not None and r.dims.model_parallel > 1:  # tensor, context or pipeline parallelism
         stage_steps = _stage_steps(spec, cfg, r.dims, share, lay, tuple(activations), step)
         step = max(stage_steps, key=lambda s: s.peak_allocated).step  # the worst rank decides the verdict
     elif r.dims is not None and r.dims.dp_replicate > 1:  # HSDP: one stage, the layout still reported
