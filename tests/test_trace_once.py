@@ -128,3 +128,17 @@ def test_base_batches_and_smaller_ones_are_traced_themselves_either_way(fresh, t
         sources.model_trace(model, TrainConfig(batch_size=9, seq_len=8, attention="sdpa"))
     assert fresh == [1, 2, 4]  # interpolated from the traces already made
     assert sources._MANY == [0]  # the context is left as found
+
+
+def test_explain_interpolates_the_batches_it_tries(fresh, tmp_path):
+    """explain's largest fitting micro-batch (doubling, then bisecting) and its fixes ask for many micro-batches
+    of one shape class: two base traces, then every one of them interpolated, not a trace each."""
+    from planner.estimate import estimate
+    from planner.explain import explain
+
+    model = _models(tmp_path)["t5"]["model"]
+    config = TrainConfig(batch_size=6, seq_len=8, attention="sdpa")
+    est = estimate(model, config, "ml.g5.xlarge")
+    assert est.fits and fresh == [6]
+    steps = explain(est, model)
+    assert steps and sorted(fresh) == [2, 4, 6]  # tried micro-batches up to 6,144: none traced itself

@@ -4,7 +4,9 @@ hand-modelled families), and the trace cache.
 A model is traced once per shape class: (model, options, inputs, loss, batch, seq, precision, checkpointing,
 attention, optimizer, backend, flash_ok). Search evaluates many configurations of the same model, so the
 cache keeps a search over a traced model interactive (`TRACE_CACHE_SIZE` entries, least recently used out);
-the traces are also kept on disk for the next process (`planner.program.trace_cache`).
+the traces are also kept on disk for the next process (`planner.program.trace_cache`). One estimate traces
+its own micro-batch once; a caller that asks for many micro-batches of a class (`many_batches`: a search,
+explain's largest fitting batch) gets the two base traces and every other micro-batch interpolated.
 """
 
 from __future__ import annotations
