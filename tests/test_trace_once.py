@@ -141,4 +141,6 @@ def test_explain_interpolates_the_batches_it_tries(fresh, tmp_path):
     est = estimate(model, config, "ml.g5.xlarge")
     assert est.fits and fresh == [6]
     steps = explain(est, model)
-    assert steps and sorted(fresh) == [2, 4, 6]  # tried micro-batches up to 6,144: none traced itself
+    # the micro-batches it tried (12, 24, ... 6,144, then bisecting) came from the base traces, none traced
+    # itself; explain's other steps may trace other shape classes at the asked micro-batch, 6
+    assert steps and set(fresh) == {2, 4, 6} and fresh.count(2) == fresh.count(4) == 1
