@@ -14,7 +14,9 @@ Targets (issue 12), each traced in a fresh process so its peak RSS is its own:
 Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert (analytic) at 8 × 512, and a
 30-trial `planner search` over it (issue 12: a traced model is traced once per shape class, so a search over
 it stays interactive).
-Usage: python benchmarks/trace_benchmark.py [--quick]   (--quick: the estimates of issue 38 only)
+Usage: python benchmarks/trace_benchmark.py [--quick] [--repeat N] [--search-only] [--baseline DIR]
+(--quick: the estimates of issue 38 only; --repeat: medians of N runs; --search-only: the search only;
+--baseline: another checkout, e.g. `git archive main | tar -x -C DIR`, timed alongside each first estimate)
 """
 
 from __future__ import annotations
@@ -105,29 +107,56 @@ def search(trials: int = SEARCH_TRIALS) -> dict:
             "interpolated": sources._traced_at_batch.cache_info().misses}
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+def timed(cmd: list[str], env: dict[str, str], cwd: str | Path = ROOT) -> tuple[float, float, str]:
     """Run `cmd` in a new process: (wall seconds, CPU seconds user + sys, stdout)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out.stdout
 
 
-def estimates() -> None:
-    """Issue 38: first and second estimate of each model, each in a new process, from an empty trace cache."""
-    print(f"{'estimate (new process each)':28s} {'1st wall':>8s} {'1st CPU':>8s} {'2nd wall':>8s} {'2nd CPU':>8s}"
-          f" {'same':>5s}")
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_CACHE_DIR": cache}
-        env.pop("PLANNER_TRACE_CACHE", None)
-        for label, args in ESTIMATES.items():
-            cmd = [sys.executable, "-m", "planner", "estimate", *args, "--json"]
-            w1, c1, o1 = timed(cmd, env)
-            w2, c2, o2 = timed(cmd, env)
-            print(f"{label:28s} {w1:8.2f} {c1:8.2f} {w2:8.2f} {c2:8.2f} {'yes' if o1 == o2 else 'NO':>5s}")
-    print("seconds; CPU = user + sys of the process")
+def estimates(repeat: int = 1, baseline: str | None = None) -> None:
+    """Issue 38: first and second estimate of each model, each in a new process, from an empty trace cache;
+    `repeat` times each (a new empty cache each time), medians printed (the machine is shared: CPU seconds
+    vary less than wall seconds). `baseline`: a folder holding another checkout's `planner` (e.g. `git archive`
+    of main), whose first estimate runs just before ours each time (the same load on a shared machine) and
+    whose answer must be the same but for the note saying its trace was interpolated."""
+    from statistics import median
+
+    head = f"{'estimate (new process each)':28s} {'1st wall':>8s} {'1st CPU':>8s} {'2nd wall':>8s} {'2nd CPU':>8s}"
+    print(head + (f" {'base wall':>9s} {'base CPU':>8s}" if baseline else "") + f" {'same':>5s}")
+    for label, args in ESTIMATES.items():
+        runs = []
+        for _ in range(repeat):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_CACHE_DIR": cache}
+                env.pop("PLANNER_TRACE_CACHE", None)
+                cmd = [sys.executable, "-m", "planner", "estimate", *args, "--json"]
+                same, b_wall, b_cpu = True, 0.0, 0.0
+                if baseline:
+                    with tempfile.TemporaryDirectory() as other:
+                        b_wall, b_cpu, ob = timed(cmd, {**env, "PYTHONPATH": baseline, "PLANNER_CACHE_DIR": other},
+                                                  cwd=baseline)
+                w1, c1, o1 = timed(cmd, env)
+                w2, c2, o2 = timed(cmd, env)
+                if baseline:
+                    same = _without_interpolation_note(ob) == json.loads(o1)
+                runs.append((w1, c1, w2, c2, b_wall, b_cpu, same and o1 == o2))
+        w1, c1, w2, c2, bw, bc = (median(r[i] for r in runs) for i in range(6))
+        ok = "yes" if all(r[6] for r in runs) else "NO"
+        print(f"{label:28s} {w1:8.2f} {c1:8.2f} {w2:8.2f} {c2:8.2f}" + (f" {bw:9.2f} {bc:8.2f}" if baseline else "")
+              + f" {ok:>5s}", flush=True)
+    print(f"seconds, median of {repeat} run(s); CPU = user + sys of the process"
+          + ("; base = the baseline checkout's first estimate; same = the second answer equals the first (and the "
+             "baseline's but for its interpolation note)" if baseline else ""))
+
+
+def _without_interpolation_note(out: str) -> dict:
+    answer = json.loads(out)
+    answer["notes"] = [n for n in answer.get("notes", []) if not n.startswith("traced at micro-batches")]
+    return answer
 
 
 def search_timed() -> None:
@@ -148,6 +177,9 @@ def search_timed() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the estimates of issue 38 only")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each estimate (medians printed)")
+    parser.add_argument("--search-only", action="store_true", help="the 100-trial search of issue 38 only")
+    parser.add_argument("--baseline", help="a folder with another checkout's planner package, timed alongside")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--search-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -157,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.search_case:
         print(json.dumps(search(SEARCH_TRIALS)))
         return 0
-    estimates()
+    if args.search_only:
+        search_timed()
+        return 0
+    estimates(args.repeat, args.baseline)
     if args.quick:
         return 0
     search_timed()

@@ -18,6 +18,7 @@ from planner.memory.model_states import parameter_dtype_bytes
 from planner.models.blocks import model_blocks
 from planner.parallel import AUTO_MULTI_GPU
 from planner.parallel import get as strategy_of
+from planner.program.sources import many_batches
 from planner.spec import (
     BatchNormSpec,
     DenseSpec,
@@ -457,7 +458,8 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: 
                  f"({est.headroom_bytes / est.gpu_memory_bytes:.0%})."]
         if est.headroom_bytes < 0.05 * est.gpu_memory_bytes:
             lines.append("Headroom is under 5%: fragmentation or a longer batch can still OOM; leave a margin.")
-        best = _largest_fitting_batch(model, est, model_options, extra)
+        with many_batches():  # a traced model: two traces, then every micro-batch interpolated (issue 38)
+            best = _largest_fitting_batch(model, est, model_options, extra)
         found.append({"largest_fitting_batch_size": best})
         if best:
             lines.append(f"The largest micro-batch that fits with these settings: {best}.")
@@ -468,7 +470,8 @@ def _verdict_lines(model: ModelSpec | str, est: Estimate, model_options, extra: 
         lines = [f"TIGHT: {fmt_bytes(est.peak_device_low_bytes)} to {fmt_bytes(est.peak_device_high_bytes)} at the "
                  f"{est.peak_phase} peak (point {fmt_bytes(m.peak_device)}), {fmt_bytes(est.gpu_memory_bytes)} on "
                  "the GPU: it may fit or OOM (see the step before); a probe settles it."]
-    fixes = _fixes(model, est, model_options, extra)
+    with many_batches():
+        fixes = _fixes(model, est, model_options, extra)
     if not fixes:
         tried = "smaller micro-batch with accumulation, checkpointing, AMP, ZeRO" + (
             ", more tensor or pipeline parallelism, recomputation, the distributed optimizer" if est.parallel else "")

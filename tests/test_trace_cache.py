@@ -44,11 +44,15 @@ def _files(folder: Path) -> list[Path]:
 
 def test_trace_read_back_equals_the_trace_made(cache_dir, tmp_path, monkeypatch):
     model = _config_file(tmp_path)
-    config = TrainConfig(attention="sdpa", batch_size=3, seq_len=8, precision="amp-bf16")  # interpolated from batches 2 and 4
+    config = TrainConfig(attention="sdpa", batch_size=3, seq_len=8, precision="amp-bf16")
     made = _trace(model, config)
-    assert len(_files(cache_dir)) == 3  # batches 2, 4 and the interpolation to 3
+    assert len(_files(cache_dir)) == 1  # one trace at batch 3 (issue 38)
     read = _trace(model, config)
     assert read == made and read.events == made.events and read.ops == made.ops
+    with sources.many_batches():  # as a search: interpolated from batches 2 and 4, all three kept
+        interpolated = _trace(model, config)
+        assert len(_files(cache_dir)) == 4
+        assert _trace(model, config) == interpolated
     monkeypatch.setenv("PLANNER_TRACE_CACHE", "0")
     assert _trace(model, config) == made  # and equals a trace that never saw the disk
 

@@ -5,7 +5,8 @@ FakeTensorMode in Python). The ops, storages and saved tensors of a step are the
 ≥ 2 (fake tensors have no data-dependent control flow); only sizes change, and each is affine in b: a tensor
 dimension is either the batch (or a multiple) or independent of it, so bytes, FLOPs and shapes follow
 v(b) = v(b0) + (v(b1) - v(b0)) · (b - b0) / (b1 - b0). As `planner.perf.roofline` does for the analytic
-kernel list, the trace is taken at two batch sizes and any other is interpolated.
+kernel list, the trace is taken at two batch sizes and any other is interpolated (where many micro-batches of
+one shape class are asked for, `planner.program.sources.many_batches`; one estimate traces its own batch).
 
 Checked, not assumed: the two traces must have the same ops, events, saved tensors and blocks in the same
 order, and every interpolated value must be a whole, non-negative number; otherwise `scaled` returns None and

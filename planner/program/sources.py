@@ -4,12 +4,16 @@ hand-modelled families), and the trace cache.
 A model is traced once per shape class: (model, options, inputs, loss, batch, seq, precision, checkpointing,
 attention, optimizer, backend, flash_ok). Search evaluates many configurations of the same model, so the
 cache keeps a search over a traced model interactive (`TRACE_CACHE_SIZE` entries, least recently used out);
-the traces are also kept on disk for the next process (`planner.program.trace_cache`).
+the traces are also kept on disk for the next process (`planner.program.trace_cache`). One estimate traces
+its own micro-batch once; a caller that asks for many micro-batches of a class (`many_batches`: a search,
+explain's largest fitting batch) gets the two base traces and every other micro-batch interpolated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from planner import caches
@@ -143,9 +147,38 @@ def is_traced_config(model: object) -> bool:
     return isinstance(model_type, str) and model_type not in hf_config.CLASS_PREFIX  # else hf_config says why
 
 
-# Trace micro-batches other than scale.BASE_BATCHES by interpolating two traces (planner.program.scale);
-# False traces every micro-batch itself (exact to the byte; seconds per batch size instead of none).
+# Trace micro-batches other than scale.BASE_BATCHES by interpolating two traces (planner.program.scale) while a
+# caller asks for many micro-batches (`many_batches`); False traces every micro-batch itself (exact to the
+# byte; seconds per batch size instead of none).
 SCALE_TRACES = True
+
+# Callers now inside `many_batches` (a search, explain's largest fitting batch and its fixes).
+_MANY = [0]
+
+
+@contextlib.contextmanager
+def many_batches() -> Iterator[None]:
+    """Within: a micro-batch other than the base ones (scale.BASE_BATCHES) is interpolated from the two base
+    traces, so a shape class costs two traces and every micro-batch after them none. Outside: the micro-batch
+    asked is traced itself, one trace instead of two (issue 38: a single estimate wants one batch size).
+
+    Both give the same answer, byte for byte, where the step is the same program at every micro-batch (sizes
+    affine in the batch: `scale.scaled` checks the two base traces agree op by op and every interpolated size
+    is whole, and tests/test_trace_once.py compares the two ways); a direct trace is the measurement itself,
+    so only the note saying the trace was interpolated differs."""
+    _MANY[0] += 1
+    try:
+        yield
+    finally:
+        _MANY[0] -= 1
+
+
+def _interpolates(config_json: str) -> bool:
+    """Whether the shape class's trace at this micro-batch comes from the base traces (`many_batches`)."""
+    from planner.program.scale import BASE_BATCHES
+
+    b = json.loads(config_json)["batch_size"]
+    return SCALE_TRACES and _MANY[0] > 0 and b > BASE_BATCHES[0] and b not in BASE_BATCHES
 
 
 # Shape classes whose trace raised (a BatchNorm given one sample, data-dependent control flow): the same error
@@ -155,12 +188,16 @@ _FAILED: dict[tuple, PlannerError] = caches.table("planner.program.sources._FAIL
 
 
 def _at_batch(kind: str, args: tuple, config_json: str) -> StepTrace:
-    """`_traced_at_batch`, remembering a shape class that cannot be traced."""
+    """The trace at the config's micro-batch: traced itself, or interpolated (`_traced_at_batch`) within
+    `many_batches`; remembering a shape class that cannot be traced."""
     failed = _FAILED.get((kind, args, config_json))
     if failed is not None:
         raise failed
     try:
-        return _traced_at_batch(kind, args, config_json)
+        if _interpolates(config_json):
+            return _traced_at_batch(kind, args, config_json)
+        direct = _user_trace if kind == "user" else _config_trace
+        return direct(*args[:-2], config_json, *args[-2:])
     except PlannerError as exc:
         _FAILED[(kind, args, config_json)] = exc
         raise

@@ -63,12 +63,37 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
+    """The storage's C++ address (what `StorageWeakRef(storage).cdata` holds; read without making and
+    freeing a weak reference per call, which the tracer did twice per op)."""
+    return t.untyped_storage()._cdata
+
+
+def _tensors(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among an ATen op's arguments or results, in `tree_flatten`'s order (tuples and lists in
+    order, dicts by insertion; ATen passes no other containers): the pytree walk, without its per-node
+    registry look-ups (a tenth of a trace's time went to flattening)."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _tensors(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensors(x, out)
+    return out
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
+    names = _DTYPE_NAMES
+    return tuple(TensorMeta(tuple(t.shape), names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)))
+                 for t in tensors)
 
 
 def _metas(tree: Any) -> tuple[TensorMeta, ...]:
-    leaves, _ = tree_flatten(tree)
-    return tuple(TensorMeta(tuple(t.shape), dtype_name(t.dtype)) for t in leaves if isinstance(t, torch.Tensor))
+    return _metas_of(_tensors(tree, []))
 
 
 @dataclass
@@ -148,15 +173,14 @@ class _Recorder(TorchDispatchMode):
             self.failed_in = list(self.stack)
             raise
         index = len(self.ops)
-        name = str(func.name()) if hasattr(func, "name") else str(func)
-        name = f"aten.{name.removeprefix('aten::')}" if "::" in name else name
-        name = name if "." in name.split("aten.", 1)[-1] else f"{name}.default"
+        name, kernel, formula = _op_facts(func)
+        results = _tensors(out, [])
+        flops = _flops(formula, args, kwargs, out) if formula is not None else 0
         self.ops.append(OpRecord(index, name, self.phase, self.stack[-1] if self.stack else "",
-                                 _metas((args, kwargs)), _metas(out), _flops(func, args, kwargs, out),
-                                 not (getattr(func, "is_view", False) or name in _NO_KERNEL or "prim::" in name)))
+                                 _metas_of(_tensors(kwargs, _tensors(args, []))), _metas_of(results), flops,
+                                 kernel))
         self.op_block.append(self.block())
-        leaves, _ = tree_flatten(out)
-        for i, t in enumerate(x for x in leaves if isinstance(x, torch.Tensor)):
+        for i, t in enumerate(results):
             key = storage_key(t)
             info = self.live.get(key)
             if info is None or info.ref.expired():
@@ -222,14 +246,27 @@ _NO_KERNEL = frozenset({
 })
 
 
-def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
-    """FLOPs of one op by `torch.utils.flop_counter.flop_registry` (what FlopCounterMode counts: matmuls,
-    convolutions and attention, forward and backward); 0 for the rest."""
-    from torch.utils.flop_counter import flop_registry
+# func -> (the op's name as recorded, whether it launches a kernel, its FLOP formula or None): the same for
+# every call of an op, so worked out once per op rather than once per call
+_OP_FACTS: dict[Any, tuple[str, bool, Any]] = {}
 
-    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
-    if formula is None:
-        return 0
+
+def _op_facts(func: Any) -> tuple[str, bool, Any]:
+    facts = _OP_FACTS.get(func)
+    if facts is None:
+        from torch.utils.flop_counter import flop_registry
+
+        name = str(func.name()) if hasattr(func, "name") else str(func)
+        name = f"aten.{name.removeprefix('aten::')}" if "::" in name else name
+        name = name if "." in name.split("aten.", 1)[-1] else f"{name}.default"
+        kernel = not (getattr(func, "is_view", False) or name in _NO_KERNEL or "prim::" in name)
+        facts = _OP_FACTS[func] = (name, kernel, flop_registry.get(getattr(func, "_overloadpacket", None)))
+    return facts
+
+
+def _flops(formula: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one op by its `torch.utils.flop_counter.flop_registry` formula (what FlopCounterMode counts:
+    matmuls, convolutions and attention, forward and backward); 0 for the rest."""
     try:
         return int(formula(*args, **(kwargs or {}), out_val=out))
     except Exception:  # noqa: BLE001 - a formula that rejects these arguments: count nothing, as for other ops

@@ -539,6 +539,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     sweep_model(sweep)  # a bad model fails before any storage is created
     from planner.memory.runtime import check_calibration
     from planner.prices import load_cache
+    from planner.program.sources import many_batches
 
     load_cache()  # so does a corrupt prices cache or calibration (else every trial is infeasible for it)
     check_calibration()
@@ -573,8 +574,10 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
 
     try:
         store = open_storage(spec)
-        run, objective = run_study(store, spec, name, sweep, trials=trials, sampler=sampler, seed=seed,
-                                   estimate_fn=estimate_fn, progress=progress)
+        # a traced model: two traces per shape class, every micro-batch after them interpolated (issue 38)
+        with many_batches():
+            run, objective = run_study(store, spec, name, sweep, trials=trials, sampler=sampler, seed=seed,
+                                       estimate_fn=estimate_fn, progress=progress)
     except SearchInterrupted as stop:
         if stop.finished:  # the table and best of what was found so far; a second Ctrl-C leaves no half file
             stop.result = result_of(stop.run, stop.objective)
