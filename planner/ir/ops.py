@@ -44,8 +44,11 @@ OP_KINDS: dict[str, str] = {
     "cross_entropy": "log_softmax + nll_loss over the logits",
     "batch_norm": "nn.BatchNorm1d on per-sample features",
     "checkpoint": "the inputs a checkpointed block keeps (torch.utils.checkpoint non-reentrant)",
-    # Collectives and quantisation: in the vocabulary for the transforms that will emit them (parallel
-    # sharding, QLoRA's dequantize); no form emits them yet.
+    "aten": "one ATen op of a traced model (planner.program.lower): its saved storages, FLOPs and bytes as the "
+            "tracer measured them",
+    "scale": "x · a constant (LoRA's `lora_B(lora_A(dropout(x))) * scaling`, added to the base output)",
+    # Collectives and quantisation: in the vocabulary for the transforms that emit them (parallel sharding;
+    # QLoRA's dequantize, emitted by planner.ir.transforms.lora_layers).
     "all_reduce": "NCCL all-reduce", "all_gather": "NCCL all-gather", "reduce_scatter": "NCCL reduce-scatter",
     "all_to_all": "NCCL all-to-all", "send_recv": "NCCL point-to-point",
     "quantize": "to a low-bit storage (NF4; FP8 later)", "dequantize": "from a low-bit storage to 16-bit",

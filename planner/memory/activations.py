@@ -411,39 +411,19 @@ def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
 
 def linear_params(block: Block) -> list[tuple[int, int]]:
     """(weight, bias) element counts of each matmul a block runs. Autocast casts both to 16-bit and caches
-    the casts until the autocast context exits; the matmul saves the weight's cast for backward."""
+    the casts until the autocast context exits; the matmul saves the weight's cast for backward.
+
+    The block's program's `linear` ops (planner.families.forms.block_linears; issue 33: the per-form lists
+    here were another copy of each layer). The multimodal model's nn.Linear and BatchNorm1d blocks read their
+    spec."""
     layer = block.layer
     if isinstance(layer, DenseSpec):
         return [(layer.in_features * layer.out_features, layer.out_features if layer.bias else 0)]
     if isinstance(layer, BatchNormSpec):
         return []
-    spec = layer
-    h, i, d, labels, vocab = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_labels, spec.vocab_size
-    ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
-    if block.role == "layer":
-        traits = family(spec.family)
-        if traits.gated_mlp:
-            q, kv = spec.num_heads * d, spec.num_kv_heads * d
-            return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
-                    (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
-        if traits.conv1d:  # Conv1D: addmm(bias, x, weight), always with bias
-            return [(h * 3 * h, 3 * h), (h * h, h), (h * i, i), (i * h, h)]
-        return [(h * h, h)] * 4 + [(h * i, i), (i * h, h)]
-    if block.role == "pooler":
-        return [(h * h, h)]
-    if block.role == "head":
-        if spec.head == "sequence-classification":
-            form = family(spec.family).classifier
-            if form in ("dense_tanh", "pre_classifier_relu"):
-                return [(h * h, h), (h * labels, labels)]
-            if form == "pooled":
-                return [(h * labels, labels)]
-            return [(h * labels, 0)]  # decoders' score: no bias
-        if spec.head == "masked-lm":
-            return [(h * h, h), (h * vocab, vocab)]
-        if spec.head == "causal-lm":
-            return [(h * vocab, 0)]
-    return []
+    from planner.families.forms import block_linears
+
+    return block_linears(block)
 
 
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:

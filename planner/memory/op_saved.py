@@ -28,9 +28,9 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
     a = op.attrs
     if "block" in a:
         return act.dense_block_saved(a["block"], a["model"], ctx)
-    if not a["saves_input"]:
-        return []
-    numel = math.prod(op.shapes["input"])
+    if not a["saves_input"] or a.get("frozen"):
+        return []  # a frozen weight needs no input for its gradient (LoRA: planner.ir.transforms.lora_layers)
+    numel = a.get("saved_numel") or math.prod(op.shapes["input"])
     if a.get("as_is"):
         return [Saved(a["input"], numel, op.dtypes["input"])]
     tensors = act.linear_inputs(a["input"], numel, op.dtypes["input"], ctx, a["consumers"])
@@ -47,8 +47,10 @@ def layer_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 @register("saved", "rms_norm")
 def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """A frozen weight (LoRA) drops the normalized tensor, kept only for the weight's gradient."""
     rows, width = op.shapes["input"]
-    return act.rmsnorm_saved(op.name, rows, width, op.dtypes["input"], ctx, op.attrs["input_is_new"])
+    out = act.rmsnorm_saved(op.name, rows, width, op.dtypes["input"], ctx, op.attrs["input_is_new"])
+    return [t for t in out if not t.name.endswith(".normalized")] if op.attrs.get("frozen") else out
 
 
 @register("saved", "activation")
@@ -71,11 +73,12 @@ def dropout_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 
 @register("saved", "residual_add", "embedding", "attention_mask", "all_reduce", "all_gather", "reduce_scatter",
-          "all_to_all", "send_recv", "quantize", "dequantize")
+          "all_to_all", "send_recv", "quantize", "dequantize", "scale")
 def nothing_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """Adds save nothing; a look-up saves its indices, which are the batch's own tensors or an `index` op's;
-    the mask is built from the batch (kept by the checkpoint op when a layer is checkpointed); collectives and
-    quantisation are not emitted yet."""
+    the mask is built from the batch (kept by the checkpoint op when a layer is checkpointed); collectives save
+    nothing; a dequantized 4-bit weight is a transient, made again in backward; a multiply by a Python scalar
+    (LoRA's scaling) saves nothing."""
     return []
 
 
@@ -95,7 +98,10 @@ def rotary_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 
 def _context(op: Op, ctx: Ctx) -> list[Saved]:
-    """The eager and math paths' transpose().contiguous() copy of the context, saved by the output Linear."""
+    """The eager and math paths' transpose().contiguous() copy of the context, saved by the output Linear
+    (not when that Linear is frozen: LoRA)."""
+    if op.attrs.get("context_frozen"):
+        return []
     return [Saved("attention.context", math.prod(op.shapes["output"]), ctx.low)]
 
 
@@ -159,9 +165,27 @@ def checkpoint_saved(op: Op, ctx: Ctx) -> list[Saved]:
     return act.checkpoint_inputs(op.attrs["spec"], ctx, op.attrs["index"])
 
 
+@register("saved", "aten")
+def traced_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """A traced op's saved storages, as the tracer measured them (planner.program.lower)."""
+    return list(op.attrs["saved"])
+
+
 def op_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """What `op` saves for backward: its kind's rule, or nothing when no input or parameter of it needs a
+    gradient (`no_grad`, set by a transform: LoRA's frozen blocks before the first adapter)."""
     from planner.ir.interpret import apply
 
+    if op.attrs.get("no_grad"):
+        return []
     return apply("saved", op, ctx)
+
+
+def weight_cast(op: Op, ctx: Ctx) -> list[Saved]:
+    """Under autocast a Linear's matmul saves its weight's 16-bit cast (for the input's gradient): none when
+    the input needs no gradient or the weight is not cast (a 4-bit or 16-bit base: `casts_weight` False)."""
+    if not ctx.amp or op.kind != "linear" or op.attrs.get("no_grad") or not op.attrs.get("casts_weight", True):
+        return []
+    return [Saved(f"{op.name}.weight.cast", op.shapes["input"][1] * op.shapes["output"][1], ctx.low)]
 
 

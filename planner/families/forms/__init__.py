@@ -135,3 +135,35 @@ def parameter_tensors(model: ModelSpec) -> tuple:
 
 _PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS", scope="model",
     key="ModelSpec identity (per_object): its parameter tensors")
+
+
+def block_linears(block: Block) -> list[tuple[int, int]]:
+    """(weight, bias) elements of each `linear` op of one transformer block (embeddings, layer, final norm,
+    pooler or head), in forward order: what autocast casts (planner.memory.activations.linear_params). The
+    linear ops do not depend on the micro-batch or the precision, so they are read once per layer spec, role
+    and "first layer" (`PARAMETER_CONTEXT`)."""
+    layer = block.layer
+    assert isinstance(layer, TransformerSpec)
+    key = (id(layer), block.role, block.index == 0)
+    hit = _LINEARS.get(key)
+    if hit is not None and hit[0] is layer:
+        return hit[1]
+    from planner.families.forms import common
+
+    traits, ctx = family(layer.family), PARAMETER_CONTEXT
+    if block.role == "layer":
+        ops = (FORMS or load_forms())[traits.layer](LayerArgs(layer, traits, ctx, block.index, ""))
+    elif block.role == "pooler":
+        ops = common.pooler_ops(layer, ctx, "")
+    elif block.role == "head":
+        ops = common.head_ops(layer, traits, ctx, "")
+    else:
+        ops = []
+    out = [(op.shapes["input"][1] * op.shapes["output"][1], op.shapes["output"][1] if op.attrs["bias"] else 0)
+           for op in ops if op.kind == "linear"]
+    _LINEARS[key] = (layer, out)
+    return out
+
+
+_LINEARS: dict[tuple, tuple] = caches.table("planner.families.forms._LINEARS", scope="model",
+    key="(TransformerSpec identity, block role, first layer) -> (spec, [(weight, bias) elements of its linears])")
