@@ -10,7 +10,7 @@ from planner.ir.context import attention_kernel, mask_materialised, promote
 from planner.ir.ops import Op
 
 
-@layer_form("pre_norm_gated")
+@layer_form("pre_norm_gated", norms_registered_last=True)  # LlamaDecoderLayer: attn, mlp, then norms
 def gated_layer(a: LayerArgs) -> list[Op]:
     spec, ctx = a.spec, a.ctx
     n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
