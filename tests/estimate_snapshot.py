@@ -56,7 +56,8 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
       lora_B saves b·r elements, not n·r; the multimodal model's text modules are named
       `TextBertBase.0.encoder...` as `named_modules()` names them (the old names lacked the nn.Sequential
       index, so the transform found no adapter there; the old records matched them by suffix).
-   No step time moves (the speed side's LoRA kernels are still planner.adapters.speed's).
+   No step time moves: the adapters' and dequantizations' kernels, read from the same transformed program
+   since (planner.adapters.speed.program_kernels), equal the old per-module list in every LoRA case.
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

@@ -73,7 +73,8 @@ def test_frozen_linears_save_no_input_and_blocks_before_the_first_adapter_nothin
     frozen = [op for op in layer.ops if op.kind == "linear" and op.attrs.get("frozen")]
     assert [op.name for op in frozen] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
     assert all(not op_saved(op, ctx) for op in frozen)
-    assert [op.name for op in layer.ops if op.attrs.get("adapter")] == ["attn.c_attn.lora_A", "attn.c_attn.lora_B"]
+    assert [op.name for op in layer.ops if op.attrs.get("adapter")] == [
+        "attn.c_attn.lora_A", "attn.c_attn.lora_B", "attn.c_attn.lora_scale"]
 
 
 @pytest.mark.parametrize("family,targets", [("llama", ("q_proj", "v_proj")), ("gpt2", ("all-linear",)),

@@ -232,7 +232,8 @@ def adapter_ops(op: Op, module: str, ops: tuple[Op, ...], takers: dict[str, list
                                   "saves_input": True}
     if adapters.dropout > 0:
         out.append(Op("dropout", f"{op.name}.lora_dropout", {"input": (rows * n_in,), "output": (rows * n_in,)}, (),
-                      {"input": F32, "output": F32}, {"p": adapters.dropout} | ({} if grad else {"no_grad": True})))
+                      {"input": F32, "output": F32},
+                      {"p": adapters.dropout, "adapter": True} | ({} if grad else {"no_grad": True})))
     elif not ctx.amp and src == F32:
         group = _group(op, ops)
         storage = _x_storage(op, ops, ctx)
@@ -247,5 +248,5 @@ def adapter_ops(op: Op, module: str, ops: tuple[Op, ...], takers: dict[str, list
                    "as_is": True, "bias": False, "adapter": True}))
     out.append(Op("scale", f"{op.name}.lora_scale", {"input": (rows * n_out,), "output": (rows * n_out,)}, (),
                   {"input": low, "other": op.dtypes["output"], "output": op.dtypes["output"]},
-                  {"scaling": adapters.scaling}))
+                  {"scaling": adapters.scaling, "adapter": True}))
     return out

@@ -161,8 +161,8 @@ def batch_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 @register("kernels", "dequantize")
 def dequantize_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """bitsandbytes' dequantization of one 4-bit weight (gemm_4bit's dequantize + F.linear path): reads the
-    packed weight and its constants, writes the weight in the compute dtype (planner.adapters.speed's
-    `dequant_kernels`; the backward dequantizes again, which the elementwise backward rule stands for)."""
+    packed weight and its constants, writes the weight in the compute dtype (the backward dequantizes again:
+    planner.adapters.speed.program_kernels)."""
     from planner.adapters import nf4
 
     numel = op.shapes["output"][0]
