@@ -32,7 +32,7 @@ from planner.ir.transforms import Adapters, lora_layers
 from planner.memory.activations import BlockActivations, Saved, _ctx, alloc_bytes
 from planner.memory.op_saved import op_saved, weight_cast
 from planner.models.blocks import model_blocks
-from planner.spec import ModelSpec, TrainConfig
+from planner.spec import ModelSpec, TrainConfig, TransformerSpec
 
 
 def base_is_low(config: TrainConfig) -> bool:
@@ -51,7 +51,22 @@ def input_requires_grad(config: TrainConfig) -> bool:
 
 
 def adapters_of(model: ModelSpec, config: TrainConfig, lora: LoraPlan) -> Adapters:
-    """The LoRA transform's record of a run (planner.ir.transforms.Adapters) from its plan."""
+    """The LoRA transform's record of a run (planner.ir.transforms.Adapters) from its plan, cached per model
+    and the fields it reads."""
+    key = (id(lora), config.lora_dropout, config.lora_alpha, config.checkpointing, config.precision,
+           config.base_dtype)
+    table = per_object(_ADAPTERS, model, lambda m: {})
+    hit = table.get(key)
+    if hit is None or hit[0] is not lora:
+        hit = table[key] = (lora, _adapters(model, config, lora))
+    return hit[1]
+
+
+_ADAPTERS: dict[int, dict] = caches.table("planner.adapters.activations._ADAPTERS", scope="model",
+    key="ModelSpec identity (per_object) -> {(LoraPlan identity, LoRA fields): (plan, Adapters)}")
+
+
+def _adapters(model: ModelSpec, config: TrainConfig, lora: LoraPlan) -> Adapters:
     from planner.adapters.targets import model_linears
 
     blocks = [b.name for b in model_blocks(model)]
@@ -107,24 +122,51 @@ def lora_activations(model: ModelSpec, config: TrainConfig, records: tuple, lora
     `records` were made for (default: `activation_blocks`' own for `config` and `backend`)."""
     if ctx is None:
         ctx = _ctx(config, backend, model.inputs.attention_mask, True)  # type: ignore[arg-type]
-    program = lora_program(model, config, lora, ctx)
+    from planner.families import family
+    from planner.families.forms import base_prefix, block_ops
+    from planner.ir.ops import ProgramBlock
+    from planner.ir.transforms import lora_program_block
+
+    adapters = adapters_of(model, config, lora)
+    blocks = model_blocks(model)
+    first = next((i for i, b in enumerate(blocks) if b.name == adapters.first), None) \
+        if adapters.first is not None else None
+    # identical layers (same spec, same adapters and 4-bit modules relative to the layer, same place relative
+    # to the first adapter) save the same: transform one, copy the rest (as activation_blocks does)
+    same: dict[tuple, BlockActivations] = {}
     out = []
-    for rec, block in zip(records, program.blocks, strict=True):
-        if block.role == "loss" or (block.ops and "block" in block.ops[0].attrs):
+    for i, rec in enumerate(records):
+        block = blocks[i] if i < len(blocks) else None
+        if block is None or not isinstance(block.layer, TransformerSpec):
             out.append(rec)  # the loss; dense and batchnorm blocks of the multimodal model: as in full training
             continue
+        key = None
+        if block.role == "layer":
+            prefix = base_prefix(model, block, block.layer) + family(block.layer.family).layer_prefix.format(
+                i=block.index)
+            key = (id(block.layer), block.index == 0, i == first, first is None or i < first,
+                   frozenset(m[len(prefix):] for m in adapters.adapted if m.startswith(prefix)),
+                   frozenset(m[len(prefix):] for m in adapters.quantized if m.startswith(prefix)))
+            hit = same.get(key)
+            if hit is not None:
+                out.append(hit.renamed(rec.block))
+                continue
+        ops = lora_program_block(ProgramBlock(block.name, block.role, tuple(block_ops(block, model, ctx))), i, first,
+                                 adapters, ctx).ops
         # in forward order (as saved-tensor hooks see them): each op's saved tensors, an adapter's weight cast
         # just before its input's; the frozen base's casts are the record's weight casts, as in full training
-        saved = [t for op in block.ops for t in (weight_cast(op, ctx) if op.attrs.get("adapter") else [])
+        saved = [t for op in ops for t in (weight_cast(op, ctx) if op.attrs.get("adapter") else [])
                  + op_saved(op, ctx)]
-        casts = [t for op in block.ops if not op.attrs.get("adapter") for t in weight_cast(op, ctx)]
+        casts = [t for op in ops if not op.attrs.get("adapter") for t in weight_cast(op, ctx)]
         bl = lora.blocks[rec.block]
         uncast = bool(bl.quantized) or base_is_low(config)  # a 4-bit layer dequantizes; a 16-bit base is used as is
-        dq = dequant_bytes(block.ops, ctx.backend)
+        dq = dequant_bytes(ops, ctx.backend)
         kept = rec.kept_tensors if rec.checkpointed else tuple(saved)
         out.append(BlockActivations(
             rec.block, _total(saved, ctx.backend), _total(list(kept), ctx.backend), _total(casts, ctx.backend),
             rec.forward_transient_bytes + dq, rec.backward_transient_bytes + dq, rec.checkpointed,
             rec.retained_output_bytes, 0 if uncast else rec.autocast_cache_bytes, tuple(saved), tuple(kept),
             () if uncast else rec.cache_tensors))
+        if key is not None:
+            same[key] = out[-1]
     return tuple(out)

@@ -103,23 +103,25 @@ def lora_layers(program: Program, adapters: Adapters, ctx: Ctx) -> Program:
     """
     order = {b.name: i for i, b in enumerate(program.blocks)}
     first = order.get(adapters.first, len(program.blocks)) if adapters.first is not None else None
-    blocks = []
-    for i, b in enumerate(program.blocks):
-        if b.role not in LORA_ROLES or b.ops and "block" in b.ops[0].attrs:
-            blocks.append(b)
-            continue
-        before = first is None or (i < first and not adapters.input_grads)
-        if before or (b.role == "embeddings" and not adapters.input_grads):
-            ops = []
-            for op in b.ops:  # nothing needs a gradient here; a 4-bit weight is still dequantized
-                if op.kind == "linear" and module_of(op) in adapters.quantized:
-                    ops.append(_with(_dequantize(op, adapters, ctx), no_grad=True))
-                ops.append(_with(op, no_grad=True))
-            blocks.append(ProgramBlock(b.name, b.role, tuple(ops)))
-            continue
-        blocks.append(ProgramBlock(b.name, b.role, tuple(lora_block(b, adapters, ctx,
-                                                                    first_grad=i == first and not adapters.input_grads))))
-    return Program(tuple(blocks))
+    return Program(tuple(lora_program_block(b, i, first, adapters, ctx) for i, b in enumerate(program.blocks)))
+
+
+def lora_program_block(b: ProgramBlock, i: int, first: int | None, adapters: Adapters, ctx: Ctx) -> ProgramBlock:
+    """Block `b`, the `i`-th of its program, under `adapters` (`lora_layers`); `first`: the index of the first
+    block with an adapter (None: none). One block at a time, so the memory model transforms only the layers
+    that differ (planner.adapters.activations)."""
+    if b.role not in LORA_ROLES or b.ops and "block" in b.ops[0].attrs:
+        return b
+    before = first is None or (i < first and not adapters.input_grads)
+    if before or (b.role == "embeddings" and not adapters.input_grads):
+        ops = []
+        for op in b.ops:  # nothing needs a gradient here; a 4-bit weight is still dequantized
+            if op.kind == "linear" and module_of(op) in adapters.quantized:
+                ops.append(_with(_dequantize(op, adapters, ctx), no_grad=True))
+            ops.append(_with(op, no_grad=True))
+        return ProgramBlock(b.name, b.role, tuple(ops))
+    return ProgramBlock(b.name, b.role, tuple(lora_block(b, adapters, ctx,
+                                                         first_grad=i == first and not adapters.input_grads)))
 
 
 def _with(op: Op, **attrs: object) -> Op:
