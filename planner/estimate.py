@@ -136,15 +136,18 @@ def run_steps():
 
 
 def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, Any] | None = None,
-            backend: str = "cuda") -> dict[str, Any]:
+            backend: str = "cuda", inputs: str | None = None, loss: str | None = None) -> dict[str, Any]:
     """`program.blocks[]` of `planner estimate --json` for an estimate `est` of `model`: its blocks' ops with
     their parameters, saved bytes, FLOPs, bytes moved and launches (planner.pipeline.program_report).
     Built on request only (a search never pays for it), from the estimate's resolved configuration."""
     from planner.models.user_module import is_reference
     from planner.program.sources import is_traced_config
 
-    if is_reference(model) or is_traced_config(model):
-        return {"front_end": "traced", "blocks": []}
+    if is_reference(model) or is_traced_config(model):  # the trace lowered to a program (planner.program.lower)
+        from planner.pipeline.program_report import traced_report
+
+        prep = _prepare_traced(str(model), est.config, est.instance, None, backend, model_options, inputs, loss)
+        return traced_report(prep.traced, prep.step.blocks, prep.traced.backend)
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
     from planner.pipeline.resolve import FP8_COMPUTE, context, parallel_dims

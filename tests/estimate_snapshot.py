@@ -41,6 +41,29 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    slow compute by NCCL's channels / SMs (planner.perf.collectives.overlap_contention_s). The 112 zero3
    estimates move, communication time only: step time -23 % to +2 % (+ where the compute was already the
    bound and contention now adds); memory unchanged everywhere.
+6. LoRA and QLoRA read the program (issue 33: `planner.ir.transforms.lora_layers`, adapter ops added and
+   frozen parameters' saved inputs dropped; the memory model sums the transformed program's ops, where
+   planner.adapters.activations had regrouped the full-training records by tensor names). Over 5,824
+   LoRA configurations (14 catalog models and their classifier heads × precisions × targets × dropout × base
+   dtypes × both backends × eager/SDPA) every block's saved and kept bytes equal the old records' except
+   where the old ones disagreed with the module, three cases:
+   a. a QLoRA masked-LM head (BERT, RoBERTa, DistilBERT, DistilRoBERTa): the old records dropped every AMP
+      weight cast of a block holding a 4-bit Linear, but the tied decoder is not quantized, and its matmul
+      saves the 16-bit cast of its fp32 weight (a tiny RobertaForMaskedLM with bitsandbytes NF4 layers,
+      prepare_model_for_kbit_training and peft on the CPU under bf16 autocast saves one bf16 (h, V) tensor):
+      the program casts per Linear. In the grid: roberta-base|qlora, +77.2 MB of activations (50265 × 768
+      × 2 B); the program's side.
+   b. the saved tensors' order inside a block (what the allocator replay lays out): the old records put
+      every adapter's tensors at the block's end; the program keeps forward order, and each adapter's weight
+      cast before its input, which is the order saved-tensor hooks see on real peft modules
+      (tests/test_lora_program.py). Reserved peaks move by 4-8 MiB in gpt2|lora, gpt2|qlora,
+      llama-3-8b|qlora; allocated bytes unchanged.
+   c. (outside the grid) an adapter on a Linear reading b rows (the pooler, a classifier's pre_classifier):
+      lora_B saves b·r elements, not n·r; the multimodal model's text modules are named
+      `TextBertBase.0.encoder...` as `named_modules()` names them (the old names lacked the nn.Sequential
+      index, so the transform found no adapter there; the old records matched them by suffix).
+   No step time moves: the adapters' and dequantizations' kernels, read from the same transformed program
+   since (planner.adapters.speed.program_kernels), equal the old per-module list in every LoRA case.
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

@@ -1,11 +1,12 @@
-"""What a LoRA step saves for backward: the full-training records (`planner.memory.activations`) with the
-frozen base's rules applied, and the adapters' own tensors added.
+"""What a LoRA step saves for backward: the model's program under the LoRA transform
+(planner.ir.transforms.lora_layers), read by the saved-memory interpreter (planner.memory.op_saved).
 
 Why a transform and not new formulas: the frozen layers run the same ops; only what autograd keeps changes.
 PyTorch saves a matmul's input only to compute its weight's gradient (derivatives.yaml `mm`: `self` is
 saved when `mat2` requires grad), so a frozen Linear/Conv1D without an adapter saves nothing of its own, and
 a frozen norm weight drops the normalized tensor kept for the weight's gradient (RMSNorm's `weight * x`).
-Measured on real peft modules (tests/test_lora_activations.py); the rules:
+Measured on real peft modules (tests/test_lora_activations.py); the rules (the transform's docstring says
+which op carries each):
 - an input that only frozen, unadapted linears read is no longer saved;
 - an adapted linear's LoRA path (peft tuners/lora/layer.py `Linear.forward`: `x = _cast_input_dtype(x, fp32)`,
   `lora_B(lora_A(dropout(x))) * scaling`) saves lora_A's input (x itself in fp32; a new fp32 copy of a 16-bit
@@ -16,80 +17,22 @@ Measured on real peft modules (tests/test_lora_activations.py); the rules:
   (`enable_input_require_grads`: `prepare_model_for_kbit_training` calls it for QLoRA, transformers' Trainer
   for checkpointed PEFT models);
 - a 4-bit base keeps no 16-bit weight casts: bitsandbytes dequantizes each weight into a temporary in the
-  forward and again in the backward (`dequant_bytes`), freed after each matmul.
+  forward and again in the backward (the transform's `dequantize` ops), freed after each matmul.
 Backward temporaries of the frozen layers stay those of full training (an over-estimate: no weight gradients).
 """
 
 from __future__ import annotations
 
-import math
-import re
-
-from planner.adapters import nf4
-from planner.adapters.lora import LoraPlan, compute_dtype
-from planner.adapters.targets import LinearModule
-from planner.memory.activations import (
-    BOOL,
-    F32,
-    LOW_DTYPE,
-    BlockActivations,
-    Saved,
-    alloc_bytes,
-)
+from planner import caches
+from planner.adapters.lora import LoraPlan, alpha, compute_dtype
+from planner.identity_cache import per_object
+from planner.ir.context import Ctx
+from planner.ir.ops import Program
+from planner.ir.transforms import Adapters, lora_layers
+from planner.memory.activations import BlockActivations, Saved, _ctx, alloc_bytes
+from planner.memory.op_saved import op_saved, weight_cast
 from planner.models.blocks import model_blocks
 from planner.spec import ModelSpec, TrainConfig, TransformerSpec
-
-# Saved-tensor groups that are only the input of linear modules: group name -> module name suffixes.
-LINEAR_INPUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "llama": {"self_attn.input": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "attention.context": ("self_attn.o_proj",), "mlp.input": ("mlp.gate_proj", "mlp.up_proj"),
-              "mlp.product": ("mlp.down_proj",), "lm_head.input": ("lm_head",)},
-    "gpt2": {"attn.c_attn.input": ("attn.c_attn",), "attention.context": ("attn.c_proj",),
-             "mlp.input": ("mlp.c_fc",), "mlp.act_output": ("mlp.c_proj",), "lm_head.input": ("lm_head",)},
-    "bert": {"layer.input": ("attention.self.query", "attention.self.key", "attention.self.value"),
-             "attention.context": ("attention.output.dense",), "mlp.input": ("intermediate.dense",),
-             "mlp.act_output": ("output.dense",), "pooler.dense": ("pooler.dense",),
-             "lm.transform.dense.input": ("transform.dense", "lm_head.dense"), "lm.decoder.input": ("decoder",)},
-    "distilbert": {"layer.input": ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
-                   "attention.context": ("attention.out_lin",), "mlp.input": ("ffn.lin1",),
-                   "mlp.act_output": ("ffn.lin2",), "lm.transform.dense.input": ("vocab_transform",),
-                   "lm.decoder.input": ("vocab_projector",)},
-}
-LINEAR_INPUTS["mistral"] = LINEAR_INPUTS["llama"]
-LINEAR_INPUTS["roberta"] = LINEAR_INPUTS["bert"]
-# The normalized tensor an RMSNorm saves only for its weight's gradient (`activations.rmsnorm_saved`).
-WEIGHT_ONLY_SUFFIX = ".normalized"
-# The norm at the start of a pre-norm layer: it sees the layer input, which needs no gradient in the first.
-INPUT_NORM = {"llama": "input_layernorm.", "mistral": "input_layernorm.", "gpt2": "ln_1."}
-# The group of linears that read a layer's input: in the first adapted layer their input needs no gradient.
-INPUT_GROUP = {"llama": "self_attn.input", "mistral": "self_attn.input", "gpt2": "attn.c_attn.input",
-               "bert": "layer.input", "roberta": "layer.input", "distilbert": "layer.input"}
-
-
-def _group(name: str, groups: dict[str, tuple[str, ...]]) -> str | None:
-    for g in groups:
-        if name == g or name.startswith(g + ".cast") or name.startswith(g + "."):
-            return g
-    return None
-
-
-_IN_LAYER = re.compile(r"\.(?:layer|layers|h)\.\d+\.(.+)$")
-
-
-def _relative(name: str) -> str:
-    """A layer's module name without the layer's own path ("model.layers.3.mlp.up_proj" -> "mlp.up_proj"), so
-    that "output.dense" does not also match "attention.output.dense"."""
-    hit = _IN_LAYER.search(name)
-    return hit.group(1) if hit else name
-
-
-def _consumers(group: str, suffixes: tuple[str, ...], modules: list[LinearModule]) -> list[LinearModule]:
-    out = []
-    for m in modules:
-        rel = _relative(m.name)
-        if any(rel == s or (rel == m.name and rel.endswith("." + s)) for s in suffixes):
-            out.append(m)
-    return out
 
 
 def base_is_low(config: TrainConfig) -> bool:
@@ -107,105 +50,63 @@ def input_requires_grad(config: TrainConfig) -> bool:
     return config.checkpointing
 
 
-def adapter_saved(module: LinearModule, numel: int, src: str, config: TrainConfig, backend: str,
-                  tokens: int, input_grad: bool = True) -> list[Saved]:
-    """What one adapted linear's LoRA path saves, for an input of `numel` elements of dtype `src`.
-
-    lora_A saving the fp32 input itself (no dropout, no autocast) is counted once per group by the caller.
-    `input_grad` False (the first adapted layer's input): no dropout mask and no lora_A weight cast, which
-    only the input's gradient would need.
-    """
-    amp = config.precision.startswith("amp-")
-    low = LOW_DTYPE[config.precision] if amp else F32
-    r = config.lora_r or 0
-    name = f"lora.{module.name.rsplit('.', 2)[-1]}"
-    out: list[Saved] = []
-    if config.lora_dropout > 0:
-        if input_grad:
-            out.append(Saved(f"{name}.dropout_mask", numel, BOOL if backend == "cuda" else F32))
-        out.append(Saved(f"{name}.A_input", numel, low))
-    elif amp or src != F32:
-        out.append(Saved(f"{name}.A_input", numel, low))
-    out.append(Saved(f"{name}.B_input", tokens * r, low))
-    if amp:  # autocast's 16-bit casts of lora_A and lora_B weights, saved by their matmuls
-        if input_grad:
-            out.append(Saved(f"{name}.A_weight_cast", r * module.n_in, low))
-        out.append(Saved(f"{name}.B_weight_cast", r * module.n_out, low))
-    return out
+def adapters_of(model: ModelSpec, config: TrainConfig, lora: LoraPlan) -> Adapters:
+    """The LoRA transform's record of a run (planner.ir.transforms.Adapters) from its plan, cached per model
+    and the fields it reads."""
+    key = (id(lora), config.lora_dropout, config.lora_alpha, config.checkpointing, config.precision,
+           config.base_dtype)
+    table = per_object(_ADAPTERS, model, lambda m: {})
+    hit = table.get(key)
+    if hit is None or hit[0] is not lora:
+        hit = table[key] = (lora, _adapters(model, config, lora))
+    return hit[1]
 
 
-def transform_block(saved: list[Saved], spec: TransformerSpec, modules: list[LinearModule],
-                    adapted: list[LinearModule], config: TrainConfig, backend: str, tokens: int,
-                    first_grad: bool) -> tuple[list[Saved], list[LinearModule]]:
-    """One block's saved tensors under LoRA (see the module docstring), and the frozen linears whose AMP
-    weight cast is not saved (they read the first adapted layer's input, which needs no gradient).
-    `first_grad`: this is the first block with an adapter and its input needs no gradient."""
-    groups = LINEAR_INPUTS[spec.family]
-    frozen_norms = spec.norm == "rmsnorm"
-    out: list[Saved] = []
-    found: dict[str, list[Saved]] = {}
-    norm = INPUT_NORM.get(spec.family)
-    for t in saved:
-        g = _group(t.name, groups)
-        if g is not None:
-            found.setdefault(g, []).append(t)
-            continue
-        if frozen_norms and t.name.endswith(WEIGHT_ONLY_SUFFIX):
-            continue
-        if first_grad and norm is not None and t.name.startswith(norm):
-            continue
-        if t.name.startswith("rotary.") and base_is_low(config):  # Llama's cos/sin come in the model's dtype
-            t = Saved(t.name, t.numel, LOW_DTYPE[config.precision])
-        out.append(t)
-    done: set[str] = set()
-    no_grad: list[LinearModule] = []
-    for g, tensors in found.items():
-        readers = _consumers(g, groups[g], modules)
-        takers = [m for m in readers if m in adapted]
-        grad = not (first_grad and g == INPUT_GROUP[spec.family])
-        if not grad:
-            no_grad += readers
-        src = next((t.dtype for t in tensors if ".cast" not in t.name), F32)
-        if takers and not config.precision.startswith("amp-") and src == F32 and config.lora_dropout == 0:
-            out.append(Saved(g, tensors[0].numel, F32))  # lora_A saves x itself, one storage for all
-        for m in takers:
-            out += adapter_saved(m, tensors[0].numel, src, config, backend, tokens, grad)
-            done.add(m.name)
-    for m in adapted:  # adapted linears whose input the records do not list on its own (fused attention)
-        if m.name not in done:
-            out += adapter_saved(m, tokens * m.n_in, LOW_DTYPE[config.precision], config, backend, tokens)
-    return out, no_grad
+_ADAPTERS: dict[int, dict] = caches.table("planner.adapters.activations._ADAPTERS", scope="model",
+    key="ModelSpec identity (per_object) -> {(LoraPlan identity, LoRA fields): (plan, Adapters)}")
 
 
-# The gated MLP's tensors made from the 4-bit gate/up projections' outputs (llama, mistral), saved for backward.
-FOUR_BIT_MLP = {"llama": ("mlp.act.input", "mlp.up", "mlp.act_output"),
-                "mistral": ("mlp.act.input", "mlp.up", "mlp.act_output")}
+def _adapters(model: ModelSpec, config: TrainConfig, lora: LoraPlan) -> Adapters:
+    from planner.adapters.targets import model_linears
+
+    blocks = [b.name for b in model_blocks(model)]
+    first = next((name for name in blocks if lora.blocks[name].adapted), None)
+    return Adapters(
+        r=config.lora_r or 0, dropout=config.lora_dropout, scaling=alpha(config) / (config.lora_r or 1),
+        adapted=frozenset(m.name for b in lora.blocks.values() for m in b.adapted),
+        quantized=frozenset(m.name for b in lora.blocks.values() for m in b.quantized),
+        trained=frozenset(m.name for ms in model_linears(model).values() for m in ms if m.head),
+        first=first, input_grads=input_requires_grad(config), base_low=base_is_low(config),
+        dequant_bytes=4 if compute_dtype(config) == "fp32" else 2)
 
 
-def four_bit_outputs(saved: list[Saved], spec: TransformerSpec, quantized: tuple, config: TrainConfig) -> list[Saved]:
-    """A 4-bit linear returns its output in its INPUT's dtype (bitsandbytes 0.50.2 nn/modules.py
-    `Linear4bit.forward`: `x = x.to(self.compute_dtype)` ... `return bnb.matmul_4bit(...).to(inp_dtype)`), and
-    autocast does not touch it. Under AMP the MLP's input is fp32 (the residual stream starts at the fp32
-    embeddings and the norm weights are fp32 after `prepare_model_for_kbit_training`), so the gate and up
-    outputs, and SiLU's output made from the fp32 gate, are fp32 where full AMP training has them in 16 bits.
-    The attention's q, k, v are fp32 too but SDPA saves its autocast casts, as in full training. Measured with
-    saved-tensor hooks on a tiny Llama with bitsandbytes NF4 layers on the CPU (tests/test_lora_loading.py)."""
-    names = FOUR_BIT_MLP.get(spec.family, ())
-    if not names or not config.precision.startswith("amp-"):
-        return saved
-    four_bit = {m.name.rsplit(".", 1)[-1] for m in quantized}
-    if not {"gate_proj", "up_proj"} <= four_bit:
-        return saved
-    return [Saved(t.name, t.numel, F32) if t.name in names else t for t in saved]
+def lora_program(model: ModelSpec, config: TrainConfig, lora: LoraPlan, ctx: Ctx) -> Program:
+    """The program of `model` for `ctx` under the LoRA / QLoRA run `config` (planner.ir.transforms.lora_layers),
+    cached per model, context and the LoRA fields."""
+    from planner.families.forms import model_program
+
+    key = (ctx, config.lora_r, config.lora_targets, config.lora_dropout, config.lora_alpha, config.base_dtype,
+           config.checkpointing)
+    table = per_object(_LORA_PROGRAMS, model, lambda m: {})
+    hit = table.get(key)
+    if hit is None:
+        hit = table[key] = lora_layers(model_program(model, ctx), adapters_of(model, config, lora), ctx)
+    return hit
 
 
-def dequant_bytes(modules: list[LinearModule], config: TrainConfig) -> int:
-    """The largest dequantization temporary of a block: the weight in the compute dtype plus the fp32
-    absmax of its blocks (bitsandbytes gemm_4bit's dequantize + F.linear path, taken for training-sized
-    inputs; the backward dequantizes the weight again for the input's gradient)."""
-    width = 4 if compute_dtype(config) == "fp32" else 2
-    return max((m.weight_numel * width + math.ceil(m.weight_numel / nf4.BLOCKSIZE) * 4 for m in modules),
-               default=0)
+_LORA_PROGRAMS: dict[int, dict] = caches.table("planner.adapters.activations._LORA_PROGRAMS", scope="step",
+    key="ModelSpec identity (per_object) -> {(Ctx, LoRA fields): Program}")
+
+
+def dequant_bytes(ops, backend: str) -> int:
+    """The largest dequantization temporary of a block: the weight in the compute dtype plus the fp32 absmax
+    of its blocks (bitsandbytes gemm_4bit's dequantize + F.linear path, taken for training-sized inputs; the
+    backward dequantizes the weight again for the input's gradient): the block's `dequantize` ops."""
+    from planner.adapters import nf4
+
+    sizes = [op.shapes["output"][0] * op.attrs["bytes_per_element"] - (-op.shapes["output"][0] // nf4.BLOCKSIZE) * 4
+             for op in ops if op.kind == "dequantize"]
+    return max(sizes, default=0)
 
 
 def _total(tensors: list[Saved], backend: str) -> int:
@@ -213,43 +114,59 @@ def _total(tensors: list[Saved], backend: str) -> int:
 
 
 def lora_activations(model: ModelSpec, config: TrainConfig, records: tuple, lora: LoraPlan,
-                     backend: str = "cuda") -> tuple[BlockActivations, ...]:
-    """The records of `activations.activation_blocks` for a LoRA run of `model` (see the module docstring)."""
-    blocks = {b.name: b for b in model_blocks(model)}
-    single = len(model.components) == 1
-    from planner.adapters.targets import block_linears
+                     backend: str = "cuda", ctx: Ctx | None = None) -> tuple[BlockActivations, ...]:
+    """The records of `activations.activation_blocks` for a LoRA run of `model`: each transformer block's
+    saved tensors and weight casts are its ops' under the LoRA transform (`lora_program`); the checkpoint
+    inputs, the autocast cache (none for a 4-bit or 16-bit base: nothing is cast) and the transients
+    (plus the block's largest dequantized weight) are the full-training records'. `ctx`: the context record
+    `records` were made for (default: `activation_blocks`' own for `config` and `backend`)."""
+    if ctx is None:
+        ctx = _ctx(config, backend, model.inputs.attention_mask, True)  # type: ignore[arg-type]
+    from planner.families import family
+    from planner.families.forms import base_prefix, block_ops
+    from planner.ir.ops import ProgramBlock
+    from planner.ir.transforms import lora_program_block
 
-    first = next((i for i, b in enumerate(blocks.values()) if lora.blocks[b.name].adapted), None)
-    grads_in = input_requires_grad(config)
+    adapters = adapters_of(model, config, lora)
+    blocks = model_blocks(model)
+    first = next((i for i, b in enumerate(blocks) if b.name == adapters.first), None) \
+        if adapters.first is not None else None
+    # identical layers (same spec, same adapters and 4-bit modules relative to the layer, same place relative
+    # to the first adapter) save the same: transform one, copy the rest (as activation_blocks does)
+    same: dict[tuple, BlockActivations] = {}
     out = []
     for i, rec in enumerate(records):
-        block = blocks.get(rec.block)
+        block = blocks[i] if i < len(blocks) else None
         if block is None or not isinstance(block.layer, TransformerSpec):
             out.append(rec)  # the loss; dense and batchnorm blocks of the multimodal model: as in full training
             continue
-        tokens = config.batch_size * config.seq_len
+        key = None
+        if block.role == "layer":
+            prefix = base_prefix(model, block, block.layer) + family(block.layer.family).layer_prefix.format(
+                i=block.index)
+            key = (id(block.layer), block.index == 0, i == first, first is None or i < first,
+                   frozenset(m[len(prefix):] for m in adapters.adapted if m.startswith(prefix)),
+                   frozenset(m[len(prefix):] for m in adapters.quantized if m.startswith(prefix)))
+            hit = same.get(key)
+            if hit is not None:
+                out.append(hit.renamed(rec.block))
+                continue
+        ops = lora_program_block(ProgramBlock(block.name, block.role, tuple(block_ops(block, model, ctx))), i, first,
+                                 adapters, ctx).ops
+        # in forward order (as saved-tensor hooks see them): each op's saved tensors, an adapter's weight cast
+        # just before its input's; the frozen base's casts are the record's weight casts, as in full training
+        saved = [t for op in ops for t in (weight_cast(op, ctx) if op.attrs.get("adapter") else [])
+                 + op_saved(op, ctx)]
+        casts = [t for op in ops if not op.attrs.get("adapter") for t in weight_cast(op, ctx)]
         bl = lora.blocks[rec.block]
-        no_grad: list[LinearModule] = []
-        before = first is None or (i < first and not grads_in)
-        if before:
-            saved: list[Saved] = []
-        elif block.role == "embeddings":
-            saved = [t for t in rec.tensors if not t.dtype == "int64"] if grads_in else []
-        else:
-            saved, no_grad = transform_block(list(rec.tensors), block.layer, block_linears(block, single),
-                                             list(bl.adapted), config, backend, tokens, i == first and not grads_in)
-            saved = four_bit_outputs(saved, block.layer, bl.quantized, config)
-        # no 16-bit weight copies: a 4-bit layer dequantizes instead, a base already in autocast's dtype is used
-        # as it is (autocast casts only what is not)
-        uncast = bool(bl.quantized) or base_is_low(config)
-        low = 2 if config.precision.startswith("amp-") else 0
-        unsaved_casts = sum(alloc_bytes(m.weight_numel * low, backend) for m in no_grad)  # type: ignore[arg-type]
-        casts = 0 if uncast or before else rec.weight_cast_bytes - unsaved_casts
-        cache = 0 if uncast else rec.autocast_cache_bytes
-        dq = dequant_bytes(list(bl.quantized), config)
+        uncast = bool(bl.quantized) or base_is_low(config)  # a 4-bit layer dequantizes; a 16-bit base is used as is
+        dq = dequant_bytes(ops, ctx.backend)
         kept = rec.kept_tensors if rec.checkpointed else tuple(saved)
         out.append(BlockActivations(
-            rec.block, _total(saved, backend), _total(list(kept), backend), casts,
+            rec.block, _total(saved, ctx.backend), _total(list(kept), ctx.backend), _total(casts, ctx.backend),
             rec.forward_transient_bytes + dq, rec.backward_transient_bytes + dq, rec.checkpointed,
-            rec.retained_output_bytes, cache, tuple(saved), tuple(kept), () if uncast else rec.cache_tensors))
+            rec.retained_output_bytes, 0 if uncast else rec.autocast_cache_bytes, tuple(saved), tuple(kept),
+            () if uncast else rec.cache_tensors))
+        if key is not None:
+            same[key] = out[-1]
     return tuple(out)

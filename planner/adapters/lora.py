@@ -183,3 +183,24 @@ def describe(lora: LoraPlan, config: TrainConfig) -> str:
     return (f"LoRA r={config.lora_r}, alpha={alpha(config):g}, dropout={config.lora_dropout:g} on "
             f"{lora.adapted_modules} modules ({','.join(lora.targets)}); trainable {lora.trainable:,} of "
             f"{lora.trainable + lora.frozen:,}; frozen base stored {base}, adapters fp32")
+
+
+def op_parameter_bytes(op, adapters, config: TrainConfig) -> int:
+    """Device bytes of the parameters one op of a LoRA program owns (planner.ir.transforms.lora_layers),
+    stored as `_block` stores them: adapters fp32; a 4-bit weight in bitsandbytes' NF4 storages; a module
+    trained in full (SEQ_CLS head) twice, the frozen original and its fp32 trainable copy; every other
+    parameter in the frozen base's dtype (fp32 for what a 4-bit base keeps unquantized)."""
+    from planner.ir.transforms import module_of
+
+    dtype = base_dtype(config)
+    frozen_bytes = 4 if dtype == "nf4" else DTYPE_BYTES[dtype]
+    if op.attrs.get("adapter"):
+        return sum(p.numel for p in op.params) * ADAPTER_BYTES
+    module = module_of(op) if op.kind == "linear" else None
+    total = 0
+    for p in op.params:
+        if module in adapters.quantized and p.name.endswith(".weight") and p.name.startswith(f"{module}."):
+            total += nf4.weight_bytes(p.numel)
+        else:
+            total += p.numel * (frozen_bytes + (ADAPTER_BYTES if module in adapters.trained else 0))
+    return total

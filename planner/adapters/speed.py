@@ -10,16 +10,15 @@ with what a frozen base does not run taken out and what the adapters and a 4-bit
 - A 4-bit weight (bitsandbytes gemm_4bit's dequantize + F.linear path for training-sized inputs) is
   dequantized in the forward and again in the backward: a memory-bound pass reading the packed weight and its
   constants and writing the 16-bit weight; no AMP weight cast.
+The adapters' and dequantizations' kernels are the LoRA program's ops (`program_kernels`, issue 33); the
+frozen base's are the full-training list's, selected by what they do (`Kernel.param_work`).
 """
 
 from __future__ import annotations
 
-from planner.adapters import nf4
 from planner.adapters.activations import base_is_low
 from planner.adapters.lora import LoraPlan
-from planner.adapters.targets import LinearModule
-from planner.models.blocks import model_blocks
-from planner.perf.kernels import F32, Kernel, Shapes, _fold, _with, backward_of, elementwise, gemm
+from planner.perf.kernels import Kernel, Shapes, _fold, _with, backward_of
 from planner.spec import ModelSpec, TrainConfig
 
 # What a frozen parameter does not need (planner.perf.kernels.Kernel.param_work): kernels are selected by what
@@ -33,26 +32,29 @@ def _trained_head(k: Kernel, lora: LoraPlan) -> bool:
     return head is not None and head.trainable > 0 and k.block_role == "head" and not head.adapted
 
 
-def adapter_kernels(m: LinearModule, sh: Shapes, config: TrainConfig) -> list[Kernel]:
-    """Forward and backward kernels of one LoRA adapter on `sh.n` rows."""
-    r, rows, low = config.lora_r or 0, sh.n, sh.low
-    name = f"lora.{m.name.rsplit('.', 1)[-1]}"
-    fwd: list[Kernel] = []
-    if sh.amp:
-        fwd.append(elementwise(f"{name}.input_cast", rows * m.n_in, (F32,), (low,), low))
-    if config.lora_dropout > 0:
-        fwd.append(elementwise(f"{name}.dropout", rows * m.n_in, (F32,), (F32, "bool"), F32))
-    fwd += [gemm(f"{name}.A", rows, r, m.n_in, low), gemm(f"{name}.B", rows, m.n_out, r, low),
-            elementwise(f"{name}.scale_add", rows * m.n_out, (low, low), (low,), low)]
-    return fwd + [b for k in reversed(fwd) for b in backward_of(k)]
+def program_kernels(model: ModelSpec, config: TrainConfig, sh: Shapes, lora: LoraPlan) -> list[Kernel]:
+    """The adapters' and the 4-bit weights' kernels, read from the LoRA run's program
+    (planner.ir.transforms.lora_layers, the one the memory model reads): each adapter op's forward kernels
+    (planner.perf.op_rules: lora_A's input cast under AMP and GEMM, lora_B's GEMM, the dropout, the
+    scale-and-add) and their backward (the adapters train: both gradients of each GEMM); each `dequantize`
+    op's pass, again in backward where a gradient flows through its Linear. The adapters' fp32 weights'
+    AMP casts are not counted (as `adapter_kernels` did not)."""
+    from planner.adapters.activations import lora_program
+    from planner.ir.interpret import apply, load_rules
 
-
-def dequant_kernels(m: LinearModule, sh: Shapes) -> list[Kernel]:
-    """bitsandbytes' dequantization of one 4-bit weight, forward and backward."""
-    out_bytes = m.weight_numel * (2 if sh.low != F32 else 4)
-    k = Kernel(f"nf4.{m.name.rsplit('.', 1)[-1]}.dequantize", "memory_bound", 0, nf4.weight_bytes(m.weight_numel),
-               out_bytes, sh.low)
-    return [k, _with(k, name=f"{k.name}.backward", phase="backward")]
+    load_rules()
+    out: list[Kernel] = []
+    for block in lora_program(model, config, lora, sh).blocks:
+        for op in block.ops:
+            if op.kind == "dequantize":
+                fwd = apply("kernels", op, sh)
+                out += fwd
+                if not op.attrs.get("no_grad"):
+                    out += [_with(k, name=f"{k.name}.backward", phase="backward") for k in fwd]
+            elif op.attrs.get("adapter"):
+                fwd = apply("kernels", op, sh)
+                out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
+    return out
 
 
 def lora_kernels(model: ModelSpec, config: TrainConfig, kernels: list[Kernel], sh: Shapes,
@@ -67,10 +69,4 @@ def lora_kernels(model: ModelSpec, config: TrainConfig, kernels: list[Kernel], s
         if base_is_low(config) and k.param_work in _CASTS:
             continue
         out.append(k)
-    for block in model_blocks(model):
-        b = lora.blocks[block.name]
-        for m in b.adapted:
-            out += adapter_kernels(m, sh, config)
-        for m in b.quantized:
-            out += dequant_kernels(m, sh)
-    return _fold(out)
+    return _fold(out + program_kernels(model, config, sh, lora))

@@ -88,11 +88,13 @@ def _head(spec: TransformerSpec, top: str, base: str) -> list[LinearModule]:
     return _modules(spec, top, traits.lm_head_linears)
 
 
-def block_linears(block: Block, single: bool = True) -> list[LinearModule]:
+def block_linears(block: Block, single: bool = True, root: str | None = None) -> list[LinearModule]:
     """The linear modules of one block (`planner.models.blocks`), named as transformers names them.
 
     The output head's matrix is listed even when tied to the token table (it is one module); peft's
     all-linear and bitsandbytes both leave it out (`output`). `single`: the model has one component.
+    `root`: where the block's transformer sits in the whole model (planner.families.forms.root_prefix: in the
+    multimodal model `component.index.`, the nn.Sequential part, as `named_modules()` names it).
     """
     layer = block.layer
     if isinstance(layer, DenseSpec):
@@ -102,6 +104,8 @@ def block_linears(block: Block, single: bool = True) -> list[LinearModule]:
         return []
     base = _prefix(block.component, layer, single)
     top = "" if single else f"{block.component}."
+    if root is not None:
+        top, base = root, root + base[len(top):]
     if block.role == "layer":
         return _layer(layer, base, block.index)
     if block.role == "pooler":
@@ -113,8 +117,10 @@ def block_linears(block: Block, single: bool = True) -> list[LinearModule]:
 
 def model_linears(model: ModelSpec) -> dict[str, list[LinearModule]]:
     """Block name -> its linear modules, in forward order."""
+    from planner.families.forms import root_prefix
+
     single = len(model.components) == 1
-    return {b.name: block_linears(b, single) for b in model_blocks(model)}
+    return {b.name: block_linears(b, single, root_prefix(model, b)) for b in model_blocks(model)}
 
 
 def default_targets(model: ModelSpec) -> tuple[str, ...]:

@@ -369,7 +369,8 @@ def register(app: typer.Typer) -> None:
             from planner.estimate import program
 
             out = est.to_json()
-            out["program"] = program(model, est, model_options=parse_model_options(model_option))
+            out["program"] = program(model, est, model_options=parse_model_options(model_option), inputs=inputs,
+                                     loss=loss)
             print(dumps_json(out, indent=2))
         else:
             print_estimate(est)

@@ -49,8 +49,11 @@ OP_KINDS: dict[str, str] = {
     "permute": "token-expert pairs sorted by expert and gathered (tokens·top_k rows of the hidden state)",
     "expert_gemm": "one grouped GEMM over every local expert (torch grouped_mm with per-expert offsets)",
     "unpermute": "expert outputs times their routing weights, put back in token order, summed over top-k",
-    # Collectives and quantisation: in the vocabulary for the transforms that will emit them (parallel
-    # sharding, QLoRA's dequantize); no form emits them yet.
+    "aten": "one ATen op of a traced model (planner.program.lower): its saved storages, FLOPs and bytes as the "
+            "tracer measured them",
+    "scale": "x · a constant (LoRA's `lora_B(lora_A(dropout(x))) * scaling`, added to the base output)",
+    # Collectives and quantisation: in the vocabulary for the transforms that emit them (parallel sharding;
+    # QLoRA's dequantize, emitted by planner.ir.transforms.lora_layers).
     "all_reduce": "NCCL all-reduce", "all_gather": "NCCL all-gather", "reduce_scatter": "NCCL reduce-scatter",
     "all_to_all": "NCCL all-to-all", "send_recv": "NCCL point-to-point",
     "quantize": "to a low-bit storage (NF4; FP8 later)", "dequantize": "from a low-bit storage to 16-bit",

@@ -25,14 +25,20 @@ Tensor-parallel sharding is not a transform: the layer forms emit one rank's ops
 (planner.ir.context.Ctx tp, sp, cp), because which ops run (the collectives, the SP all-gathers) and their
 shapes are the form's business exactly as the attention kernel and the autocast dtypes are; a transform that
 rewrote shapes afterwards would have to re-derive every width the form already knows.
+
+LoRA / QLoRA (`lora_layers`): frozen base parameters, adapter ops, 4-bit weights dequantized. Tensor-parallel
+sharding and FP8 copies are the next transforms to move here (issue 33).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from planner.families import family
-from planner.ir.ops import Op, Program, ProgramBlock
+from planner.ir.context import F32, Ctx
+from planner.ir.ops import Op, Param, Program, ProgramBlock
 
 # Megatron-Core's module names (transformer_config.py `recompute_modules`, @d98e8a64), and its default.
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts", "mla_up_proj")
@@ -214,4 +220,219 @@ def for_context(ops: list[Op] | tuple[Op, ...], ctx: object, role: str) -> list[
         out = fp8_ops(out, ctx.fp8)  # type: ignore[attr-defined]
     if getattr(ctx, "compile", False):
         out = compile_ops(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ LoRA / QLoRA
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What the LoRA / QLoRA transform reads of a run: plain data (built from planner.adapters.lora's plan by
+    `planner.adapters.activations.adapters_of`), so this layer reads nothing above it. Module names are
+    `named_modules()` names, the parameter names of the program without ".weight"."""
+
+    r: int
+    dropout: float  # lora_dropout
+    scaling: float  # lora_alpha / r
+    adapted: frozenset[str]  # modules that get lora_A / lora_B
+    quantized: frozenset[str]  # modules stored 4-bit (bitsandbytes Linear4bit)
+    trained: frozenset[str]  # modules trained in full (peft's SEQ_CLS modules_to_save)
+    first: str | None  # the first block with an adapter (None: none)
+    input_grads: bool  # the embeddings' output requires grad (`enable_input_require_grads`)
+    base_low: bool  # the base is stored in autocast's 16-bit dtype: autocast casts no base weight
+    dequant_bytes: int = 2  # bytes per element of a 4-bit weight dequantized (bnb_4bit_compute_dtype)
+
+
+# Blocks of a transformer the transform rewrites; the multimodal model's dense / batch-norm blocks and the loss
+# run as in full training.
+LORA_ROLES = frozenset({"embeddings", "layer", "final_norm", "pooler", "head"})
+
+
+def module_of(op: Op) -> str | None:
+    """The module an op's parameters belong to (its weight's name less ".weight"; a tied weight: its bias's;
+    an adapted Linear's, whose parameters peft moves under `base_layer`: its `module` attr)."""
+    if "module" in op.attrs:
+        return op.attrs["module"]
+    for suffix in (".weight", ".bias"):
+        for p in op.params:
+            if p.name.endswith(suffix):
+                return p.name[: -len(suffix)]
+    return None
+
+
+def lora_layers(program: Program, adapters: Adapters, ctx: Ctx) -> Program:
+    """`program` as a LoRA / QLoRA run executes it (peft tuners/lora/layer.py `Linear.forward`:
+    `result = base_layer(x); x = _cast_input_dtype(x, lora_A.weight.dtype);
+    result = result + lora_B(lora_A(dropout(x))) * scaling`; bitsandbytes `Linear4bit` for a 4-bit base).
+
+    What changes, op by op (each a fact of autograd: a tensor is saved only for a gradient that is needed):
+    - every base parameter is frozen (`frozen`): a frozen Linear saves no input (derivatives.yaml `mm` saves
+      `self` only for `mat2`'s gradient), nor does the attention op the output projection's context, nor
+      `first_token` the pooler's input, nor an `index` op the ids of a frozen table; an RMSNorm drops the
+      normalized tensor kept for its weight's gradient; a module trained in full (a SEQ_CLS head) is as in
+      full training;
+    - a Linear whose input needs no gradient saves no AMP weight cast (`input_grad` False): the layer input of
+      the first adapted layer (unless the embeddings' output requires grad), and its input norm saves nothing;
+      every op of the blocks before it saves nothing (`no_grad`);
+    - each adapted Linear is followed by its adapter: `dropout` (p > 0, on the fp32 copy of x), `lora_A`,
+      `lora_B` (fp32 parameters named `<module>.lora_A.default.weight` as peft names them inside the
+      PeftModel's base_model.model), and the `scale` op that adds lora_B's output times `scaling`;
+    - a 4-bit Linear reads a `dequantize` op (the weight in the compute dtype, freed after the matmul, so a
+      transient) and casts no weight; under AMP it returns its input's dtype, so a gated MLP's gate, up and
+      activation outputs stay fp32 (bitsandbytes nn/modules.py `Linear4bit.forward`);
+    - a base stored in autocast's dtype casts no weight, and Llama's rotary tables come in that dtype.
+    The memory interpreter reads the result (planner.adapters.activations); tests/test_lora_activations.py
+    compares it with real peft modules' saved-tensor hooks.
+    """
+    order = {b.name: i for i, b in enumerate(program.blocks)}
+    first = order.get(adapters.first, len(program.blocks)) if adapters.first is not None else None
+    return Program(tuple(lora_program_block(b, i, first, adapters, ctx) for i, b in enumerate(program.blocks)))
+
+
+def lora_program_block(b: ProgramBlock, i: int, first: int | None, adapters: Adapters, ctx: Ctx) -> ProgramBlock:
+    """Block `b`, the `i`-th of its program, under `adapters` (`lora_layers`); `first`: the index of the first
+    block with an adapter (None: none). One block at a time, so the memory model transforms only the layers
+    that differ (planner.adapters.activations)."""
+    if b.role not in LORA_ROLES or b.ops and "block" in b.ops[0].attrs:
+        return b
+    before = first is None or (i < first and not adapters.input_grads)
+    if before or (b.role == "embeddings" and not adapters.input_grads):
+        ops = []
+        for op in b.ops:  # nothing needs a gradient here; a 4-bit weight is still dequantized
+            if op.kind == "linear" and module_of(op) in adapters.quantized:
+                ops.append(_with(_dequantize(op, adapters, ctx), no_grad=True))
+            ops.append(_with(op, no_grad=True))
+        return ProgramBlock(b.name, b.role, tuple(ops))
+    return ProgramBlock(b.name, b.role, tuple(lora_block(b, adapters, ctx,
+                                                         first_grad=i == first and not adapters.input_grads)))
+
+
+def _with(op: Op, **attrs: object) -> Op:
+    return Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | attrs)
+
+
+def lora_block(block: ProgramBlock, adapters: Adapters, ctx: Ctx, first_grad: bool = False) -> list[Op]:
+    """One block's ops under `adapters` (see `lora_layers`). `first_grad`: the block is the first adapted one
+    and its input needs no gradient."""
+    ops = block.ops
+    modules = {id(op): module_of(op) for op in ops if op.kind == "linear"}
+    trained = {i: modules[i] in adapters.trained for i in modules}
+    by_name = {op.name: op for op in ops if op.kind == "linear"}
+    # a group: the Linears reading one saved input; under fp32 without dropout lora_A saves x itself, once
+    takers: dict[str, list[str]] = {}
+    for op in ops:
+        if op.kind == "linear" and modules[id(op)] in adapters.adapted:
+            takers.setdefault(_group(op, ops), []).append(op.name)
+    four_bit_mlp = ctx.amp and any(op.kind == "gated_mul" for op in ops) and all(
+        modules[id(op)] in adapters.quantized for op in ops if op.kind == "linear" and op.attrs["input"] == "mlp.input")
+    out: list[Op] = []
+    for k, op in enumerate(ops):
+        if op.kind == "linear":
+            m = modules[id(op)]
+            grad = not (first_grad and op.attrs.get("attention_input"))
+            if m in adapters.quantized:
+                out.append(_dequantize(op, adapters, ctx))
+            if trained[id(op)]:  # a 16-bit base's trained copy is 16-bit too: autocast casts nothing
+                out.append(_with(op, casts_weight=False) if adapters.base_low else op)
+                continue
+            casts = grad and m not in adapters.quantized and not adapters.base_low
+            if m in adapters.adapted:  # peft's lora.Linear wraps the module: its parameters under `base_layer`
+                base = tuple(Param(f"{m}.base_layer.{p.name[len(m) + 1:]}" if p.name.startswith(f"{m}.") else p.name,
+                                   p.shape) for p in op.params)
+                out.append(Op(op.kind, op.name, op.shapes, base, op.dtypes, op.attrs | {
+                    "frozen": True, "input_grad": grad, "casts_weight": casts, "module": m}))
+                out += adapter_ops(op, m, ops, takers, adapters, ctx, grad)
+            else:
+                out.append(_with(op, frozen=True, input_grad=grad, casts_weight=casts))
+        elif op.kind.startswith("attention_"):
+            proj = next((o for o in ops[k + 1:] if o.kind == "linear"), None)
+            frozen = proj is not None and not proj.attrs["saves_input"] and not trained[id(proj)]
+            out.append(_with(op, context_frozen=True) if frozen else op)
+        elif op.kind == "first_token":
+            reader = by_name.get(op.attrs["consumer"])
+            out.append(op if reader is not None and trained[id(reader)] else _with(op, no_grad=True))
+        elif op.kind == "index":
+            out.append(_with(op, no_grad=True))  # the ids of a frozen table: nothing needs them
+        elif op.kind in ("rms_norm", "layer_norm") and first_grad and k == 0:
+            out.append(_with(op, no_grad=True))  # the first adapted layer's input norm: no gradient reaches it
+        elif op.kind == "rms_norm":
+            out.append(_with(op, frozen=True))
+        elif op.kind == "rotary" and adapters.base_low:
+            out.append(Op(op.kind, op.name, op.shapes, op.params, op.dtypes | {"tables": ctx.low}, op.attrs))
+        elif four_bit_mlp and op.kind == "activation":
+            x = by_name[next(o.name for o in ops if o.kind == "linear" and o.attrs["input"] == "mlp.input")]
+            dt = x.dtypes["input"]
+            out.append(Op(op.kind, op.name, op.shapes, op.params, op.dtypes | {"input": dt, "output": dt}, op.attrs))
+        elif four_bit_mlp and op.kind == "gated_mul":
+            x = next(o for o in ops if o.kind == "linear" and o.attrs["input"] == "mlp.input")
+            dt = x.dtypes["input"]
+            out.append(Op(op.kind, op.name, op.shapes, op.params,
+                          op.dtypes | {"input": dt, "other": dt, "output": dt}, op.attrs))
+        else:
+            out.append(op)
+    return out
+
+
+def _dequantize(op: Op, adapters: Adapters, ctx: Ctx) -> Op:
+    """The dequantization a 4-bit Linear runs before its matmul (and again in backward)."""
+    w = op.shapes["input"][1] * op.shapes["output"][1]
+    return Op("dequantize", f"{op.name}.dequantize", {"input": (w,), "output": (w,)}, (),
+              {"input": "nf4", "output": ctx.low}, {"bytes_per_element": adapters.dequant_bytes})
+
+
+def _group(op: Op, ops: tuple[Op, ...]) -> str:
+    """The saved input a Linear shares with the other Linears reading the same tensor (its `input` attr); the
+    output projection's, which the attention op saves, is the attention's context."""
+    return op.attrs["input"] if op.attrs["saves_input"] else f"{op.name}.input"
+
+
+def _x_storage(op: Op, ops: tuple[Op, ...], ctx: Ctx) -> int | None:
+    """Elements of the storage holding a Linear's input x where full training saves it (so lora_A, saving x
+    itself, keeps that storage); None where no op saves it (a fused attention's output, kept by the kernel)."""
+    rows, n_in = op.shapes["input"]
+    if op.attrs["saves_input"]:
+        return rows * n_in
+    k = ops.index(op)
+    prev = next((o for o in reversed(ops[:k]) if o.kind.startswith("attention_")), None)
+    if prev is not None and prev.kind in ("attention_eager", "attention_math") \
+            and next(o for o in ops[ops.index(prev) + 1:] if o.kind == "linear") is op:
+        return rows * n_in  # the eager / math paths' contiguous context copy
+    tok = next((o for o in ops if o.kind == "first_token" and o.attrs["consumer"] == op.name), None)
+    if tok is not None:
+        return rows * n_in if ctx.amp else math.prod(tok.shapes["input"])  # x is a view of the hidden state
+    return None
+
+
+def adapter_ops(op: Op, module: str, ops: tuple[Op, ...], takers: dict[str, list[str]], adapters: Adapters,
+                ctx: Ctx, grad: bool) -> list[Op]:
+    """dropout -> lora_A -> lora_B -> scale-and-add of one adapted Linear (peft lora.Linear.forward). Adapters
+    are fp32 (autocast_adapter_dtype); x is cast to fp32 first, so under autocast lora_A saves a 16-bit cast of
+    it, without autocast a new fp32 copy of a 16-bit x, or x itself (one storage for every adapter reading it)."""
+    rows, n_in = op.shapes["input"]
+    n_out, r = op.shapes["output"][1], adapters.r
+    low = ctx.low if ctx.amp else F32
+    src = op.dtypes["input"]
+    out: list[Op] = []
+    a_input: dict[str, object] = {"input": f"{op.name}.lora_A.input", "consumers": 1, "consumer": 0,
+                                  "saves_input": True}
+    if adapters.dropout > 0:
+        out.append(Op("dropout", f"{op.name}.lora_dropout", {"input": (rows * n_in,), "output": (rows * n_in,)}, (),
+                      {"input": F32, "output": F32},
+                      {"p": adapters.dropout, "adapter": True} | ({} if grad else {"no_grad": True})))
+    elif not ctx.amp and src == F32:
+        group = _group(op, ops)
+        storage = _x_storage(op, ops, ctx)
+        a_input = {"input": group, "consumers": len(takers[group]), "consumer": takers[group].index(op.name),
+                   "saves_input": storage is not None, "saved_numel": storage or 0}
+    out.append(Op("linear", f"{op.name}.lora_A", {"input": (rows, n_in), "output": (rows, r)},
+                  (Param(f"{module}.lora_A.default.weight", (r, n_in)),), {"input": F32, "compute": low, "output": low},
+                  a_input | {"bias": False, "casts_weight": grad, "adapter": True}))
+    out.append(Op("linear", f"{op.name}.lora_B", {"input": (rows, r), "output": (rows, n_out)},
+                  (Param(f"{module}.lora_B.default.weight", (n_out, r)),), {"input": low, "compute": low, "output": low},
+                  {"input": f"{op.name}.lora_B.input", "consumers": 1, "consumer": 0, "saves_input": True,
+                   "as_is": True, "bias": False, "adapter": True}))
+    out.append(Op("scale", f"{op.name}.lora_scale", {"input": (rows * n_out,), "output": (rows * n_out,)}, (),
+                  {"input": low, "other": op.dtypes["output"], "output": op.dtypes["output"]},
+                  {"scaling": adapters.scaling, "adapter": True}))
     return out

@@ -457,14 +457,30 @@ def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
 
 def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]:
     """(weight, bias) element counts of each matmul a block runs. Autocast casts both to 16-bit and caches
-    the casts until the autocast context exits; the matmul saves the weight's cast for backward. With
-    tensor parallelism (`ctx.tp` > 1) one rank's shards: column-parallel weights and biases / tp, row-parallel
-    weights / tp with their bias whole (added after the reduction), the vocabulary / tp."""
+    the casts until the autocast context exits; the matmul saves the weight's cast for backward.
+
+    The block's program's `linear` ops (planner.families.forms.block_linears; issue 33: the per-form lists
+    here were another copy of each layer), and a mixture-of-experts layer's router. The multimodal model's
+    nn.Linear and BatchNorm1d blocks read their spec. With tensor parallelism (`ctx.tp` > 1) one rank's
+    shards (`_rank_linear_params`): column-parallel weights and biases / tp, row-parallel weights / tp with
+    their bias whole (added after the reduction), the vocabulary / tp."""
     layer = block.layer
     if isinstance(layer, DenseSpec):
         return [(layer.in_features * layer.out_features, layer.out_features if layer.bias else 0)]
     if isinstance(layer, BatchNormSpec):
         return []
+    if ctx is not None and ctx.tp > 1:
+        return _rank_linear_params(block, layer, ctx)
+    if block.role == "layer" and family(layer.family).layer == "moe_gated":
+        return _program_linear_params(block)
+    from planner.families.forms import block_linears
+
+    return block_linears(block)
+
+
+def _rank_linear_params(block: Block, layer: TransformerSpec, ctx: Ctx) -> list[tuple[int, int]]:
+    """`linear_params` of one tensor-parallel rank (Megatron-Core's column/row split of each layer form's
+    Linears; the vocabulary-parallel head). TODO(issue 33): read the per-rank program's linear ops instead."""
     spec = layer
     h, i, d, labels, vocab = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_labels, spec.vocab_size
     ab, mb = int(spec.attention_bias), int(spec.mlp_bias)

@@ -29,11 +29,11 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
     a = op.attrs
     if "block" in a:
         return act.dense_block_saved(a["block"], a["model"], ctx)
-    if not a["saves_input"]:
-        return []
+    if not a["saves_input"] or a.get("frozen"):
+        return []  # a frozen weight needs no input for its gradient (LoRA: planner.ir.transforms.lora_layers)
     if a.get("input_discarded") and not (ctx.amp and op.dtypes["input"] != ctx.low):
         return []  # the norm output it saved is freed and rebuilt in backward (selective "layernorm")
-    numel = math.prod(op.shapes["input"])
+    numel = a.get("saved_numel") or math.prod(op.shapes["input"])
     if a.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
         numel //= ctx.tp  # Megatron saves the local sequence shard and all-gathers it again in backward
     saved_fp8 = fp8.input_saved(a["fp8"]) if a.get("fp8") else None
@@ -63,7 +63,8 @@ def layer_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """Eager: `activations.rmsnorm_saved`. Fused (torch.compile): the min-cut partitioner recomputes the
     normalisation in backward, so the norm keeps its input in its own dtype (unless an fp32 input is owned
-    by its caller, as in eager) and the fp32 rstd per row (planner.ir.transforms, the compile rules)."""
+    by its caller, as in eager) and the fp32 rstd per row (planner.ir.transforms, the compile rules). A frozen
+    weight (LoRA) drops the normalized tensor, kept only for the weight's gradient."""
     rows, width = op.shapes["input"]
     dtype = op.dtypes["input"]
     if op.attrs.get("fused"):
@@ -73,7 +74,8 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
                     if dtype != F32 or op.attrs["input_is_new"] else []) + stats
         # after a residual add: recomputed from the block input and the branch's last matmul output (16-bit)
         return [Saved(f"{op.name}.branch_output", rows * width, ctx.low)] + stats
-    return act.rmsnorm_saved(op.name, rows, width, dtype, ctx, op.attrs["input_is_new"])
+    out = act.rmsnorm_saved(op.name, rows, width, dtype, ctx, op.attrs["input_is_new"])
+    return [t for t in out if not t.name.endswith(".normalized")] if op.attrs.get("frozen") else out
 
 
 @register("saved", "activation")
@@ -103,11 +105,12 @@ def dropout_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 
 @register("saved", "residual_add", "embedding", "attention_mask", "all_reduce", "all_gather", "reduce_scatter",
-          "all_to_all", "send_recv", "quantize", "dequantize")
+          "all_to_all", "send_recv", "quantize", "dequantize", "scale")
 def nothing_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """Adds save nothing; a look-up saves its indices, which are the batch's own tensors or an `index` op's;
-    the mask is built from the batch (kept by the checkpoint op when a layer is checkpointed); collectives and
-    quantisation are not emitted yet."""
+    the mask is built from the batch (kept by the checkpoint op when a layer is checkpointed); collectives save
+    nothing; a dequantized 4-bit weight is a transient, made again in backward; a multiply by a Python scalar
+    (LoRA's scaling) saves nothing."""
     return []
 
 
@@ -127,7 +130,10 @@ def rotary_saved(op: Op, ctx: Ctx) -> list[Saved]:
 
 
 def _context(op: Op, ctx: Ctx) -> list[Saved]:
-    """The eager and math paths' transpose().contiguous() copy of the context, saved by the output Linear."""
+    """The eager and math paths' transpose().contiguous() copy of the context, saved by the output Linear
+    (not when that Linear is frozen: LoRA)."""
+    if op.attrs.get("context_frozen"):
+        return []
     return [Saved("attention.context", math.prod(op.shapes["output"]), ctx.low)]
 
 
@@ -332,9 +338,31 @@ def unpermute_saved(op: Op, ctx: Ctx) -> list[Saved]:
             Saved(f"{op.name}.weights", pairs, op.dtypes["weights"]), Saved(f"{op.name}.inv_perm", pairs, I64)]
 
 
+@register("saved", "aten")
+def traced_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """A traced op's saved storages, as the tracer measured them (planner.program.lower)."""
+    return list(op.attrs["saved"])
+
+
 def op_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    """What `op` saves for backward: its kind's rule, or nothing when no input or parameter of it needs a
+    gradient (`no_grad`, set by a transform: LoRA's frozen blocks before the first adapter)."""
     from planner.ir.interpret import apply
 
+    if op.attrs.get("no_grad"):
+        return []
     return apply("saved", op, ctx)
+
+
+def weight_cast(op: Op, ctx: Ctx) -> list[Saved]:
+    """Under autocast a Linear's (or an MoE router's) matmul saves its weight's 16-bit cast (for the input's gradient): none when
+    the input needs no gradient or the weight is not cast (a 4-bit or 16-bit base: `casts_weight` False)."""
+    if not ctx.amp or op.attrs.get("no_grad") or not op.attrs.get("casts_weight", True):
+        return []
+    if op.kind == "linear":
+        return [Saved(f"{op.name}.weight.cast", op.shapes["input"][1] * op.shapes["output"][1], ctx.low)]
+    if op.kind == "router":  # an MoE router's F.linear(x, gate.weight): the same cast, E × h
+        return [Saved(f"{op.name}.weight.cast", math.prod(op.params[0].shape), ctx.low)]
+    return []
 
 

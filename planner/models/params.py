@@ -9,6 +9,8 @@ d = h/a head size, i intermediate size, L labels.
 
 from __future__ import annotations
 
+import math
+
 from planner import caches
 from planner.families import family
 from planner.identity_cache import per_object
@@ -44,32 +46,9 @@ def embedding_parameters(spec: TransformerSpec) -> int:
     return n
 
 
-def attention_parameters(spec: TransformerSpec) -> int:
-    """q: h*(a*d), k and v: h*(g*d) each, o: (a*d)*h; biases a*d + 2*g*d + h when `attention_bias`."""
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    n = h * q + 2 * h * kv + q * h
-    if spec.attention_bias:
-        n += q + 2 * kv + h
-    return n
-
-
-def gated_mlp(spec: TransformerSpec) -> bool:
-    """Llama/Mistral use SwiGLU (gate, up, down); the others a 2-matrix GELU MLP."""
-    return family(spec.family).gated_mlp
-
-
-def mlp_parameters(spec: TransformerSpec) -> int:
-    """GELU: h*i + i*h (+ i + h biases); SwiGLU: 3*h*i (+ 2i + h biases when `mlp_bias`)."""
-    h, i = spec.hidden_size, spec.intermediate_size
-    if gated_mlp(spec):
-        return 3 * h * i + ((2 * i + h) if spec.mlp_bias else 0)
-    return h * i + i * h + ((i + h) if spec.mlp_bias else 0)
-
-
 def layer_parameters(spec: TransformerSpec) -> int:
-    """One transformer layer: attention + MLP + two norms (post-norm in BERT family, pre-norm otherwise)."""
-    return attention_parameters(spec) + mlp_parameters(spec) + 2 * norm_parameters(spec)
+    """One transformer layer: its layer form's parameter tensors (`layer_shapes`)."""
+    return sum(math.prod(shape) for shape in layer_shapes(spec))
 
 
 def pooler_parameters(spec: TransformerSpec) -> int:
@@ -272,11 +251,6 @@ def linear_shapes(n_in: int, n_out: int, bias: bool = True) -> list[Shape]:
     return [(n_out, n_in)] + ([(n_out,)] if bias else [])
 
 
-def conv1d_shapes(n_in: int, n_out: int) -> list[Shape]:
-    """GPT-2 Conv1D(nf=n_out, nx=n_in): weight stored transposed (n_in, n_out), bias (n_out,)."""
-    return [(n_in, n_out), (n_out,)]
-
-
 def norm_shapes(spec: TransformerSpec) -> list[Shape]:
     """nn.LayerNorm: weight (h,), bias (h,); LlamaRMSNorm: weight (h,)."""
     h = spec.hidden_size
@@ -297,37 +271,13 @@ def embedding_shapes(spec: TransformerSpec) -> list[Shape]:
     return [(spec.vocab_size, h)] + positions + types + norm
 
 
-def attention_shapes(spec: TransformerSpec) -> list[Shape]:
-    """GPT-2: c_attn Conv1D h -> 3h and c_proj h -> h. Others: q (a·d, h), k and v (g·d, h), o (h, a·d)."""
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    if family(spec.family).conv1d:
-        return conv1d_shapes(h, q + 2 * kv) + conv1d_shapes(q, h)
-    b = spec.attention_bias
-    return linear_shapes(h, q, b) + linear_shapes(h, kv, b) + linear_shapes(h, kv, b) + linear_shapes(q, h, b)
-
-
-def mlp_shapes(spec: TransformerSpec) -> list[Shape]:
-    """GPT-2: Conv1D h -> i, i -> h; SwiGLU: gate and up (i, h), down (h, i); others Linear h -> i -> h."""
-    h, i = spec.hidden_size, spec.intermediate_size
-    if family(spec.family).conv1d:
-        return conv1d_shapes(h, i) + conv1d_shapes(i, h)
-    b = spec.mlp_bias
-    if gated_mlp(spec):
-        return linear_shapes(h, i, b) + linear_shapes(h, i, b) + linear_shapes(i, h, b)
-    return linear_shapes(h, i, b) + linear_shapes(i, h, b)
-
-
 def layer_shapes(spec: TransformerSpec) -> list[Shape]:
-    """One layer, in registration order: post-norm encoders put each norm after its sub-block, GPT-2 before it,
-    Llama/Mistral register both norms after the MLP."""
-    attn, mlp, norm = attention_shapes(spec), mlp_shapes(spec), norm_shapes(spec)
-    form = family(spec.family).layer
-    if form == "pre_norm_conv1d":
-        return norm + attn + norm + mlp
-    if form == "post_norm_encoder":
-        return attn + norm + mlp + norm
-    return attn + mlp + norm + norm
+    """One layer, in registration order: its layer form's ops' parameters (planner.families.forms
+    .layer_parameter_shapes; issue 33: the per-form attention, MLP and norm lists here were another copy of
+    each layer, and the only module outside planner/families that named a layer form)."""
+    from planner.families.forms import layer_parameter_shapes
+
+    return list(layer_parameter_shapes(spec))
 
 
 def lm_head_shapes(spec: TransformerSpec) -> list[Shape]:

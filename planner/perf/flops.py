@@ -80,61 +80,39 @@ def moe_layer_flops(t: TransformerSpec, index: int, batch: int, seq: int, causal
     return flops
 
 
-def layer_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0, index: int = 0) -> int:
-    if t.moe or family(t.family).layer == "moe_gated":
-        return moe_layer_flops(t, index, batch, seq, causal_fraction)
-    tokens = batch * seq
-    h, kv = t.hidden_size, t.num_kv_heads * t.head_dim
-    projections = 2 * matmul_flops(tokens, h, h) + 2 * matmul_flops(tokens, kv, h)
-    mlp_matrices = 3 if family(t.family).gated_mlp else 2  # SwiGLU: gate_proj, up_proj, down_proj
-    mlp = mlp_matrices * matmul_flops(tokens, t.intermediate_size, h)
-    return projections + mlp + attention_score_flops(t, batch, seq, causal_fraction)
-
-
-def layer_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_fraction: float = 1.0,
-                          index: int = 0) -> int:
-    """Forward re-run of one checkpointed layer, less the trailing matmul early-stop skips. A sparse MoE
-    layer ends in the weighting of the experts' outputs, which saves them: nothing is skipped."""
-    full = layer_flops(t, batch, seq, causal_fraction, index)
-    if t.sparse_layer(index):
-        return full
-    if family(t.family).early_stop_skips_mlp_out:
-        full -= matmul_flops(batch * seq, t.hidden_size, t.intermediate_size)
-    return full
-
-
-def head_flops(t: TransformerSpec, batch: int, seq: int) -> int:
-    tokens = batch * seq
-    h = t.hidden_size
-    if t.head in ("masked-lm",):
-        return matmul_flops(tokens, h, h) + matmul_flops(tokens, t.vocab_size, h)
-    if t.head == "causal-lm":
-        return matmul_flops(tokens, t.vocab_size, h)
-    if t.head == "sequence-classification":
-        form = family(t.family).classifier
-        if form == "score_all_tokens":  # GPT2/Llama/Mistral ...ForSequenceClassification
-            return matmul_flops(tokens, t.num_labels, h)
-        if form == "pooled":  # BERT: pooler is its own block; classifier h -> L
-            return matmul_flops(batch, t.num_labels, h)
-        # RoBERTa classification head (dense + out_proj), DistilBERT (pre_classifier + classifier)
-        return matmul_flops(batch, h, h) + matmul_flops(batch, t.num_labels, h)
-    return 0
-
-
 def block_forward_flops(block: Block, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
-    """Forward matmul FLOPs of one block for a micro-batch of `batch` samples of `seq` tokens."""
+    """Forward matmul FLOPs of one block for a micro-batch of `batch` samples of `seq` tokens: its program's
+    linear ops (planner.families.forms.block_matmuls: per token or per sample) and, where it runs attention,
+    the score matmuls (issue 33: the per-family layer and head formulas here were another copy of each
+    layer; tests/test_program.py checks the sum against the FLOP interpreter op by op)."""
     layer = block.layer
     if isinstance(layer, DenseSpec):
         return matmul_flops(batch, layer.out_features, layer.in_features)
     if isinstance(layer, BatchNormSpec):
         return 0
-    if block.role == "layer":
-        return layer_flops(layer, batch, seq, causal_fraction, block.index)
-    if block.role == "pooler":
-        return matmul_flops(batch, layer.hidden_size, layer.hidden_size)
-    if block.role == "head":
-        return head_flops(layer, batch, seq)
-    return 0  # embeddings, final_norm
+    if block.role == "layer" and isinstance(layer, TransformerSpec) and (
+            layer.moe or family(layer.family).layer == "moe_gated"):  # router and grouped expert GEMMs
+        return moe_layer_flops(layer, block.index, batch, seq, causal_fraction)
+    from planner.families.forms import block_matmuls
+
+    mm = block_matmuls(block)
+    total = sum(matmul_flops(batch * seq if tokens else batch, n_out, n_in) for tokens, n_in, n_out, _ in mm.linears)
+    return total + (attention_score_flops(layer, batch, seq, causal_fraction) if mm.attention else 0)
+
+
+def layer_recompute_flops(block: Block, batch: int, seq: int, causal_fraction: float = 1.0) -> int:
+    """Forward re-run of one checkpointed layer, less the trailing matmul early-stop skips (the layer's last
+    Linear, whose output nothing saves: planner.ir.transforms.checkpoint_layers)."""
+    full = block_forward_flops(block, batch, seq, causal_fraction)
+    layer = block.layer
+    if isinstance(layer, TransformerSpec) and layer.sparse_layer(block.index):
+        return full  # a sparse MoE layer ends in the weighting of the experts' outputs, which saves them
+    if isinstance(layer, TransformerSpec) and family(layer.family).early_stop_skips_mlp_out:
+        from planner.families.forms import block_matmuls
+
+        tokens, n_in, n_out, _ = block_matmuls(block).linears[-1]
+        full -= matmul_flops(batch * seq if tokens else batch, n_out, n_in)
+    return full
 
 
 @dataclass(frozen=True)
@@ -179,7 +157,7 @@ def step_flops(model: ModelSpec, config: TrainConfig, *, causal_fraction: float 
         recompute = 0
         is_layer = block.role == "layer" and isinstance(block.layer, TransformerSpec)
         if mode == "full" and block.role in CHECKPOINTED_ROLES and is_layer:
-            recompute = layer_recompute_flops(block.layer, b, s, causal_fraction, block.index)
+            recompute = layer_recompute_flops(block, b, s, causal_fraction)
         if mode == "selective" and is_layer:
             recompute = selective_recompute_flops(block.layer, b, s, causal_fraction, modules)
         if fused and is_layer:

@@ -54,7 +54,7 @@ def attention_flops(op: Op, ctx: Ctx) -> int:
 @register("flops", "embedding", "index", "layer_norm", "rms_norm", "activation", "gated_mul", "dropout",
           "residual_add", "tanh", "rotary", "attention_mask", "first_token", "cross_entropy", "batch_norm",
           "checkpoint", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "quantize",
-          "dequantize", "permute", "unpermute")
+          "dequantize", "permute", "unpermute", "scale")
 def no_matmul_flops(op: Op, ctx: Ctx) -> int:
     """Memory-bound ops: no matrix product (FlopCounterMode counts none)."""
     return 0
@@ -69,6 +69,22 @@ def linear_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     rows, n_in = op.shapes["input"]
     return K.linear(op.name, rows, op.shapes["output"][1], n_in, op.dtypes["input"], ctx, op.attrs["bias"],
                     fp8_recipe=op.attrs.get("fp8"))
+
+
+@register("flops", "aten")
+def traced_flops(op: Op, ctx: Ctx) -> int:
+    """A traced op's FLOPs, torch.utils.flop_counter's formula as the tracer counted it."""
+    return op.attrs["flops"]
+
+
+@register("kernels", "aten")
+def traced_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """A traced op that launches a kernel is one kernel (planner.program.speed's rule: every tensor argument
+    read once, every output written once), in its own phase."""
+    if not op.attrs["kernel"]:
+        return []
+    return [Kernel(op.name, op.attrs["kernel_kind"], op.attrs["flops"], op.attrs["bytes"], 0, op.dtypes["compute"],
+                   op.attrs["phase"])]
 
 
 @register("kernels", "layer_norm")
@@ -102,6 +118,15 @@ def elementwise_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """One pass: reads its input(s), writes its output."""
     reads = (op.dtypes["input"],) + ((op.dtypes["other"],) if "other" in op.dtypes else ())
     return [K.elementwise(op.name, math.prod(op.shapes["input"]), reads, (op.dtypes["output"],), op.dtypes["output"])]
+
+
+@register("kernels", "scale")
+def scale_add_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """LoRA's `result + lora_B(...) * scaling`: one pass reading both, writing the sum (as
+    planner.adapters.speed counts it)."""
+    n = math.prod(op.shapes["input"])
+    return [K.elementwise(op.name, n, (op.dtypes["input"], op.dtypes["other"]), (op.dtypes["output"],),
+                          op.dtypes["output"])]
 
 
 @register("kernels", "rotary")
@@ -211,8 +236,20 @@ def unpermute_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
                     + pairs * K.nbytes(w))]
 
 
+@register("kernels", "dequantize")
+def dequantize_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """bitsandbytes' dequantization of one 4-bit weight (gemm_4bit's dequantize + F.linear path): reads the
+    packed weight and its constants, writes the weight in the compute dtype (the backward dequantizes again:
+    planner.adapters.speed.program_kernels)."""
+    from planner.adapters import nf4
+
+    numel = op.shapes["output"][0]
+    return [Kernel(op.name, "memory_bound", 0, nf4.weight_bytes(numel), numel * op.attrs["bytes_per_element"],
+                   op.dtypes["output"])]
+
+
 @register("kernels", "index", "first_token", "checkpoint", "all_reduce", "all_gather", "reduce_scatter",
-          "all_to_all", "send_recv", "quantize", "dequantize")
+          "all_to_all", "send_recv", "quantize")
 def no_forward_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """Views and index tensors made inside other kernels (first_token's backward kernel is added by the
     backward rule of planner.perf.kernels); collectives and quantisation are not emitted yet."""

@@ -119,7 +119,7 @@ def _activations(spec: ModelSpec, cfg: TrainConfig, ctx: Ctx) -> tuple:
             from planner.adapters.activations import lora_activations
             from planner.adapters.lora import plan
 
-            records = lora_activations(spec, cfg, records, plan(spec, cfg), backend)
+            records = lora_activations(spec, cfg, records, plan(spec, cfg), backend, ctx=ctx)
         hit = _ACTIVATIONS[key] = (spec, records)
     return hit[1]
 

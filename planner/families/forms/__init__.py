@@ -42,12 +42,18 @@ class LayerArgs:
 
 LayerFn = Callable[[LayerArgs], list[Op]]
 FORMS: dict[str, LayerFn] = {}
+# Forms whose module registers its norms after the rest (LlamaDecoderLayer: self_attn, mlp, then both norms),
+# so its parameters' registration order differs from the run order the program lists them in.
+NORMS_REGISTERED_LAST: set[str] = set()
 
 
-def layer_form(name: str) -> Callable[[LayerFn], LayerFn]:
-    """Decorator: `fn` emits the ops of one layer of form `name` (a traits.LayerForm)."""
+def layer_form(name: str, norms_registered_last: bool = False) -> Callable[[LayerFn], LayerFn]:
+    """Decorator: `fn` emits the ops of one layer of form `name` (a traits.LayerForm). `norms_registered_last`:
+    the layer's module registers its norms after its other submodules (see `layer_parameter_shapes`)."""
     def put(fn: LayerFn) -> LayerFn:
         FORMS[name] = fn
+        if norms_registered_last:
+            NORMS_REGISTERED_LAST.add(name)
         return fn
 
     return put
@@ -143,3 +149,75 @@ def parameter_tensors(model: ModelSpec) -> tuple:
 
 _PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS", scope="model",
     key="ModelSpec identity (per_object): its parameter tensors")
+
+
+# A context that tells a token-wise Linear (b·s rows) from a sample-wise one (b rows) by its row count; the
+# linear ops themselves do not depend on the micro-batch or the precision.
+_PROBE = Ctx(2, 3, "fp32", "sdpa", "cuda", False)
+
+
+@dataclass(frozen=True)
+class BlockMatmuls:
+    """The matmuls of one transformer block's program, read once per layer spec, role and "first layer"."""
+
+    linears: tuple[tuple[bool, int, int, bool], ...]  # (per token, not per sample; in, out, bias), forward order
+    attention: bool  # the block runs an attention op (its score matmuls: planner.perf.flops)
+
+
+def block_matmuls(block: Block) -> BlockMatmuls:
+    """The `linear` and attention ops of one transformer block (embeddings, layer, final norm, pooler or head):
+    what autocast casts (planner.memory.activations.linear_params) and what planner.perf.flops counts."""
+    layer = block.layer
+    assert isinstance(layer, TransformerSpec)
+    key = (id(layer), block.role, block.index == 0)
+    hit = _MATMULS.get(key)
+    if hit is not None and hit[0] is layer:
+        return hit[1]
+    from planner.families.forms import common
+
+    traits, ctx = family(layer.family), _PROBE
+    if block.role == "layer":
+        ops = (FORMS or load_forms())[traits.layer](LayerArgs(layer, traits, ctx, block.index, ""))
+    elif block.role == "pooler":
+        ops = common.pooler_ops(layer, ctx, "")
+    elif block.role == "head":
+        ops = common.head_ops(layer, traits, ctx, "")
+    else:
+        ops = []
+    out = BlockMatmuls(tuple((op.shapes["input"][0] == ctx.n, op.shapes["input"][1], op.shapes["output"][1],
+                              bool(op.attrs["bias"])) for op in ops if op.kind == "linear"),
+                       any(op.kind.startswith("attention_") for op in ops))
+    _MATMULS[key] = (layer, out)
+    return out
+
+
+_MATMULS: dict[tuple, tuple] = caches.table("planner.families.forms._MATMULS", scope="model",
+    key="(TransformerSpec identity, block role, first layer) -> (spec, BlockMatmuls)")
+
+
+def block_linears(block: Block) -> list[tuple[int, int]]:
+    """(weight, bias) elements of each `linear` op of one transformer block, in forward order: what autocast
+    casts (planner.memory.activations.linear_params)."""
+    return [(n_in * n_out, n_out if bias else 0) for _, n_in, n_out, bias in block_matmuls(block).linears]
+
+
+def layer_parameter_shapes(spec: TransformerSpec) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one layer's parameter tensors in registration order (`module.parameters()`, what the
+    optimizer and planner.models.params list): the layer form's ops' parameters, in run order except that a
+    form registering its norms last (`NORMS_REGISTERED_LAST`) lists them last. Cached per layer spec."""
+    hit = _LAYER_SHAPES.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    traits = family(spec.family)
+    ops = (FORMS or load_forms())[traits.layer](LayerArgs(spec, traits, _PROBE, 1, ""))
+    params = [(op.kind, p.shape) for op in ops for p in op.params]
+    if traits.layer in NORMS_REGISTERED_LAST:
+        params = ([x for x in params if x[0] not in ("layer_norm", "rms_norm")]
+                  + [x for x in params if x[0] in ("layer_norm", "rms_norm")])
+    out = tuple(shape for _, shape in params)
+    _LAYER_SHAPES[id(spec)] = (spec, out)
+    return out
+
+
+_LAYER_SHAPES: dict[int, tuple] = caches.table("planner.families.forms._LAYER_SHAPES", scope="model",
+    key="TransformerSpec identity -> (spec, its layer's parameter shapes in registration order)")

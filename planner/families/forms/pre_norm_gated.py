@@ -25,7 +25,7 @@ from planner.ir.context import attention_kernel, heads_per_rank, kv_heads_per_ra
 from planner.ir.ops import Op
 
 
-@layer_form("pre_norm_gated")
+@layer_form("pre_norm_gated", norms_registered_last=True)  # LlamaDecoderLayer: attn, mlp, then norms
 def gated_layer(a: LayerArgs) -> list[Op]:
     spec, ctx = a.spec, a.ctx
     n, rows, h, low, act = ctx.n, ctx.rows, spec.hidden_size, ctx.low, ctx.act
