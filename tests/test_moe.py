@@ -177,11 +177,11 @@ def test_deepseek_v3_saved_bytes_within_twelve_percent(precision):
     counts 3-11 % more than autograd saves per layer, never less (docs/moe.md)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    import torch
+
     from planner.memory.parallel import Sharding
     from planner.pipeline.program_report import program_report
     from tests.saved_tensors import measure
-
-    import torch
 
     spec = hf_config.spec_from_hf_config(TINY["deepseek_v3"], name="deepseek_v3")
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")

@@ -478,44 +478,30 @@ def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]
     return block_linears(block)
 
 
-def _rank_linear_params(block: Block, layer: TransformerSpec, ctx: Ctx) -> list[tuple[int, int]]:
+def _rank_linear_params(block: Block, spec: TransformerSpec, ctx: Ctx) -> list[tuple[int, int]]:
     """`linear_params` of one tensor-parallel rank (Megatron-Core's column/row split of each layer form's
     Linears; the vocabulary-parallel head). TODO(issue 33): read the per-rank program's linear ops instead."""
-    spec = layer
-    h, i, d, labels, vocab = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_labels, spec.vocab_size
+    h, d, labels = spec.hidden_size, spec.head_dim, spec.num_labels
+    i, vocab = ffn_per_rank(spec, ctx), vocab_per_rank(spec, ctx)
     ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
-    if ctx is not None and ctx.tp > 1:
-        i, vocab = ffn_per_rank(spec, ctx), vocab_per_rank(spec, ctx)
-        if block.role == "layer":
-            from planner.ir.context import kv_heads_per_rank
-
-            q, kv = heads_per_rank(spec, ctx) * d, kv_heads_per_rank(spec, ctx) * d
-            traits = family(spec.family)
-            if traits.gated_mlp:
-                return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
-                        (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
-            if traits.conv1d:
-                return [(h * (q + 2 * kv), q + 2 * kv), (q * h, h), (h * i, i), (i * h, h)]
-            return [(h * q, q), (h * kv, kv), (h * kv, kv), (q * h, h), (h * i, i), (i * h, h)]
+    traits = family(spec.family)
     if block.role == "layer":
-        traits = family(spec.family)
-        if traits.layer == "moe_gated":
-            return _program_linear_params(block)
+        from planner.ir.context import kv_heads_per_rank
+
+        q, kv = heads_per_rank(spec, ctx) * d, kv_heads_per_rank(spec, ctx) * d
         if traits.gated_mlp:
-            q, kv = spec.num_heads * d, spec.num_kv_heads * d
             return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
                     (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
         if traits.conv1d:  # Conv1D: addmm(bias, x, weight), always with bias
-            return [(h * 3 * h, 3 * h), (h * h, h), (h * i, i), (i * h, h)]
-        return [(h * h, h)] * 4 + [(h * i, i), (i * h, h)]
+            return [(h * (q + 2 * kv), q + 2 * kv), (q * h, h), (h * i, i), (i * h, h)]
+        return [(h * q, q), (h * kv, kv), (h * kv, kv), (q * h, h), (h * i, i), (i * h, h)]
     if block.role == "pooler":
         return [(h * h, h)]
     if block.role == "head":
         if spec.head == "sequence-classification":
-            form = family(spec.family).classifier
-            if form in ("dense_tanh", "pre_classifier_relu"):
+            if traits.classifier in ("dense_tanh", "pre_classifier_relu"):
                 return [(h * h, h), (h * labels, labels)]
-            if form == "pooled":
+            if traits.classifier == "pooled":
                 return [(h * labels, labels)]
             return [(h * labels, 0)]  # decoders' score: no bias
         if spec.head == "masked-lm":
