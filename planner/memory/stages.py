@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from planner.families import family
 from planner.models.blocks import Block
-from planner.models.params import block_tensor_shapes, gated_mlp
+from planner.models.params import block_tensor_shapes
 from planner.parallel.dims import ParallelDims
 from planner.spec import TransformerSpec
 
@@ -89,7 +89,7 @@ def _layer_shapes(spec: TransformerSpec, tp: int) -> list[Shape]:
     b, mb = spec.attention_bias, spec.mlp_bias
     attn = (_linear(h, q, b, column=True, tp=tp) + _linear(h, kv, b, column=True, tp=tp) * 2
             + _linear(q, h, b, column=False, tp=tp))
-    ups = 2 if gated_mlp(spec) else 1
+    ups = 2 if family(spec.family).gated_mlp else 1
     mlp = _linear(h, i, mb, column=True, tp=tp) * ups + _linear(i, h, mb, column=False, tp=tp)
     return attn + mlp + norms
 
