@@ -102,7 +102,7 @@ def selective_layer(ops: Sequence[Op], modules: Collection[str]) -> list[Op]:
                 marks[i] = {"checkpointed": True, "recomputed": True}
                 keeps[i] = _keep("core_attn", [op])
     if "mlp" in modules:  # the dense MLP module, its SP all-gather and reduction included
-        idx = [i for i, op in enumerate(out) if op.attrs.get("module") == "mlp"]
+        idx = [i for i, op in enumerate(out) if op.attrs.get("megatron_module") == "mlp"]
         if idx:
             for i in idx:
                 marks[i] = {"checkpointed": True, "recomputed": True}

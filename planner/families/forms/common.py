@@ -190,9 +190,11 @@ def activation(name: str, act: str, numel: int, dtype: str, ctx: Ctx) -> tuple[O
 
 
 def module(name: str, ops: list[Op]) -> list[Op]:
-    """`ops` tagged as one module of the layer (attrs `module`: Megatron's module name, which selective
-    recomputation selects by: planner.ir.transforms.selective_layer)."""
-    return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | {"module": name}) for op in ops]
+    """`ops` tagged as one module of the layer (attrs `megatron_module`: Megatron's module name, which
+    selective recomputation selects by: planner.ir.transforms.selective_layer; not `module`, which names the
+    torch module an op's parameters belong to, as LoRA's transform reads it)."""
+    return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | {"megatron_module": name})
+            for op in ops]
 
 
 def mlp_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, prefix: str, in_dtype: str,
