@@ -72,7 +72,7 @@ from planner.perf.collectives import (
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
-from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
+from planner.perf.kernels import COLLECTIVE_OVERLAP, F32, KINDS, Kernel, communication_kernels, optimizer_kernels
 from planner.perf.roofline import (
     PHASES,
     KernelTable,
@@ -398,10 +398,10 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
                                                  mp.megatron_buckets(rank_params, group_ranks)),
                 backward, group, d_out, c, forward_s=forward)
         else:
-            comm_total, exposed = _communication_times(
-                (config.parallelism, group_ranks, grad_bytes, m, config.bucket_cap_mb,
-                 shard_units(config.parallelism, rank_tensors, max(1, round(layers_here))), 0,
-                 None if param_bytes == grad_bytes else param_bytes), backward, forward, group, d_out, c)
+            comm_total, exposed = _sharded_dp_times(config, dims, instance, c, grad_bytes, param_bytes, m,
+                                                    shard_units(config.parallelism, rank_tensors,
+                                                                max(1, round(layers_here))),
+                                                    backward, forward, group, d_out)
     sharded = strategy.shards or config.distributed_optimizer
     local_params = rank_params // group_ranks if sharded else rank_params
     local_tensors = max(1, rank_tensors // group_ranks) if sharded else rank_tensors
@@ -507,6 +507,41 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
 _COMM_TIMES: dict[tuple, tuple[float, float]] = caches.table("planner.perf.throughput._COMM_TIMES", scope="model",
     key="(strategy, sizes, phase times, instance figures, constants) -> timings")
 COMM_TIMES_CACHE_SIZE = 4096  # (strategy, sizes, phase times, instance) timings kept
+
+
+def _sharded_dp_times(config: TrainConfig, dims: mp.ParallelDims, instance: Instance, c: ThroughputConstants,
+                      grad_bytes: int, param_bytes: int, m: int, units: int, backward: float, forward: float,
+                      group: Instance, d_out: int) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel collectives of one step under TP/CP/PP:
+    - how often: per micro-batch (`m` times: DDP's and ZeRO's rules, FSDP1, ZeRO-3), or, for FSDP2 under
+      pipeline parallelism (planner.perf.model_parallel.fsdp_gathers_once), one forward all-gather of each
+      unit per step (hidden unit by unit behind the first micro-batch's forward), no backward all-gather (the
+      parameters stay unsharded) and one reduce-scatter after the last micro-batch's backward;
+    - where: HSDP's gathers and reduce-scatters over the shard group (dp_shard x cp), then the all-reduce of
+      the rank's gradient shard (grad bytes / dp_shard·cp) over the replicate group, each group with its own
+      links (model_parallel.hsdp_groups); the other strategies over the whole DP x CP group (`group`,
+      `d_out`)."""
+    once = mp.fsdp_gathers_once(config, dims)
+    hsdp = config.parallelism == "hsdp" and dims.dp_replicate > 1
+    ranks, grp, outs = mp.dp_cp_ranks(dims), group, d_out
+    if hsdp:
+        (s_in, s_out, s_gbps), _ = mp.hsdp_groups(instance, dims)
+        ranks, outs = dims.dp_shard * dims.cp, s_out
+        grp = instance.model_copy(update={"gpus": s_in, "network_gbps": s_gbps})
+    kernels = communication_kernels("fsdp" if hsdp else config.parallelism, ranks, grad_bytes, 1 if once else m,
+                                    config.bucket_cap_mb, units, 0, None if param_bytes == grad_bytes else param_bytes)
+    if once:
+        kernels = tuple(k for k in kernels if k.collective != "fsdp_all_gather_backward")
+    total, exposed = communication_seconds(kernels, backward, grp, outs, c, forward_s=forward) if ranks > 1 else (0, 0)
+    if hsdp:
+        _, (r_in, r_out, r_gbps) = mp.hsdp_groups(instance, dims)
+        shard = max(1, dims.dp_shard * dims.cp)
+        rgrp = instance.model_copy(update={"gpus": r_in, "network_gbps": r_gbps})
+        ar = Kernel("hsdp.replicate.allreduce", "communication", 0, grad_bytes // shard, grad_bytes // shard, F32,
+                    "step", count=1 if once else m, launches=units, collective="allreduce")
+        t, e = communication_seconds((ar,), backward, rgrp, r_out, c, forward_s=forward)
+        total, exposed = total + t, exposed + e
+    return total, exposed
 
 
 def _communication_times(args: tuple, backward_s: float, forward_s: float, instance: Instance, n_inst: int,
