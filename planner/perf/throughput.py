@@ -72,7 +72,14 @@ from planner.perf.collectives import (
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
-from planner.perf.kernels import COLLECTIVE_OVERLAP, F32, KINDS, Kernel, communication_kernels, optimizer_kernels
+from planner.perf.kernels import (
+    COLLECTIVE_OVERLAP,
+    F32,
+    KINDS,
+    Kernel,
+    communication_kernels,
+    optimizer_kernels,
+)
 from planner.perf.roofline import (
     PHASES,
     KernelTable,
