@@ -597,6 +597,10 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     layout_line = framework_layout.describe(lay)
     if layout_line and (cfg.framework != "pytorch" or strategy_of(cfg.parallelism).sharding.parameters):
         notes.append(layout_line)
+    if cfg.pp > 1 and fsdp_gathers_once(cfg, cfg):  # TrainConfig carries pp, as the layout record does
+        notes.append("FSDP2 under pipeline parallelism: each stage's parameters are gathered once per step "
+                     "and kept unsharded with their gradients until the last micro-batch (one reduce-scatter "
+                     "per step)")
     if strategy_of(cfg.parallelism).one_process:
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")
