@@ -139,3 +139,19 @@ def test_fsdp2_under_pp_holds_the_stage_unsharded(framework, gather, grad):
     flat = estimate("llama-3-8b", config.model_copy(update={"pp": 1, "tp": 2}), "ml.p5.48xlarge",
                     with_throughput=False, calibration={}).parallel
     assert all(s.unsharded_bytes == 0 for s in flat.stages)
+
+
+def test_plain_hsdp_one_replica_is_fsdp_and_more_replicas_cross_the_network_less():
+    """Without TP/PP: HSDP with one replica group is FSDP (no replicate all-reduce); with R groups of one
+    instance each the gathers and reduce-scatters stay on NVLink and only the 1/8 gradient shard's all-reduce
+    crosses the network, so the step's collective seconds fall as the groups shrink to one instance."""
+    base = TrainConfig(batch_size=2, seq_len=1024, precision="amp-bf16", attention="flash", parallelism="fsdp",
+                       instances=4, grad_accum=2)
+    from planner.models.catalog import get_model
+
+    model = get_model("llama-3-8b")
+    fsdp = predict_throughput(model, base, P5).breakdown_s["communication_total_s"]
+    totals = [predict_throughput(model, base.model_copy(update={"parallelism": "hsdp", "dp_replicas": r}), P5)
+              .breakdown_s["communication_total_s"] for r in (1, 2, 4)]
+    assert totals[0] == pytest.approx(fsdp)
+    assert totals[0] > totals[1] > totals[2]

@@ -225,6 +225,8 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     # model-parallel step, also on a layout without TP, CP or PP
     if (mp.has_model_parallelism(config) or config.distributed_optimizer) and model.transformers:
         dims, shape = dims or mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
+    elif config.parallelism == "hsdp":  # plain HSDP: its shard and replicate groups (_sharded_dp_times)
+        dims = dims or mp.parallel_dims(model, config, instance)
     else:
         dims = None
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
@@ -283,10 +285,16 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     reduced = gathered if (lay.frozen_grads and sharded) else n_params  # FSDP1 flat gradients cover frozen ones
     grad_bytes = reduced * lay.reduce_comm_bytes
     param_bytes = gathered * lay.gather_comm_bytes
-    comm_total, exposed = _communication_times(
-        (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
-         shard_units(parallelism, n_tensors, layers), dp_io_bytes,
-         None if param_bytes == grad_bytes else param_bytes), backward, forward, instance, n_inst, c)
+    if parallelism == "hsdp" and dims is not None:
+        # HSDP: reduce-scatter in the shard group, all-reduce of the shard across the replicas (_sharded_dp_times)
+        comm_total, exposed = _sharded_dp_times(config, dims, instance, c, grad_bytes, param_bytes, config.grad_accum,
+                                                shard_units(parallelism, n_tensors, layers), backward, forward,
+                                                instance, n_inst)
+    else:
+        comm_total, exposed = _communication_times(
+            (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
+             shard_units(parallelism, n_tensors, layers), dp_io_bytes,
+             None if param_bytes == grad_bytes else param_bytes), backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
@@ -535,7 +543,7 @@ def _sharded_dp_times(config: TrainConfig, dims: mp.ParallelDims, instance: Inst
         (s_in, s_out, s_gbps), _ = mp.hsdp_groups(instance, dims)
         ranks, outs = dims.dp_shard * dims.cp, s_out
         grp = instance.model_copy(update={"gpus": s_in, "network_gbps": s_gbps})
-    kernels = communication_kernels("fsdp" if hsdp else config.parallelism, ranks, grad_bytes, 1 if once else m,
+    kernels = communication_kernels("fsdp" if config.parallelism == "hsdp" else config.parallelism, ranks, grad_bytes, 1 if once else m,
                                     config.bucket_cap_mb, units, 0, None if param_bytes == grad_bytes else param_bytes)
     if once:
         kernels = tuple(k for k in kernels if k.collective != "fsdp_all_gather_backward")
