@@ -13,7 +13,8 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   network between N instances; `allreduce_overlap` of it hides behind the last micro-step's backward.
   ZeRO-1/2: reduce-scatter of gradients (overlapped like DDP) + all-gather of updated parameters
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
-  reduce-scatters gradients, one NCCL call per unit; the first unit of each phase waits, the rest hides
+  reduce-scatters gradients, one NCCL call per unit (FSDP2 under pipeline parallelism: once per step,
+  `_sharded_dp_times`; HSDP: in its shard group, the shard all-reduced across replica groups); the first unit of each phase waits, the rest hides
   behind that phase's compute unit by unit (the next unit prefetched beside this one), compute slowed by
   the SMs NCCL's blocks hold meanwhile (planner.perf.collectives). Every NCCL call also pays NCCL's own latency model
   (planner.perf.collectives). DataParallel (dp): every micro-step broadcasts parameters from GPU 0 to the
