@@ -155,3 +155,22 @@ def test_plain_hsdp_one_replica_is_fsdp_and_more_replicas_cross_the_network_less
               .breakdown_s["communication_total_s"] for r in (1, 2, 4)]
     assert totals[0] == pytest.approx(fsdp)
     assert totals[0] > totals[1] > totals[2]
+
+
+def test_fsdp1_no_sync_reduce_scatters_once_per_step():
+    """Accelerate's FSDP1 accumulates under no_sync(): per step ga x (forward all-gather + backward all-gather)
+    and ONE reduce-scatter, all three of equal bytes under its bf16 policy (gather and reduce in bf16): so
+    T(2) - T(1) = two gathers = 2/3 T(1); PyTorch's FSDP2 loop reduce-scatters every micro-step: T(2) = 2 T(1)."""
+    from planner.models.catalog import get_model
+
+    model = get_model("llama-3-8b")
+    base = TrainConfig(batch_size=1, seq_len=1024, precision="amp-bf16", attention="flash", parallelism="fsdp",
+                       framework="accelerate", instances=2)
+
+    def total(c):
+        return predict_throughput(model, c, P5, NO_LATENCY).breakdown_s["communication_total_s"]
+
+    t1, t2 = total(base), total(base.model_copy(update={"grad_accum": 2}))
+    assert t2 - t1 == pytest.approx(2 / 3 * t1, rel=1e-6)
+    torch_loop = base.model_copy(update={"framework": "pytorch"})
+    assert total(torch_loop.model_copy(update={"grad_accum": 2})) == pytest.approx(2 * total(torch_loop), rel=1e-6)

@@ -295,7 +295,8 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         comm_total, exposed = _communication_times(
             (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
              shard_units(parallelism, n_tensors, layers), dp_io_bytes,
-             None if param_bytes == grad_bytes else param_bytes), backward, forward, instance, n_inst, c)
+             None if param_bytes == grad_bytes else param_bytes, lay.accumulate_unsharded),
+            backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
