@@ -600,6 +600,9 @@ class ParallelStage(Frozen):
     peak_device_high_bytes: int
     verdict: Verdict
     replayed: bool  # the allocator replay ran on this stage (else its reserved pool scaled from the worst's)
+    # FSDP2 under pipeline parallelism: the stage's unsharded parameters and gradients held across the step's
+    # micro-batches (planner.pipeline.step._unsharded_stage), besides the sharded states above
+    unsharded_bytes: int = 0
 
 
 class ParallelLayout(Frozen):

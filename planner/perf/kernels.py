@@ -579,7 +579,7 @@ DP_COALESCE_BYTES = 10485760
 
 def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
                           bucket_cap_mb: float, units: int = 1, dp_io_bytes: int = 0,
-                          param_bytes: int | None = None) -> tuple[Kernel, ...]:
+                          param_bytes: int | None = None, reduce_once: bool = False) -> tuple[Kernel, ...]:
     """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
     bytes each GPU sends (`bytes_read`) per occurrence, `count` occurrences per optimizer step and `launches`
     NCCL calls per occurrence (each pays NCCL's latency: planner.perf.collectives.nccl_latency_s).
@@ -597,6 +597,12 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     likewise), and a reduce-scatter of the gradients instead of an all-reduce: 3 halves of an all-reduce, 1.5x
     DDP's traffic (Rajbhandari et al. 2020, §7.2.2), with no all-gather after the step (parameters stay
     sharded). Each is issued per unit (`units`: FSDP's wrapped modules, ZeRO-3's fetched sub-modules).
+    `reduce_once`: FSDP1 under `no_sync()` for gradient accumulation (frameworks.Framework.
+    no_sync_accumulation: Accelerate): the gradients accumulate unsharded and are reduce-scattered once, at
+    the last micro-step ("FSDP will accumulate the full model gradients (instead of gradient shards) until the
+    eventual sync", torch FullyShardedDataParallel.no_sync); the parameters are still gathered every
+    micro-step (FULL_SHARD frees them after forward and after backward also under no_sync: torch/distributed/
+    fsdp/_runtime_utils.py `_should_free_in_backward`).
     DataParallel (torch.nn.DataParallel, one process): per micro-step, replicate() broadcasts the parameters
     from GPU 0 to the others (broadcast_coalesced), the inputs are scattered from and the outputs gathered to
     GPU 0 (`dp_io_bytes` per replica, through GPU 0's links one replica after another), and backward's
@@ -615,7 +621,9 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     params = grad_bytes if param_bytes is None else param_bytes
     payload = {"grads": grad_bytes, "params": params, "flatten": 2 * grad_bytes, "dp_io": dp_io_bytes, "none": 0}
     return tuple(Kernel(c.name, "communication", 0, payload[c.payload], payload[c.payload], F32, "step",
-                        count=grad_accum if c.per_micro_step else 1, launches=calls[c.launches],
+                        count=grad_accum if c.per_micro_step and not (reduce_once and c.collective ==
+                                                                     "fsdp_reduce_scatter") else 1,
+                        launches=calls[c.launches],
                         collective=c.collective)
                  for c in strategy.communication)
 

@@ -297,6 +297,51 @@ def distributed_optimizer_kernels(grad_bytes: float, param_bytes: float, buckets
                    launches=buckets, collective="all_gather"))
 
 
+def fsdp_gathers_once(config: TrainConfig, dims: ParallelDims) -> bool:
+    """Whether FSDP/HSDP gathers each unit's parameters ONCE per optimizer step and reduce-scatters its
+    gradients once, instead of per micro-batch: FSDP2 (`fully_shard`, the pytorch and torchtitan frameworks)
+    under pipeline parallelism.
+    - torchtitan does not reshard after forward when PP is on (pytorch/torchtitan
+      torchtitan/models/llama3/infra/parallelize.py apply_fsdp: `reshard_after_forward_policy == "default"`:
+      "if pp_enabled: # For PP, do not reshard after forward to avoid per-microbatch all-gathers, which can
+      be expensive and non-overlapped; reshard_after_forward = False");
+    - torch.distributed.pipelining runs every backward but the step's last with
+      `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` on an FSDPModule stage
+      (pytorch/pytorch torch/distributed/pipelining/stage.py `_PipelineStageBase.backward_maybe_with_nosync`;
+      the schedules pass `last_backward` on the final micro-batch), so gradients accumulate unsharded and
+      are reduce-scattered once, after the last micro-batch.
+    So the stage's unsharded parameters (and its unsharded gradients) stay in memory across the step
+    (planner.pipeline.step adds them to the stage) and the collectives are counted once per step.
+    ZeRO-3 (DeepSpeed refuses ZeRO-3 with its pipeline engine) and FSDP1 (no pipelining integration) keep
+    the per-micro-batch rule."""
+    from planner.parallel import frameworks
+    from planner.parallel import get as strategy_of
+
+    fw = frameworks.get(config.framework)
+    return dims.pp > 1 and strategy_of(config.parallelism).fsdp and fw.fsdp == "fsdp2"
+
+
+def hsdp_groups(instance: Instance, dims: ParallelDims) -> tuple[tuple[int, int, float], tuple[int, int, float]]:
+    """HSDP's two groups as `dp_group_links` gives them, (members per instance, instances, network Gbps):
+    the shard group (dp_shard x cp ranks, striding tp: FSDP2 on the (dp_replicate, dp_shard) mesh,
+    torchtitan's ParallelDims with dp_shard innermost) where parameters are gathered and gradients
+    reduce-scattered, and the replicate group (dp_replicate ranks, striding tp·cp·dp_shard) where each
+    rank's gradient shard is all-reduced (pytorch/pytorch torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py foreach_reduce: reduce-scatter over the shard group, then `all_reduce` of the
+    reduce-scatter output over the replicate group). The replicate group's members sit on different
+    instances once tp·cp·dp_shard >= GPUs per instance, each one GPU's share of the network."""
+    g = instance.gpus
+    shard_ranks = dims.dp_shard * dims.cp
+    s_in = max(1, min(shard_ranks, g // dims.tp))
+    s_out = max(1, shard_ranks // s_in)
+    shard = (s_in, s_out, instance.network_gbps * s_in / g)
+    span = dims.tp * shard_ranks  # ranks between two replicas
+    r_in = max(1, min(dims.dp_replicate, g // span)) if span < g else 1
+    r_out = max(1, dims.dp_replicate // r_in)
+    replicate = (r_in, r_out, instance.network_gbps * r_in / g)
+    return shard, replicate
+
+
 # ---- compute per stage ---------------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ One optimizer step = `grad_accum` micro-steps, then the gradient exchange, then 
   network between N instances; `allreduce_overlap` of it hides behind the last micro-step's backward.
   ZeRO-1/2: reduce-scatter of gradients (overlapped like DDP) + all-gather of updated parameters
   (exposed). ZeRO-3/FSDP: every micro-step all-gathers parameters for forward and again for backward and
-  reduce-scatters gradients, one NCCL call per unit; the first unit of each phase waits, the rest hides
+  reduce-scatters gradients, one NCCL call per unit (FSDP2 under pipeline parallelism: once per step,
+  `_sharded_dp_times`; HSDP: in its shard group, the shard all-reduced across replica groups); the first unit of each phase waits, the rest hides
   behind that phase's compute unit by unit (the next unit prefetched beside this one), compute slowed by
   the SMs NCCL's blocks hold meanwhile (planner.perf.collectives). Every NCCL call also pays NCCL's own latency model
   (planner.perf.collectives). DataParallel (dp): every micro-step broadcasts parameters from GPU 0 to the
@@ -72,7 +73,14 @@ from planner.perf.collectives import (
 from planner.perf.constants import ThroughputConstants  # noqa: F401  (re-exported)
 from planner.perf.flops import BACKWARD_TO_FORWARD, tokens_per_sample
 from planner.perf.host import host_seconds, overlapped
-from planner.perf.kernels import COLLECTIVE_OVERLAP, KINDS, Kernel, communication_kernels, optimizer_kernels
+from planner.perf.kernels import (
+    COLLECTIVE_OVERLAP,
+    F32,
+    KINDS,
+    Kernel,
+    communication_kernels,
+    optimizer_kernels,
+)
 from planner.perf.roofline import (
     PHASES,
     KernelTable,
@@ -225,6 +233,8 @@ def predict_throughput(model: ModelSpec, config: TrainConfig, instance: Instance
     # model-parallel step, also on a layout without TP, CP or PP
     if (mp.has_model_parallelism(config) or config.distributed_optimizer) and model.transformers:
         dims, shape = dims or mp.parallel_dims(model, config, instance), mp.layer_shape(model, config)
+    elif config.parallelism == "hsdp":  # plain HSDP: its shard and replicate groups (_sharded_dp_times)
+        dims = dims or mp.parallel_dims(model, config, instance)
     else:
         dims = None
     return table_throughput(table, n_params, n_tensors, tokens_per_sample(model, config.seq_len), config, instance,
@@ -311,10 +321,17 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
     reduced = gathered if (lay.frozen_grads and sharded) else n_params  # FSDP1 flat gradients cover frozen ones
     grad_bytes = reduced * lay.reduce_comm_bytes
     param_bytes = gathered * lay.gather_comm_bytes
-    comm_total, exposed = _communication_times(
-        (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
-         shard_units(parallelism, n_tensors, layers), dp_io_bytes,
-         None if param_bytes == grad_bytes else param_bytes), backward, forward, instance, n_inst, c)
+    if parallelism == "hsdp" and dims is not None:
+        # HSDP: reduce-scatter in the shard group, all-reduce of the shard across the replicas (_sharded_dp_times)
+        comm_total, exposed = _sharded_dp_times(config, dims, instance, c, grad_bytes, param_bytes, config.grad_accum,
+                                                shard_units(parallelism, n_tensors, layers), backward, forward,
+                                                instance, n_inst)
+    else:
+        comm_total, exposed = _communication_times(
+            (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
+             shard_units(parallelism, n_tensors, layers), dp_io_bytes,
+             None if param_bytes == grad_bytes else param_bytes, lay.accumulate_unsharded),
+            backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
     local_tensors = max(1, n_tensors // world) if sharded else n_tensors
@@ -434,10 +451,10 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
                                                  mp.megatron_buckets(rank_params, group_ranks)),
                 backward, group, d_out, c, forward_s=forward)
         else:
-            comm_total, exposed = _communication_times(
-                (config.parallelism, group_ranks, grad_bytes, m, config.bucket_cap_mb,
-                 shard_units(config.parallelism, rank_tensors, max(1, round(layers_here))), 0,
-                 None if param_bytes == grad_bytes else param_bytes), backward, forward, group, d_out, c)
+            comm_total, exposed = _sharded_dp_times(config, dims, instance, c, grad_bytes, param_bytes, m,
+                                                    shard_units(config.parallelism, rank_tensors,
+                                                                max(1, round(layers_here))),
+                                                    backward, forward, group, d_out)
     sharded = strategy.shards or config.distributed_optimizer
     local_params = rank_params // group_ranks if sharded else rank_params
     local_tensors = max(1, rank_tensors // group_ranks) if sharded else rank_tensors
@@ -543,6 +560,41 @@ def _optimizer_times(n_params: int, n_tensors: int, precision: str, optimizer: s
 _COMM_TIMES: dict[tuple, tuple[float, float]] = caches.table("planner.perf.throughput._COMM_TIMES", scope="model",
     key="(strategy, sizes, phase times, instance figures, constants) -> timings")
 COMM_TIMES_CACHE_SIZE = 4096  # (strategy, sizes, phase times, instance) timings kept
+
+
+def _sharded_dp_times(config: TrainConfig, dims: mp.ParallelDims, instance: Instance, c: ThroughputConstants,
+                      grad_bytes: int, param_bytes: int, m: int, units: int, backward: float, forward: float,
+                      group: Instance, d_out: int) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel collectives of one step under TP/CP/PP:
+    - how often: per micro-batch (`m` times: DDP's and ZeRO's rules, FSDP1, ZeRO-3), or, for FSDP2 under
+      pipeline parallelism (planner.perf.model_parallel.fsdp_gathers_once), one forward all-gather of each
+      unit per step (hidden unit by unit behind the first micro-batch's forward), no backward all-gather (the
+      parameters stay unsharded) and one reduce-scatter after the last micro-batch's backward;
+    - where: HSDP's gathers and reduce-scatters over the shard group (dp_shard x cp), then the all-reduce of
+      the rank's gradient shard (grad bytes / dp_shard·cp) over the replicate group, each group with its own
+      links (model_parallel.hsdp_groups); the other strategies over the whole DP x CP group (`group`,
+      `d_out`)."""
+    once = mp.fsdp_gathers_once(config, dims)
+    hsdp = config.parallelism == "hsdp" and dims.dp_replicate > 1
+    ranks, grp, outs = mp.dp_cp_ranks(dims), group, d_out
+    if hsdp:
+        (s_in, s_out, s_gbps), _ = mp.hsdp_groups(instance, dims)
+        ranks, outs = dims.dp_shard * dims.cp, s_out
+        grp = instance.model_copy(update={"gpus": s_in, "network_gbps": s_gbps})
+    kernels = communication_kernels("fsdp" if config.parallelism == "hsdp" else config.parallelism, ranks, grad_bytes, 1 if once else m,
+                                    config.bucket_cap_mb, units, 0, None if param_bytes == grad_bytes else param_bytes)
+    if once:
+        kernels = tuple(k for k in kernels if k.collective != "fsdp_all_gather_backward")
+    total, exposed = communication_seconds(kernels, backward, grp, outs, c, forward_s=forward) if ranks > 1 else (0, 0)
+    if hsdp:
+        _, (r_in, r_out, r_gbps) = mp.hsdp_groups(instance, dims)
+        shard = max(1, dims.dp_shard * dims.cp)
+        rgrp = instance.model_copy(update={"gpus": r_in, "network_gbps": r_gbps})
+        ar = Kernel("hsdp.replicate.allreduce", "communication", 0, grad_bytes // shard, grad_bytes // shard, F32,
+                    "step", count=1 if once else m, launches=units, collective="allreduce")
+        t, e = communication_seconds((ar,), backward, rgrp, r_out, c, forward_s=forward)
+        total, exposed = total + t, exposed + e
+    return total, exposed
 
 
 def _communication_times(args: tuple, backward_s: float, forward_s: float, instance: Instance, n_inst: int,

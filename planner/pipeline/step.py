@@ -18,6 +18,7 @@ from planner.memory import framework_layout, model_states, optimizer, parallel, 
 from planner.memory import stack as sw
 from planner.memory.experts import expert_sharding, local_parameters, split_shapes
 from planner.parallel import get as strategy_of
+from planner.perf.model_parallel import fsdp_gathers_once
 from planner.pipeline.resolve import (
     _resolve_model,
     resolve,
@@ -331,6 +332,7 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
     ocfg = _optimizer_config(cfg, lay)
     p_bytes = lay.state_param_bytes
     out = []
+    gathers_once = fsdp_gathers_once(cfg, dims)
     for sb in st.stages(names, layer_index, t.num_layers, dims):
         held = set(sb.blocks)
         acts = tuple(a for a in activations if a.block in held)
@@ -340,6 +342,9 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
         extra = int(round((k - 1) * sum(b.kept_bytes for b in block_mem)))
         if extra > 0:
             block_mem = (timeline.BlockMemory(IN_FLIGHT, 0, 0, 0, 0, extra, extra, 0, 0, False), *block_mem)
+        if gathers_once:  # FSDP2 under PP: the stage unsharded for the whole step (`_unsharded_stage`)
+            block_mem = _unsharded_stage(block_mem, sum(params.get(n, 0) for n in sb.blocks),
+                                         sum(trained.get(n, 0) for n in sb.blocks), lay)
         rank_shapes = [x for n in sb.blocks for x in shapes.get(n, ())]
         n_trained = sum(trained.get(n, 0) for n in sb.blocks)
         states = optimizer.optimizer_state_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
@@ -352,6 +357,26 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
                        **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)))
         out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(params.get(n, 0) for n in sb.blocks), k, step))
     return tuple(out)
+
+
+UNSHARDED = "unsharded stage (FSDP2 under PP)"  # the pseudo-block of a stage kept unsharded for the step
+
+
+def _unsharded_stage(blocks: tuple, n_params: int, n_trained: int, lay: framework_layout.StateLayout) -> tuple:
+    """A stage's blocks when FSDP2 runs under pipeline parallelism (planner.perf.model_parallel.
+    fsdp_gathers_once: no reshard after forward, no reshard after backward and no gradient sync before the
+    step's last micro-batch): every unit's parameters are all-gathered at the first micro-batch's forward and
+    stay unsharded until the step's last backward, and its gradients accumulate unsharded over the micro-
+    batches (FSDP2 keeps them in reduce_dtype: pytorch/pytorch test/distributed/_composable/fsdp
+    test_fully_shard_mixed_precision, `set_requires_gradient_sync(False)` with reduce_dtype=float32 leaves an
+    fp32 unsharded `.grad`). One pseudo-block holds them both for the whole step, ASSUMPTION on the safe side:
+    the sharded parameters and gradients stay counted besides (the sharded gradient appears only at the
+    last reduce-scatter, while the unsharded ones are being freed). The per-unit gather window and unsharded
+    gradient of each block are then already inside it (set to 0)."""
+    gather = lay.gather_bytes or lay.param_bytes  # the historical (autocast) layout gathers in its own dtype
+    grad = max(lay.unsharded_grad_bytes, lay.reduce_comm_bytes)
+    held = timeline.BlockMemory(UNSHARDED, n_params * gather, n_trained * grad, 0, 0, 0, 0, 0, 0, False)
+    return (held, *(b._replace(gathered_param_bytes=0, transient_grad_bytes=0) for b in blocks))
 
 
 def _loop_fields(cfg: TrainConfig, outputs: int) -> dict[str, Any]:
@@ -608,6 +633,10 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
     layout_line = framework_layout.describe(lay)
     if layout_line and (cfg.framework != "pytorch" or strategy_of(cfg.parallelism).sharding.parameters):
         notes.append(layout_line)
+    if cfg.pp > 1 and fsdp_gathers_once(cfg, cfg):  # TrainConfig carries pp, as the layout record does
+        notes.append("FSDP2 under pipeline parallelism: each stage's parameters are gathered once per step "
+                     "and kept unsharded with their gradients until the last micro-batch (one reduce-scatter "
+                     "per step)")
     if strategy_of(cfg.parallelism).one_process:
         notes.append("nn.DataParallel: GPU 0 also holds the whole batch and the gathered outputs; DDP is "
                      "faster and balanced")

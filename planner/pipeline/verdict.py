@@ -11,7 +11,7 @@ from planner.errors import PlannerError
 from planner.memory import band, timeline
 from planner.memory import stack as sw
 from planner.parallel import get as strategy_of
-from planner.pipeline.step import ACTIVATION_CACHE_SIZE, _Prepared
+from planner.pipeline.step import ACTIVATION_CACHE_SIZE, UNSHARDED, _Prepared
 from planner.spec import (
     Estimate,
     Instance,
@@ -170,8 +170,9 @@ def _parallel_layout(prep: _Prepared, alloc: Any, allocated: int, reserved: int,
         lo, hi = low + stage_device - device, high + stage_device - device
         rows.append(ParallelStage(
             stage=s.stage, layers=s.layers, blocks=s.blocks, parameters=s.parameters,
-            parameter_bytes=sum(b.param_bytes for b in s.step.blocks),
-            gradient_bytes=sum(b.grad_bytes for b in s.step.blocks),
+            parameter_bytes=sum(b.param_bytes for b in s.step.blocks if b.name != UNSHARDED),
+            gradient_bytes=sum(b.grad_bytes for b in s.step.blocks if b.name != UNSHARDED),
+            unsharded_bytes=sum(b.param_bytes + b.grad_bytes for b in s.step.blocks if b.name == UNSHARDED),
             optimizer_bytes=s.step.optimizer_state_bytes, activation_bytes=s.activation_bytes,
             in_flight_micro_batches=s.in_flight, peak_allocated_bytes=peak, peak_device_bytes=stage_device,
             peak_device_low_bytes=lo, peak_device_high_bytes=hi, verdict=band.verdict(lo, hi, gpu_memory),
