@@ -471,7 +471,7 @@ def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]
         return []
     if ctx is not None and ctx.tp > 1:
         return _rank_linear_params(block, layer, ctx)
-    if block.role == "layer" and family(layer.family).layer == "moe_gated":
+    if block.role == "layer" and layer.moe:  # the router is a matmul autocast casts, too
         return _program_linear_params(block)
     from planner.families.forms import block_linears
 

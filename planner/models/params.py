@@ -112,8 +112,7 @@ def program_layer_params(block: Block) -> tuple:
 
 
 def _from_program(block: Block) -> bool:
-    return block.role == "layer" and isinstance(block.layer, TransformerSpec) \
-        and family(block.layer.family).layer == "moe_gated"
+    return block.role == "layer" and isinstance(block.layer, TransformerSpec) and block.layer.moe
 
 
 def expert_parameters(block: Block) -> int:

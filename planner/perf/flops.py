@@ -91,7 +91,7 @@ def block_forward_flops(block: Block, batch: int, seq: int, causal_fraction: flo
     if isinstance(layer, BatchNormSpec):
         return 0
     if block.role == "layer" and isinstance(layer, TransformerSpec) and (
-            layer.moe or family(layer.family).layer == "moe_gated"):  # router and grouped expert GEMMs
+            layer.moe):  # router and grouped expert GEMMs
         return moe_layer_flops(layer, block.index, batch, seq, causal_fraction)
     from planner.families.forms import block_matmuls
 
