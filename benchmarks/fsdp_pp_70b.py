@@ -24,7 +24,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIG = ROOT / "benchmarks" / "data" / "llama-3-70b-config.json"
+CONFIG = ROOT / "tests" / "data" / "llama-3-70b.json"
 BASE = dict(batch_size=1, seq_len=4096, precision="amp-bf16", attention="flash", parallelism="fsdp", tp=8, pp=4,
             vp=5, instances=32, recompute="selective", recompute_modules=("core_attn",))
 LAYOUTS = (

@@ -1,7 +1,7 @@
 """Figure for issue 34 item 5: wall and CPU time of a 70B search over tensor/pipeline layouts (prints them;
 not a test).
 
-The recipe: Llama-3-70B given as its config.json (benchmarks/data/llama-3-70b-config.json, the public
+The recipe: Llama-3-70B given as its config.json (tests/data/llama-3-70b.json, the public
 meta-llama/Meta-Llama-3-70B config values), sequence 4096, global batch 512, over ml.p4d.24xlarge,
 ml.p4de.24xlarge, ml.p5.48xlarge, ml.p5e.48xlarge, ml.p5en.48xlarge and ml.p6-b200.48xlarge with 1-32
 instances; the search space widens itself with TP and PP degrees (planner.search.space
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = ROOT / "benchmarks" / "data" / "llama-3-70b-config.json"
+MODEL = ROOT / "tests" / "data" / "llama-3-70b.json"
 TYPES = ("ml.p4d.24xlarge", "ml.p4de.24xlarge", "ml.p5.48xlarge", "ml.p5e.48xlarge", "ml.p5en.48xlarge",
          "ml.p6-b200.48xlarge")
 

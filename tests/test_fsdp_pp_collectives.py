@@ -104,7 +104,7 @@ def test_hsdp_groups_sit_where_the_rank_order_puts_them():
 
 @pytest.fixture(scope="module")
 def llama70():
-    return spec_from_hf_config(json.loads((ROOT / "benchmarks/data/llama-3-70b-config.json").read_text()),
+    return spec_from_hf_config(json.loads((ROOT / "tests/data/llama-3-70b.json").read_text()),
                                name="llama-3-70b")
 
 

@@ -202,7 +202,7 @@ def test_search_space_of_a_70b_model_has_valid_layouts_only():
     from planner.models.catalog import get_model
     from planner.search.space import SpaceSpec, resolve_space
 
-    model = get_model(str(ROOT / "benchmarks" / "data" / "llama-3-70b-config.json"))
+    model = get_model(str(ROOT / "tests" / "data" / "llama-3-70b.json"))
     space = resolve_space(SpaceSpec(instance_counts=(1, 2, 4)), model, [P5], global_batch_size=64)
     assert space.tp_sizes == (1, 2, 4, 8)  # divide 8 GPUs, 64 heads, and 8 kv heads
     assert space.pp_sizes == (1, 2, 4, 5, 8, 10, 16)  # divide 80 layers

@@ -86,7 +86,7 @@ NEMO_SOURCE = {
     "url": "https://docs.nvidia.com/nemo/automodel/nightly/performance-summary.html",
 }
 NEMO_FILE = "nemo_automodel_h100.csv"
-LLAMA3_70B_CONFIG = "benchmarks/data/llama-3-70b-config.json"  # the same sizes as Llama-3.1-70B
+LLAMA3_70B_CONFIG = "tests/data/llama-3-70b.json"  # the same sizes as Llama-3.1-70B
 
 
 class NemoRow(BaseModel):
