@@ -305,11 +305,13 @@ def fsdp_gathers_once(config: TrainConfig, dims: ParallelDims) -> bool:
       torchtitan/models/llama3/infra/parallelize.py apply_fsdp: `reshard_after_forward_policy == "default"`:
       "if pp_enabled: # For PP, do not reshard after forward to avoid per-microbatch all-gathers, which can
       be expensive and non-overlapped; reshard_after_forward = False");
-    - torch.distributed.pipelining runs every backward but the step's last with
-      `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` on an FSDPModule stage
-      (pytorch/pytorch torch/distributed/pipelining/stage.py `_PipelineStageBase.backward_maybe_with_nosync`;
-      the schedules pass `last_backward` on the final micro-batch), so gradients accumulate unsharded and
-      are reduce-scattered once, after the last micro-batch.
+    - torch.distributed.pipelining runs every backward of an FSDPModule stage with
+      `set_is_last_backward(False)`, `set_reshard_after_backward(False)` and
+      `set_requires_gradient_sync(False)` (torch/distributed/pipelining/stage.py
+      `_PipelineStageBase.backward_maybe_with_nosync`, lines 843-847 of torch 2.13.0 as installed), and the
+      schedule's REDUCE_GRAD action, "scheduled after all microbatches W, B actions", sets all three True
+      and runs FSDP's post-backward (the same file, lines 1165-1177): gradients accumulate unsharded and are
+      reduce-scattered once, after the last micro-batch.
     So the stage's unsharded parameters (and its unsharded gradients) stay in memory across the step
     (planner.pipeline.step adds them to the stage) and the collectives are counted once per step.
     ZeRO-3 (DeepSpeed refuses ZeRO-3 with its pipeline engine) and FSDP1 (no pipelining integration) keep
