@@ -171,10 +171,13 @@ def test_gpt_oss_saved_bytes_within_a_percent(precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
-def test_deepseek_v3_saved_bytes_within_twelve_percent(precision):
+def test_deepseek_v3_saved_bytes_are_an_upper_bound_within_thirty_percent(precision):
     """DeepSeek-V3's multi-head latent attention is approximated (its value and output heads counted at the
-    query/key width; the sigmoid group-limited router as a softmax router): on the tiny model the planner
-    counts 3-11 % more than autograd saves per layer, never less (docs/moe.md)."""
+    query/key width; the sigmoid group-limited router as a softmax router), and its experts run as a loop
+    over the experts the router hit, so what autograd saves depends on the routing: on this tiny model the
+    planner counts 3-25 % more than autograd per layer over seeds and runs (a seed alone did not make the
+    measured bytes repeat between processes: 274,400-308,192 bytes for layer 1 in fp32), never less
+    (docs/moe.md). The bound is that spread, not a fit: a planner below autograd, or 30 % above, fails."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torch
@@ -185,9 +188,6 @@ def test_deepseek_v3_saved_bytes_within_twelve_percent(precision):
 
     spec = hf_config.spec_from_hf_config(TINY["deepseek_v3"], name="deepseek_v3")
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
-    # DeepSeek-V3's experts run as a loop over the experts the router hit, so what autograd saves depends on
-    # the routing, hence on the random weights: seeded, or the test's outcome would depend on the tests run
-    # before it (over seeds 0-3 the planner is 3-25 % above autograd on this tiny model)
     torch.manual_seed(0)
     measured = measure(spec, config, fake=False, keep_tensors=False).per_block
     ctx = Ctx(2, 24, precision, "eager", "cpu", spec.inputs.attention_mask)
@@ -195,7 +195,7 @@ def test_deepseek_v3_saved_bytes_within_twelve_percent(precision):
     ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
     for name, real in measured.items():
         if name.startswith("model.layer."):
-            assert real <= ours[name] <= 1.12 * real, name
+            assert real <= ours[name] <= 1.3 * real, name
 
 
 # ------------------------------------------------------------------------------- expert parallelism
