@@ -54,6 +54,7 @@ from planner.cli.parallel_opts import (
     SpOpt,
     TpOpt,
     VpOpt,
+    parallel_fields,
 )
 from planner.errors import PlannerError
 from planner.io import dumps_json
@@ -72,7 +73,8 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="Measured steps after war
 # TrainConfig checks the values, planner.parallel.dims how they combine (planner.probes.spec.make_request),
 # before any job starts. The probe job refuses what it cannot run (context parallelism, the distributed
 # optimizer) with one line.
-LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute")
+LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute",
+                "recompute_modules")
 
 PROBE_TIMEOUT_S = 3600  # one local probe: model build + a few steps; generous for big models on slow GPUs
 run_process = subprocess.run  # a seam for tests
@@ -127,10 +129,7 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     fw = framework_fields(flags.get("framework") or "pytorch", flags.get("ds_config"), flags["parallelism"],
                           flags["precision"])
     args = {k: flags[k] for k in CONFIG_FLAGS} | {"parallelism": fw.pop("parallelism", flags["parallelism"])}
-    args |= {k: flags[k] for k in LAYOUT_FLAGS if flags.get(k) not in (None, False)}
-    modules = tuple(m.strip() for m in (flags.get("recompute_modules") or "").split(",") if m.strip())
-    if modules:
-        args["recompute_modules"] = modules
+    args |= parallel_fields(**{k: flags[k] for k in LAYOUT_FLAGS}, checkpointing=flags["checkpointing"])
     return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
         flags.get("base_dtype") or "auto") | fw | loop_fields(

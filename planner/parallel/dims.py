@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.errors import PlannerError
-from planner.spec import TrainConfig
+from planner.spec import ModelSpec, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,17 @@ def check_attention(dims: ParallelDims, attention: str, framework: str) -> None:
         raise PlannerError("--attention", attention,
                            f"{' or '.join(allowed)} with --cp {dims.cp} (context parallelism shards SDPA's "
                            "flash, efficient and cuDNN kernels; eager attention has none)")
+
+
+def for_model(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> ParallelDims:
+    """`build` with what `spec` says: for one transformer its layers, heads, key/value heads, MLP width and
+    the sequence; for a mixture-of-experts model its experts and top-k. A traced model (None) or several
+    transformers: the degrees alone. The one place a model's facts reach the layout's rules (the pipeline's
+    resolve and the speed model's own callers both ask it)."""
+    moe = [t for t in spec.transformers if t.moe] if spec is not None else []
+    experts = {"experts": moe[0].num_experts, "top_k": moe[0].experts_per_token} if moe else {}
+    if spec is None or len(spec.transformers) != 1:
+        return build(cfg, world, **experts)
+    t = spec.transformers[0]
+    return build(cfg, world, layers=t.num_layers, heads=t.num_heads, kv_heads=t.num_kv_heads,
+                 seq_len=cfg.seq_len, ffn=t.intermediate_size, **experts)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.parallel.dims import ParallelDims, build
+from planner.parallel.dims import ParallelDims, for_model
 from planner.perf.collectives import ring_latency_s
 from planner.perf.constants import ThroughputConstants
 from planner.perf.kernels import F32, KINDS, Kernel
@@ -72,13 +72,9 @@ def has_model_parallelism(config: TrainConfig) -> bool:
 
 
 def parallel_dims(model: ModelSpec, config: TrainConfig, instance: Instance) -> ParallelDims:
-    """The layout record of `config` over GPUs per instance x --instances, checked against the model's
-    layers, heads and sequence (planner.parallel.dims.build). The one place speed builds it: once the
-    pipeline resolves the record (planner.pipeline.resolve), this helper gives way to it."""
-    t = model.transformers[0] if model.transformers else None
-    layers = sum(x.num_layers for x in model.transformers) or None
-    return build(config, instance.gpus * config.instances, layers=layers,
-                 heads=t.num_heads if t else None, kv_heads=_kv_heads(t) if t else None, seq_len=config.seq_len)
+    """The layout record of `config` over GPUs per instance x --instances (planner.parallel.dims.for_model,
+    as the pipeline builds it), for callers of the speed model outside the pipeline, which passes its own."""
+    return for_model(model, config, instance.gpus * config.instances)
 
 
 def _kv_heads(t) -> int:

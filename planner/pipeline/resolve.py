@@ -241,13 +241,7 @@ def parallel_dims(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> layou
         if strategies.get(cfg.parallelism).one_process:
             raise PlannerError("--parallelism", cfg.parallelism, "ddp, zero1-3, fsdp or hsdp with model "
                                "parallelism (nn.DataParallel is one process)")
-    moe = [t for t in spec.transformers if t.moe] if spec is not None else []
-    experts = {"experts": moe[0].num_experts, "top_k": moe[0].experts_per_token} if moe else {}
-    if spec is None or len(spec.transformers) != 1:
-        return layout.build(cfg, world, **experts)
-    t = spec.transformers[0]
-    return layout.build(cfg, world, layers=t.num_layers, heads=t.num_heads, kv_heads=t.num_kv_heads,
-                        seq_len=cfg.seq_len, ffn=t.intermediate_size, **experts)
+    return layout.for_model(spec, cfg, world)
 
 
 # --precision fp8 computes as this precision, its Linears in FP8 (planner.ir.fp8)
