@@ -110,6 +110,25 @@ def multimodal(text_family: str = "bert", *, full: bool = False, binary: bool = 
 # ---------------------------------------------------------------------------------------- building
 
 
+def inject_lora(module: torch.nn.Module, targets: tuple[str, ...], dropout: float, r: int = 4,
+                alpha: int = 8) -> torch.nn.Module:
+    """peft's LoRA injected in place (module names unchanged), the adapters cast to fp32 as get_peft_model's
+    autocast_adapter_dtype=True does: what the planner's LoRA runs are compared with."""
+    import warnings
+
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = peft.inject_adapter_in_model(peft.LoraConfig(
+            r=r, lora_alpha=alpha, lora_dropout=dropout,
+            target_modules="all-linear" if targets == ("all-linear",) else list(targets)), module)
+    for name, p in module.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    return module
+
+
 def make_batch(spec: ModelSpec, b: int, s: int, padded: bool) -> dict[str, Any]:
     """The probe job's batch (`jobs.modeling.make_batch`). `padded`: mask out the last token of the first
     row, so HF materialises the 4-D mask (on real and fake tensors alike; under FakeTensorMode HF cannot

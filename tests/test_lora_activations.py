@@ -15,12 +15,10 @@ fp32 always, `activations.norm_stats_dtype`).
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 from planner.adapters.activations import lora_activations  # noqa: E402
 from planner.adapters.lora import plan  # noqa: E402
@@ -35,19 +33,11 @@ def _measure_and_predict(family, precision, targets, dropout, **kw):
                       lora_targets=targets, lora_dropout=dropout, **kw)
 
     def with_lora(module):
-        """peft's LoRA in place (module names unchanged), adapters cast to fp32 as get_peft_model's
-        autocast_adapter_dtype=True does; the base first cast to --base-dtype when given."""
+        """peft's LoRA in place (tests/saved_tensors.inject_lora), the base first cast to --base-dtype when
+        given."""
         if cfg.base_dtype == "bf16":
             module = module.to(torch.bfloat16)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = peft.inject_adapter_in_model(peft.LoraConfig(
-                r=4, lora_alpha=8, lora_dropout=dropout,
-                target_modules="all-linear" if targets == ("all-linear",) else list(targets)), module)
-        for name, p in module.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
-        return module
+        return st.inject_lora(module, targets, dropout)
 
     measured = st.measure(spec, cfg, fake=False, transform=with_lora)
     records = activation_blocks(spec, cfg, backend="cpu")

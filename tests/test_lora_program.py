@@ -13,8 +13,6 @@ tests/test_lora_activations.py (the memory model's numbers are the program's).
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from planner.adapters.activations import adapters_of, lora_program
@@ -83,7 +81,7 @@ def test_the_adapter_parameters_are_peft_s(family, targets):
     """The transformed program's parameter tensors, names and shapes, are those of the real module with
     peft's adapters injected (`inject_adapter_in_model`, adapter name "default")."""
     pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from tests import saved_tensors as st
 
     spec = st.model(family, layers=2, hidden=64, heads=4, vocab=100)
@@ -93,10 +91,7 @@ def test_the_adapter_parameters_are_peft_s(family, targets):
     from jobs import modeling
 
     module = modeling.build_model(spec.model_dump(mode="json"), device="meta")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module = peft.inject_adapter_in_model(peft.LoraConfig(
-            r=4, target_modules="all-linear" if targets == ("all-linear",) else list(targets)), module)
+    module = st.inject_lora(module, targets, 0.0)
     real = sorted((n, tuple(p.shape)) for n, p in module.named_parameters())
     ours = sorted((p.name, p.shape) for p in program.params)
     assert ours == real
@@ -113,7 +108,7 @@ def test_saved_in_the_order_the_module_saves(family, precision, targets, dropout
     block's end, which moved the allocator replay's reserved peak: tests/estimate_snapshot.py change 5).
     The frozen base's AMP weight casts are left out: the memory model keeps them as their own term."""
     pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from planner.adapters.activations import lora_activations
     from planner.memory.activations import activation_blocks
     from tests import saved_tensors as st
@@ -122,18 +117,7 @@ def test_saved_in_the_order_the_module_saves(family, precision, targets, dropout
     cfg = TrainConfig(batch_size=2, seq_len=16, precision=precision, attention="sdpa", lora_r=4,
                       lora_targets=targets, lora_dropout=dropout)
 
-    def with_lora(module):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = peft.inject_adapter_in_model(peft.LoraConfig(
-                r=4, lora_alpha=8, lora_dropout=dropout,
-                target_modules="all-linear" if targets == ("all-linear",) else list(targets)), module)
-        for name, p in module.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
-        return module
-
-    measured = st.measure(spec, cfg, fake=False, transform=with_lora)
+    measured = st.measure(spec, cfg, fake=False, transform=lambda m: st.inject_lora(m, targets, dropout))
     block = "model.layer.1"
     real = [(t.nbytes, "lora_" in t.module) for t in measured.tensors
             if t.block == block and not (t.weight_cast and "lora_" not in t.module)]
