@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from planner.spec import TrainConfig
+from tests.module_files import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # tiny models: threads only add contention on a shared 2-core machine
@@ -23,16 +24,8 @@ TINY_BERT = {"model_type": "bert", "architectures": ["BertForSequenceClassificat
              "max_position_embeddings": 64, "type_vocab_size": 2}
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-probe = _load("planner_test_probe", ROOT / "jobs" / "probe.py")
-modeling = _load("modeling", ROOT / "jobs" / "modeling.py")
+probe = load_module("planner_test_probe", ROOT / "jobs" / "probe.py")
+modeling = load_module("modeling", ROOT / "jobs" / "modeling.py")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ and batch, before and after one AdamW step (so the sharded forward and the gradi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from planner.spec import TrainConfig
+from tests.module_files import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -32,16 +32,8 @@ ROWWISE = ("o_proj", "down_proj")  # input features split by TP
 LR = 1e-2  # large enough that the second step's loss moves visibly
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-layout_mod = _load("parallel_layout", ROOT / "jobs" / "parallel_layout.py")
-probe = _load("planner_test_probe_parallel", ROOT / "jobs" / "probe.py")
+layout_mod = load_module("parallel_layout", ROOT / "jobs" / "parallel_layout.py")
+probe = load_module("planner_test_probe_parallel", ROOT / "jobs" / "probe.py")
 
 
 @pytest.fixture(scope="module")

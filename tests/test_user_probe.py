@@ -5,7 +5,6 @@ the tracer's."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import io
 import json
 import os
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from planner.spec import TrainConfig
+from tests.module_files import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -49,14 +49,6 @@ USER_CODE = textwrap.dedent("""
 """)
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture()
 def user(tmp_path) -> Path:
     path = tmp_path / "usernet.py"
@@ -79,7 +71,7 @@ def test_request_carries_the_source_and_its_hash_follows_it(user):
     assert (code["model"], code["inputs"], code["loss"]) == ("usernet.py:build", "usernet.py:batch", "usernet.py:loss")
     assert code["options"] == {"width": 6} and req.model_name == "usernet.py:build"
     assert req.estimate is not None and req.estimate["parameters"]["total"] == sum(
-        p.numel() for p in _load("usernet_ref", user).build(width=6).parameters())
+        p.numel() for p in load_module("usernet_ref", user).build(width=6).parameters())
     user.write_text(USER_CODE + "\n# edited\n")
     assert _request(user).request_id != req.request_id  # new code, new measurement
 
@@ -99,13 +91,13 @@ def test_probe_job_trains_the_user_module_and_saves_what_the_tracer_says(user, t
     (Conv2d saves its input: `batch`) and BatchNorm's running statistics (`buffers`)."""
     from planner.program.trace import trace_step
 
-    probe = _load("planner_test_probe_user", ROOT / "jobs" / "probe.py")
-    modeling = _load("modeling", ROOT / "jobs" / "modeling.py")
+    probe = load_module("planner_test_probe_user", ROOT / "jobs" / "probe.py")
+    modeling = load_module("modeling", ROOT / "jobs" / "modeling.py")
     req = _request(user)
     user.rename(tmp_path / "ref.py")  # the job must not need the user's own file
     result = probe.run_probe(req.to_json(), modeling=modeling, device="cpu")
     assert result["status"] == "ok", result.get("message")
-    ref = _load("usernet_ref2", tmp_path / "ref.py")
+    ref = load_module("usernet_ref2", tmp_path / "ref.py")
     trace = trace_step(lambda: ref.build(width=6), ref.batch, TrainConfig(batch_size=2, seq_len=6), backend="cpu",
                        loss_fn=ref.loss)
     image = 2 * 3 * 6 * 6 * 4
