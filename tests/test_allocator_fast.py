@@ -61,12 +61,17 @@ def test_fast_run_equals_the_reference_on_catalog_steps(model, monkeypatch):
     replays pinned); and the compiled kernel (`compiled.kernel_replay`) on the same traces."""
     monkeypatch.setenv("PLANNER_COMPILED_REPLAY", "0")
     large = model.startswith(("llama", "mistral", "gpt2-xl", "gpt2-large"))
+    huge = None  # set by the first trace: tens of thousands of events (the MoE models' expert tensors)
     for k, (b, s, precision, ckpt) in enumerate(GRID):
         if large and (b > 3 or s > 200):
             continue  # the same rules; fewer shapes keep the test short
+        if huge and (b > 1 or s > 64):
+            continue  # the same rules again, at a Python replay of seconds per shape
         cfg = TrainConfig(batch_size=b, seq_len=s, precision=precision, checkpointing=ckpt,
                           **PARALLEL[k % len(PARALLEL)])
         trace = _trace(model, cfg)
+        if huge is None:
+            huge = len(trace.events) > 15_000
         ref = allocator.run_reference(trace.events)[0]
         assert allocator.fast_run(trace.events)[0] == ref, (model, cfg)
         reserved.clear_caches()
