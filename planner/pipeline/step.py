@@ -170,11 +170,12 @@ def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, i
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
                      share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
                      lay: framework_layout.StateLayout | None = None,
-                     counts: tuple[dict[str, int], dict[str, int]] | None = None, ep_etp: int = 1
-                     ) -> tuple[timeline.BlockMemory, ...]:
+                     counts: tuple[dict[str, int], dict[str, int]] | None = None, ep_etp: int = 1,
+                     tp_cp: int = 1) -> tuple[timeline.BlockMemory, ...]:
     """`counts`: (parameters, trained parameters) per block on this rank where tensor parallelism divides
-    them (planner.memory.stages); None: the model's own. `ep_etp`: the ranks a mixture-of-experts layer's
-    experts are split over (issue 35): this rank's experts are laid out over the expert data-parallel group."""
+    them (planner.memory.stages; a mixture-of-experts layer's routed experts whole); None: the model's own.
+    `ep_etp`: the ranks a mixture-of-experts layer's experts are split over (issue 35): this rank's experts
+    are laid out over the expert data-parallel group (`tp_cp`: the tensor x context degrees, outside it)."""
     facts = _model_facts(model)
     by_block, trained_by = counts or (facts.by_block, facts.gradients_by_block)
     root = _fsdp1_root_blocks(model, lay, share)
@@ -186,7 +187,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
         parts = [(n_params - experts, n_trained - experts, share)]
         if experts:  # this rank's experts, laid out over the expert data-parallel group (memory/experts.py)
             local = experts // ep_etp
-            parts.append((local, local, expert_sharding(share, ep_etp)))
+            parts.append((local, local, expert_sharding(share, ep_etp, tp_cp)))
         laid_parts = []
         for n_p, n_t, sh in parts:
             full_p, full_g = n_p * p_bytes, n_t * g_bytes
@@ -325,6 +326,13 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
     if tied is not None and dims.pp == 1:
         n = math.prod(table)
         trained[emb], trained[head] = trained[emb] - n, trained[head] + n
+    # a mixture-of-experts layer's routed experts: whole in `shapes` (the module's (E, ...) tensors), this
+    # rank holding E / (ep · etp) of them over the expert data-parallel group (planner.memory.experts)
+    ep_etp = 1 if cfg.lora else cfg.ep * cfg.etp
+    experts = {n: e for n, e in (_model_facts(spec).experts_by_block or {}).items()} if ep_etp > 1 else {}
+    local = {n: p - experts.get(n, 0) + experts.get(n, 0) // ep_etp for n, p in params.items()}
+    local_trained = {n: p - experts.get(n, 0) + experts.get(n, 0) // ep_etp for n, p in trained.items()}
+    e_share = expert_sharding(share, ep_etp, dims.tp * dims.cp)
     layer_index = {b.name: b.index for b in blocks.values() if b.role == "layer"}
     activations = tuple(_rank_casts(a, params.get(a.block, 0), _model_facts(spec).by_block.get(a.block, 0))
                         for a in activations) if dims.tp > 1 else activations
@@ -337,26 +345,44 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
         held = set(sb.blocks)
         acts = tuple(a for a in activations if a.block in held)
         block_mem = _resident_blocks(spec, acts, lay.param_bytes, lay.grad_bytes, share, None, lay,
-                                     counts=(params, trained))
+                                     counts=(params, trained), ep_etp=ep_etp, tp_cp=dims.tp * dims.cp)
         k = st.in_flight(dims, sb.stage, cfg.grad_accum)
         extra = int(round((k - 1) * sum(b.kept_bytes for b in block_mem)))
         if extra > 0:
             block_mem = (timeline.BlockMemory(IN_FLIGHT, 0, 0, 0, 0, extra, extra, 0, 0, False), *block_mem)
         if gathers_once:  # FSDP2 under PP: the stage unsharded for the whole step (`_unsharded_stage`)
-            block_mem = _unsharded_stage(block_mem, sum(params.get(n, 0) for n in sb.blocks),
-                                         sum(trained.get(n, 0) for n in sb.blocks), lay)
+            block_mem = _unsharded_stage(block_mem, sum(local.get(n, 0) for n in sb.blocks),
+                                         sum(local_trained.get(n, 0) for n in sb.blocks), lay)
         rank_shapes = [x for n in sb.blocks for x in shapes.get(n, ())]
-        n_trained = sum(trained.get(n, 0) for n in sb.blocks)
-        states = optimizer.optimizer_state_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
-        temps = optimizer.optimizer_temporary_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
-        extra_states, extra_temp = _framework_state_bytes(lay, n_trained, share)
+        n_trained = sum(local_trained.get(n, 0) for n in sb.blocks)
+        states, temps = _rank_optimizer_bytes(rank_shapes, ocfg, p_bytes, share, e_share, ep_etp if experts else 1)
+        n_experts = sum(experts.get(n, 0) for n in sb.blocks) // ep_etp
+        extra_states, extra_temp = _framework_state_bytes(lay, n_trained - n_experts, share)
+        if n_experts:  # Megatron's / DeepSpeed's fp32 masters of the rank's experts, over their own group
+            more = _framework_state_bytes(lay, n_experts, e_share)
+            extra_states, extra_temp = extra_states + more[0], extra_temp + more[1]
         step = replace(template, blocks=block_mem, optimizer_state_bytes=states + extra_states,
                        optimizer_temporary_bytes=temps + extra_temp,
                        ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, model_states.gradient_bytes(n_trained, cfg)),
                        grads_resident=template.grads_resident or cfg.grad_accum > 1,
                        **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)))
-        out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(params.get(n, 0) for n in sb.blocks), k, step))
+        out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(local.get(n, 0) for n in sb.blocks), k, step))
     return tuple(out)
+
+
+def _rank_optimizer_bytes(shapes: list, cfg: TrainConfig, p_bytes: int, share: parallel.Sharding,
+                          e_share: parallel.Sharding, ep_etp: int) -> tuple[int, int]:
+    """(optimizer states, step temporaries) of one rank's parameter shapes: the dense ones sharded over the
+    data-parallel group as `share` says, a mixture-of-experts model's routed experts (the 3-D shapes, whole
+    in `shapes`; `ep_etp` > 1) E / (ep · etp) of them over the expert data-parallel group (`e_share`)."""
+    if ep_etp <= 1:
+        return (optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+                optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states))
+    dense, experts = split_shapes(tuple(shapes), ep_etp)
+    return (optimizer.optimizer_state_bytes(dense, cfg, p_bytes, share.optimizer_states)
+            + optimizer.optimizer_state_bytes(experts, cfg, p_bytes, e_share.optimizer_states),
+            max(optimizer.optimizer_temporary_bytes(dense, cfg, p_bytes, share.optimizer_states),
+                optimizer.optimizer_temporary_bytes(experts, cfg, p_bytes, e_share.optimizer_states)))
 
 
 UNSHARDED = "unsharded stage (FSDP2 under PP)"  # the pseudo-block of a stage kept unsharded for the step

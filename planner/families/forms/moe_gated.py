@@ -34,8 +34,18 @@ from planner.families.forms.common import (
     mlp_ops,
     module_linear,
     rms_norm,
+    tp_gather,
+    tp_reduce,
 )
-from planner.ir.context import F32, attention_kernel, mask_materialised, promote
+from planner.ir.context import (
+    F32,
+    Ctx,
+    attention_kernel,
+    heads_per_rank,
+    kv_heads_per_rank,
+    mask_materialised,
+    promote,
+)
 from planner.ir.ops import Op, Param
 from planner.spec import TransformerSpec
 
@@ -48,62 +58,86 @@ def expert_pairs(spec: TransformerSpec, tokens: int, ep: int = 1, imbalance: flo
     return int(round(pairs * imbalance)) if ep > 1 or imbalance != 1.0 else pairs
 
 
+def _tp(ctx: Ctx, split: str) -> dict:
+    """The `tp` attribute of a Linear on a tensor-parallel rank ("column", "row" or "replicated": what the
+    saved rule and LoRA's transform read); none without tensor parallelism."""
+    return {"tp": split} if ctx.tp > 1 else {}
+
+
 def _latent_attention(a: LayerArgs) -> list[Op]:
     """DeepseekV3Attention (multi-head latent attention): q = q_b(norm(q_a(x))) (or q_proj(x)); the latent
     [kv, k_rope] = kv_a_proj_with_mqa(x), kv = kv_b(norm(kv)) split into k_nope and v per head; rotary on
     q's and k's rope parts; attention over q/k heads of nope + rope and v heads of v_head_dim; o_proj.
     ASSUMPTION: the attention op is the one of heads of head_size (nope + rope) for q, k, v and output, so the
-    value and the output are counted at the q/k head width (192 where DeepSeek's v head is 128)."""
+    value and the output are counted at the q/k head width (192 where DeepSeek's v head is 128).
+
+    On a tensor-parallel rank, Megatron-Core's MLASelfAttention (megatron/core/transformer/
+    multi_latent_attention.py @d98e8a64, `_qkv_down_projection` and `get_query_key_value_tensors`): the down
+    projections q_a and kv_a and their norms are duplicated (TELinear `parallel_mode='duplicated'`), run on
+    the rank's sequence-parallel rows; the compressed q and kv (and k's rope part) are all-gathered before the
+    column-parallel up projections q_b and kv_b (heads / tp); o_proj is row-parallel. q_proj (no q_lora_rank)
+    is column-parallel on the gathered hidden states."""
     spec, ctx = a.spec, a.ctx
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
-    H, d, rope, v = spec.num_heads, spec.head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    n, rows, h, low, act = ctx.n, ctx.rows, spec.hidden_size, ctx.low, ctx.act
+    H, d, rope, v = heads_per_rank(spec, ctx), spec.head_dim, spec.qk_rope_head_dim, spec.v_head_dim
     ql, kvl, b = spec.q_lora_rank, spec.kv_lora_rank, spec.attention_bias
     nope = d - rope
     pre = a.prefix + "self_attn."
     ops: list[Op] = []
     if ql:
-        ops.append(linear("self_attn.q_a_proj", n, h, ql, act, ctx, linear_params(pre + "q_a_proj.", h, ql, b),
-                          input="self_attn.input", consumers=2, consumer=0))
-        ops.append(rms_norm("self_attn.q_a_layernorm", a.prefix, n, ql, low))
+        ops.append(linear("self_attn.q_a_proj", rows, h, ql, act, ctx, linear_params(pre + "q_a_proj.", h, ql, b),
+                          input="self_attn.input", consumers=2, consumer=0, **_tp(ctx, "replicated")))
+        ops.append(rms_norm("self_attn.q_a_layernorm", a.prefix, rows, ql, low))
+        ops += tp_gather("self_attn.q_b_proj", ql, promote(low, act), ctx)
         ops.append(linear("self_attn.q_b_proj", n, ql, H * d, promote(low, act), ctx,
-                          linear_params(pre + "q_b_proj.", ql, H * d, False)))
+                          linear_params(pre + "q_b_proj.", ql, H * d, False), **_tp(ctx, "column")))
     else:
+        ops += tp_gather("self_attn", h, act, ctx)
         ops.append(linear("self_attn.q_proj", n, h, H * d, act, ctx, linear_params(pre + "q_proj.", h, H * d, False),
-                          input="self_attn.input", consumers=2, consumer=0))
-    ops.append(linear("self_attn.kv_a_proj_with_mqa", n, h, kvl + rope, act, ctx,
+                          input="self_attn.input", consumers=2, consumer=0, **_tp(ctx, "column")))
+    ops.append(linear("self_attn.kv_a_proj_with_mqa", rows, h, kvl + rope, act, ctx,
                       linear_params(pre + "kv_a_proj_with_mqa.", h, kvl + rope, b), input="self_attn.input",
-                      consumers=2, consumer=1))
-    ops.append(rms_norm("self_attn.kv_a_layernorm", a.prefix, n, kvl, low))
+                      consumers=2, consumer=1, **_tp(ctx, "replicated")))
+    ops.append(rms_norm("self_attn.kv_a_layernorm", a.prefix, rows, kvl, low))
+    ops += tp_gather("self_attn.kv_b_proj", kvl + rope, promote(low, act), ctx)  # kv and k's rope part
     ops.append(linear("self_attn.kv_b_proj", n, kvl, H * (nope + v), promote(low, act), ctx,
-                      linear_params(pre + "kv_b_proj.", kvl, H * (nope + v), False)))
+                      linear_params(pre + "kv_b_proj.", kvl, H * (nope + v), False), **_tp(ctx, "column")))
     ops.append(Op("rotary", "rotary", {"q": (n, H * rope), "k": (n, rope), "tables": (ctx.s, rope)}, (),
                   {"input": low, "tables": act}, {"first": a.index == 0}))
     masked = mask_materialised(spec, ctx)
     kernel = attention_kernel(spec, ctx, masked)
     ops.append(attention_op(spec, ctx, kernel, masked, low, "gqa"))
     ops.append(linear("self_attn.o_proj", n, H * v, h, low, ctx, linear_params(pre + "o_proj.", H * v, h, b),
-                      saves_input=False))
+                      saves_input=False, **_tp(ctx, "row")))
     return ops
 
 
 def _attention(a: LayerArgs) -> list[Op]:
+    """The attention of one rank: under tensor parallelism q, k, v column-parallel (heads / tp, kv heads /
+    tp) and o_proj row-parallel, as Llama's (forms/pre_norm_gated.py; module_linear reads the rank's
+    widths). The q/k norms of the rank's heads; OLMoE's norm over the whole q and k projections keeps its
+    whole weight (replicated) and normalises the rank's shard (ASSUMPTION: Megatron-Core has no whole-width
+    q/k norm; computing it exactly would all-reduce its statistics over the TP group, not counted)."""
     if a.traits.latent_attention:
         return _latent_attention(a)
     spec, ctx = a.spec, a.ctx
     n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
     q, k, v, o = a.traits.layer_linears[:4]
-    ops = [module_linear(spec, lin, a.prefix, n, act, ctx, input="self_attn.input", consumers=3, consumer=j,
-                         attention_input=True) for j, lin in enumerate((q, k, v))]
+    ops = tp_gather("self_attn", h, act, ctx)
+    ops += [module_linear(spec, lin, a.prefix, n, act, ctx, input="self_attn.input", consumers=3, consumer=j,
+                          attention_input=True) for j, lin in enumerate((q, k, v))]
     d = spec.head_dim
-    qw, kw = spec.num_heads * d, spec.num_kv_heads * d
+    heads, kv_heads = heads_per_rank(spec, ctx), kv_heads_per_rank(spec, ctx)
+    qw, kw = heads * d, kv_heads * d
     rope_in = low
     if a.traits.qk_norm != "none":
         per_head = a.traits.qk_norm == "head"
-        for name, width, heads in (("q_norm", qw, spec.num_heads), ("k_norm", kw, spec.num_kv_heads)):
-            rows, w = (n * heads, d) if per_head else (n, width)
+        for name, width, whole, nh in (("q_norm", qw, h, heads), ("k_norm", kw, spec.num_kv_heads * d, kv_heads)):
+            rows, w = (n * nh, d) if per_head else (n, width)
             norm = rms_norm(f"self_attn.{name}", a.prefix, rows, w, low)
-            if not per_head and name == "q_norm":  # OlmoeAttention: q_norm = RMSNorm(hidden_size)
-                norm = Op(norm.kind, norm.name, norm.shapes, (Param(f"{a.prefix}self_attn.q_norm.weight", (h,)),),
+            # OlmoeAttention: q_norm = RMSNorm(hidden_size), k_norm over the kv projection: whole weights
+            if not per_head and (name == "q_norm" or ctx.tp > 1):
+                norm = Op(norm.kind, norm.name, norm.shapes, (Param(f"{a.prefix}self_attn.{name}.weight", (whole,)),),
                           norm.dtypes, norm.attrs)
             ops.append(norm)
         rope_in = promote(low, act)  # weight (fp32 under AMP) · normed.to(bf16) promotes
@@ -113,7 +147,7 @@ def _attention(a: LayerArgs) -> list[Op]:
     kernel = attention_kernel(spec, ctx, masked)
     attn = attention_op(spec, ctx, kernel, masked, promote(rope_in, act), "gqa")
     if a.traits.attention_sinks:  # gpt-oss: one learned sink logit per head, joined to each softmax row
-        attn = Op(attn.kind, attn.name, attn.shapes, (Param(f"{a.prefix}self_attn.sinks", (spec.num_heads,)),),
+        attn = Op(attn.kind, attn.name, attn.shapes, (Param(f"{a.prefix}self_attn.sinks", (heads,)),),
                   attn.dtypes, attn.attrs | {"sinks": True})
     ops.append(attn)
     ops.append(module_linear(spec, o, a.prefix, n, low, ctx, saves_input=False))
@@ -148,45 +182,73 @@ def registration_order(params: list[Param], prefix: str, router: str, experts_fi
 
 
 def router_op(spec: TransformerSpec, a: LayerArgs, x_dtype: str, consumers: int, consumer: int) -> Op:
+    """The router on the rank's rows (the sequence-parallel shard under TP: Megatron-Core's MoELayer routes
+    the local tokens, megatron/core/transformer/moe/moe_layer.py @d98e8a64 `route`; its weight replicated)."""
     ctx = a.ctx
-    e, k = spec.num_experts, spec.experts_per_token
+    e, k, rows = spec.num_experts, spec.experts_per_token, ctx.rows
     name = a.traits.router_name
     params = (Param(f"{a.prefix}{name}.weight", (e, spec.hidden_size)),)
     if a.traits.router_bias:
         params += (Param(f"{a.prefix}{name}.bias", (e,)),)
-    return Op("router", name, {"input": (ctx.n, spec.hidden_size), "logits": (ctx.n, e), "topk": (ctx.n, k)},
+    return Op("router", name, {"input": (rows, spec.hidden_size), "logits": (rows, e), "topk": (rows, k)},
               params, {"input": x_dtype, "compute": ctx.low, "probs": F32},
               {"renormalise": spec.norm_topk_prob, "consumers": consumers, "consumer": consumer,
                "input_name": "mlp.input", "topk_then_softmax": a.traits.topk_then_softmax,
                "bias": a.traits.router_bias})
 
 
-def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
-    """The sparse MoE block (see the module docstring); `x_dtype` the post-attention norm's output."""
+def shared_expert_ops(a: LayerArgs, x_dtype: str, readers: int, gathered_input: bool) -> list[Op]:
+    """The shared expert (a SwiGLU MLP on every token; Qwen2MoeSparseMoeBlock runs it first, DeepseekV3MoE
+    last: the same ops). On a tensor-parallel rank Megatron-Core's SharedExpertMLP (megatron/core/transformer/
+    moe/shared_experts.py @d98e8a64: an MLP built with `tp_group=pg_collection.tp`; under sequence
+    parallelism `gather_from_sequence_parallel_region` before linear_fc1 and
+    `reduce_scatter_to_sequence_parallel_region` after linear_fc2): gate/up column-parallel (width / tp),
+    down row-parallel. `gathered_input`: its gate/up read the all-gathered tensor, not the block's input (a
+    DTensor plan saving the gathered rows); otherwise they are readers 1 and 2 of the block's input, whose
+    local shard Megatron's column-parallel Linear saves."""
     spec, ctx = a.spec, a.ctx
-    n, h, e, i = ctx.n, spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    n, h = ctx.n, spec.hidden_size
+    si = -(-spec.shared_expert_intermediate_size // ctx.tp)
+    name = a.traits.shared_experts_name
+    pre = f"{a.prefix}{name}."
+    reads = ({"input": f"{name}.input", "consumers": 2} if gathered_input
+             else {"input": "mlp.input", "consumers": readers})
+    ops = tp_gather(name, h, x_dtype, ctx)
+    ops += [linear(f"{name}.{p}", n, h, si, x_dtype, ctx, linear_params(pre + p + ".", h, si, False),
+                   consumer=j if gathered_input else 1 + j, **reads, **_tp(ctx, "column"))
+            for j, p in enumerate(("gate_proj", "up_proj"))]
+    act_op, act_out = activation(f"{name}.act", spec.hidden_act, n * si, ctx.low, ctx)
+    ops.insert(len(ops) - 1, act_op)  # act(gate(x)) runs before up(x)
+    ops.append(Op("gated_mul", f"{name}.gate_mul_up", {"input": (n * si,), "output": (n * si,)}, (),
+                  {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)}))
+    ops.append(linear(f"{name}.down_proj", n, si, h, promote(act_out, ctx.low), ctx,
+                      linear_params(pre + "down_proj.", si, h, False), input=f"{name}.product", as_is=True,
+                      **_tp(ctx, "row")))
+    return ops + tp_reduce(f"{name}.down_proj", h, ctx.low, ctx)
+
+
+def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
+    """The sparse MoE block (see the module docstring); `x_dtype` the post-attention norm's output. On a
+    tensor-parallel rank the block reads the rank's rows (n / tp under sequence parallelism, which
+    Megatron-Core requires of MoE with TP in training: moe_layer.py `forward` raises otherwise): the router
+    and the experts' token-expert pairs are the local tokens' (the all-to-all runs over the EP group; with
+    --etp 1 no TP collective touches the routed experts: token_dispatcher.py MoEAlltoAllTokenDispatcher
+    gathers over the expert-TP group only), the shared expert is tensor-parallel (`shared_expert_ops`)."""
+    spec, ctx = a.spec, a.ctx
+    n, h, e, i = ctx.rows, spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
     ep, imbalance = ctx.ep, ctx.moe_imbalance
     s = expert_pairs(spec, n, ep, imbalance)
     local = e // ep
     wd = ctx.act  # the weights' dtype: fp32 under fp32 and AMP, 16-bit in pure 16-bit
     shared = a.traits.shared_expert and spec.shared_expert_intermediate_size > 0
     gated = shared and a.traits.shared_expert_gate
+    # the shared expert's gate/up read the all-gathered rows, which a DTensor plan saves (not the block input)
+    apart = shared and ctx.tp > 1 and ctx.sp and ctx.sp_saves_gathered
     # Linears reading the block's input (each its own cast under autocast): router, shared gate/up, its gate
-    readers = 1 + (2 if shared else 0) + (1 if gated else 0)
+    readers = 1 + (2 if shared and not apart else 0) + (1 if gated else 0)
     ops: list[Op] = []
-    if shared:  # Qwen2MoeSparseMoeBlock runs the shared expert first (DeepseekV3MoE last: the same ops)
-        si = spec.shared_expert_intermediate_size
-        name = a.traits.shared_experts_name
-        pre = f"{a.prefix}{name}."
-        ops += [linear(f"{name}.{p}", n, h, si, x_dtype, ctx, linear_params(pre + p + ".", h, si, False),
-                       input="mlp.input", consumers=readers, consumer=1 + j)
-                for j, p in enumerate(("gate_proj", "up_proj"))]
-        act_op, act_out = activation(f"{name}.act", spec.hidden_act, n * si, ctx.low, ctx)
-        ops.insert(1, act_op)
-        ops.append(Op("gated_mul", f"{name}.gate_mul_up", {"input": (n * si,), "output": (n * si,)}, (),
-                      {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)}))
-        ops.append(linear(f"{name}.down_proj", n, si, h, promote(act_out, ctx.low), ctx,
-                          linear_params(pre + "down_proj.", si, h, False), input=f"{name}.product", as_is=True))
+    if shared:
+        ops += shared_expert_ops(a, x_dtype, readers, apart)
     ops.append(router_op(spec, a, x_dtype, readers, 0))
     ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
                   {"input": x_dtype, "output": x_dtype},
@@ -225,7 +287,7 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     if gated:
         ops.append(linear("mlp.shared_expert_gate", n, h, 1, x_dtype, ctx,
                           linear_params(f"{a.prefix}mlp.shared_expert_gate.", h, 1, False), input="mlp.input",
-                          consumers=readers, consumer=3))
+                          consumers=readers, consumer=readers - 1, **_tp(ctx, "replicated")))
         ops.append(Op("tanh", "mlp.shared_expert_gate.sigmoid", {"input": (n,), "output": (n,)}, (),
                       {"input": ctx.low, "output": ctx.low}, {"act": "sigmoid", "saves_output": True}))
         ops.append(Op("gated_mul", "mlp.shared_expert.scale", {"input": (n * h,), "output": (n * h,)}, (),
@@ -236,20 +298,26 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
 
 @layer_form("moe_gated")
 def moe_layer(a: LayerArgs) -> list[Op]:
+    """One decoder layer; on a tensor-parallel rank (ctx.tp > 1) that rank's ops, as Llama's
+    (forms/pre_norm_gated.py): the norms and residual adds on the rank's rows, an all-gather (SP) before the
+    column-parallel attention and dense MLP, a reduce-scatter (or all-reduce) after their row-parallel
+    Linears; the sparse block as `moe_ops` says."""
     spec, ctx = a.spec, a.ctx
-    n, h, low, act = ctx.n, spec.hidden_size, ctx.low, ctx.act
+    rows, h, low, act = ctx.rows, spec.hidden_size, ctx.low, ctx.act
     norm1, norm2 = a.traits.layer_norm_names
-    ops = [rms_norm(norm1, a.prefix, n, h, act)]
+    ops = [rms_norm(norm1, a.prefix, rows, h, act)]
     ops += _attention(a)
+    ops += tp_reduce("self_attn.o_proj", h, low, ctx)
     resid = promote(low, act)
-    ops.append(add("attention.residual_add", n * h, low, act, resid))
-    ops.append(rms_norm(norm2, a.prefix, n, h, act))
+    ops.append(add("attention.residual_add", rows * h, low, act, resid))
+    ops.append(rms_norm(norm2, a.prefix, rows, h, act))
     if spec.sparse_layer(a.index):
         ops += moe_ops(a, act)
         out = ops[-1].dtypes["output"]
     else:
         gate, up, down = a.traits.layer_linears[4:7]
-        ops += mlp_ops(spec, a.traits, ctx, a.prefix, act, (gate, up), down)
+        ops += (tp_gather("mlp", h, act, ctx) + mlp_ops(spec, a.traits, ctx, a.prefix, act, (gate, up), down)
+                + tp_reduce("mlp.down_proj", h, low, ctx))
         out = low
-    ops.append(add("mlp.residual_add", n * h, out, resid, resid))
+    ops.append(add("mlp.residual_add", rows * h, out, resid, resid))
     return ops
