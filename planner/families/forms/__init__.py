@@ -252,3 +252,37 @@ def layer_parameter_shapes(spec: TransformerSpec, tp: int = 1, index: int = 1) -
 _LAYER_SHAPES: dict[tuple, tuple] = caches.table("planner.families.forms._LAYER_SHAPES", scope="model",
     key="(TransformerSpec identity, tp, sparse MoE layer) -> (spec, its layer's parameter shapes in registration "
         "order)")
+
+
+def block_parameter_shapes(block: Block) -> tuple[tuple[int, ...], ...]:
+    """The parameter tensor shapes of a transformer model's embeddings, final norm, pooler or head block in
+    registration order (`module.parameters()`): the block's ops' parameters, which common.py lists in that
+    order (RoBERTa's position table after its LayerNorm, the BERT/RoBERTa masked-LM head's own bias first; a
+    tied table once, with the embeddings). planner.models.params counts these blocks from here (issue 33: its
+    per-head formulas were another copy). Cached per layer spec and role."""
+    from planner.families.forms import common
+
+    layer = block.layer
+    assert isinstance(layer, TransformerSpec) and block.role != "layer"
+    key = (id(layer), block.role, block.index == 0)
+    hit = _BLOCK_SHAPES.get(key)
+    if hit is not None and hit[0] is layer:
+        return hit[1]
+    traits, ctx = family(layer.family), PARAMETER_CONTEXT
+    if block.role == "embeddings":
+        ops = common.embedding_ops(layer, traits, ctx, "", False)
+    elif block.role == "final_norm":
+        ops = common.final_norm_ops(layer, traits, ctx, "")
+    elif block.role == "pooler":
+        ops = common.pooler_ops(layer, ctx, "")
+    elif block.role == "head":
+        ops = common.head_ops(layer, traits, ctx, "")
+    else:
+        raise ValueError(f"block {block.name}: role {block.role!r} has no parameter shapes")
+    out = tuple(p.shape for op in ops for p in op.params)
+    _BLOCK_SHAPES[key] = (layer, out)
+    return out
+
+
+_BLOCK_SHAPES: dict[tuple, tuple] = caches.table("planner.families.forms._BLOCK_SHAPES", scope="model",
+    key="(TransformerSpec identity, block role, first) -> (spec, the block's parameter shapes in registration order)")

@@ -20,6 +20,12 @@ projections). The MLP of a sparse layer is the `*SparseMoeBlock`:
 A dense layer (Qwen's mlp_only_layers / decoder_sparse_step) runs Llama's MLP. Under expert parallelism
 (`ctx.ep` > 1) the pairs are dispatched to their experts' ranks and combined back by two all-to-alls; this
 rank holds E / ep experts and (at load imbalance `ctx.moe_imbalance`) that share of the pairs times it.
+
+Under tensor parallelism (`ctx.tp` > 1) the ops are one rank's, in Megatron-Core's layout (docs/moe.md,
+"Tensor parallelism inside MoE layers"): attention and a shared expert column/row-parallel with the SP
+all-gather and reduce-scatter around them; the norms, the router and the token-expert pairs on the rank's
+rows (`ctx.rows`: n / tp under sequence parallelism); the routed experts whole (planner.pipeline.step splits
+their states over ep · etp).
 """
 
 from __future__ import annotations
