@@ -65,8 +65,8 @@ def expert_pairs(spec: TransformerSpec, tokens: int, ep: int = 1, imbalance: flo
 
 
 def _tp(ctx: Ctx, split: str) -> dict:
-    """The `tp` attribute of a Linear on a tensor-parallel rank ("column", "row" or "replicated": what the
-    saved rule and LoRA's transform read); none without tensor parallelism."""
+    """The `tp` attribute of a Linear on a tensor-parallel rank ("column", "row" or "replicated", as
+    common.module_linear sets it: the saved rule reads "column" under SP); none without tensor parallelism."""
     return {"tp": split} if ctx.tp > 1 else {}
 
 
