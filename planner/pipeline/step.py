@@ -283,20 +283,6 @@ class StageStep:
         return timeline.peaks(self.step)[1].total
 
 
-def _rank_casts(act: Any, rank_params: int, full_params: int) -> Any:
-    """A block's AMP weight casts (saved for backward, and autocast's cache) on one tensor-parallel rank: casts
-    of its weight shards, so the whole layer's times the rank's share of its parameters. Records whose casts
-    already fit the rank's parameters (at most 2 bytes each: an activation model that shards the layer's ops)
-    are left as they are."""
-    if not full_params or rank_params >= full_params or act.weight_cast_bytes + act.autocast_cache_bytes == 0:
-        return act
-    if max(act.weight_cast_bytes, act.autocast_cache_bytes) <= 2 * rank_params:
-        return act
-    ratio = rank_params / full_params
-    return replace(act, weight_cast_bytes=int(act.weight_cast_bytes * ratio),
-                   autocast_cache_bytes=int(act.autocast_cache_bytes * ratio))
-
-
 IN_FLIGHT = "in-flight micro-batches"  # the pseudo-block holding the other micro-batches' saved activations
 
 
@@ -334,8 +320,8 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
     local_trained = {n: p - experts.get(n, 0) + experts.get(n, 0) // ep_etp for n, p in trained.items()}
     e_share = expert_sharding(share, ep_etp, dims.tp * dims.cp)
     layer_index = {b.name: b.index for b in blocks.values() if b.role == "layer"}
-    activations = tuple(_rank_casts(a, params.get(a.block, 0), _model_facts(spec).by_block.get(a.block, 0))
-                        for a in activations) if dims.tp > 1 else activations
+    # the activation records are already one rank's, AMP weight casts included: the layer forms emit the
+    # rank's Linears (planner.memory.activations.linear_params at ctx.tp)
     names = [a.block for a in activations]
     ocfg = _optimizer_config(cfg, lay)
     p_bytes = lay.state_param_bytes
