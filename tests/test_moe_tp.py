@@ -206,3 +206,15 @@ def test_tp_times_the_moe_layers_collectives_and_the_rank_all_to_all():
     assert b["tp_communication_s"] > 0
     assert math.isclose(b["expert_all_to_all_s"], expert_exchange_seconds(
         spec, TrainConfig(batch_size=1, seq_len=1024, precision="amp-bf16", ep=8, tp=2, instances=2), inst, c))
+
+
+def test_context_parallel_moe_layer_holds_its_chunk():
+    """Under CP the MoE layer's attention exchanges K/V in a ring (as Llama's) and the router and the expert
+    pairs take the rank's s / cp tokens."""
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="q")
+    program = model_program(spec, Ctx(2, 24, "bf16", "sdpa", "cuda", False, cp=2))
+    layer = next(b for b in program.blocks if b.name.endswith("layer.0"))
+    ops = {op.name: op for op in layer.ops}
+    assert ops["attention.cp_ring"].attrs["steps"] == 1
+    assert ops["mlp.gate"].shapes["input"][0] == 2 * 24 // 2
+    assert ops["rotary"].shapes["tables"][0] == 24 // 2

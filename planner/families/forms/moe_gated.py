@@ -35,6 +35,7 @@ from planner.families.forms.common import (
     activation,
     add,
     attention_op,
+    cp_exchange,
     linear,
     linear_params,
     mlp_ops,
@@ -108,10 +109,11 @@ def _latent_attention(a: LayerArgs) -> list[Op]:
     ops += tp_gather("self_attn.kv_b_proj", kvl + rope, promote(low, act), ctx)  # kv and k's rope part
     ops.append(linear("self_attn.kv_b_proj", n, kvl, H * (nope + v), promote(low, act), ctx,
                       linear_params(pre + "kv_b_proj.", kvl, H * (nope + v), False), **_tp(ctx, "column")))
-    ops.append(Op("rotary", "rotary", {"q": (n, H * rope), "k": (n, rope), "tables": (ctx.s, rope)}, (),
+    ops.append(Op("rotary", "rotary", {"q": (n, H * rope), "k": (n, rope), "tables": (ctx.chunk, rope)}, (),
                   {"input": low, "tables": act}, {"first": a.index == 0}))
     masked = mask_materialised(spec, ctx)
     kernel = attention_kernel(spec, ctx, masked)
+    ops += cp_exchange(spec, ctx, low)
     ops.append(attention_op(spec, ctx, kernel, masked, low, "gqa"))
     ops.append(linear("self_attn.o_proj", n, H * v, h, low, ctx, linear_params(pre + "o_proj.", H * v, h, b),
                       saves_input=False, **_tp(ctx, "row")))
@@ -147,10 +149,11 @@ def _attention(a: LayerArgs) -> list[Op]:
                           norm.dtypes, norm.attrs)
             ops.append(norm)
         rope_in = promote(low, act)  # weight (fp32 under AMP) · normed.to(bf16) promotes
-    ops.append(Op("rotary", "rotary", {"q": (n, qw), "k": (n, kw), "tables": (ctx.s, d)}, (),
+    ops.append(Op("rotary", "rotary", {"q": (n, qw), "k": (n, kw), "tables": (ctx.chunk, d)}, (),
                   {"input": rope_in, "tables": act}, {"first": a.index == 0}))
     masked = mask_materialised(spec, ctx)
     kernel = attention_kernel(spec, ctx, masked)
+    ops += cp_exchange(spec, ctx, low)  # context parallelism's K/V ring, as Llama's (nothing at cp 1)
     attn = attention_op(spec, ctx, kernel, masked, promote(rope_in, act), "gqa")
     if a.traits.attention_sinks:  # gpt-oss: one learned sink logit per head, joined to each softmax row
         attn = Op(attn.kind, attn.name, attn.shapes, (Param(f"{a.prefix}self_attn.sinks", (heads,)),),
