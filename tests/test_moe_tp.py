@@ -218,3 +218,37 @@ def test_context_parallel_moe_layer_holds_its_chunk():
     assert ops["attention.cp_ring"].attrs["steps"] == 1
     assert ops["mlp.gate"].shapes["input"][0] == 2 * 24 // 2
     assert ops["rotary"].shapes["tables"][0] == 24 // 2
+
+
+def test_expert_tensor_parallelism_gathers_the_groups_pairs():
+    """--etp: each expert's width / etp over the group's gathered pairs (Megatron-Core's dispatcher
+    all-gathers over the expert-TP group): the same FLOPs, the gathered input saved by the first grouped
+    GEMM (etp × the pairs), everything else of the layer unchanged; the gather and the reduce-scatter are
+    ops (timed with the all-to-all)."""
+    from planner.memory.activations import layer_saved
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="q")
+    t = spec.transformers[0]
+    n, k, h, i = 2 * 24, t.experts_per_token, t.hidden_size, t.moe_intermediate_size
+    one, two = (Ctx(2, 24, "bf16", "sdpa", "cuda", False, ep=2, etp=etp) for etp in (1, 2))
+    layer = next(b for b in model_program(spec, two).blocks if b.name.endswith("layer.0"))
+    ops = {op.name: op for op in layer.ops}
+    assert ops["mlp.experts.gate_up"].shapes["input"] == (2 * n * k, h)
+    assert ops["mlp.experts.gate_up"].shapes["output"] == (2 * n * k, i)  # 2i / etp
+    assert ops["mlp.experts.down"].shapes["input"] == (2 * n * k, i // 2)
+    assert {"mlp.experts.etp_all_gather", "mlp.experts.etp_reduce_scatter"} <= set(ops)
+    delta = sum(x.nbytes for x in layer_saved(t, two, 0)) - sum(x.nbytes for x in layer_saved(t, one, 0))
+    assert delta == n * k * h * 2  # the second half of the gathered bf16 input
+
+
+def test_etp_is_timed_with_the_expert_exchange():
+    from planner.hardware import get_instance
+    from planner.models.catalog import get_model
+    from planner.perf.constants import ThroughputConstants
+    from planner.perf.throughput import expert_exchange_seconds
+
+    spec, inst, c = get_model("qwen3-30b-a3b"), get_instance("ml.p5.48xlarge"), ThroughputConstants()
+    base = TrainConfig(batch_size=1, seq_len=1024, ep=4, instances=2)
+    assert expert_exchange_seconds(spec, base.model_copy(update={"etp": 2}), inst, c) > expert_exchange_seconds(
+        spec, base, inst, c)
+    assert expert_exchange_seconds(spec, base.model_copy(update={"ep": 1, "etp": 2}), inst, c) > 0

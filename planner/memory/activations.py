@@ -658,7 +658,8 @@ def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) ->
     ctx = rank_context(config.batch_size, config.seq_len, precision, config.attention, backend, padded,
                        flash_ok, tp=config.tp, sp=config.sp, cp=config.cp)
     return dataclasses.replace(ctx, fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile,
-                               ep=config.ep, moe_imbalance=config.moe_imbalance)
+                               ep=config.ep, moe_imbalance=config.moe_imbalance,
+                               etp=config.etp)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:

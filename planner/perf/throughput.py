@@ -248,9 +248,13 @@ def expert_exchange_seconds(model: ModelSpec, config: TrainConfig, instance: Ins
     layer, the dispatch of the token-expert pairs to their experts' ranks and the combine back in forward,
     the same two exchanges of their gradients in backward, and the forward's again when checkpointing
     re-runs the layer. Each moves the rank's pairs (its tokens · top_k · the load imbalance; its tokens the
-    sequence-parallel share under TP, the chunk under CP) of hidden-state rows (planner.perf.collectives.all_to_all_seconds). Exposed: transformers' experts and the planner's
-    probe run them in line (Megatron-Core's overlap of the all-to-all with expert compute is not modelled)."""
-    if config.ep <= 1:
+    sequence-parallel share under TP, the chunk under CP) of hidden-state rows
+    (planner.perf.collectives.all_to_all_seconds). Under expert-tensor parallelism (--etp) the etp ranks of a
+    group also all-gather their dispatched pairs and reduce-scatter the experts' output, in forward and
+    backward (planner/families/forms/moe_gated.py `_expert_ops`): rings inside the instance (Megatron-Core
+    places the expert-TP group innermost). Exposed: transformers' experts and the planner's probe run them
+    in line (Megatron-Core's overlap of the all-to-all with expert compute is not modelled)."""
+    if config.ep <= 1 and config.etp <= 1:
         return 0.0
     from planner.families.forms.moe_gated import expert_pairs
     from planner.perf.collectives import all_to_all_seconds
@@ -266,9 +270,14 @@ def expert_exchange_seconds(model: ModelSpec, config: TrainConfig, instance: Ins
         if not sparse:
             continue
         pairs = expert_pairs(t, rank_tokens, config.ep, config.moe_imbalance)
-        one = all_to_all_seconds(pairs * t.hidden_size * act, config.ep, instance.gpus,
-                                 instance.allreduce_bandwidth_gbs, network_gbs(instance, c) / instance.gpus, c)
-        total += sparse * one * (4 + 2 * config.checkpointing)
+        passes = 2 + config.checkpointing  # forward, backward, the checkpointed forward again
+        if config.ep > 1:
+            one = all_to_all_seconds(pairs * t.hidden_size * act, config.ep, instance.gpus,
+                                     instance.allreduce_bandwidth_gbs, network_gbs(instance, c) / instance.gpus, c)
+            total += sparse * one * 2 * passes  # dispatch and combine
+        if config.etp > 1:  # the all-gather of the group's pairs and the reduce-scatter of their outputs
+            gathered = pairs * config.etp * t.hidden_size * act
+            total += sparse * 2 * mp.ring_half_s(gathered, config.etp, instance.allreduce_bandwidth_gbs) * passes
     return total
 
 

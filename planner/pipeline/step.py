@@ -97,7 +97,7 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
                      "lora_dropout", "base_dtype", "recompute", "recompute_modules", "fp8_recipe", "fp8_param_gather",
-                     "compile", "tp", "sp", "cp", "ep", "moe_imbalance")
+                     "compile", "tp", "sp", "cp", "ep", "etp", "moe_imbalance")
 _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATIONS", scope="step",
     key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept

@@ -236,15 +236,62 @@ def shared_expert_ops(a: LayerArgs, x_dtype: str, readers: int, gathered_input: 
     return ops + tp_reduce(f"{name}.down_proj", h, ctx.low, ctx)
 
 
+def _expert_ops(a: LayerArgs, s: int, x_dtype: str, wd: str) -> list[Op]:
+    """The rank's local experts on its `s` dispatched token-expert pairs: gate_up grouped GEMM, the gate,
+    down. Under expert-tensor parallelism (`ctx.etp` > 1) each expert's width is split over the etp ranks of
+    its group, which all-gather their dispatched pairs first and reduce-scatter the down projection's
+    partial sums after (Megatron-Core megatron/core/transformer/moe/token_dispatcher.py @d98e8a64,
+    MoEAlltoAllTokenDispatcher `dispatch_postprocess`: `gather_from_sequence_parallel_region(...,
+    group=self.tp_group)` with tp_group = pg_collection.expt_tp; `combine_preprocess`:
+    `reduce_scatter_to_sequence_parallel_region`): s · etp pairs through GEMMs of width / etp, the same
+    FLOPs, the gathered input saved by the first GEMM. The parameters stay the module's (E, ...) tensors;
+    planner.pipeline.step splits their states over ep · etp."""
+    spec, ctx = a.spec, a.ctx
+    h, e, etp = spec.hidden_size, spec.num_experts, ctx.etp
+    i, local, rows = -(-spec.moe_intermediate_size // etp), e // ctx.ep, s * etp
+    full_i = spec.moe_intermediate_size
+    ops: list[Op] = []
+    if etp > 1:
+        ops.append(Op("all_gather", "mlp.experts.etp_all_gather", {"input": (s, h), "output": (rows, h)}, (),
+                      {"input": x_dtype, "output": x_dtype}, {"group": "etp", "phase": "forward",
+                                                              "backward": "reduce_scatter"}))
+    pre, t = f"{a.prefix}mlp.experts.", a.traits.experts_transposed
+    up_params = (Param(pre + "gate_up_proj", (e, h, 2 * full_i) if t else (e, 2 * full_i, h)),)
+    down_params = (Param(pre + "down_proj", (e, full_i, h) if t else (e, h, full_i)),)
+    if a.traits.expert_bias:
+        up_params += (Param(pre + "gate_up_proj_bias", (e, 2 * full_i)),)
+        down_params += (Param(pre + "down_proj_bias", (e, h)),)
+    ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (rows, h), "output": (rows, 2 * i),
+                                                          "experts": (local,)},
+                  up_params, {"input": x_dtype, "compute": wd, "output": wd}, {}))
+    if a.traits.clamped_swiglu:  # gpt-oss: clamp, sigmoid(α·gate), (up + 1)·glu on interleaved halves
+        ops.append(Op("activation", "mlp.experts.act", {"input": (rows * i,), "output": (rows * i,)}, (),
+                      {"input": wd, "output": wd}, {"act": "clamped_swiglu"}))
+        act_out = wd
+    else:
+        act_op, act_out = activation("mlp.experts.act", spec.hidden_act, rows * i, wd, ctx)
+        ops.append(act_op)
+        ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (rows * i,), "output": (rows * i,)}, (),
+                      {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
+    ops.append(Op("expert_gemm", "mlp.experts.down", {"input": (rows, i), "output": (rows, h), "experts": (local,)},
+                  down_params, {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
+    if etp > 1:
+        ops.append(Op("reduce_scatter", "mlp.experts.etp_reduce_scatter", {"input": (rows, h), "output": (s, h)},
+                      (), {"input": wd, "output": wd}, {"group": "etp", "phase": "forward",
+                                                        "backward": "all_gather"}))
+    return ops
+
+
 def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     """The sparse MoE block (see the module docstring); `x_dtype` the post-attention norm's output. On a
     tensor-parallel rank the block reads the rank's rows (n / tp under sequence parallelism, which
     Megatron-Core requires of MoE with TP in training: moe_layer.py `forward` raises otherwise): the router
-    and the experts' token-expert pairs are the local tokens' (the all-to-all runs over the EP group; with
-    --etp 1 no TP collective touches the routed experts: token_dispatcher.py MoEAlltoAllTokenDispatcher
-    gathers over the expert-TP group only), the shared expert is tensor-parallel (`shared_expert_ops`)."""
+    and the experts' token-expert pairs are the local tokens' (the all-to-all runs over the EP group; no
+    attention-TP collective touches the routed experts: token_dispatcher.py MoEAlltoAllTokenDispatcher
+    gathers over the expert-TP group only, `_expert_ops`), the shared expert is tensor-parallel
+    (`shared_expert_ops`)."""
     spec, ctx = a.spec, a.ctx
-    n, h, e, i = ctx.rows, spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    n, h, e = ctx.rows, spec.hidden_size, spec.num_experts
     ep, imbalance = ctx.ep, ctx.moe_imbalance
     s = expert_pairs(spec, n, ep, imbalance)
     local = e // ep
@@ -265,25 +312,7 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     if ep > 1:
         ops.append(Op("all_to_all", "mlp.experts.dispatch", {"input": (s, h), "output": (s, h)}, (),
                       {"input": x_dtype, "output": x_dtype}, {"ep": ep}))
-    pre, t = f"{a.prefix}mlp.experts.", a.traits.experts_transposed
-    up_params = (Param(pre + "gate_up_proj", (e, h, 2 * i) if t else (e, 2 * i, h)),)
-    down_params = (Param(pre + "down_proj", (e, i, h) if t else (e, h, i)),)
-    if a.traits.expert_bias:
-        up_params += (Param(pre + "gate_up_proj_bias", (e, 2 * i)),)
-        down_params += (Param(pre + "down_proj_bias", (e, h)),)
-    ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (s, h), "output": (s, 2 * i), "experts": (local,)},
-                  up_params, {"input": x_dtype, "compute": wd, "output": wd}, {}))
-    if a.traits.clamped_swiglu:  # gpt-oss: clamp, sigmoid(α·gate), (up + 1)·glu on interleaved halves
-        ops.append(Op("activation", "mlp.experts.act", {"input": (s * i,), "output": (s * i,)}, (),
-                      {"input": wd, "output": wd}, {"act": "clamped_swiglu"}))
-        act_out = wd
-    else:
-        act_op, act_out = activation("mlp.experts.act", spec.hidden_act, s * i, wd, ctx)
-        ops.append(act_op)
-        ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (s * i,), "output": (s * i,)}, (),
-                      {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
-    ops.append(Op("expert_gemm", "mlp.experts.down", {"input": (s, i), "output": (s, h), "experts": (local,)},
-                  down_params, {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
+    ops += _expert_ops(a, s, x_dtype, wd)
     if ep > 1:
         ops.append(Op("all_to_all", "mlp.experts.combine", {"input": (s, h), "output": (s, h)}, (),
                       {"input": wd, "output": wd}, {"ep": ep}))
