@@ -162,8 +162,11 @@ def _storage_lines(est: Estimate) -> list[str]:
                      "are active per token (the FLOPs count those). "
                      + (f"--ep {cfg.ep}{f' × --etp {cfg.etp}' if cfg.etp > 1 else ''}: each GPU holds 1/{ep} of "
                         f"every MoE layer's experts (and their gradients and optimizer states), sharded further "
-                        f"over the {est.world_size // ep} GPU(s) of the expert data-parallel group when the "
-                        "strategy shards; attention, norms, embeddings and routers as above. Each MoE layer "
+                        f"over the {est.world_size // (ep * cfg.pp)} GPU(s) of the expert data-parallel group "
+                        "when the strategy shards; attention, norms, embeddings and routers as above"
+                        + (f" (attention and shared experts split over --tp {cfg.tp}, the routed experts not; "
+                           "each GPU routes its own share of the sequence)" if cfg.tp > 1 else "")
+                        + ". Each MoE layer "
                         "sends its tokens to their experts' GPUs and back (all-to-all) in forward and backward"
                         + (f"; the busiest GPU gets {cfg.moe_imbalance:g}× the mean share of tokens and decides "
                            "the verdict." if cfg.moe_imbalance != 1.0 else ".") if ep > 1 else

@@ -25,8 +25,11 @@ def parallel_lines(est: Estimate, gpus_per_instance: int) -> list[str]:
         lines.append(f"Tensor parallelism {p.tp}, {where}: every layer's column-parallel linears (query, key, "
                      f"value, MLP up/gate) and row-parallel linears (attention output, MLP down) are split "
                      f"{p.tp} ways, and so are the embedding table and the LM head (vocabulary-parallel); norms "
-                     "stay whole on every rank. Parameters, gradients and optimizer states shrink by about "
-                     f"{p.tp}×.")
+                     "stay whole on every rank. "
+                     + ("In this mixture-of-experts model attention and shared experts are split so, the "
+                        "routers stay whole and the routed experts are split by --ep/--etp instead (below)."
+                        if "active" in est.parameters else
+                        f"Parameters, gradients and optimizer states shrink by about {p.tp}×."))
         lines.append(("Sequence parallelism on: " if p.sp else "Sequence parallelism off: ")
                      + ("the norms' and dropouts' activations are split along the sequence too, so every saved "
                         "activation of a layer is divided by the TP degree (Korthikanti et al. 2022)." if p.sp else

@@ -79,7 +79,8 @@ def _layer(spec: TransformerSpec, base: str, i: int) -> list[LinearModule]:
 
 
 def _head(spec: TransformerSpec, top: str, base: str) -> list[LinearModule]:
-    """The head's linear modules (`params.lm_head_parameters` / `classifier_parameters` say which exist)."""
+    """The head's linear modules (the family record's classifier / LM-head Linears, which the head's ops in
+    planner/families/forms/common.py `head_ops` emit)."""
     traits = family(spec.family)
     if spec.head == "sequence-classification":
         return _modules(spec, top, traits.classifier_linears)

@@ -77,6 +77,9 @@ class Ctx:
     # share of pairs over the mean (--moe-imbalance). Dense models never read them.
     ep: int = 1
     moe_imbalance: float = 1.0
+    # expert-tensor parallelism (--etp): each expert's width split over etp ranks, which all-gather the
+    # dispatched pairs of their group (Megatron-Core MoEAlltoAllTokenDispatcher over `expt_tp`)
+    etp: int = 1
 
     @property
     def n(self) -> int:

@@ -459,75 +459,19 @@ def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]
     """(weight, bias) element counts of each matmul a block runs. Autocast casts both to 16-bit and caches
     the casts until the autocast context exits; the matmul saves the weight's cast for backward.
 
-    The block's program's `linear` ops (planner.families.forms.block_linears; issue 33: the per-form lists
-    here were another copy of each layer), and a mixture-of-experts layer's router. The multimodal model's
-    nn.Linear and BatchNorm1d blocks read their spec. With tensor parallelism (`ctx.tp` > 1) one rank's
-    shards (`_rank_linear_params`): column-parallel weights and biases / tp, row-parallel weights / tp with
-    their bias whole (added after the reduction), the vocabulary / tp."""
+    The block's program's `linear` ops and a mixture-of-experts layer's router, on this rank
+    (planner.families.forms.block_linears; issue 33: the per-form lists here, and the tensor-parallel rank's
+    list, were other copies of each layer): with `ctx.tp` > 1 the forms emit one rank's widths (column-
+    parallel weights and biases / tp, row-parallel weights / tp with their bias whole, the vocabulary / tp).
+    The multimodal model's nn.Linear and BatchNorm1d blocks read their spec."""
     layer = block.layer
     if isinstance(layer, DenseSpec):
         return [(layer.in_features * layer.out_features, layer.out_features if layer.bias else 0)]
     if isinstance(layer, BatchNormSpec):
         return []
-    if ctx is not None and ctx.tp > 1:
-        return _rank_linear_params(block, layer, ctx)
-    if block.role == "layer" and layer.moe:  # the router is a matmul autocast casts, too
-        return _program_linear_params(block)
     from planner.families.forms import block_linears
 
-    return block_linears(block)
-
-
-def _rank_linear_params(block: Block, spec: TransformerSpec, ctx: Ctx) -> list[tuple[int, int]]:
-    """`linear_params` of one tensor-parallel rank (Megatron-Core's column/row split of each layer form's
-    Linears; the vocabulary-parallel head). TODO(issue 33): read the per-rank program's linear ops instead."""
-    h, d, labels = spec.hidden_size, spec.head_dim, spec.num_labels
-    i, vocab = ffn_per_rank(spec, ctx), vocab_per_rank(spec, ctx)
-    ab, mb = int(spec.attention_bias), int(spec.mlp_bias)
-    traits = family(spec.family)
-    if block.role == "layer":
-        from planner.ir.context import kv_heads_per_rank
-
-        q, kv = heads_per_rank(spec, ctx) * d, kv_heads_per_rank(spec, ctx) * d
-        if traits.gated_mlp:
-            return [(h * q, q * ab), (h * kv, kv * ab), (h * kv, kv * ab), (q * h, h * ab),
-                    (h * i, i * mb), (h * i, i * mb), (i * h, h * mb)]
-        if traits.conv1d:  # Conv1D: addmm(bias, x, weight), always with bias
-            return [(h * (q + 2 * kv), q + 2 * kv), (q * h, h), (h * i, i), (i * h, h)]
-        return [(h * q, q), (h * kv, kv), (h * kv, kv), (q * h, h), (h * i, i), (i * h, h)]
-    if block.role == "pooler":
-        return [(h * h, h)]
-    if block.role == "head":
-        if spec.head == "sequence-classification":
-            if traits.classifier in ("dense_tanh", "pre_classifier_relu"):
-                return [(h * h, h), (h * labels, labels)]
-            if traits.classifier == "pooled":
-                return [(h * labels, labels)]
-            return [(h * labels, 0)]  # decoders' score: no bias
-        if spec.head == "masked-lm":
-            return [(h * h, h), (h * vocab, vocab)]
-        if spec.head == "causal-lm":
-            return [(h * vocab, 0)]
-    return []
-
-
-def _program_linear_params(block: Block) -> list[tuple[int, int]]:
-    """(weight, bias) of the matmuls autocast casts, read from the layer's program: its Linears and the MoE
-    router (F.linear). The experts' grouped GEMMs are not autocast (transformers' `_grouped_mm` casts the
-    input to the fp32 weights instead: planner/families/forms/moe_gated.py), so their weights are not cast."""
-    from planner.families.forms import PARAMETER_CONTEXT, LayerArgs, load_forms
-
-    spec = block.layer
-    assert isinstance(spec, TransformerSpec)
-    traits = family(spec.family)
-    ops = load_forms()[traits.layer](LayerArgs(spec, traits, PARAMETER_CONTEXT, block.index, ""))
-    out = []
-    for op in ops:
-        if op.kind in ("linear", "router"):
-            w = sum(p.numel for p in op.params if p.name.endswith("weight") and len(p.shape) == 2)
-            b = sum(p.numel for p in op.params if p.name.endswith("bias"))
-            out.append((w, b))
-    return out
+    return block_linears(block, ctx.tp if ctx is not None else 1)
 
 
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
@@ -714,7 +658,8 @@ def _ctx(config: TrainConfig, backend: Backend, padded: bool, flash_ok: bool) ->
     ctx = rank_context(config.batch_size, config.seq_len, precision, config.attention, backend, padded,
                        flash_ok, tp=config.tp, sp=config.sp, cp=config.cp)
     return dataclasses.replace(ctx, fp8=recipe, fp8_gather=config.fp8_param_gather, compile=config.compile,
-                               ep=config.ep, moe_imbalance=config.moe_imbalance)
+                               ep=config.ep, moe_imbalance=config.moe_imbalance,
+                               etp=config.etp)
 
 
 def _total(tensors: list[Saved], backend: Backend) -> int:

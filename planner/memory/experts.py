@@ -5,7 +5,8 @@ group `expert_data_parallel` the rest of the world) and torchtitan (parallel_dim
 `ep`, their FSDP over `dp_shard_mod_ep`) split a routed expert's weights, gradients and optimizer states
 over ep · etp ranks, and shard what each rank holds over the expert data-parallel group (edp = world /
 (ep · etp · pp)) when the strategy shards states. Everything else (attention, norms, embeddings, the router,
-a shared expert) is laid out as the strategy says, over the whole world (tp = 1 here).
+a shared expert) is laid out as the strategy says; under tensor parallelism attention and a shared expert
+are split over tp and the routed experts are not (planner.families.forms.moe_gated emits one rank's ops).
 
 So one rank keeps, of a layer's experts: 1 / (ep · etp) of them, times the strategy's share scaled to the
 expert data-parallel group (share · ep · etp, at most 1): for a sharding strategy (share 1 / world) that is
@@ -18,10 +19,21 @@ from __future__ import annotations
 from planner.memory.parallel import Sharding
 
 
-def expert_sharding(share: Sharding, ep_etp: int) -> Sharding:
-    """The share of its local experts a rank keeps (see the module docstring)."""
-    return Sharding(parameters=min(1.0, share.parameters * ep_etp), gradients=min(1.0, share.gradients * ep_etp),
-                    optimizer_states=min(1.0, share.optimizer_states * ep_etp))
+def expert_sharding(share: Sharding, ep_etp: int, tp_cp: int = 1) -> Sharding:
+    """The share of its local experts a rank keeps (see the module docstring): a state the strategy shards
+    over the data-parallel group (share 1 / dp, dp = world / (tp · cp · pp)) is sharded over the expert
+    data-parallel group instead (1 / edp, edp = world / (ep · etp · pp): share · ep · etp / (tp · cp)); a
+    replicated one (share 1) stays whole. `tp_cp`: the tensor- and context-parallel degrees, which divide
+    the dense part's data-parallel group but not the experts' (Megatron-Core parallel_state
+    `initialize_model_parallel` @d98e8a64: the attention layout tp-cp-dp-pp, the experts' tp-ep-dp-pp with
+    expert_tensor_parallel_size as its tp)."""
+    scale = ep_etp / tp_cp
+
+    def one(x: float) -> float:
+        return 1.0 if x >= 1 else min(1.0, x * scale)
+
+    return Sharding(parameters=one(share.parameters), gradients=one(share.gradients),
+                    optimizer_states=one(share.optimizer_states))
 
 
 def split_shapes(shapes: tuple, ep_etp: int) -> tuple[list, list]:

@@ -36,7 +36,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.families import family
 from planner.models.blocks import Block
 from planner.models.params import block_tensor_shapes
 from planner.parallel.dims import ParallelDims
@@ -57,52 +56,24 @@ def vocab_rows(vocab: int, tp: int, megatron: bool = False) -> int:
     return -(-vocab // tp)
 
 
-def _linear(n_in: int, n_out: int, bias: bool, *, column: bool, tp: int) -> list[Shape]:
-    """nn.Linear's (out, in) weight and (out,) bias on one rank: column-parallel splits out (bias too), row-
-    parallel splits in (bias replicated)."""
-    if column:
-        out = -(-n_out // tp)
-        return [(out, n_in)] + ([(out,)] if bias else [])
-    return [(n_out, -(-n_in // tp))] + ([(n_out,)] if bias else [])
-
-
-def _conv1d(n_in: int, n_out: int, *, column: bool, tp: int) -> list[Shape]:
-    """GPT-2's Conv1D: (in, out) weight and (out,) bias, split as a linear."""
-    if column:
-        out = -(-n_out // tp)
-        return [(n_in, out), (out,)]
-    return [(-(-n_in // tp), n_out), (n_out,)]
-
-
 def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
     """Key/value heads one rank computes: kv / tp, or one replicated head when tp exceeds them."""
     return kv_heads // tp if kv_heads % tp == 0 else 1
 
 
-def _layer_shapes(spec: TransformerSpec, tp: int) -> list[Shape]:
-    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    q, kv = spec.num_heads * d, kv_heads_per_rank(spec.num_kv_heads, tp) * d * tp
-    norms = [s for s in block_tensor_shapes(Block("", "", "final_norm", spec))] * 2
-    if family(spec.family).conv1d:  # c_attn (q, k, v fused) and c_fc column-parallel, both c_proj row-parallel
-        return (_conv1d(h, q + 2 * kv, column=True, tp=tp) + _conv1d(q, h, column=False, tp=tp)
-                + _conv1d(h, i, column=True, tp=tp) + _conv1d(i, h, column=False, tp=tp) + norms)
-    b, mb = spec.attention_bias, spec.mlp_bias
-    attn = (_linear(h, q, b, column=True, tp=tp) + _linear(h, kv, b, column=True, tp=tp) * 2
-            + _linear(q, h, b, column=False, tp=tp))
-    ups = 2 if family(spec.family).gated_mlp else 1
-    mlp = _linear(h, i, mb, column=True, tp=tp) * ups + _linear(i, h, mb, column=False, tp=tp)
-    return attn + mlp + norms
-
-
 def rank_tensor_shapes(block: Block, tp: int, *, megatron: bool = False) -> list[Shape]:
     """The parameter tensors of `block` on one tensor-parallel rank (see the module doc); tp 1: the block's own
-    shapes (planner.models.params.block_tensor_shapes)."""
+    shapes (planner.models.params.block_tensor_shapes). A layer's are its form's parameters as the form emits
+    one rank's ops (planner.families.forms.layer_parameter_shapes at `tp`; a mixture-of-experts layer's
+    experts whole: planner.pipeline.step splits them over ep · etp)."""
     shapes = block_tensor_shapes(block)
     layer = block.layer
     if tp == 1 or not isinstance(layer, TransformerSpec):
         return shapes
-    if block.role == "layer":
-        return _layer_shapes(layer, tp)
+    if block.role == "layer":  # the layer form's ops on one rank (issue 33: no per-form copy here)
+        from planner.families.forms import layer_parameter_shapes
+
+        return list(layer_parameter_shapes(layer, tp, block.index))
     if block.role in ("embeddings", "head"):  # vocabulary-sized tensors split by rows, the rest replicated
         v, rows = layer.vocab_size, vocab_rows(layer.vocab_size, tp, megatron)
         return [((rows, *s[1:]) if s and s[0] == v else s) for s in shapes]

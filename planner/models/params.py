@@ -1,10 +1,12 @@
-"""Exact parameter counts by formula, per block, following the transformers 5 module definitions.
+"""Exact parameter counts per block, following the transformers 5 module definitions.
 
-Why formulas and not `sum(p.numel())` over a built module: the core must not import torch, and building a
-7B model just to count it is slow. tests/test_params.py checks every formula against the real modules.
-
-Notation: V vocab, h hidden, P position-table rows, T token-type rows, a heads, g key/value heads,
-d = h/a head size, i intermediate size, L labels.
+Why not `sum(p.numel())` over a built module: the core must not import torch, and building a 7B model just to
+count it is slow. A transformer model's blocks (embeddings, layers, final norm, pooler, heads) are counted from
+the parameter tensors their layer forms' ops declare (planner.families.forms: `layer_parameter_shapes`,
+`block_parameter_shapes`, `program_layer_params`; issue 33: the per-family formulas that were here were a
+second copy of those ops). The multimodal model's nn.Linear and BatchNorm1d blocks are counted from their
+spec. tests/test_params.py and tests/test_tensor_shapes.py check every count and shape list against the real
+modules.
 """
 
 from __future__ import annotations
@@ -24,77 +26,14 @@ INT64_BYTES = 8  # torch.long: position_ids / token_type_ids / num_batches_track
 FLOAT32_BYTES = 4  # default dtype of float buffers (running stats, rotary inv_freq) before any .to(dtype)
 
 
-def norm_parameters(spec: TransformerSpec) -> int:
-    """nn.LayerNorm(h): weight + bias = 2h; LlamaRMSNorm(h): weight only = h."""
-    return 2 * spec.hidden_size if spec.norm == "layernorm" else spec.hidden_size
-
-
 def linear_parameters(n_in: int, n_out: int, bias: bool = True) -> int:
     """nn.Linear / GPT-2 Conv1D: n_in*n_out weights (+ n_out bias)."""
     return n_in * n_out + (n_out if bias else 0)
 
 
-def embedding_parameters(spec: TransformerSpec) -> int:
-    """Token table V*h, + learned positions P*h, + token types T*h, + embedding LayerNorm (BERT family).
-
-    GPT-2 (wte, wpe) has no embedding norm; Llama/Mistral only a token table (rotary positions).
-    """
-    h = spec.hidden_size
-    n = spec.vocab_size * h + spec.position_table * h + spec.type_vocab_size * h
-    if family(spec.family).embedding_norm:
-        n += norm_parameters(spec)
-    return n
-
-
 def layer_parameters(spec: TransformerSpec) -> int:
     """One transformer layer: its layer form's parameter tensors (`layer_shapes`)."""
     return sum(math.prod(shape) for shape in layer_shapes(spec))
-
-
-def pooler_parameters(spec: TransformerSpec) -> int:
-    """BertPooler / RobertaPooler: dense h*h + h (then tanh)."""
-    return linear_parameters(spec.hidden_size, spec.hidden_size)
-
-
-def lm_head_parameters(spec: TransformerSpec) -> int:
-    """Language-model head; the output matrix V*h counts only when untied (`tie_word_embeddings=False`).
-
-    BERT `cls.predictions` / RoBERTa `lm_head`: dense h*h+h, LayerNorm 2h, a bias V; the decoder's own bias is
-    tied to that bias only together with the weight, so untied adds V*h + V. DistilBERT: vocab_transform h*h+h,
-    vocab_layer_norm 2h, vocab_projector bias V (+ V*h untied). GPT-2/Llama/Mistral lm_head: no bias, V*h untied.
-    """
-    h, v = spec.hidden_size, spec.vocab_size
-    untied = not spec.tie_word_embeddings
-    form = family(spec.family).lm_head
-    if form == "transform_own_bias":
-        return linear_parameters(h, h) + 2 * h + v + ((v * h + v) if untied else 0)
-    if form == "transform_projector":
-        return linear_parameters(h, h) + 2 * h + v + (v * h if untied else 0)
-    return v * h if untied else 0
-
-
-def classifier_parameters(spec: TransformerSpec) -> int:
-    """Sequence-classification head (the BERT pooler is its own block).
-
-    BERT: classifier h*L + L on the pooled output. RoBERTa: classification head dense h*h+h + out_proj h*L+L
-    (RobertaForSequenceClassification has no pooler). DistilBERT: pre_classifier h*h+h + classifier h*L+L.
-    GPT-2/Llama/Mistral: `score` h*L without bias.
-    """
-    h, labels = spec.hidden_size, spec.num_labels
-    form = family(spec.family).classifier
-    if form == "pooled":
-        return linear_parameters(h, labels)
-    if form in ("dense_tanh", "pre_classifier_relu"):
-        return linear_parameters(h, h) + linear_parameters(h, labels)
-    return linear_parameters(h, labels, bias=False)
-
-
-def head_parameters(spec: TransformerSpec) -> int:
-    if spec.head == "sequence-classification":
-        return classifier_parameters(spec)
-    if spec.head in ("masked-lm", "causal-lm"):
-        return lm_head_parameters(spec)
-    return 0
 
 
 def program_layer_params(block: Block) -> tuple:
@@ -152,18 +91,9 @@ def block_parameters(block: Block) -> int:
         return linear_parameters(layer.in_features, layer.out_features, layer.bias)
     if isinstance(layer, BatchNormSpec):
         return 2 * layer.num_features  # affine weight + bias; running stats are buffers
-    role = block.role
-    if role == "embeddings":
-        return embedding_parameters(layer)
-    if role == "layer":
+    if block.role == "layer":
         return layer_parameters(layer)
-    if role == "final_norm":
-        return norm_parameters(layer)
-    if role == "pooler":
-        return pooler_parameters(layer)
-    if role == "head":
-        return head_parameters(layer)
-    raise ValueError(f"block {block.name}: role {role!r} has no parameter formula")
+    return sum(math.prod(shape) for shape in block_tensor_shapes(block))
 
 
 def block_gradient_parameters(block: Block) -> int:
@@ -250,26 +180,6 @@ def linear_shapes(n_in: int, n_out: int, bias: bool = True) -> list[Shape]:
     return [(n_out, n_in)] + ([(n_out,)] if bias else [])
 
 
-def norm_shapes(spec: TransformerSpec) -> list[Shape]:
-    """nn.LayerNorm: weight (h,), bias (h,); LlamaRMSNorm: weight (h,)."""
-    h = spec.hidden_size
-    return [(h,), (h,)] if spec.norm == "layernorm" else [(h,)]
-
-
-def embedding_shapes(spec: TransformerSpec) -> list[Shape]:
-    """Token table (V, h), learned positions (P, h), token types (T, h), BERT-family embedding LayerNorm.
-
-    In registration order: RobertaEmbeddings registers its position table after the LayerNorm.
-    """
-    h = spec.hidden_size
-    positions: list[Shape] = [(spec.position_table, h)] if spec.position_table else []
-    types: list[Shape] = [(spec.type_vocab_size, h)] if spec.type_vocab_size else []
-    norm = norm_shapes(spec) if family(spec.family).embedding_norm else []
-    if family(spec.family).positions_after_norm:
-        return [(spec.vocab_size, h)] + types + norm + positions
-    return [(spec.vocab_size, h)] + positions + types + norm
-
-
 def layer_shapes(spec: TransformerSpec) -> list[Shape]:
     """One layer, in registration order: its layer form's ops' parameters (planner.families.forms
     .layer_parameter_shapes; issue 33: the per-form attention, MLP and norm lists here were another copy of
@@ -277,41 +187,6 @@ def layer_shapes(spec: TransformerSpec) -> list[Shape]:
     from planner.families.forms import layer_parameter_shapes
 
     return list(layer_parameter_shapes(spec))
-
-
-def lm_head_shapes(spec: TransformerSpec) -> list[Shape]:
-    """See `lm_head_parameters`: the (V, h) output matrix (and BERT/RoBERTa decoder bias) only when untied.
-
-    Registration order: BERT `cls.predictions` / RoBERTa `lm_head` own `bias` (V,) first, then dense, norm,
-    decoder; DistilBERT vocab_transform, vocab_layer_norm, vocab_projector (weight, bias).
-    """
-    h, v = spec.hidden_size, spec.vocab_size
-    untied = not spec.tie_word_embeddings
-    form = family(spec.family).lm_head
-    if form == "transform_own_bias":
-        return [(v,)] + linear_shapes(h, h) + norm_shapes(spec) + ([(v, h), (v,)] if untied else [])
-    if form == "transform_projector":
-        return linear_shapes(h, h) + norm_shapes(spec) + ([(v, h)] if untied else []) + [(v,)]
-    return [(v, h)] if untied else []
-
-
-def classifier_shapes(spec: TransformerSpec) -> list[Shape]:
-    """See `classifier_parameters`."""
-    h, labels = spec.hidden_size, spec.num_labels
-    form = family(spec.family).classifier
-    if form == "pooled":
-        return linear_shapes(h, labels)
-    if form in ("dense_tanh", "pre_classifier_relu"):
-        return linear_shapes(h, h) + linear_shapes(h, labels)
-    return linear_shapes(h, labels, bias=False)
-
-
-def head_shapes(spec: TransformerSpec) -> list[Shape]:
-    if spec.head == "sequence-classification":
-        return classifier_shapes(spec)
-    if spec.head in ("masked-lm", "causal-lm"):
-        return lm_head_shapes(spec)
-    return []
 
 
 def block_tensor_shapes(block: Block) -> list[Shape]:
@@ -323,18 +198,13 @@ def block_tensor_shapes(block: Block) -> list[Shape]:
         return linear_shapes(layer.in_features, layer.out_features, layer.bias)
     if isinstance(layer, BatchNormSpec):
         return [(layer.num_features,), (layer.num_features,)]
-    role = block.role
-    if role == "embeddings":
-        return embedding_shapes(layer)
-    if role == "layer":
+    if block.role == "layer":
         return layer_shapes(layer)
-    if role == "final_norm":
-        return norm_shapes(layer)
-    if role == "pooler":
-        return linear_shapes(layer.hidden_size, layer.hidden_size)
-    if role == "head":
-        return head_shapes(layer)
-    raise ValueError(f"block {block.name}: role {role!r} has no parameter shapes")
+    # the embeddings, final norm, pooler and head: their ops' parameters (issue 33: the per-family formulas
+    # here were another copy of what planner/families/forms/common.py emits)
+    from planner.families.forms import block_parameter_shapes
+
+    return list(block_parameter_shapes(block))
 
 
 def model_tensor_shapes(model: ModelSpec) -> list[Shape]:

@@ -91,6 +91,32 @@ class LayerShape:
     head_dim: int
     layers: int
     elem_bytes: int
+    # TP collective pairs (an all-gather and a reduce-scatter under SP, an all-reduce without) per layer
+    # forward, the mean over the layers: 2 for a dense layer (attention, MLP), 1 for a mixture-of-experts
+    # layer without a shared expert (`tp_pairs`)
+    tp_pairs: float = 2.0
+    # routed-expert parameters one rank holds (E / (ep · etp) of each sparse layer's), which tensor
+    # parallelism does not divide (issue 35); 0 for a dense model
+    local_experts: int = 0
+
+
+def tp_pairs(model: ModelSpec) -> float:
+    """Mean TP collective pairs per layer forward. Megatron-Core (Korthikanti et al. 2022 §4.2.2): the
+    attention and a dense MLP each gather before their column-parallel Linears and reduce after their
+    row-parallel one. A sparse MoE layer's routed experts take the rank's sequence-parallel tokens and return
+    them through the EP all-to-all (megatron/core/transformer/moe/token_dispatcher.py @d98e8a64,
+    MoEAlltoAllTokenDispatcher: its only TP-side collectives run over the expert-TP group, --etp, 1 here),
+    so such a layer has the attention's pair, plus its shared expert's (shared_experts.py SharedExpertMLP:
+    gather before linear_fc1, reduce-scatter after linear_fc2)."""
+    from planner.families import family
+
+    pairs = layers = 0
+    for t in model.transformers:
+        shared = bool(t.moe and family(t.family).shared_expert and t.shared_expert_intermediate_size)
+        for i in range(t.num_layers):
+            pairs += 2 if not (t.moe and t.sparse_layer(i)) or shared else 1
+            layers += 1
+    return pairs / layers if layers else 2.0
 
 
 def layer_shape(model: ModelSpec, config: TrainConfig) -> LayerShape:
@@ -98,8 +124,16 @@ def layer_shape(model: ModelSpec, config: TrainConfig) -> LayerShape:
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_heads
     # 16-bit activations on the wire under bf16/fp16 and AMP (the linears' outputs are 16-bit); fp32 else
     elem = 4 if config.precision == "fp32" else 2
+    local = 0
+    if config.ep * config.etp > 1 and not config.lora:
+        from planner.models.blocks import model_blocks
+        from planner.models.params import expert_parameters
+
+        local = sum(expert_parameters(b) for b in model_blocks(model)) // (config.ep * config.etp)
     return LayerShape(hidden=t.hidden_size, kv_width=_kv_heads(t) * head_dim, head_dim=head_dim,
-                      layers=sum(x.num_layers for x in model.transformers), elem_bytes=elem)
+                      layers=sum(x.num_layers for x in model.transformers), elem_bytes=elem,
+                      tp_pairs=tp_pairs(model) if any(x.moe for x in model.transformers) else 2.0,
+                      local_experts=local)
 
 
 # ---- rings ---------------------------------------------------------------------------------------------
@@ -159,7 +193,7 @@ def tp_seconds_per_layer(b: int, s: int, shape: LayerShape, tp: int, cp: int, sp
     for collective, nbytes in tp_layer_collectives(b, s, shape, tp, cp, sp):
         wire = ring_allreduce_s if collective == "allreduce" else ring_half_s
         total += wire(nbytes, tp, bus) + ring_latency_s(collective, tp, 1, hop, c)
-    return total
+    return total * shape.tp_pairs / 2  # a mixture-of-experts layer may have one pair (`tp_pairs`)
 
 
 def tp_exposed_s(per_layer_forward_s: float, layers: int, passes: float, tp_overlap: float = 0.0) -> float:

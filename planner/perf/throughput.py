@@ -247,24 +247,37 @@ def expert_exchange_seconds(model: ModelSpec, config: TrainConfig, instance: Ins
     """Seconds of one micro-step's expert-parallel all-to-alls on the hottest rank (issue 35): per sparse
     layer, the dispatch of the token-expert pairs to their experts' ranks and the combine back in forward,
     the same two exchanges of their gradients in backward, and the forward's again when checkpointing
-    re-runs the layer. Each moves the rank's pairs (tokens · top_k · the load imbalance) of hidden-state
-    rows (planner.perf.collectives.all_to_all_seconds). Exposed: transformers' experts and the planner's
-    probe run them in line (Megatron-Core's overlap of the all-to-all with expert compute is not modelled)."""
-    if config.ep <= 1:
+    re-runs the layer. Each moves the rank's pairs (its tokens · top_k · the load imbalance; its tokens the
+    sequence-parallel share under TP, the chunk under CP) of hidden-state rows
+    (planner.perf.collectives.all_to_all_seconds). Under expert-tensor parallelism (--etp) the etp ranks of a
+    group also all-gather their dispatched pairs and reduce-scatter the experts' output, in forward and
+    backward (planner/families/forms/moe_gated.py `_expert_ops`): rings inside the instance (Megatron-Core
+    places the expert-TP group innermost). Exposed: transformers' experts and the planner's probe run them
+    in line (Megatron-Core's overlap of the all-to-all with expert compute is not modelled)."""
+    if config.ep <= 1 and config.etp <= 1:
         return 0.0
     from planner.families.forms.moe_gated import expert_pairs
     from planner.perf.collectives import all_to_all_seconds
 
     act = 2 if config.precision in ("fp16", "bf16") else 4  # the residual stream's dtype (ctx.act)
+    # the tokens one rank routes: its context-parallel chunk, and its sequence-parallel share under TP
+    # (planner.ir.context.Ctx.rows; sequence parallelism is on with TP unless --no-sp)
+    sp = config.tp > 1 and (config.sp is None or config.sp)
+    rank_tokens = config.batch_size * (config.seq_len // config.cp) // (config.tp if sp else 1)
     total = 0.0
     for t in model.transformers:
         sparse = sum(t.sparse_layer(i) for i in range(t.num_layers))
         if not sparse:
             continue
-        pairs = expert_pairs(t, config.batch_size * config.seq_len, config.ep, config.moe_imbalance)
-        one = all_to_all_seconds(pairs * t.hidden_size * act, config.ep, instance.gpus,
-                                 instance.allreduce_bandwidth_gbs, network_gbs(instance, c) / instance.gpus, c)
-        total += sparse * one * (4 + 2 * config.checkpointing)
+        pairs = expert_pairs(t, rank_tokens, config.ep, config.moe_imbalance)
+        passes = 2 + config.checkpointing  # forward, backward, the checkpointed forward again
+        if config.ep > 1:
+            one = all_to_all_seconds(pairs * t.hidden_size * act, config.ep, instance.gpus,
+                                     instance.allreduce_bandwidth_gbs, network_gbs(instance, c) / instance.gpus, c)
+            total += sparse * one * 2 * passes  # dispatch and combine
+        if config.etp > 1:  # the all-gather of the group's pairs and the reduce-scatter of their outputs
+            gathered = pairs * config.etp * t.hidden_size * act
+            total += sparse * 2 * mp.ring_half_s(gathered, config.etp, instance.allreduce_bandwidth_gbs) * passes
     return total
 
 
@@ -296,7 +309,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
                            "as a catalog name or a config.json)")
     if dims is not None and shape is not None and (not dims.plain or config.distributed_optimizer):
         return _model_parallel_throughput(table, n_params, n_tensors, tokens, config, instance, c, dims, shape,
-                                          gather_params, peak)
+                                          gather_params, peak, expert_exchange_s)
 
     m = _micro_sums(table, config.batch_size, gpu, c)
     launches = m.launches
@@ -382,7 +395,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
 def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: int,
                                config: TrainConfig, instance: Instance, c: ThroughputConstants,
                                dims: mp.ParallelDims, shape: mp.LayerShape, gather_params: int | None,
-                               peak: float) -> Throughput:
+                               peak: float, expert_exchange_s: float = 0.0) -> Throughput:
     """One optimizer step under tensor, context and pipeline parallelism (planner.perf.model_parallel has
     each term, its source and its overlap assumption):
 
@@ -424,7 +437,8 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
         p2p_total = mp.p2p_seconds_per_micro_batch(mp.p2p_bytes(b, s, shape, dims.tp, dims.cp, dims.sp),
                                                    mp.p2p_link_gbs(instance, dims, net), dims.vp, c, across)
         p2p_s = 0.0 if dims.schedule == "interleaved-1f1b" else p2p_total
-    per_micro = micro + tp_s + cp_s + p2p_s
+    ex_s = expert_exchange_s / dims.pp  # the stage's share of the sparse layers' all-to-alls (issue 35)
+    per_micro = micro + tp_s + cp_s + p2p_s + ex_s
     bubble = mp.bubble_fraction(dims.schedule, dims.pp, m, dims.vp) * m if dims.pp > 1 else 0.0
     pipeline = (m + bubble) * per_micro
 
@@ -433,9 +447,11 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
 
     lay = state_layout(config)
     split = dims.tp * dims.pp
-    rank_params = max(1, n_params // split)
+    experts = shape.local_experts  # a mixture-of-experts rank's routed experts: not split by tp
+    rank_params = max(1, (n_params - experts) // split + experts // dims.pp)
     rank_tensors = max(1, n_tensors // dims.pp)
-    rank_gathered = max(1, (gather_params or n_params) // split) if strategy.sharding.parameters else rank_params
+    rank_gathered = max(1, ((gather_params or n_params) - experts) // split + experts // dims.pp
+                        ) if strategy.sharding.parameters else rank_params
     grad_bytes, param_bytes = rank_params * lay.reduce_comm_bytes, rank_gathered * lay.gather_comm_bytes
     comm_total = exposed = 0.0
     group_ranks = mp.dp_cp_ranks(dims)  # gradients reduce over data- x context-parallel ranks
@@ -467,7 +483,7 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
     whole = _micro_sums(table, b, gpu, c)  # the whole model's micro-batch: MFU's model FLOPs
     model_flops = (1 + BACKWARD_TO_FORWARD) * whole.forward_matmul_flops * m * dims.dp
     samples_per_step = dims.dp * b * m
-    waits = m * (tp_s + cp_s + p2p_s) + bubble * per_micro + exposed + slowest_wait
+    waits = m * (tp_s + cp_s + p2p_s + ex_s) + bubble * per_micro + exposed + slowest_wait
     kinds = {k: m * v for k, v in sums.by_kind.items()}
     kinds["optimizer"] += opt_secs
     kinds["communication"] = waits
@@ -478,9 +494,9 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
         "compute_s": m * sums.gpu_s,
         "recompute_s": m * sums.recompute_s,
         "overhead_s": m * (micro - sums.gpu_s) + c.micro_step_overhead_s,
-        "communication_s": exposed + m * (tp_s + cp_s + p2p_s),
+        "communication_s": exposed + m * (tp_s + cp_s + p2p_s + ex_s),
         "communication_total_s": comm_total + m * (mp.tp_exposed_s(tp_fwd, layers_here, 3 if recomputed else 2)
-                                                   + cp_total + p2p_total),
+                                                   + cp_total + p2p_total + ex_s),
         "slowest_gpu_wait_s": slowest_wait,
         "optimizer_s": optimizer,
         "host_dispatch_s": m * host,
@@ -489,6 +505,7 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
         "pp_p2p_s": m * p2p_s,
         "pp_bubble_s": bubble * per_micro,
         "dp_communication_s": exposed,
+        **({"expert_all_to_all_s": m * ex_s} if ex_s else {}),
     }
     samples_per_s = samples_per_step / step
     return Throughput(

@@ -215,7 +215,7 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
                padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp,
                fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
                compile=cfg.compile, sp_saves_gathered=framework(cfg.framework).sp_saves_gathered_input,
-               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance)
+               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp)
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:

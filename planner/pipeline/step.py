@@ -97,7 +97,7 @@ def _optimizer_bytes(facts: _ModelFacts, cfg: TrainConfig, p_bytes: int, share: 
 # tests/test_estimate_cache.py fails if another field changes its answer.
 ACTIVATION_FIELDS = ("batch_size", "seq_len", "precision", "attention", "checkpointing", "lora_r", "lora_targets",
                      "lora_dropout", "base_dtype", "recompute", "recompute_modules", "fp8_recipe", "fp8_param_gather",
-                     "compile", "tp", "sp", "cp", "ep", "moe_imbalance")
+                     "compile", "tp", "sp", "cp", "ep", "etp", "moe_imbalance")
 _ACTIVATIONS: dict[tuple, tuple] = caches.table("planner.pipeline.step._ACTIVATIONS", scope="step",
     key="(model identity, TrainConfig's ACTIVATION_FIELDS, backend, flash) -> activation records")
 ACTIVATION_CACHE_SIZE = 4096  # distinct (model, shape) entries kept
@@ -170,11 +170,12 @@ def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, i
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
                      share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
                      lay: framework_layout.StateLayout | None = None,
-                     counts: tuple[dict[str, int], dict[str, int]] | None = None, ep_etp: int = 1
-                     ) -> tuple[timeline.BlockMemory, ...]:
+                     counts: tuple[dict[str, int], dict[str, int]] | None = None, ep_etp: int = 1,
+                     tp_cp: int = 1) -> tuple[timeline.BlockMemory, ...]:
     """`counts`: (parameters, trained parameters) per block on this rank where tensor parallelism divides
-    them (planner.memory.stages); None: the model's own. `ep_etp`: the ranks a mixture-of-experts layer's
-    experts are split over (issue 35): this rank's experts are laid out over the expert data-parallel group."""
+    them (planner.memory.stages; a mixture-of-experts layer's routed experts whole); None: the model's own.
+    `ep_etp`: the ranks a mixture-of-experts layer's experts are split over (issue 35): this rank's experts
+    are laid out over the expert data-parallel group (`tp_cp`: the tensor x context degrees, outside it)."""
     facts = _model_facts(model)
     by_block, trained_by = counts or (facts.by_block, facts.gradients_by_block)
     root = _fsdp1_root_blocks(model, lay, share)
@@ -186,7 +187,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
         parts = [(n_params - experts, n_trained - experts, share)]
         if experts:  # this rank's experts, laid out over the expert data-parallel group (memory/experts.py)
             local = experts // ep_etp
-            parts.append((local, local, expert_sharding(share, ep_etp)))
+            parts.append((local, local, expert_sharding(share, ep_etp, tp_cp)))
         laid_parts = []
         for n_p, n_t, sh in parts:
             full_p, full_g = n_p * p_bytes, n_t * g_bytes
@@ -282,20 +283,6 @@ class StageStep:
         return timeline.peaks(self.step)[1].total
 
 
-def _rank_casts(act: Any, rank_params: int, full_params: int) -> Any:
-    """A block's AMP weight casts (saved for backward, and autocast's cache) on one tensor-parallel rank: casts
-    of its weight shards, so the whole layer's times the rank's share of its parameters. Records whose casts
-    already fit the rank's parameters (at most 2 bytes each: an activation model that shards the layer's ops)
-    are left as they are."""
-    if not full_params or rank_params >= full_params or act.weight_cast_bytes + act.autocast_cache_bytes == 0:
-        return act
-    if max(act.weight_cast_bytes, act.autocast_cache_bytes) <= 2 * rank_params:
-        return act
-    ratio = rank_params / full_params
-    return replace(act, weight_cast_bytes=int(act.weight_cast_bytes * ratio),
-                   autocast_cache_bytes=int(act.autocast_cache_bytes * ratio))
-
-
 IN_FLIGHT = "in-flight micro-batches"  # the pseudo-block holding the other micro-batches' saved activations
 
 
@@ -325,9 +312,16 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
     if tied is not None and dims.pp == 1:
         n = math.prod(table)
         trained[emb], trained[head] = trained[emb] - n, trained[head] + n
+    # a mixture-of-experts layer's routed experts: whole in `shapes` (the module's (E, ...) tensors), this
+    # rank holding E / (ep · etp) of them over the expert data-parallel group (planner.memory.experts)
+    ep_etp = 1 if cfg.lora else cfg.ep * cfg.etp
+    experts = {n: e for n, e in (_model_facts(spec).experts_by_block or {}).items()} if ep_etp > 1 else {}
+    local = {n: p - experts.get(n, 0) + experts.get(n, 0) // ep_etp for n, p in params.items()}
+    local_trained = {n: p - experts.get(n, 0) + experts.get(n, 0) // ep_etp for n, p in trained.items()}
+    e_share = expert_sharding(share, ep_etp, dims.tp * dims.cp)
     layer_index = {b.name: b.index for b in blocks.values() if b.role == "layer"}
-    activations = tuple(_rank_casts(a, params.get(a.block, 0), _model_facts(spec).by_block.get(a.block, 0))
-                        for a in activations) if dims.tp > 1 else activations
+    # the activation records are already one rank's, AMP weight casts included: the layer forms emit the
+    # rank's Linears (planner.memory.activations.linear_params at ctx.tp)
     names = [a.block for a in activations]
     ocfg = _optimizer_config(cfg, lay)
     p_bytes = lay.state_param_bytes
@@ -337,26 +331,44 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
         held = set(sb.blocks)
         acts = tuple(a for a in activations if a.block in held)
         block_mem = _resident_blocks(spec, acts, lay.param_bytes, lay.grad_bytes, share, None, lay,
-                                     counts=(params, trained))
+                                     counts=(params, trained), ep_etp=ep_etp, tp_cp=dims.tp * dims.cp)
         k = st.in_flight(dims, sb.stage, cfg.grad_accum)
         extra = int(round((k - 1) * sum(b.kept_bytes for b in block_mem)))
         if extra > 0:
             block_mem = (timeline.BlockMemory(IN_FLIGHT, 0, 0, 0, 0, extra, extra, 0, 0, False), *block_mem)
         if gathers_once:  # FSDP2 under PP: the stage unsharded for the whole step (`_unsharded_stage`)
-            block_mem = _unsharded_stage(block_mem, sum(params.get(n, 0) for n in sb.blocks),
-                                         sum(trained.get(n, 0) for n in sb.blocks), lay)
+            block_mem = _unsharded_stage(block_mem, sum(local.get(n, 0) for n in sb.blocks),
+                                         sum(local_trained.get(n, 0) for n in sb.blocks), lay)
         rank_shapes = [x for n in sb.blocks for x in shapes.get(n, ())]
-        n_trained = sum(trained.get(n, 0) for n in sb.blocks)
-        states = optimizer.optimizer_state_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
-        temps = optimizer.optimizer_temporary_bytes(rank_shapes, ocfg, p_bytes, share.optimizer_states)
-        extra_states, extra_temp = _framework_state_bytes(lay, n_trained, share)
+        n_trained = sum(local_trained.get(n, 0) for n in sb.blocks)
+        states, temps = _rank_optimizer_bytes(rank_shapes, ocfg, p_bytes, share, e_share, ep_etp if experts else 1)
+        n_experts = sum(experts.get(n, 0) for n in sb.blocks) // ep_etp
+        extra_states, extra_temp = _framework_state_bytes(lay, n_trained - n_experts, share)
+        if n_experts:  # Megatron's / DeepSpeed's fp32 masters of the rank's experts, over their own group
+            more = _framework_state_bytes(lay, n_experts, e_share)
+            extra_states, extra_temp = extra_states + more[0], extra_temp + more[1]
         step = replace(template, blocks=block_mem, optimizer_state_bytes=states + extra_states,
                        optimizer_temporary_bytes=temps + extra_temp,
                        ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, model_states.gradient_bytes(n_trained, cfg)),
                        grads_resident=template.grads_resident or cfg.grad_accum > 1,
                        **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)))
-        out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(params.get(n, 0) for n in sb.blocks), k, step))
+        out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(local.get(n, 0) for n in sb.blocks), k, step))
     return tuple(out)
+
+
+def _rank_optimizer_bytes(shapes: list, cfg: TrainConfig, p_bytes: int, share: parallel.Sharding,
+                          e_share: parallel.Sharding, ep_etp: int) -> tuple[int, int]:
+    """(optimizer states, step temporaries) of one rank's parameter shapes: the dense ones sharded over the
+    data-parallel group as `share` says, a mixture-of-experts model's routed experts (the 3-D shapes, whole
+    in `shapes`; `ep_etp` > 1) E / (ep · etp) of them over the expert data-parallel group (`e_share`)."""
+    if ep_etp <= 1:
+        return (optimizer.optimizer_state_bytes(shapes, cfg, p_bytes, share.optimizer_states),
+                optimizer.optimizer_temporary_bytes(shapes, cfg, p_bytes, share.optimizer_states))
+    dense, experts = split_shapes(tuple(shapes), ep_etp)
+    return (optimizer.optimizer_state_bytes(dense, cfg, p_bytes, share.optimizer_states)
+            + optimizer.optimizer_state_bytes(experts, cfg, p_bytes, e_share.optimizer_states),
+            max(optimizer.optimizer_temporary_bytes(dense, cfg, p_bytes, share.optimizer_states),
+                optimizer.optimizer_temporary_bytes(experts, cfg, p_bytes, e_share.optimizer_states)))
 
 
 UNSHARDED = "unsharded stage (FSDP2 under PP)"  # the pseudo-block of a stage kept unsharded for the step

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner import caches
 from planner.families import family
@@ -152,72 +152,137 @@ _PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS
 
 
 # A context that tells a token-wise Linear (b·s rows) from a sample-wise one (b rows) by its row count; the
-# linear ops themselves do not depend on the micro-batch or the precision.
+# linear ops themselves do not depend on the micro-batch or the precision, only on the tensor-parallel degree
+# (one rank's widths: `probe`). Without sequence parallelism, so that every token-wise op keeps n rows.
 _PROBE = Ctx(2, 3, "fp32", "sdpa", "cuda", False)
+
+
+def probe(tp: int = 1) -> Ctx:
+    """The probe context of one tensor-parallel rank of `tp` (the forms emit that rank's widths)."""
+    return _PROBE if tp == 1 else replace(_PROBE, tp=tp)
 
 
 @dataclass(frozen=True)
 class BlockMatmuls:
-    """The matmuls of one transformer block's program, read once per layer spec, role and "first layer"."""
+    """The matmuls of one transformer block's program, read once per layer spec, role, layer kind and
+    tensor-parallel degree."""
 
     linears: tuple[tuple[bool, int, int, bool], ...]  # (per token, not per sample; in, out, bias), forward order
     attention: bool  # the block runs an attention op (its score matmuls: planner.perf.flops)
+    # (weight, bias) elements of every matmul autocast casts the parameters of, in forward order: the `linear`
+    # ops and a mixture-of-experts router (F.linear); the experts' grouped GEMMs are not autocast
+    # (transformers' `_grouped_mm` casts the input to the weights instead: forms/moe_gated.py)
+    casts: tuple[tuple[int, int], ...] = ()
 
 
-def block_matmuls(block: Block) -> BlockMatmuls:
-    """The `linear` and attention ops of one transformer block (embeddings, layer, final norm, pooler or head):
-    what autocast casts (planner.memory.activations.linear_params) and what planner.perf.flops counts."""
+def _layer_ops(layer: TransformerSpec, index: int, ctx: Ctx) -> list[Op]:
+    traits = family(layer.family)
+    return (FORMS or load_forms())[traits.layer](LayerArgs(layer, traits, ctx, index, ""))
+
+
+def block_matmuls(block: Block, tp: int = 1) -> BlockMatmuls:
+    """The `linear`, router and attention ops of one transformer block (embeddings, layer, final norm,
+    pooler or head) on one rank of `tp` tensor-parallel ranks: what autocast casts
+    (planner.memory.activations.linear_params) and what planner.perf.flops counts."""
     layer = block.layer
     assert isinstance(layer, TransformerSpec)
-    key = (id(layer), block.role, block.index == 0)
+    sparse = block.role == "layer" and layer.moe and layer.sparse_layer(block.index)
+    key = (id(layer), block.role, block.index == 0, sparse, tp)
     hit = _MATMULS.get(key)
     if hit is not None and hit[0] is layer:
         return hit[1]
     from planner.families.forms import common
 
-    traits, ctx = family(layer.family), _PROBE
+    traits, ctx = family(layer.family), probe(tp)
     if block.role == "layer":
-        ops = (FORMS or load_forms())[traits.layer](LayerArgs(layer, traits, ctx, block.index, ""))
+        ops = _layer_ops(layer, block.index, ctx)
     elif block.role == "pooler":
         ops = common.pooler_ops(layer, ctx, "")
     elif block.role == "head":
         ops = common.head_ops(layer, traits, ctx, "")
     else:
         ops = []
-    out = BlockMatmuls(tuple((op.shapes["input"][0] == ctx.n, op.shapes["input"][1], op.shapes["output"][1],
-                              bool(op.attrs["bias"])) for op in ops if op.kind == "linear"),
-                       any(op.kind.startswith("attention_") for op in ops))
+    linears = tuple((op.shapes["input"][0] == ctx.n, op.shapes["input"][1], op.shapes["output"][1],
+                     bool(op.attrs["bias"])) for op in ops if op.kind == "linear")
+    casts = []
+    for op in ops:
+        if op.kind in ("linear", "router"):
+            n_in, n_out = op.shapes["input"][1], op.shapes["output" if op.kind == "linear" else "logits"][1]
+            casts.append((n_in * n_out, n_out if op.attrs["bias"] else 0))
+    out = BlockMatmuls(linears, any(op.kind.startswith("attention_") for op in ops), tuple(casts))
     _MATMULS[key] = (layer, out)
     return out
 
 
 _MATMULS: dict[tuple, tuple] = caches.table("planner.families.forms._MATMULS", scope="model",
-    key="(TransformerSpec identity, block role, first layer) -> (spec, BlockMatmuls)")
+    key="(TransformerSpec identity, block role, first layer, sparse MoE layer, tp) -> (spec, BlockMatmuls)")
 
 
-def block_linears(block: Block) -> list[tuple[int, int]]:
-    """(weight, bias) elements of each `linear` op of one transformer block, in forward order: what autocast
-    casts (planner.memory.activations.linear_params)."""
-    return [(n_in * n_out, n_out if bias else 0) for _, n_in, n_out, bias in block_matmuls(block).linears]
+def block_linears(block: Block, tp: int = 1) -> list[tuple[int, int]]:
+    """(weight, bias) elements of each matmul of one transformer block whose parameters autocast casts (its
+    `linear` ops and an MoE router), in forward order, on one rank of `tp` tensor-parallel ranks (column-
+    parallel weights and biases / tp, row-parallel weights / tp with their bias whole, the vocabulary / tp:
+    the forms' per-rank widths): planner.memory.activations.linear_params."""
+    return list(block_matmuls(block, tp).casts)
 
 
-def layer_parameter_shapes(spec: TransformerSpec) -> tuple[tuple[int, ...], ...]:
+def layer_parameter_shapes(spec: TransformerSpec, tp: int = 1, index: int = 1) -> tuple[tuple[int, ...], ...]:
     """The shapes of one layer's parameter tensors in registration order (`module.parameters()`, what the
     optimizer and planner.models.params list): the layer form's ops' parameters, in run order except that a
-    form registering its norms last (`NORMS_REGISTERED_LAST`) lists them last. Cached per layer spec."""
-    hit = _LAYER_SHAPES.get(id(spec))
+    form registering its norms last (`NORMS_REGISTERED_LAST`) lists them last. With `tp` > 1 one tensor-
+    parallel rank's shards, as the form emits that rank's ops (planner.memory.stages reads them). `index`: the
+    layer's index where the form's layers differ (a mixture-of-experts model's dense and sparse layers).
+    Cached per layer spec, tp and layer kind."""
+    sparse = spec.moe and spec.sparse_layer(index)
+    key = (id(spec), tp, sparse)
+    hit = _LAYER_SHAPES.get(key)
     if hit is not None and hit[0] is spec:
         return hit[1]
     traits = family(spec.family)
-    ops = (FORMS or load_forms())[traits.layer](LayerArgs(spec, traits, _PROBE, 1, ""))
+    ops = _layer_ops(spec, index, probe(tp))
     params = [(op.kind, p.shape) for op in ops for p in op.params]
     if traits.layer in NORMS_REGISTERED_LAST:
         params = ([x for x in params if x[0] not in ("layer_norm", "rms_norm")]
                   + [x for x in params if x[0] in ("layer_norm", "rms_norm")])
     out = tuple(shape for _, shape in params)
-    _LAYER_SHAPES[id(spec)] = (spec, out)
+    _LAYER_SHAPES[key] = (spec, out)
     return out
 
 
-_LAYER_SHAPES: dict[int, tuple] = caches.table("planner.families.forms._LAYER_SHAPES", scope="model",
-    key="TransformerSpec identity -> (spec, its layer's parameter shapes in registration order)")
+_LAYER_SHAPES: dict[tuple, tuple] = caches.table("planner.families.forms._LAYER_SHAPES", scope="model",
+    key="(TransformerSpec identity, tp, sparse MoE layer) -> (spec, its layer's parameter shapes in registration "
+        "order)")
+
+
+def block_parameter_shapes(block: Block) -> tuple[tuple[int, ...], ...]:
+    """The parameter tensor shapes of a transformer model's embeddings, final norm, pooler or head block in
+    registration order (`module.parameters()`): the block's ops' parameters, which common.py lists in that
+    order (RoBERTa's position table after its LayerNorm, the BERT/RoBERTa masked-LM head's own bias first; a
+    tied table once, with the embeddings). planner.models.params counts these blocks from here (issue 33: its
+    per-head formulas were another copy). Cached per layer spec and role."""
+    from planner.families.forms import common
+
+    layer = block.layer
+    assert isinstance(layer, TransformerSpec) and block.role != "layer"
+    key = (id(layer), block.role, block.index == 0)
+    hit = _BLOCK_SHAPES.get(key)
+    if hit is not None and hit[0] is layer:
+        return hit[1]
+    traits, ctx = family(layer.family), PARAMETER_CONTEXT
+    if block.role == "embeddings":
+        ops = common.embedding_ops(layer, traits, ctx, "", False)
+    elif block.role == "final_norm":
+        ops = common.final_norm_ops(layer, traits, ctx, "")
+    elif block.role == "pooler":
+        ops = common.pooler_ops(layer, ctx, "")
+    elif block.role == "head":
+        ops = common.head_ops(layer, traits, ctx, "")
+    else:
+        raise ValueError(f"block {block.name}: role {block.role!r} has no parameter shapes")
+    out = tuple(p.shape for op in ops for p in op.params)
+    _BLOCK_SHAPES[key] = (layer, out)
+    return out
+
+
+_BLOCK_SHAPES: dict[tuple, tuple] = caches.table("planner.families.forms._BLOCK_SHAPES", scope="model",
+    key="(TransformerSpec identity, block role, first) -> (spec, the block's parameter shapes in registration order)")
