@@ -419,7 +419,7 @@ class ExpertRouting:
                           and not a.is_floating_point()), None)
             if index is not None:
                 counts = torch.bincount(index.reshape(-1).long(), minlength=experts)[:experts].tolist()
-                self.layers[name] = [a + b for a, b in zip(self.layers.get(name, [0] * experts), counts)]
+                self.layers[name] = [a + b for a, b in zip(self.layers.get(name, [0] * experts), counts, strict=True)]
         return count
 
     def report(self) -> dict[str, Any]:
