@@ -261,3 +261,19 @@ def test_an_fp8_step_on_cpu_with_torchao(monkeypatch):
     saved = {p: r["tensors"]["saved_tensor_bytes"] for p, r in (("fp8", fp8), ("amp", amp))}
     assert saved["fp8"] <= est["fp8"].activations
     assert saved["amp"] - saved["fp8"] >= est["amp"].activations - est["fp8"].activations > 0
+
+
+def test_probe_run_says_why_fp8_did_not_run_here(mixtral_path, tmp_path, monkeypatch):
+    """`planner probe run --precision fp8` on a CPU: the record is `unsupported`, the command prints its one line
+    (and the configuration label names the recipe), exit 0: nothing failed, nothing was measured."""
+    from planner.probes.validate import config_label
+
+    monkeypatch.setenv("PLANNER_RESULTS_DIR", str(tmp_path / "results"))
+    _in_process_run(monkeypatch)
+    res = _cli(["probe", "run", "--local", "--model", str(mixtral_path), "--instance", "ml.p5.48xlarge",
+                "--batch-size", "1", "--seq-len", "16", "--precision", "fp8", "--fp8-recipe", "rowwise",
+                "--parallelism", "single", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "unsupported: precision=fp8 needs a CUDA GPU with FP8 tensor cores" in " ".join(res.stderr.split())
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "results" / "probes").glob("local-*.json")]
+    assert record["config"]["fp8_recipe"] == "rowwise" and "fp8-rowwise" in config_label(record["config"])

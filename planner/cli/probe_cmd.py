@@ -231,6 +231,9 @@ def print_records(records: list[dict[str, Any]]) -> None:
                   _num(s.get("samples_per_s")), _gib((est.get("memory_bytes") or {}).get("peak_device")),
                   str(est.get("fits", "-")))
     t.print(console)
+    for r in records:  # why a probe could not run here (FP8 on a CPU, a missing library, ep > 1...): its one line
+        if r.get("status") == "unsupported" and r.get("message"):
+            err_console.print(f"{r.get('model')}: unsupported: {last_line(r['message'])}", highlight=False)
 
 
 # -------------------------------------------------------------------------------------------- AWS
