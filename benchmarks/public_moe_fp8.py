@@ -31,7 +31,7 @@ def predict(row: Any) -> dict[str, Any]:
     from planner.errors import PlannerError
 
     try:
-        est = planner.estimate(row.model, row.train_config(), row.instance).model_dump(mode="json")
+        est = planner.estimate(row.model_ref(ROOT), row.train_config(), row.instance).model_dump(mode="json")
     except PlannerError as exc:
         return {"error": str(exc)}
     t, m = est["throughput"], est["memory_bytes"]

@@ -43,7 +43,7 @@ def test_printed_speedups_are_the_rows_own_ratio():
 def test_megatron_bridge_micro_batches_give_the_global_batch():
     """GBS = micro-batch × micro-batches × data-parallel ranks (GPUs / (TP · PP)), for the printed layouts."""
     quoted = {"mb-2511-h100-qwen3-30b-fp8cs": 512, "mb-2511-h100-l3-8b-fp8cs": 128,
-              "mb-2511-h100-gpt-oss-120b-bf16": 512}
+              "mb-2511-h100-gpt-oss-120b-bf16": 512, "mb-2511-h100-l3-70b-fp8cs": 128}
     rows = {r.id: r for kind in FILES for r in load_published(kind)}
     for rid, gbs in quoted.items():
         r = rows[rid]

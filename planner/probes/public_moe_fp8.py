@@ -27,7 +27,7 @@ class PublishedRun(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     id: str = Field(min_length=1)
-    model: str = Field(min_length=1)  # catalog name
+    model: str = Field(min_length=1)  # catalog name, or a config.json of this repository (Llama-3-70B's)
     gpu: str
     gpus: int = Field(ge=1)
     framework: Literal["pytorch", "torchtitan", "megatron"]
@@ -62,6 +62,10 @@ class PublishedRun(BaseModel):
     @classmethod
     def _blank(cls, value: object) -> object:
         return None if value == "" else value
+
+    def model_ref(self, root: Path) -> str:
+        """What `planner.estimate` takes: the catalog name, or the config.json's path under `root` (the repo)."""
+        return str(root / self.model) if self.model.endswith(".json") else self.model
 
     @property
     def instance(self) -> str:
