@@ -277,3 +277,30 @@ def test_probe_run_says_why_fp8_did_not_run_here(mixtral_path, tmp_path, monkeyp
     assert "unsupported: precision=fp8 needs a CUDA GPU with FP8 tensor cores" in " ".join(res.stderr.split())
     [record] = [json.loads(p.read_text()) for p in (tmp_path / "results" / "probes").glob("local-*.json")]
     assert record["config"]["fp8_recipe"] == "rowwise" and "fp8-rowwise" in config_label(record["config"])
+
+
+@pytest.mark.slow  # two torchrun processes importing torch and transformers: 20-60 s on a shared 2-core machine
+def test_a_tiny_moe_under_fsdp_on_two_cpu_processes(mixtral_path, tmp_path):
+    """FSDP2 over two gloo ranks (torchrun, as on a GPU box): each rank's shard of the experts and the rest is
+    what the planner predicts per rank (parameters, gradients; AdamW's states plus the CPU-side step counters)."""
+    import os
+    import subprocess
+
+    from planner.probes.spec import make_request
+
+    cfg = TrainConfig(batch_size=2, seq_len=16, parallelism="fsdp", precision="amp-bf16", attention="eager",
+                      instances=2)
+    req = make_request(str(mixtral_path), cfg, "ml.g5.xlarge", warmup_steps=1, measure_steps=1)
+    assert req.world_size == 2
+    (tmp_path / "req.json").write_text(json.dumps(req.to_json()))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "probe.py"), "--request", str(tmp_path / "req.json"),
+                           "--out", str(out), "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PLANNER_MASTER_PORT": "29617"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["status"] == "ok" and len(rec["ranks"]) == 2, rec.get("message")
+    m, t = req.estimate["memory_bytes"], rec["tensors"]
+    assert t["local_parameters_bytes"] == m["parameters"] == t["parameters_bytes"] // 2
+    assert t["gradients_bytes"] == m["gradients"]
+    assert t["optimizer_state_bytes"] == m["optimizer_states"] + 4 * _parameter_tensors("mixtral")
