@@ -3,7 +3,8 @@
 - a tiny Mixtral trains for a few steps through `planner probe run --local --device cpu`, and `planner validate`
   compares the reading with the estimate: parameters, gradients and optimizer states exact, autograd's saved bytes
   equal to the planner's activations plus the input ids the embedding saves (the planner counts them in the
-  batch); a tiny Qwen3-MoE likewise in fp32 and bf16, in process; every token's top-k experts are counted;
+  batch); a tiny Qwen3-MoE likewise in fp32 and bf16, in process; every token's top-k experts are counted; under
+  FSDP2 on two gloo ranks each rank holds what the planner predicts per rank;
 - FP8 is refused with one line on a CPU, on a GPU without FP8 tensor cores, and where the image lacks the
   recipe's library; the Linears the job converts are the ones the planner computes in FP8;
 - `planner probe launch` sends the FP8 settings to SageMaker (request.json, hyperparameters, the job file), and
