@@ -62,6 +62,9 @@ METRIC_NAMES: tuple[str, ...] = (
 )
 STATUS_ORDER = ("ok", "unsupported", "error", "oom")  # worst last: used to merge ranks
 DEFAULT_LR = 1e-4  # any small value: memory does not depend on it, and few steps never diverge
+# The tests' switch: FP8 on a CPU through torch's CPU `_scaled_mm` (torchao recipes only), to check what an FP8
+# step saves and holds without a GPU; never set on a training machine (its speed means nothing).
+FP8_ON_CPU = "PLANNER_PROBE_FP8_ON_CPU"
 GRAD_SCALER_INIT_SCALE = 2.0**12  # lower than PyTorch's 2**16 so random-init fp16 steps rarely overflow
 
 
@@ -151,6 +154,11 @@ def _versions() -> dict[str, Any]:
         import bitsandbytes  # type: ignore[import-not-found]
 
         out["bitsandbytes"] = bitsandbytes.__version__
+    for name, module in (("torchao", "torchao"), ("transformer_engine", "transformer_engine")):
+        with contextlib.suppress(Exception):  # the FP8 libraries the image has (jobs/fp8_linears.py)
+            import importlib
+
+            out[name] = getattr(importlib.import_module(module), "__version__", "?")
     with contextlib.suppress(Exception):
         if torch.cuda.is_available():
             out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
@@ -222,6 +230,12 @@ class Plan:
     # tensor / pipeline / context parallelism or HSDP asked for: run by parallel_layout.py over a DeviceMesh
     model_parallel: bool = False
     recompute: str = "none"  # none, full (= checkpointing) or selective (not run by the probe)
+    # precision fp8 (issue 35): the recipe (its library: fp8_linears.py) and FSDP2's FP8 all-gather (torchao)
+    fp8_recipe: str | None = None
+    fp8_param_gather: bool = False
+    # expert parallelism (issue 35): the probe runs every expert on each rank, ep = etp = 1
+    ep: int = 1
+    etp: int = 1
 
     @property
     def distributed(self) -> bool:
@@ -274,6 +288,11 @@ def make_plan(request: dict[str, Any]) -> Plan:
         load=cfg.get("load") or "direct",
         framework=cfg.get("framework") or "pytorch",
         model_parallel=import_parallel_layout().requested(cfg),
+        # the planner resolves the recipe (its default: tensorwise, delayed under megatron) into the config
+        fp8_recipe=(cfg.get("fp8_recipe") or "tensorwise") if cfg.get("precision") == "fp8" else None,
+        fp8_param_gather=bool(cfg.get("fp8_param_gather", False)),
+        ep=int(cfg.get("ep") or 1),
+        etp=int(cfg.get("etp") or 1),
     )
 
 
@@ -375,6 +394,46 @@ class SavedTensorCounter:
         return t
 
 
+class ExpertRouting:
+    """Tokens each expert of each mixture-of-experts layer received in one forward: a pre-hook on every experts
+    module (transformers 5 calls `experts(hidden_states, top_k_index, top_k_weights)`), counting the routed
+    indices. Its report gives the hottest expert's load over the mean per layer, what `--moe-imbalance` asks
+    for when every expert is its own rank (ep = the experts)."""
+
+    def __init__(self, model: Any):
+        self.layers: dict[str, list[int]] = {}
+        self.counting = False
+        self._handles = []
+        for name, module in model.named_modules():
+            experts = getattr(module, "num_experts", None)
+            if name.endswith("experts") and isinstance(experts, int) and not name.endswith("shared_experts"):
+                self._handles.append(module.register_forward_pre_hook(self._hook(name, experts), with_kwargs=True))
+
+    def _hook(self, name: str, experts: int) -> Any:
+        def count(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            import torch
+
+            if not self.counting:
+                return
+            index = next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)
+                          and not a.is_floating_point()), None)
+            if index is not None:
+                counts = torch.bincount(index.reshape(-1).long(), minlength=experts)[:experts].tolist()
+                self.layers[name] = [a + b for a, b in zip(self.layers.get(name, [0] * experts), counts, strict=True)]
+        return count
+
+    def report(self) -> dict[str, Any]:
+        loads = {name: max(c) / (sum(c) / len(c)) for name, c in self.layers.items() if sum(c)}
+        return {"tokens_per_expert": self.layers, "hottest_over_mean": loads,
+                "max_hottest_over_mean": max(loads.values()) if loads else None}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.counting = False
+
+
 # ----------------------------------------------------------------------------------- the model
 
 
@@ -396,6 +455,16 @@ def import_parallel_layout() -> Any:
     import parallel_layout  # type: ignore[import-not-found]
 
     return parallel_layout
+
+
+def import_fp8_linears() -> Any:
+    """`fp8_linears.py` (FP8 Linears by torchao or Transformer Engine) ships next to this file too."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import fp8_linears  # type: ignore[import-not-found]
+
+    return fp8_linears
 
 
 def _hf_models(model: Any) -> list[Any]:
@@ -475,6 +544,13 @@ def build(modeling: Any, spec: dict[str, Any], plan: Plan, device: Any) -> tuple
     if plan.precision in ("fp16", "bf16"):
         model.to(torch.float16 if plan.precision == "fp16" else torch.bfloat16)
     applied["attention"] = apply_attention(model, plan.attention)
+    if plan.precision == "fp8":  # the decoder layers' Linears in FP8, before any wrapper (as torchtitan orders it)
+        fp8 = import_fp8_linears()
+        try:
+            applied["fp8_context"], applied["fp8"] = fp8.convert(model, plan.fp8_recipe,
+                                                                 param_gather=plan.fp8_param_gather)
+        except fp8.Fp8Unavailable as exc:
+            raise Unsupported(str(exc)) from exc
     applied["checkpointing"] = apply_checkpointing(model) if plan.checkpointing else []
     if plan.lora_r:
         model = apply_lora(model, spec, plan, device, applied)
@@ -729,7 +805,7 @@ def _low_dtype(plan: Plan) -> Any:
     """The 16-bit dtype of an AMP precision (None otherwise)."""
     import torch
 
-    return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(plan.precision)
+    return {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16, "fp8": torch.bfloat16}.get(plan.precision)
 
 
 # ---------------------------------------------------------------------------------------- probe
@@ -752,7 +828,7 @@ def _autocast(plan: Plan, device: Any) -> Any:
 
     if plan.precision == "amp-fp16":
         return torch.autocast(device_type=device.type, dtype=torch.float16)
-    if plan.precision == "amp-bf16":
+    if plan.precision in ("amp-bf16", "fp8"):  # fp8: amp-bf16 with the layers' Linears in FP8 (planner.ir.fp8)
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -835,7 +911,19 @@ def run_probe(request: dict[str, Any], *, modeling: Any = None, device: str | No
                               f"torchrun with WORLD_SIZE={plan.world_size} (found {env_world})")
         if plan.parallelism in ("zero1", "zero2", "zero3", "fsdp") and plan.world_size <= 1:
             raise Unsupported(f"parallelism={plan.parallelism} shards over GPUs: world size 1 has nothing to shard")
-        if plan.precision in ("amp-bf16", "bf16") and dev.type == "cuda" and not _native_bf16():
+        if plan.precision == "fp8":  # a CPU or a GPU without FP8 tensor cores, or no library for the recipe
+            fp8 = import_fp8_linears()
+            cc = tuple(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None
+            try:
+                if not (dev.type == "cpu" and os.environ.get(FP8_ON_CPU) == "1"):
+                    fp8.check_device(plan.fp8_recipe, dev, cc)
+                fp8.check_library(plan.fp8_recipe)
+            except fp8.Fp8Unavailable as exc:
+                raise Unsupported(str(exc)) from exc
+        if plan.ep * plan.etp > 1:
+            raise Unsupported(f"ep={plan.ep}, etp={plan.etp}: the probe runs every expert on each rank (ep 1); "
+                              "expert parallelism is estimated, not probed")
+        if plan.precision in ("amp-bf16", "bf16", "fp8") and dev.type == "cuda" and not _native_bf16():
             raise Unsupported(f"precision={plan.precision} needs a GPU with native bf16 (sm80+)")
         if plan.recompute == "selective":
             raise Unsupported("recompute=selective: the probe runs full per-layer checkpointing only "
@@ -878,6 +966,8 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     ctx.phase = "load"
     rec.begin()
     model, applied = build(modeling, spec, plan, dev)
+    fp8_context = applied.pop("fp8_context", contextlib.nullcontext)  # TE's FP8 autocast; torchao needs none
+    routing = ExpertRouting(model)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(tensor_bytes(p) for p in model.parameters())
     buffer_bytes = sum(tensor_bytes(b) for b in model.buffers())
@@ -928,7 +1018,8 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
                 rec.begin()
                 hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if counter
                          else contextlib.nullcontext())
-                with hooks, _autocast(plan, dev):
+                routing.counting = counter is not None  # the first micro-step's routing
+                with hooks, _autocast(plan, dev), fp8_context():
                     if plan.loop in HOLDS_OUTPUTS and hasattr(modeling, "outputs_and_loss"):
                         out, loss = modeling.outputs_and_loss(wrapped, batch)
                     else:  # the loop's forward returns only the loss: the outputs die here
@@ -942,6 +1033,9 @@ def _train(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
                         **({"seq_len": plan.step_lengths[step]} if plan.step_lengths else {}))
                 if counter is not None:
                     result["tensors"].update(saved_tensor_bytes=counter.bytes, saved_tensor_count=counter.count)
+                    if routing.layers:
+                        result["experts"] = routing.report()
+                    routing.close()
                 if plan.loop == "lightning" and micro == 0:  # Closure: training_step, zero_grad, backward
                     optimizer.zero_grad(set_to_none=True)
                 ctx.phase = "backward"
@@ -1008,6 +1102,8 @@ def _train_layout(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
                           "(no gradient scaler across pipeline stages)")
     if plan.lora_r or plan.framework in ("megatron", "deepspeed"):
         raise Unsupported("LoRA and the megatron/deepspeed frameworks have no model-parallel probe")
+    if plan.precision == "fp8":
+        raise Unsupported("precision=fp8 with tp/pp: the probe runs FP8 with data parallelism only (ddp, fsdp)")
     if plan.step_lengths:
         raise Unsupported("a run of varying lengths (step_lengths) has no model-parallel probe")
     if not torch.distributed.is_initialized():

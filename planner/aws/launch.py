@@ -32,7 +32,7 @@ from planner.probes.spec import ProbeRequest
 
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 JOBS_DIR = Path(__file__).resolve().parents[2] / "jobs"
-SOURCE_FILES = ("probe.py", "modeling.py", "parallel_layout.py", "requirements.txt")
+SOURCE_FILES = ("probe.py", "modeling.py", "parallel_layout.py", "fp8_linears.py", "requirements.txt")
 PROGRAM = "probe.py"
 # Names of the probe's `probe_<name>=<value>;` lines (jobs/probe.py METRIC_NAMES; a test keeps them equal).
 METRIC_NAMES: tuple[str, ...] = (
@@ -66,6 +66,9 @@ INSTANCE_TYPE_HP = "sagemaker_instance_type"
 # TrainConfig's fields, which are the flags of issue 34 (--tp, --sp, --cp, --pp, --vp, --pp-schedule, ...).
 LAYOUT_KEYS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute",
                "recompute_modules")
+# FP8 and experts (issue 35), likewise for the console: the recipe the job runs (jobs/fp8_linears.py picks
+# torchao or Transformer Engine by it), FSDP2's FP8 all-gather, and the expert layout (the job runs ep 1)
+FP8_EXPERT_KEYS = ("fp8_recipe", "fp8_param_gather", "ep", "etp")
 
 
 def metric_definitions() -> list[dict[str, str]]:
@@ -122,7 +125,7 @@ def hyperparameters(request: ProbeRequest, *, submit_uri: str, region: str, name
                 "checkpointing", "attention", "grad_accum", "instances"):
         if key in cfg:
             hp[key] = cfg[key]
-    for key in LAYOUT_KEYS:  # only what departs from plain data parallelism
+    for key in LAYOUT_KEYS + FP8_EXPERT_KEYS:  # only what departs from plain data parallelism
         value = cfg.get(key)
         if value not in (None, False, 1, (), []) and not (key == "recompute" and value == "none"):
             hp[key] = ",".join(value) if isinstance(value, list | tuple) else value

@@ -276,8 +276,11 @@ def probe_command(est: Estimate) -> str:
         parts.append(f"--grad-accum {cfg.grad_accum}")
     if not is_default(cfg.parallelism):
         parts.append(f"--parallelism {cfg.parallelism}")
-    return " ".join(parts + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg) + parallel_flags(cfg)
-                    + moe_flags(cfg))
+    if cfg.precision == "fp8":  # the probe job runs the same recipe (jobs/fp8_linears.py)
+        parts.append(f"--fp8-recipe {cfg.fp8_recipe}" if cfg.fp8_recipe else "")
+        parts.append("--fp8-param-gather" if cfg.fp8_param_gather else "")
+    return " ".join([p for p in parts if p] + lora_flags(cfg) + framework_flags(cfg) + loop_flags(cfg)
+                    + parallel_flags(cfg) + moe_flags(cfg))
 
 
 def verdict_lines(est: Estimate) -> list[str]:

@@ -40,9 +40,11 @@ from planner.cli.common import (
     handles_errors,
     parse_model_options,
 )
+from planner.cli.estimate_cmd import Fp8GatherOpt, Fp8RecipeOpt, fp8_compile_fields
 from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt
 from planner.cli.loop_opts import LoadOpt, LoopOpt
 from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
+from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields
 from planner.cli.parallel_opts import (
     CpOpt,
     DistOptOpt,
@@ -123,9 +125,6 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     from planner.cli.loop_opts import loop_fields
     from planner.cli.lora_opts import lora_fields
 
-    if flags["precision"] == "fp8":  # issue 35 item 6 (FP8 probe on SageMaker) is not built yet
-        raise PlannerError("--precision", "fp8", "fp32, amp-fp16, amp-bf16, fp16 or bf16 for a probe (the probe "
-                           "job does not run FP8 yet; `planner estimate --precision fp8` does)")
     fw = framework_fields(flags.get("framework") or "pytorch", flags.get("ds_config"), flags["parallelism"],
                           flags["precision"])
     args = {k: flags[k] for k in CONFIG_FLAGS} | {"parallelism": fw.pop("parallelism", flags["parallelism"])}
@@ -133,7 +132,15 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
         flags.get("base_dtype") or "auto") | fw | loop_fields(
-        flags.get("loop") or "plain", flags.get("load") or "direct")
+        flags.get("loop") or "plain", flags.get("load") or "direct") | _fp8_and_expert_fields(flags)
+
+
+def _fp8_and_expert_fields(flags: dict[str, Any]) -> dict[str, Any]:
+    """--fp8-recipe / --fp8-param-gather (the job runs them with torchao or Transformer Engine, on a GPU with
+    FP8 tensor cores) and --ep / --etp / --moe-imbalance (estimated; the job runs ep 1 and reports ep > 1 as
+    unsupported), as `planner estimate` reads them, so the probe line an estimate prints runs as printed."""
+    return fp8_compile_fields({k: flags.get(k) for k in ("fp8_recipe", "fp8_param_gather")}) | moe_fields(
+        flags.get("ep") or 1, flags.get("etp") or 1, flags.get("moe_imbalance") or 1.0)
 
 
 def check_torch() -> None:
@@ -224,6 +231,9 @@ def print_records(records: list[dict[str, Any]]) -> None:
                   _num(s.get("samples_per_s")), _gib((est.get("memory_bytes") or {}).get("peak_device")),
                   str(est.get("fits", "-")))
     t.print(console)
+    for r in records:  # why a probe could not run here (FP8 on a CPU, a missing library, ep > 1...): its one line
+        if r.get("status") == "unsupported" and r.get("message"):
+            err_console.print(f"{r.get('model')}: unsupported: {last_line(r['message'])}", highlight=False)
 
 
 # -------------------------------------------------------------------------------------------- AWS
@@ -295,6 +305,11 @@ def register(app: typer.Typer) -> None:
         distributed_optimizer: DistOptOpt = False,
         recompute: RecomputeOpt = None,
         recompute_modules: RecomputeModulesOpt = None,
+        fp8_recipe: Fp8RecipeOpt = None,
+        fp8_param_gather: Fp8GatherOpt = False,
+        ep: EpOpt = 1,
+        etp: EtpOpt = 1,
+        moe_imbalance: MoeImbalanceOpt = 1.0,
         tf32: Tf32Opt = False,
         lora_r: LoraROpt = None,
         lora_alpha: LoraAlphaOpt = None,
@@ -382,6 +397,11 @@ def register(app: typer.Typer) -> None:
         distributed_optimizer: DistOptOpt = False,
         recompute: RecomputeOpt = None,
         recompute_modules: RecomputeModulesOpt = None,
+        fp8_recipe: Fp8RecipeOpt = None,
+        fp8_param_gather: Fp8GatherOpt = False,
+        ep: EpOpt = 1,
+        etp: EtpOpt = 1,
+        moe_imbalance: MoeImbalanceOpt = 1.0,
         tf32: Tf32Opt = False,
         lora_r: LoraROpt = None,
         lora_alpha: LoraAlphaOpt = None,

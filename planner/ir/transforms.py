@@ -198,12 +198,24 @@ def compile_program(program: Program) -> Program:
     return Program(tuple(ProgramBlock(b.name, b.role, tuple(compile_ops(b.ops))) for b in program.blocks))
 
 
+# FP8 tensor cores need both GEMM dimensions of a weight divisible by 16: torchtitan converts only such Linears
+# (torchtitan/components/quantization/utils.py @03a13843 `module_filter_fn`: "All dims must be divisible by 16
+# due to float8 tensorcore hardware requirements"), and so does the probe job (jobs/fp8_linears.py).
+FP8_ALIGN = 16
+
+
 def fp8_ops(ops: list[Op] | tuple[Op, ...], recipe: str) -> list[Op]:
     """A transformer layer's ops with its nn.Linear ops marked FP8 (`fp8`: the recipe; planner.ir.fp8). Only
     layer blocks are passed: the LM head stays 16-bit (torchtitan's float8 `filter_fqns` default ["output"]),
-    embeddings and norms are not Linears."""
+    embeddings and norms are not Linears; a Linear whose weight has a dimension not divisible by 16 (Qwen2-MoE's
+    shared-expert gate, h × 1) stays 16-bit too (`FP8_ALIGN`)."""
     return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | {"fp8": recipe})
-            if op.kind == "linear" and "block" not in op.attrs else op for op in ops]
+            if op.kind == "linear" and "block" not in op.attrs and _fp8_aligned(op) else op for op in ops]
+
+
+def _fp8_aligned(op: Op) -> bool:
+    weights = [p.shape for p in op.params if p.name.endswith("weight") and len(p.shape) == 2]
+    return all(d % FP8_ALIGN == 0 for shape in weights for d in shape)
 
 
 def fp8_program(program: Program, recipe: str) -> Program:

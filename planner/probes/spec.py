@@ -180,20 +180,16 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
 
 
 def check_layout(config: TrainConfig, world: int, spec_json: dict[str, Any]) -> None:
-    """A model-parallel layout that cannot exist is refused here, before any job (planner.parallel.dims
-    names the rule), with the model's layers and heads when the spec is one transformer. A data-parallel
-    config passes unchanged (every degree 1)."""
-    from planner.parallel.dims import build
+    """A model-parallel layout that cannot exist is refused here, before any job (planner.parallel.dims names
+    the rule), with the model's facts as the estimate reads them (`dims.for_model`: layers, heads, MLP width,
+    and a mixture-of-experts model's experts, so `--ep` reaches the job); the user's own module: the degrees
+    alone. A data-parallel config passes unchanged (every degree 1)."""
+    from planner.parallel.dims import build, for_model
 
-    blocks = [layer for c in spec_json.get("components", []) for layer in c.get("layers", [])
-              if layer.get("kind") == "transformer"]
-    facts: dict[str, Any] = {}
-    if len(blocks) == 1:
-        hf = blocks[0].get("hf_config") or {}
-        heads = hf.get("num_attention_heads")
-        facts = {"layers": hf.get("num_hidden_layers"), "heads": heads,
-                 "kv_heads": hf.get("num_key_value_heads") or heads}
-    build(config, world, seq_len=config.seq_len, **facts)
+    if isinstance(spec_json.get("user_code"), dict):
+        build(config, world, seq_len=config.seq_len)
+        return
+    for_model(ModelSpec.model_validate(spec_json), config, world)
 
 
 # ------------------------------------------------------------------------ candidates from a study

@@ -186,7 +186,9 @@ def config_label(cfg: dict[str, Any]) -> str:
         parts.append(f"ga{cfg['grad_accum']}")
     if not is_default(cfg.get("parallelism")):
         parts.append(str(cfg["parallelism"]))
-    for key in ("tp", "cp", "pp", "vp"):  # a model-parallel layout: tp2 pp4 vp5
+    if cfg.get("precision") == "fp8" and cfg.get("fp8_recipe"):
+        parts[2] = f"fp8-{cfg['fp8_recipe']}"
+    for key in ("tp", "cp", "pp", "vp", "ep"):  # a model-parallel layout: tp2 pp4 vp5; experts: ep8
         if (cfg.get(key) or 1) > 1:
             parts.append(f"{key}{cfg[key]}")
     if cfg.get("optimizer") not in (None, "adamw"):

@@ -1,0 +1,67 @@
+"""The published MoE and FP8 runs of results/public/moe/ and fp8/ load, every row has its source, each row agrees
+with itself where its source prints a derived figure, and nothing in the planner reads them (they are checks)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.probes.public_moe_fp8 import FILES, load_published
+from planner.spec import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "moe"])
+def test_rows_parse_and_every_row_has_its_source(kind):
+    rows = load_published(kind)
+    assert len(rows) >= 5
+    for r in rows:
+        assert re.fullmatch(r"[0-9a-f]{40}", r.commit) and r.url.startswith("https://") and "/" in r.repo
+        assert r.where and r.read_on.startswith("2026-")
+        assert isinstance(r.train_config(), TrainConfig)  # every row is a configuration the planner reads
+    readme = (ROOT / "results" / "public" / kind / "README.md").read_text()
+    assert all(r.commit[:8] in readme for r in rows)  # the README names every source's commit
+
+
+def test_printed_speedups_are_the_rows_own_ratio():
+    """torchao's table prints each FP8 row's speed-up over its bf16 row: the row's tokens/s reproduce it."""
+    rows = {r.id: r for r in load_published("fp8")}
+    checked = 0
+    for r in rows.values():
+        m = re.search(r"([0-9.]+)% over baseline", r.where)
+        if m:
+            ratio = r.tokens_per_s_per_gpu / rows[r.baseline].tokens_per_s_per_gpu - 1
+            assert ratio * 100 == pytest.approx(float(m.group(1)), abs=0.01), r.id
+            checked += 1
+    assert checked == 2
+
+
+def test_megatron_bridge_micro_batches_give_the_global_batch():
+    """GBS = micro-batch × micro-batches × data-parallel ranks (GPUs / (TP · PP)), for the printed layouts."""
+    quoted = {"mb-2511-h100-qwen3-30b-fp8cs": 512, "mb-2511-h100-l3-8b-fp8cs": 128,
+              "mb-2511-h100-gpt-oss-120b-bf16": 512, "mb-2511-h100-l3-70b-fp8cs": 128}
+    rows = {r.id: r for kind in FILES for r in load_published(kind)}
+    for rid, gbs in quoted.items():
+        r = rows[rid]
+        assert f"| {gbs} |" in r.where
+        assert r.micro_batch * r.grad_accum * r.gpus // (r.tp * r.pp) == gbs, rid
+
+
+def test_a_bad_row_is_one_line(tmp_path):
+    src = (ROOT / "results" / "public" / "fp8" / "runs.csv").read_text().splitlines()
+    (tmp_path / "fp8").mkdir()
+    bad = src[0] + "\n" + src[2].replace(",tensorwise,", ",,", 1) + "\n"  # an fp8 row without its recipe
+    (tmp_path / "fp8" / "runs.csv").write_text(bad)
+    with pytest.raises(PlannerError, match="fp8_recipe"):
+        load_published("fp8", tmp_path)
+
+
+def test_nothing_in_the_planner_reads_these_rows():
+    """Checks, never fitted: only the loader names the files, and only benchmarks and tests import it."""
+    readers = [p for p in (ROOT / "planner").rglob("*.py")
+               if "public_moe_fp8" in p.read_text() and p.name != "public_moe_fp8.py"]
+    assert readers == []
