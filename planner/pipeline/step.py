@@ -224,8 +224,9 @@ def _fsdp1_root_blocks(model: ModelSpec, lay: framework_layout.StateLayout | Non
     transformer-layer auto-wrap): everything but the layers. FSDP1 does not reshard the root after forward
     ("Do not free the root's parameters in the post-forward for FULL_SHARD with the intention that they are
     immediately used for backward": torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`), so it stays
-    unsharded to its post-backward at the end of backward, and the view-backward of its first block (the head)
-    makes the root's whole flat gradient, kept until the embeddings' backward completes it. Empty when nothing is
+    unsharded to its post-backward at the end of backward; each block's part of its gradient (the head's first)
+    waits in autograd's buffer for the flat parameter's split backward, which the embeddings' gradient completes
+    (timeline._rows). Empty when nothing is
     sharded (world size 1: FSDP1 runs NO_SHARD) or under FSDP2 (every module resharded)."""
     if lay is None or not lay.fsdp1_root or share.parameters >= 1:
         return frozenset()
