@@ -650,6 +650,9 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
         if cfg.base_dtype == "nf4" and not cfg.checkpointing:
             notes.append("QLoRA: peft's prepare_model_for_kbit_training turns gradient checkpointing on by "
                          "default; this estimate has it off (--checkpointing to match)")
+    if spec is not None and any(t.use_cache for t in spec.transformers):  # planner.memory.kv_cache
+        notes.append("use_cache: the forward returns every layer's K and V; what autograd does not save already "
+                     "(all of it under a checkpoint wrapper) lives as long as the loop keeps the outputs")
     if cfg.fp8_recipe is not None:  # --precision fp8, computed as amp-bf16 (planner.pipeline.resolve)
         from planner.ir import fp8
 
