@@ -484,3 +484,20 @@ def test_fsdp1_root_gradient_grows_block_by_block():
     resident = sum(b.grad_bytes for b in blocks)  # sharded gradients, all made by the end
     assert at_layer <= resident + last_layer.transient_grad_bytes + head.transient_grad_bytes + norm.transient_grad_bytes
     assert at_emb == resident + head.transient_grad_bytes + norm.transient_grad_bytes + emb.transient_grad_bytes
+
+
+def test_for_loop_adam_temporaries_follow_fsdp_shards():
+    """A for-loop AdamW's `denom` temporaries are the size of the tensors the optimizer steps: under FSDP1 one
+    flat shard per unit (the root unit's first, then each layer's), under FSDP2 each parameter's shard; not
+    the whole embedding (which is what the planner used to take: 2 x 131 M x 4 B = 1000 MiB for Llama-2-7B)."""
+    est_mod = __import__("planner.estimate", fromlist=["_prepare"])
+
+    def temps(framework: str) -> int:
+        cfg = TrainConfig(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp",
+                          framework=framework, optimizer_impl="for-loop")
+        return est_mod._prepare("llama-2-7b", cfg, "ml.p4d.24xlarge", None, "cuda", None).step.optimizer_temporary_bytes
+
+    root, layer, n = 2 * 32000 * 4096 + 4096, 202_383_360, 8  # embeddings + head + final norm; one layer; GPUs
+    r, lay = root // n, layer // n
+    assert temps("accelerate") == max(2 * r, r + 2 * lay, 3 * lay) * 4  # prev denom + sqrt + quotient, fp32
+    assert temps("torchtitan") == (4096 // n + 2 * (32000 * 4096 // n)) * 4  # the head after the final norm

@@ -441,6 +441,27 @@ def _deepspeed_partition_shapes(cfg: TrainConfig, lay: framework_layout.StateLay
     return tuple([(ds.sub_group_size,)] * full + ([(rest,)] if rest else []))
 
 
+def _fsdp_local_shapes(spec: ModelSpec, facts: _ModelFacts, cfg: TrainConfig, lay: framework_layout.StateLayout,
+                       share: float) -> tuple[tuple[int], ...] | None:
+    """The tensors an optimizer steps under FSDP: this rank's shards, so a for-loop Adam's temporaries are a
+    shard's size, not a whole parameter's. FSDP2 shards each parameter (a DTensor of 1/N of its rows); FSDP1
+    steps one flat parameter per unit (torch/distributed/fsdp/_flat_param.py FlatParameter), the root unit
+    (every block outside the layers: embeddings, final norm, head) first in `model.parameters()`, then each
+    layer's. Only a for-loop Adam's temporaries read tensor sizes (optimizer.optimizer_temporary_bytes). None
+    where parameters are not sharded by FSDP (DeepSpeed: `_deepspeed_partition_shapes`)."""
+    if cfg.optimizer not in ("adam", "adamw") or cfg.optimizer_impl != "for-loop" or lay.kind == "deepspeed" \
+            or not strategy_of(cfg.parallelism).fsdp or (share >= 1 and not lay.fsdp1_root):
+        return None
+    if not lay.fsdp1_root:
+        return tuple((max(math.ceil(math.prod(s) * share), 1),) for s in facts.gradient_shapes)
+    from planner.models.blocks import model_blocks
+
+    roles = {b.name: b.role for b in model_blocks(spec)}
+    root = sum(n for name, n in facts.by_block.items() if roles.get(name) != "layer")
+    units = [root] + [n for name, n in facts.by_block.items() if roles.get(name) == "layer"]
+    return tuple((max(int(n * share), 1),) for n in units if n)
+
+
 def _traced_optimizer_temporaries(shapes, cfg: TrainConfig, lay: framework_layout.StateLayout, opt_bytes: int,
                                   share: float, trained: int) -> int:
     """`optimizer_temporary_bytes` of a traced model: its tensors, or DeepSpeed's flat partitions."""
@@ -511,6 +532,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
         trained = sum(facts.gradients_by_block.values()) or total_params
         flat = _deepspeed_partition_shapes(cfg, lay, trained, share.optimizer_states)
+        flat = flat if flat is not None else _fsdp_local_shapes(spec, facts, cfg, lay, share.parameters)
         if flat is not None:
             opt_temp = optimizer.optimizer_temporary_bytes(flat, cfg, p_bytes)
     extra_states, extra_temp = _framework_state_bytes(lay, trained, share)
