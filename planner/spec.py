@@ -156,6 +156,10 @@ class TransformerSpec(Frozen):
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # The forward returns its KV cache during training: transformers' `use_cache` as the training forward sees
+    # it (model option `use_cache=true`; planner/memory/kv_cache.py). Off by default, as the probe job builds
+    # its models and as transformers' gradient_checkpointing_enable sets it in training.
+    use_cache: bool = False
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @property

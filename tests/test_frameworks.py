@@ -430,3 +430,74 @@ def test_fsdp1_keeps_its_root_unit_unsharded_for_the_whole_step():
     assert not any(b.root_unit for b in titan.step.blocks)
     single = est_mod._prepare("gpt2", TrainConfig(**cfg, framework="accelerate"), "ml.g5.xlarge", None, "cuda", None)
     assert not any(b.root_unit for b in single.step.blocks)
+
+
+def test_fsdp1_root_gradient_grows_block_by_block():
+    """FSDP1's parameters are views of the flat parameter (torch.split + view, FlatParamHandle._get_unflat_views):
+    measured on CPU, the head's weight gradient waits in autograd's buffer through the layers' backward, and
+    neither the embeddings' gradient nor the root's whole flat gradient exists yet. So during the layers'
+    backward the planner holds the head's (and final norm's) part of the root's gradient, not all of it."""
+    import weakref
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab, hidden = 50, 8
+    flat = torch.randn(2 * vocab * hidden, requires_grad=True)
+    emb_w, head_w = (t.view(vocab, hidden) for t in torch.split(flat, [vocab * hidden, vocab * hidden]))
+    layer = torch.randn(hidden, hidden, requires_grad=True)
+    made: list[tuple[int, weakref.ref]] = []
+    param = flat.untyped_storage().data_ptr()
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() != param:  # not the flat param
+                    made.append((o.untyped_storage().nbytes(), weakref.ref(o.untyped_storage())))
+            return out
+
+    alive: list[int] = []
+    layer.register_hook(lambda g: alive.extend(n for n, r in made if r() is not None and n >= vocab * hidden * 4))
+    loss = (torch.tanh(F.embedding(torch.randint(0, vocab, (4,)), emb_w) @ layer) @ head_w.T).logsumexp(-1).sum()
+    with Track():
+        loss.backward()
+    assert alive and set(alive) == {vocab * hidden * 4}  # the head's gradient only: not the embeddings', not flat
+    assert flat.grad is not None
+
+    from planner.memory import timeline
+
+    est_mod = __import__("planner.estimate", fromlist=["_prepare"])
+    cfg = TrainConfig(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp",
+                      framework="accelerate")
+    prep = est_mod._prepare("llama-2-7b", cfg, "ml.p4d.24xlarge", None, "cuda", None)
+    blocks = prep.step.blocks
+    head = next(b for b in blocks if b.name.endswith("head"))
+    norm = next(b for b in blocks if b.name.endswith("final_norm"))
+    emb = next(b for b in blocks if b.name.endswith("embeddings"))
+    assert head.root_unit and emb.root_unit and emb.transient_grad_bytes == head.transient_grad_bytes > 0
+    rows = {(p.phase, p.label): p for p in timeline.simulate(prep.step)}
+    last_layer = [b for b in blocks if not b.root_unit and b.name != "loss"][-1]
+    at_layer = rows[("backward", last_layer.name)].bytes["gradients"]
+    at_emb = rows[("backward", emb.name)].bytes["gradients"]
+    resident = sum(b.grad_bytes for b in blocks)  # sharded gradients, all made by the end
+    assert at_layer <= resident + last_layer.transient_grad_bytes + head.transient_grad_bytes + norm.transient_grad_bytes
+    assert at_emb == resident + head.transient_grad_bytes + norm.transient_grad_bytes + emb.transient_grad_bytes
+
+
+def test_for_loop_adam_temporaries_follow_fsdp_shards():
+    """A for-loop AdamW's `denom` temporaries are the size of the tensors the optimizer steps: under FSDP1 one
+    flat shard per unit (the root unit's first, then each layer's), under FSDP2 each parameter's shard; not
+    the whole embedding (which is what the planner used to take: 2 x 131 M x 4 B = 1000 MiB for Llama-2-7B)."""
+    est_mod = __import__("planner.estimate", fromlist=["_prepare"])
+
+    def temps(framework: str) -> int:
+        cfg = TrainConfig(batch_size=1, seq_len=512, precision="amp-bf16", checkpointing=True, parallelism="fsdp",
+                          framework=framework, optimizer_impl="for-loop")
+        return est_mod._prepare("llama-2-7b", cfg, "ml.p4d.24xlarge", None, "cuda", None).step.optimizer_temporary_bytes
+
+    root, layer, n = 2 * 32000 * 4096 + 4096, 202_383_360, 8  # embeddings + head + final norm; one layer; GPUs
+    r, lay = root // n, layer // n
+    assert temps("accelerate") == max(2 * r, r + 2 * lay, 3 * lay) * 4  # prev denom + sqrt + quotient, fp32
+    assert temps("torchtitan") == (4096 // n + 2 * (32000 * 4096 // n)) * 4  # the head after the final norm

@@ -24,7 +24,8 @@ an fp32 mask are promoted to fp32; GPT-2's Python `gelu_new` saves 4 tensors of 
 RMSNorm saves fp32 copies; fused SDPA kernels save no s² tensor at all.
 
 Besides `saved_bytes` / `kept_bytes`, each block reports its AMP cast cache (`autocast_cache_bytes`:
-alive until autocast exits, checkpointed or not), the logits the model returns (`retained_output_bytes`)
+alive until autocast exits, checkpointed or not), the logits the model returns (`retained_output_bytes`; on a
+layer, the KV cache it returns with `use_cache`, beyond what it saves: planner.memory.kv_cache)
 and unsaved temporaries: `backward_transient_bytes` of transformer layers is op-by-op
 (`layer_backward_transient`, equal to the traced autograd peak: tests/test_backward_transients.py); the
 other blocks' and every `forward_transient_bytes` are rough estimates (`_transients`).
@@ -69,6 +70,7 @@ from planner.ir.context import (  # noqa: E402, F401
     sdpa_math_for_mask_grad,
     vocab_per_rank,
 )
+from planner.memory import kv_cache
 from planner.models.blocks import Block, model_blocks
 from planner.spec import (
     BYTES_PER_DTYPE,
@@ -117,7 +119,8 @@ class BlockActivations:
     forward_transient_bytes: int  # estimate: peak extra temporaries inside the forward that are not saved
     backward_transient_bytes: int  # estimate: peak extra temporaries while back-propagating through the block
     checkpointed: bool
-    # Added: tensors the model returns that the caller keeps through backward (HF ModelOutput.logits).
+    # Added: tensors the model returns that the caller keeps through backward (HF ModelOutput.logits; a layer's
+    # KV cache under use_cache, planner.memory.kv_cache).
     retained_output_bytes: int = 0
     # Added: AMP's cast cache for this block (16-bit weights and biases), alive from the block's forward
     # until the autocast context exits, checkpointed or not (see `autocast_cache`). 0 without AMP.
@@ -725,6 +728,9 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         if is_layer:
             bwd = layer_backward_tensors(block.layer, saved, ctx)  # type: ignore[arg-type]
         retained = head_output_bytes(block.layer, ctx) if block.role == "head" else 0  # type: ignore[arg-type]
+        if is_layer and block.layer.use_cache:  # type: ignore[union-attr]  # the KV cache it returns (kv_cache.py)
+            extra = kv_cache.extra_tensors(block.layer, ctx, ((t.name, t.numel) for t in kept))  # type: ignore[arg-type]
+            retained = _total([Saved(name, n, ctx.low) for name, n in extra], backend)
         cache = autocast_cache(block, ctx)
         out.append(BlockActivations(block.name, _total(saved, backend), _total(kept, backend),
                                     _total(casts, backend), fwd, sum(bwd), ckpt, retained,

@@ -593,9 +593,8 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
             grad_ids += alloc(name, row + B_GRADS, ".grad")
         if not b.root_unit:
             tmp += alloc(name, row + B_UNSHARDED, ".unsharded grad")
-        elif not root_grads:  # the root's flat gradient, whole, from its first block's backward
-            for j in root:
-                root_grads += alloc(blocks[j].name, j * BLOCK_SLOTS + B_UNSHARDED, ".unsharded grad (root unit)")
+        else:  # the root's gradient, each block's part from its own backward (timeline._rows says why)
+            root_grads += alloc(name, row + B_UNSHARDED, ".unsharded grad (root unit)")
         mark("backward", name)
         free(tmp)
         free(gathered)

@@ -45,7 +45,7 @@ class BlockMemory(NamedTuple):
     forward_cache_bytes: int = 0  # AMP cast cache not saved for backward: alive until autocast exits
     retained_bytes: int = 0  # outputs the training loop holds (logits): alive through backward and the step
     # part of FSDP1's root unit (the modules outside the wrapped layers): unsharded from the start of the forward
-    # to the end of the backward, its whole unsharded gradient from its first block's backward to the end
+    # to the end of the backward, each block's part of its unsharded gradient from that block's backward on
     root_unit: bool = False
 
 
@@ -106,9 +106,8 @@ def _rows(step: StepMemory) -> list[Row]:
     outputs_total = sum(b.retained_bytes for b in blocks)
     carried = outputs_total if step.outputs_die == "next-forward" else 0
 
-    # FSDP1's root unit (BlockMemory.root_unit): gathered for the whole step, its gradient from its first backward
+    # FSDP1's root unit (BlockMemory.root_unit): gathered for the whole step
     root_p = sum(b.gathered_param_bytes for b in blocks if b.root_unit)
-    root_g = sum(b.transient_grad_bytes for b in blocks if b.root_unit)
     kept = cache = 0
     for b in blocks:
         running = (b.kept_bytes if b.checkpointed else b.saved_bytes) + b.forward_cache_bytes + b.retained_bytes
@@ -122,12 +121,17 @@ def _rows(step: StepMemory) -> list[Row]:
     if step.outputs_die == "forward-end":  # the loop returned only the loss: the outputs die before backward
         kept -= outputs_total
 
-    root_grads = 0  # the root's unsharded gradient, whole from its first block's backward to the end
+    # the root's unsharded gradient, piece by piece: each root block's part from its own backward to the end.
+    # FSDP1's parameters are views of the flat parameter (torch.split + view, _flat_param.py
+    # FlatParamHandle._get_unflat_views), so the head's gradient waits in autograd's buffer for the split's
+    # backward until the embeddings' gradient arrives; during the layers' backward only the head's (and the
+    # final norm's) part exists (tests/test_frameworks.py measures it on CPU).
+    root_grads = 0
     for b in reversed(blocks):
         recompute = b.saved_bytes - b.kept_bytes if b.checkpointed else 0
         new_grads = 0 if step.grads_resident else b.grad_bytes
         if b.root_unit:
-            root_grads = root_g
+            root_grads += b.transient_grad_bytes
         gathered = root_p if b.root_unit else root_p + b.gathered_param_bytes
         transient = 0 if b.root_unit else b.transient_grad_bytes
         rows.append(("backward", b.name, params + gathered,

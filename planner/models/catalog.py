@@ -3,7 +3,8 @@
 `get_model(name_or_path, **options)` accepts a catalog name, a hub id listed in a file's `_source`
 (e.g. "google-bert/bert-base-uncased"), or a path to a config.json (or a folder holding one).
 Catalog models keep the head of their hub config (bert-base-uncased is BertForMaskedLM, gpt2 is
-GPT2LMHeadModel); options `head=` and `num_labels=` change it.
+GPT2LMHeadModel); options `head=` and `num_labels=` change it; `use_cache=true` says the training forward
+returns its KV cache (planner/memory/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ MULTIMODAL = "multimodal-bert"
 # Options of multimodal-bert and their defaults (its TabAE / TextBertBase / merge network).
 MULTIMODAL_DEFAULTS: dict[str, Any] = {"text_model": "bert-base-uncased", "tab_in": 100, "tab_out": 128,
                                        "text_out": 128, "num_classes": 2, "binary": True}
-TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels")
+TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels", "use_cache")
 # Listing order: by family, small to large; a config file added later is listed after these.
 ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-base", "roberta-large",
                           "distilroberta-base", "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large",

@@ -507,7 +507,25 @@ def transformer_with_options(config: dict[str, Any], options: dict[str, Any]) ->
         elif head != "sequence-classification":
             raise PlannerError("num_labels", num_labels, "only with head=sequence-classification")
     applied = _with_head(dict(config), family, head, num_labels)
-    return _transformer(applied, family), applied
+    t = _transformer(applied, family)
+    if "use_cache" in options:
+        t = t.model_copy(update={"use_cache": use_cache_option(options["use_cache"], t)})
+    return t, applied
+
+
+def use_cache_option(value: Any, t: TransformerSpec) -> bool:
+    """The model option `use_cache`: whether the training forward returns its KV cache (planner/memory/kv_cache.py).
+    Not read from config.json: the hub's `use_cache: true` is what generation wants, and training code turns it
+    off (transformers' gradient_checkpointing_enable in training, FastChat's train.py, the probe job); a job
+    that keeps it on says so. Modelled for decoders with rotary attention and one K/V head width (Llama,
+    Mistral, Qwen, Mixtral); GPT-2's cache holds views of its fused qkv output and MLA caches its up-projected
+    keys, which are not modelled."""
+    if not isinstance(value, bool):
+        raise PlannerError("use_cache", value, "true or false")
+    if value and (t.position_table or t.kv_lora_rank):
+        raise PlannerError("use_cache", value, "false for this model (the KV cache is modelled for decoders with "
+                           "rotary attention: Llama, Mistral, Qwen, Mixtral)")
+    return value
 
 
 def spec_with_options(config: dict[str, Any], options: dict[str, Any], *, name: str,

@@ -225,8 +225,9 @@ def _fsdp1_root_blocks(model: ModelSpec, lay: framework_layout.StateLayout | Non
     transformer-layer auto-wrap): everything but the layers. FSDP1 does not reshard the root after forward
     ("Do not free the root's parameters in the post-forward for FULL_SHARD with the intention that they are
     immediately used for backward": torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`), so it stays
-    unsharded to its post-backward at the end of backward, and the view-backward of its first block (the head)
-    makes the root's whole flat gradient, kept until the embeddings' backward completes it. Empty when nothing is
+    unsharded to its post-backward at the end of backward; each block's part of its gradient (the head's first)
+    waits in autograd's buffer for the flat parameter's split backward, which the embeddings' gradient completes
+    (timeline._rows). Empty when nothing is
     sharded (world size 1: FSDP1 runs NO_SHARD) or under FSDP2 (every module resharded)."""
     if lay is None or not lay.fsdp1_root or share.parameters >= 1:
         return frozenset()
@@ -452,6 +453,27 @@ def _deepspeed_partition_shapes(cfg: TrainConfig, lay: framework_layout.StateLay
     return tuple([(ds.sub_group_size,)] * full + ([(rest,)] if rest else []))
 
 
+def _fsdp_local_shapes(spec: ModelSpec, facts: _ModelFacts, cfg: TrainConfig, lay: framework_layout.StateLayout,
+                       share: float) -> tuple[tuple[int], ...] | None:
+    """The tensors an optimizer steps under FSDP: this rank's shards, so a for-loop Adam's temporaries are a
+    shard's size, not a whole parameter's. FSDP2 shards each parameter (a DTensor of 1/N of its rows); FSDP1
+    steps one flat parameter per unit (torch/distributed/fsdp/_flat_param.py FlatParameter), the root unit
+    (every block outside the layers: embeddings, final norm, head) first in `model.parameters()`, then each
+    layer's. Only a for-loop Adam's temporaries read tensor sizes (optimizer.optimizer_temporary_bytes). None
+    where parameters are not sharded by FSDP (DeepSpeed: `_deepspeed_partition_shapes`)."""
+    if cfg.optimizer not in ("adam", "adamw") or cfg.optimizer_impl != "for-loop" or lay.kind == "deepspeed" \
+            or not strategy_of(cfg.parallelism).fsdp or (share >= 1 and not lay.fsdp1_root):
+        return None
+    if not lay.fsdp1_root:
+        return tuple((max(math.ceil(math.prod(s) * share), 1),) for s in facts.gradient_shapes)
+    from planner.models.blocks import model_blocks
+
+    roles = {b.name: b.role for b in model_blocks(spec)}
+    root = sum(n for name, n in facts.by_block.items() if roles.get(name) != "layer")
+    units = [root] + [n for name, n in facts.by_block.items() if roles.get(name) == "layer"]
+    return tuple((max(int(n * share), 1),) for n in units if n)
+
+
 def _traced_optimizer_temporaries(shapes, cfg: TrainConfig, lay: framework_layout.StateLayout, opt_bytes: int,
                                   share: float, trained: int) -> int:
     """`optimizer_temporary_bytes` of a traced model: its tensors, or DeepSpeed's flat partitions."""
@@ -522,6 +544,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         states, opt_temp = _optimizer_bytes(facts, _optimizer_config(cfg, lay), p_bytes, share.optimizer_states)
         trained = sum(facts.gradients_by_block.values()) or total_params
         flat = _deepspeed_partition_shapes(cfg, lay, trained, share.optimizer_states)
+        flat = flat if flat is not None else _fsdp_local_shapes(spec, facts, cfg, lay, share.parameters)
         if flat is not None:
             opt_temp = optimizer.optimizer_temporary_bytes(flat, cfg, p_bytes)
     extra_states, extra_temp = _framework_state_bytes(lay, trained, share)
@@ -661,6 +684,9 @@ def _notes(spec: ModelSpec | None, cfg: TrainConfig) -> list[str]:
         if cfg.base_dtype == "nf4" and not cfg.checkpointing:
             notes.append("QLoRA: peft's prepare_model_for_kbit_training turns gradient checkpointing on by "
                          "default; this estimate has it off (--checkpointing to match)")
+    if spec is not None and any(t.use_cache for t in spec.transformers):  # planner.memory.kv_cache
+        notes.append("use_cache: the forward returns every layer's K and V; what autograd does not save already "
+                     "(all of it under a checkpoint wrapper) lives as long as the loop keeps the outputs")
     if cfg.fp8_recipe is not None:  # --precision fp8, computed as amp-bf16 (planner.pipeline.resolve)
         from planner.ir import fp8
 

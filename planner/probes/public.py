@@ -170,9 +170,15 @@ class ShardedRun(MemoryRun):
     # the training loop's tensor lifetimes (`--loop`): "loss-only" where the script keeps only the loss
     # (`loss = model(**batch).loss`), "plain" where it keeps the outputs until the step ends
     loop: Loop = "plain"
+    # the model's training forward returns its KV cache (model option `use_cache`, planner/memory/kv_cache.py):
+    # the config's use_cache left on and checkpointing that transformers does not see (FSDP's wrapper)
+    use_cache: bool = False
     # the job's DeepSpeed config, a file under sharded/ (`--ds-config`): its stage, buckets, and whether the
     # script's own optimizer steps the partitions (no "optimizer" block)
     ds_config: str = ""
+
+    def model_options(self) -> dict[str, Any]:
+        return super().model_options() | ({"use_cache": True} if self.use_cache else {})
 
     def train_config(self) -> TrainConfig:
         base = super().train_config()
