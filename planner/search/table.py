@@ -77,9 +77,14 @@ def typed_rows(dicts: Iterable[Row]) -> tuple[list[Row], dict[str, str]]:
     columns: dict[str, None] = {}
     for d in dicts:
         columns.update(dict.fromkeys(d))
-    kinds = {c: column_kind([d.get(c, NAN) for d in dicts]) for c in columns}
-    rows = [{c: _typed(kinds[c], d.get(c, NAN)) for c in columns} for d in dicts]
-    return rows, kinds
+    kinds = {}
+    cells: list[list[Any]] = []
+    for c in columns:
+        values = [d.get(c, NAN) for d in dicts]
+        kinds[c] = kind = column_kind(values)
+        cells.append([_typed(kind, v) for v in values] if kind in ("float", "str", "datetime") else values)
+    names = list(columns)
+    return [dict(zip(names, row, strict=True)) for row in zip(*cells, strict=True)] if names else [{} for _ in dicts], kinds
 
 
 def frame_of(rows: list[Row], kinds: dict[str, str]) -> Any:
