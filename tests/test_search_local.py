@@ -125,7 +125,8 @@ def test_unpriced_types_are_listed_as_unpriced_not_as_unable_to_run(tmp_path):
 
     result = run_search(DEFAULT_SWEEP.with_overrides(instance=TYPES[:2], objective={"target": "cost"}), trials=2,
                         results_dir=tmp_path, estimate_fn=fake_estimate, write_files=False)
-    result.frame.loc[result.frame.instance == TYPES[1], "feasible"] = False
+    for row in result.rows:
+        row["feasible"] = row["feasible"] and row["instance"] != TYPES[1]
     result.run.starts[1] = Start(TYPES[1], result.run.starts[1].params, False,
                                  f"no price for {TYPES[1]}, so no cost to minimise")
     lines = _missing_lines(result, list(TYPES[:2]))

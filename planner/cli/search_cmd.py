@@ -247,18 +247,19 @@ def print_result(result: SearchResult, top: int) -> None:
     from planner.search.columns import cost_column, time_column
     from planner.search.results import best_per_instance, best_row, seq_len_front, top_k
     from planner.search.sweep import TARGETS
+    from planner.search.table import missing, sort_rows
 
     assert result.target in TARGETS
-    frame = result.frame
+    rows = result.rows
     run = result.run
-    n_feasible = int(frame["feasible"].sum()) if len(frame) else 0
+    n_feasible = sum(bool(r["feasible"]) for r in rows)
     goal = {"throughput": "max samples/s", "cost": "min $ per job", "time": "min hours per job",
             "pareto": "hours vs $ per job (Pareto front)"}[result.target]
     types = run.instances
     where = types[0] if len(types) == 1 else f"{len(types)} instance types"
     console.print(f"[bold]{result.sweep.model}[/] on {where}: study [cyan]{result.name}[/]", highlight=False)
     console.print(f"recipe: {_recipe_text(result)}", highlight=False)
-    console.print(f"objective: {goal}; {len(frame)} trials ({n_feasible} feasible), sampler {run.sampler}",
+    console.print(f"objective: {goal}; {len(rows)} trials ({n_feasible} feasible), sampler {run.sampler}",
                   highlight=False)
     shown = set(run.space.searched())
     fixed = {k: v for k, v in run.space.constants().items() if k not in shown and k != "instance"}
@@ -273,13 +274,13 @@ def print_result(result: SearchResult, top: int) -> None:
         console.print(f"left out of the default space: {dropped}", highlight=False)
     if n_feasible == 0:
         return
-    cost_col, time_col = cost_column(frame), time_column(frame)
+    cost_col, time_col = cost_column(rows), time_column(rows)
     per_job = cost_col == "usd_per_job"
     cost_head, time_head = ("$/job", "h/job") if per_job else ("$/M", "h/M")
     multi = len(types) > 1 or "instances" in shown
-    best = best_row(frame, result.target, result.direction)
-    if len(best):
-        for line in best_lines(best.iloc[0], time_col, cost_col, per_job):
+    best = best_row(rows, result.target, result.direction)
+    if best:
+        for line in best_lines(best[0], time_col, cost_col, per_job):
             console.print(line, highlight=False, soft_wrap=True)
     from planner.prices import price_records, provenance_summary, stale_hint
 
@@ -291,18 +292,18 @@ def print_result(result: SearchResult, top: int) -> None:
     heads = ["#"] + (["instance"] if multi else []) + ["configuration", "peak GiB", "samples/s", time_head,
                                                        cost_head]
     table = _table(f"Top {top} configurations (micro x accum x GPUs)", heads)
-    for i, (_, row) in enumerate(top_k(frame, top, result.direction).iterrows(), 1):
+    for i, row in enumerate(top_k(rows, top, result.direction), 1):
         table.add_row(str(i), *([_instance_text(row)] if multi else []), _config_text(row, shown),
                       _num(row["peak_device_gib"]), _num(row["samples_per_s"], ",.1f"), _num(row[time_col]),
                       _num(row[cost_col], prefix="$"))
     console.print(table)
     if len(types) > 1:
-        per = best_per_instance(frame, result.direction)
+        per = best_per_instance(rows, result.direction)
         if result.target == "pareto":
-            per = per.sort_values(cost_col, kind="stable")
+            per = sort_rows(per, [(lambda r: r[cost_col], True)])
         table = _table("Best per instance type, cheapest per job first", ["instance", "configuration",
                                                                           "samples/s", "$/h", time_head, cost_head])
-        for _, row in per.iterrows():
+        for row in per:
             table.add_row(_instance_text(row), _config_text(row, shown), _num(row["samples_per_s"], ",.1f"),
                           _num(row["price_per_hour"], prefix="$"), _num(row[time_col]), _num(row[cost_col], prefix="$"))
         console.print(table)
@@ -313,15 +314,15 @@ def print_result(result: SearchResult, top: int) -> None:
 
         table = _table("Pareto front: hours vs $ per job", ["instance", "configuration", "samples/s", time_head,
                                                             cost_head])
-        for _, row in time_vs_cost(frame).iterrows():
+        for row in time_vs_cost(rows):
             table.add_row(_instance_text(row), _config_text(row, shown), _num(row["samples_per_s"], ",.1f"),
                           _num(row[time_col]), _num(row[cost_col], prefix="$"))
         console.print(table)
     front = seq_len_front(result)
-    if len(front) and front["seq_len"].nunique() > 1:
+    if len({r["seq_len"] for r in front if not missing(r["seq_len"])}) > 1:
         table = _table("Best per sequence length (Pareto front)", ["seq", *(["instance"] if multi else []),
                                                                     "configuration", "samples/s", cost_head])
-        for _, row in front.iterrows():
+        for row in front:
             table.add_row(_int(row["seq_len"]), *([_instance_text(row)] if multi else []), _config_text(row, shown),
                           _num(row["samples_per_s"], ",.1f"), _num(row[cost_col], prefix="$"))
         console.print(table)
@@ -382,9 +383,9 @@ def write_best_timeline(result: SearchResult, path: str) -> None:
     from planner.search.results import best_row
     from planner.search.sweep import sweep_model
 
-    b = best_row(result.frame, result.target, result.direction).iloc[0]
+    b = best_row(result.rows, result.target, result.direction)[0]
     space = result.run.space
-    values = {dim: b[dim] for dim in space.values() if dim in b.index and b[dim] == b[dim]}
+    values = {dim: b[dim] for dim in space.values() if dim in b and b[dim] == b[dim]}
     for dim, vals in space.values().items():  # numpy scalars back to the space's own values
         values[dim] = next((v for v in vals if v == values.get(dim)), vals[0])
     config = space.config(values)
@@ -419,7 +420,7 @@ def interrupted_message(stop: SearchInterrupted) -> str:
 def infeasible_message(result: SearchResult) -> str:
     from planner.search.results import infeasible_reasons
 
-    reasons = infeasible_reasons(result.frame)
+    reasons = infeasible_reasons(result.rows)
     common = "; ".join(f"{n}x {text}" for n, text in reasons[:3])
     hints = []
     if any("memory" in text or "tight" in text for _, text in reasons):
@@ -430,7 +431,7 @@ def infeasible_message(result: SearchResult) -> str:
     if any(text.startswith("--") for _, text in reasons):
         hints.append("values this GPU and model support (see the reasons)")
     advice = f" Try {'; or '.join(hints)}." if hints else ""
-    return (f"no feasible configuration in {len(result.frame)} trials of study {result.name} (the trials are "
+    return (f"no feasible configuration in {len(result.rows)} trials of study {result.name} (the trials are "
             f"saved in {result.storage}); reasons: {common or 'none'}.{advice}")
 
 
@@ -438,12 +439,13 @@ def _missing_lines(result: SearchResult, types: list[str]) -> list[str]:
     """Why some instance types have no row, said honestly: "even its smallest start fails" only where the
     memory model's start (study.start_points: smallest micro-batch, checkpointing, sharding) failed; otherwise
     the trials simply found none ("in its N trials"), which a user must not read as "cannot train here"."""
-    frame = result.frame
-    found = set(frame[frame["feasible"]]["instance"])
+    from collections import Counter
+
+    found = {r["instance"] for r in result.rows if r["feasible"]}
     missing = [t for t in types if t not in found]
     unfit = {s.instance: s.reason for s in result.run.starts if not s.feasible}
     unpriced = [n for n in missing if unfit.get(n, "").startswith("no price for")]
-    counts = frame["instance"].value_counts()
+    counts = Counter(r["instance"] for r in result.rows)
     lines = []
     # types whose smallest start fails the same way (figures aside): one line
     same_reason: dict[str, list[tuple[str, str]]] = {}

@@ -1,14 +1,14 @@
 """Column helpers over a search's trial table, shared by results (best, top-k) and pareto (fronts).
 
-Kept apart so that results -> pareto is the only import between them (no loop).
+Kept apart so that results -> pareto is the only import between them (no loop). Each takes the table as rows
+(planner.search.table) or as a DataFrame (what the report and the API's callers hold).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    import pandas as pd
+from planner.search.table import Row, missing, on_rows, rows_of
 
 CONFIG_COLUMNS = ("instance", "instances", "batch_size", "seq_len", "precision", "checkpointing", "grad_accum",
                   "optimizer", "optimizer_impl", "attention", "parallelism")
@@ -22,29 +22,44 @@ FRAMEWORK_COLUMNS = ("framework",)
 MODEL_PARALLEL_COLUMNS = ("tp", "pp", "cp")
 
 
-def unique_configs(frame: pd.DataFrame) -> pd.DataFrame:
+def _cell_key(value: Any) -> Any:
+    return None if missing(value) else value  # drop_duplicates counts NaN equal to NaN
+
+
+@on_rows
+def unique_configs(rows: list[Row]) -> list[Row]:
     """One row per (instance, configuration): TPE evaluates a good point of a discrete space many times."""
+    if not rows:
+        return rows
     keys = [c for c in (*CONFIG_COLUMNS, *LORA_COLUMNS, *FRAMEWORK_COLUMNS, *LOOP_COLUMNS, *MODEL_PARALLEL_COLUMNS)
-            if c in frame.columns]
-    return frame.drop_duplicates(subset=keys, keep="first")
+            if c in rows[0]]
+    seen: set[tuple] = set()
+    out = []
+    for row in rows:
+        key = tuple(_cell_key(row[k]) for k in keys)
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
 
 
-def feasible(frame: pd.DataFrame) -> pd.DataFrame:
+@on_rows
+def feasible(rows: list[Row]) -> list[Row]:
     """The feasible trials, one per distinct configuration."""
-    if frame.empty or "feasible" not in frame.columns:
-        return frame.iloc[0:0]
-    return unique_configs(frame[frame["feasible"].astype(bool)])
+    if not rows or "feasible" not in rows[0]:
+        return []
+    return unique_configs([r for r in rows if r["feasible"]])
 
 
-def cost_column(frame: pd.DataFrame) -> str:
+def _any_value(rows: list[Row], column: str) -> bool:
+    return bool(rows) and column in rows[0] and any(not missing(r[column]) for r in rows)
+
+
+def cost_column(table: Any) -> str:
     """$ per job when the recipe gives a dataset size, else $ per million samples."""
-    if "usd_per_job" in frame.columns and frame["usd_per_job"].notna().any():
-        return "usd_per_job"
-    return "usd_per_million_samples"
+    return "usd_per_job" if _any_value(rows_of(table), "usd_per_job") else "usd_per_million_samples"
 
 
-def time_column(frame: pd.DataFrame) -> str:
+def time_column(table: Any) -> str:
     """Hours per job when the recipe gives a dataset size, else hours per million samples."""
-    if "hours_per_job" in frame.columns and frame["hours_per_job"].notna().any():
-        return "hours_per_job"
-    return "hours_per_million_samples"
+    return "hours_per_job" if _any_value(rows_of(table), "hours_per_job") else "hours_per_million_samples"

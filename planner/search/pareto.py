@@ -9,15 +9,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from planner.search.columns import cost_column, feasible, time_column
-
-if TYPE_CHECKING:  # pragma: no cover
-    import pandas as pd
+from planner.search.table import Row, missing, on_rows, sort_rows
 
 
-def pareto_front(frame: pd.DataFrame, objectives: dict[str, bool]) -> pd.DataFrame:
+@on_rows
+def pareto_front(rows: list[Row], objectives: dict[str, bool]) -> list[Row]:
     """Rows not dominated by another row; `objectives` maps column -> True to maximise, False to minimise.
 
     Row a dominates b when a is at least as good in every objective and better in one. Rows with a
@@ -26,11 +23,11 @@ def pareto_front(frame: pd.DataFrame, objectives: dict[str, bool]) -> pd.DataFra
     the O(n²) pairwise test.
     """
     cols = list(objectives)
-    data = frame.dropna(subset=cols)
-    if data.empty:
+    data = [r for r in rows if not any(missing(r[c]) for c in cols)]
+    if not data:
         return data
     signs = [1.0 if objectives[c] else -1.0 for c in cols]
-    points = [tuple(s * float(v) for s, v in zip(signs, row, strict=True)) for row in data[cols].itertuples(index=False)]
+    points = [tuple(s * float(r[c]) for s, c in zip(signs, cols, strict=True)) for r in data]
     keep: list[int] = []
     seen: set[tuple[float, ...]] = set()
     if len(cols) == 2:
@@ -46,30 +43,33 @@ def pareto_front(frame: pd.DataFrame, objectives: dict[str, bool]) -> pd.DataFra
             if not dominated and p not in seen:
                 keep.append(i)
                 seen.add(p)
-    return data.iloc[keep].sort_values(cols[0], ascending=not objectives[cols[0]], kind="stable")
+    first = cols[0]
+    return sort_rows([data[i] for i in keep], [(lambda r: r[first], not objectives[first])])
 
 
-def time_vs_cost(frame: pd.DataFrame) -> pd.DataFrame:
+@on_rows
+def time_vs_cost(rows: list[Row]) -> list[Row]:
     """Over all instance types and counts: the front of (hours per job down, $ per job down), fastest first."""
-    data = feasible(frame)
-    if data.empty:
+    data = feasible(rows)
+    if not data:
         return data
     return pareto_front(data, {time_column(data): False, cost_column(data): False})
 
 
-def throughput_vs_seq_len(frame: pd.DataFrame, direction: str = "maximize", value: str = "samples_per_s"
-                          ) -> pd.DataFrame:
+@on_rows
+def throughput_vs_seq_len(rows: list[Row], direction: str = "maximize", value: str = "samples_per_s") -> list[Row]:
     """The front of (sequence length up, `value` better), shortest first."""
-    data = feasible(frame)
-    if data.empty:
+    data = feasible(rows)
+    if not data:
         return data
-    return pareto_front(data, {"seq_len": True, value: direction == "maximize"}).sort_values("seq_len",
-                                                                                            kind="stable")
+    return sort_rows(pareto_front(data, {"seq_len": True, value: direction == "maximize"}),
+                     [(lambda r: r["seq_len"], True)])
 
 
-def throughput_vs_cost(frame: pd.DataFrame) -> pd.DataFrame:
+@on_rows
+def throughput_vs_cost(rows: list[Row]) -> list[Row]:
     """Over all instance types: the front of (samples/s up, $ down), fastest first."""
-    data = feasible(frame)
-    if data.empty:
+    data = feasible(rows)
+    if not data:
         return data
     return pareto_front(data, {"samples_per_s": True, cost_column(data): False})

@@ -49,6 +49,10 @@ class StudyRun:
 
 @dataclass
 class SearchResult:
+    """A search's study and its trial table: `rows` (planner.search.results.trials_rows: one dict per trial,
+    every column, pandas' types; what the command prints and writes) and `frame`, the same table as a pandas
+    DataFrame, built when first asked for (pandas' import is a quarter of a default search's time)."""
+
     name: str
     storage: str  # URL without password, or the journal file
     results_dir: Path
@@ -56,8 +60,19 @@ class SearchResult:
     target: str  # throughput, cost, time or pareto
     directions: list[str]
     run: StudyRun
-    frame: pd.DataFrame
+    rows: list[dict[str, Any]]
+    kinds: dict[str, str]  # each column's kind (planner.search.table.column_kind)
     files: dict[str, Path] = field(default_factory=dict)
+    _frame: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """The trial table as a DataFrame (built once, on first use, from `rows`)."""
+        if self._frame is None:
+            from planner.search.table import frame_of
+
+            self._frame = frame_of(self.rows, self.kinds)
+        return self._frame
 
     @property
     def direction(self) -> str:
@@ -69,4 +84,4 @@ class SearchResult:
 
     @property
     def all_infeasible(self) -> bool:
-        return not bool(self.frame["feasible"].any()) if len(self.frame) else True
+        return not any(row["feasible"] for row in self.rows)

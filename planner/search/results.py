@@ -7,6 +7,9 @@ top-k; the Pareto fronts; counts and reasons). Columns: the config (with instanc
 memory term in bytes, peak/headroom in GiB, the verdict, throughput, cost (per job, per epoch, per
 million samples) and the constraint values. Files are written under a per-process temporary name, then
 renamed: a reader never sees half a file and two workers never share a temporary file.
+
+The table is plain rows (planner.search.table: pandas' column types, no pandas import, which alone cost a
+quarter of the default search's time); every selection below takes rows or a DataFrame (the report's).
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ from planner.search.columns import (
     unique_configs,
 )
 from planner.search.pareto import throughput_vs_cost, throughput_vs_seq_len, time_vs_cost
+from planner.search.table import (
+    Row,
+    frame_of,
+    missing,
+    on_rows,
+    rows_of,
+    sort_rows,
+    typed_rows,
+    write_csv,
+    write_parquet,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -96,14 +110,19 @@ def _row(run: StudyRun, trial: Any) -> dict[str, Any]:
     return row
 
 
+# The columns of a study without a trial (its table and files are empty but still say what they hold).
+EMPTY_COLUMNS = ("study", "trial", "state", "value", "feasible", "reason", *CONFIG_COLUMNS)
+
+
+def trials_rows(run: StudyRun) -> tuple[list[Row], dict[str, str]]:
+    """(one row per trial of the study, each column's kind): planner.search.table.typed_rows."""
+    rows, kinds = typed_rows(_row(run, t) for t in run.trials)
+    return rows, kinds or dict.fromkeys(EMPTY_COLUMNS, "null")
+
+
 def trials_frame(run: StudyRun) -> pd.DataFrame:
     """One row per trial of the study."""
-    import pandas as pd
-
-    frame = pd.DataFrame([_row(run, t) for t in run.trials])
-    if frame.empty:
-        frame = pd.DataFrame(columns=["study", "trial", "state", "value", "feasible", "reason", *CONFIG_COLUMNS])
-    return frame
+    return frame_of(*trials_rows(run))
 
 
 # Values equal to this many significant digits are a tie (the tables show 1,338.5 samples/s, $1.75): a
@@ -116,74 +135,89 @@ TIE_SIGNIFICANT_DIGITS = 4
 SIMPLICITY: dict[str, int] = {name: s.rank for name, s in STRATEGIES.items()}  # each record's `rank`
 
 
-def _rounded(values: pd.Series) -> pd.Series:
-    """`values` to TIE_SIGNIFICANT_DIGITS significant digits (NaN and inf stay)."""
+def _rounded(rows: list[Row], column: str) -> list[float]:
+    """The column's values to TIE_SIGNIFICANT_DIGITS significant digits (NaN and inf stay), with numpy's
+    log10 and half-even rounding over the column, as the tables' ties were always decided."""
     import numpy as np
 
-    v = values.astype(float)
+    v = np.array([math.nan if missing(r[column]) else float(r[column]) for r in rows], dtype=float)
     finite = np.isfinite(v) & (v != 0)
-    digits = TIE_SIGNIFICANT_DIGITS - 1 - np.floor(np.log10(np.abs(v.where(finite, 1.0))))
+    digits = TIE_SIGNIFICANT_DIGITS - 1 - np.floor(np.log10(np.abs(np.where(finite, v, 1.0))))
     scale = 10.0 ** digits
-    return v.where(~finite, np.round(v * scale) / scale)
+    return np.where(finite, np.round(v * scale) / scale, v).tolist()
 
 
-def _order(frame: pd.DataFrame, direction: str) -> pd.DataFrame:
+def _order(rows: list[Row], direction: str) -> list[Row]:
     """Best value first (to TIE_SIGNIFICANT_DIGITS); ties broken by the cheaper, then the faster, then the
     simpler-parallelism configuration (SIMPLICITY), then the exact value."""
-    if frame.empty:
-        return frame
-    keys = {"_value": _rounded(frame["value"])}
-    asc = [direction == "minimize"]
-    for col, up in ((cost_column(frame), True), ("samples_per_s", False)):
-        if col in frame.columns and col != "value":
-            keys[f"_{col}"] = _rounded(frame[col])
-            asc.append(up)
-    if "parallelism" in frame.columns:
-        keys["_simplicity"] = frame["parallelism"].map(SIMPLICITY).fillna(len(SIMPLICITY))
-        asc.append(True)
-    keys["_exact"] = frame["value"]
-    asc.append(direction == "minimize")
-    ordered = frame.assign(**keys).sort_values(list(keys), ascending=asc, kind="stable", na_position="last")
-    return ordered.drop(columns=list(keys))
+    if not rows:
+        return rows
+    position = {id(r): i for i, r in enumerate(rows)}
+    keys: list[tuple[list[Any], bool]] = [(_rounded(rows, "value"), direction == "minimize")]
+    for col, up in ((cost_column(rows), True), ("samples_per_s", False)):
+        if col in rows[0] and col != "value":
+            keys.append((_rounded(rows, col), up))
+    if "parallelism" in rows[0]:
+        keys.append(([SIMPLICITY.get(r["parallelism"], len(SIMPLICITY)) for r in rows], True))
+    keys.append(([r["value"] for r in rows], direction == "minimize"))
+    return sort_rows(rows, [(lambda r, values=values: values[position[id(r)]], up) for values, up in keys])
 
 
-def top_k(frame: pd.DataFrame, k: int, direction: str) -> pd.DataFrame:
+def _first_per_instance(rows: list[Row], k: int) -> list[Row]:
+    """The first k rows of each instance type, in the rows' order (pandas' groupby("instance").head(k))."""
+    seen: dict[Any, int] = {}
+    out = []
+    for row in rows:
+        if missing(row["instance"]):
+            continue
+        seen[row["instance"]] = seen.get(row["instance"], 0) + 1
+        if seen[row["instance"]] <= k:
+            out.append(row)
+    return out
+
+
+@on_rows
+def top_k(rows: list[Row], k: int, direction: str) -> list[Row]:
     """The k best feasible distinct configurations (over every instance type)."""
-    return _order(feasible(frame), direction).head(k)
+    return _order(feasible(rows), direction)[:k]
 
 
-def top_k_per_instance(frame: pd.DataFrame, k: int, direction: str) -> pd.DataFrame:
+@on_rows
+def top_k_per_instance(rows: list[Row], k: int, direction: str) -> list[Row]:
     """The k best feasible distinct configurations of each instance type (the report's scatter)."""
-    ordered = _order(feasible(frame), direction)
-    return ordered.groupby("instance", sort=False).head(k)
+    return _first_per_instance(_order(feasible(rows), direction), k)
 
 
-def _longest(data: pd.DataFrame) -> pd.DataFrame:
+def _longest(data: list[Row]) -> list[Row]:
     """The rows at the longest sequence searched: the recipe's job (shorter lengths are the seq-len front)."""
-    return data[data["seq_len"] == data["seq_len"].max()] if len(data) else data
+    lengths = [r["seq_len"] for r in data if not missing(r["seq_len"])]
+    return [r for r in data if lengths and r["seq_len"] == max(lengths)]
 
 
-def best_per_instance(frame: pd.DataFrame, direction: str) -> pd.DataFrame:
+@on_rows
+def best_per_instance(rows: list[Row], direction: str) -> list[Row]:
     """The best feasible configuration of each instance type (at the longest sequence searched), cheapest
     per job (then fastest) first."""
-    data = _longest(feasible(frame))
-    if data.empty:
+    data = _longest(feasible(rows))
+    if not data:
         return data
-    best = _order(data, direction).groupby("instance", sort=False).head(1)
-    return best.sort_values([cost_column(best), "samples_per_s"], ascending=[True, False], na_position="last",
-                            kind="stable")
+    best = _first_per_instance(_order(data, direction), 1)
+    cost = cost_column(best)
+    return sort_rows(best, [(lambda r: r[cost], True), (lambda r: r["samples_per_s"], False)])
 
 
-def best_row(frame: pd.DataFrame, target: str, direction: str) -> pd.DataFrame:
+@on_rows
+def best_row(rows: list[Row], target: str, direction: str) -> list[Row]:
     """The winner (one row, or none): the best value at the recipe's longest sequence (the per-length bests
     are the seq-len front); for `pareto`, the cheapest configuration of the time-vs-cost front."""
-    data = _longest(feasible(frame))
-    if data.empty:
+    data = _longest(feasible(rows))
+    if not data:
         return data
     if target == "pareto":
         front = time_vs_cost(data)
-        return front.sort_values([cost_column(front), time_column(front)], kind="stable").head(1)
-    return _order(data, direction).head(1)
+        cost, time = cost_column(front), time_column(front)
+        return sort_rows(front, [(lambda r: r[cost], True), (lambda r: r[time], True)])[:1]
+    return _order(data, direction)[:1]
 
 
 # Counts that pandas turns into floats when a column also holds NaN (an infeasible trial): JSON gives them as
@@ -192,12 +226,10 @@ INTEGER_COLUMNS = frozenset({"trial", "instances", "batch_size", "grad_accum", "
                              "world_size"})
 
 
-def _records(frame: pd.DataFrame, columns: list[str]) -> list[dict[str, Any]]:
-    cols = [c for c in columns if c in frame.columns]
-    out = []
-    for rec in frame[cols].to_dict(orient="records"):
-        out.append({k: _cell(k, v) for k, v in rec.items()})
-    return out
+def _records(table: Any, columns: list[str]) -> list[dict[str, Any]]:
+    rows = rows_of(table)
+    cols = [c for c in columns if rows and c in rows[0]]
+    return [{k: _cell(k, row[k]) for k in cols} for row in rows]
 
 
 def _cell(column: str, value: Any) -> Any:
@@ -218,13 +250,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def infeasible_reasons(frame: pd.DataFrame) -> list[tuple[int, str]]:
+def infeasible_reasons(table: Any) -> list[tuple[int, str]]:
     """Why trials were infeasible, grouped by violated constraint, most frequent first."""
     from collections import Counter
 
     counts: Counter[str] = Counter()
-    bad = frame[~frame["feasible"].astype(bool)] if len(frame) else frame
-    for _, row in bad.iterrows():
+    bad = [r for r in rows_of(table) if not r["feasible"]]
+    for row in bad:
         if row.get("constraint_supported", 0) > 0:
             counts[str(row["reason"]).split("; ")[0]] += 1
         elif row.get("constraint_global_batch", 0) > 0:
@@ -241,10 +273,10 @@ def infeasible_reasons(frame: pd.DataFrame) -> list[tuple[int, str]]:
 
 def summary(result: SearchResult, k: int = 5) -> dict[str, Any]:
     """The JSON summary: best, best per instance type (cheapest first), top-k, Pareto fronts, counts."""
-    frame = result.frame
-    ok = frame[frame["feasible"].astype(bool)] if len(frame) else frame
+    rows = result.rows
+    ok = [r for r in rows if r["feasible"]]
     sweep, run = result.sweep, result.run
-    best = _records(best_row(frame, result.target, result.direction), SUMMARY_COLUMNS)
+    best = _records(best_row(rows, result.target, result.direction), SUMMARY_COLUMNS)
     return {
         "study": result.name,
         "storage": result.storage,
@@ -255,10 +287,10 @@ def summary(result: SearchResult, k: int = 5) -> dict[str, Any]:
                                                                 "direction": result.direction,
                                                                 "directions": result.directions},
         "constraints": sweep.constraints.model_dump(mode="json"),
-        "trials": int(len(frame)),
+        "trials": len(rows),
         "feasible_trials": int(len(ok)),
         "instances": [{"instance": name, "study": run.study_name,
-                       "trials": int((frame["instance"] == name).sum()) if len(frame) else 0}
+                       "trials": sum(r["instance"] == name for r in rows)}
                       for name in run.instances],
         "search": {"sampler": run.sampler, "seed": run.seed, "worker": run.worker, "new_trials": run.new_trials,
                    "estimate_calls": run.evaluations, "space_size": run.space.size,
@@ -266,16 +298,16 @@ def summary(result: SearchResult, k: int = 5) -> dict[str, Any]:
                    "fixed": run.space.constants(),
                    "dropped_defaults": {k: list(v) for k, v in run.space.dropped.items()}},
         "best": best[0] if best else None,
-        "best_per_instance": _records(best_per_instance(frame, result.direction), SUMMARY_COLUMNS),
-        "top": _records(top_k(frame, k, result.direction), SUMMARY_COLUMNS),
+        "best_per_instance": _records(best_per_instance(rows, result.direction), SUMMARY_COLUMNS),
+        "top": _records(top_k(rows, k, result.direction), SUMMARY_COLUMNS),
         "pareto": {
-            "time_vs_cost": _records(time_vs_cost(frame), SUMMARY_COLUMNS),
+            "time_vs_cost": _records(time_vs_cost(rows), SUMMARY_COLUMNS),
             "throughput_vs_seq_len": _records(seq_len_front(result), SUMMARY_COLUMNS),
-            "throughput_vs_cost": _records(throughput_vs_cost(frame), SUMMARY_COLUMNS),
+            "throughput_vs_cost": _records(throughput_vs_cost(rows), SUMMARY_COLUMNS),
         },
         "prices": _prices(result),
         "all_infeasible": result.all_infeasible,
-        "infeasible_reasons": [{"trials": n, "reason": text} for n, text in infeasible_reasons(frame)],
+        "infeasible_reasons": [{"trials": n, "reason": text} for n, text in infeasible_reasons(rows)],
     }
 
 
@@ -286,12 +318,12 @@ def _prices(result: SearchResult) -> list[dict[str, Any]]:
     return price_records(list(result.run.instances), result.sweep.region)
 
 
-def seq_len_front(result: SearchResult) -> pd.DataFrame:
+def seq_len_front(result: SearchResult) -> list[Row]:
     """The best configuration per sequence length that a longer one does not beat (by the objective)."""
     if result.target == "pareto":
-        return throughput_vs_seq_len(result.frame)
+        return throughput_vs_seq_len(result.rows)
     value = "samples_per_s" if result.target == "throughput" else "value"
-    return throughput_vs_seq_len(result.frame, result.direction, value)
+    return throughput_vs_seq_len(result.rows, result.direction, value)
 
 
 def write_results(result: SearchResult, k: int = 5) -> dict[str, Path]:
@@ -299,11 +331,9 @@ def write_results(result: SearchResult, k: int = 5) -> dict[str, Path]:
     out = Path(result.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {"csv": out / "trials.csv", "parquet": out / "trials.parquet", "json": out / "best.json"}
-    frame = result.frame.copy()
-    if "datetime_complete" in frame.columns:
-        frame["datetime_complete"] = frame["datetime_complete"].astype("datetime64[us]")
-    _atomic(files["csv"], lambda p: frame.to_csv(p, index=False))
-    _atomic(files["parquet"], lambda p: frame.to_parquet(p, index=False))
+    rows, kinds = result.rows, result.kinds  # datetimes in microseconds, as Optuna stores them
+    _atomic(files["csv"], lambda p: write_csv(rows, kinds, p))
+    _atomic(files["parquet"], lambda p: write_parquet(rows, kinds, p))
     text = json.dumps(summary(result, k), indent=2, default=str)
     _atomic(files["json"], lambda p: p.write_text(text + "\n"))
     return files
@@ -318,5 +348,5 @@ def _atomic(path: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-__all__ = ["best_per_instance", "best_row", "cost_column", "summary", "top_k", "trials_frame", "unique_configs",
-           "write_results"]
+__all__ = ["best_per_instance", "best_row", "cost_column", "summary", "top_k", "trials_frame", "trials_rows",
+           "unique_configs", "write_results"]

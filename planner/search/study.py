@@ -521,7 +521,7 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     """
     import optuna
 
-    from planner.search.results import trials_frame, write_results
+    from planner.search.results import trials_rows, write_results
 
     if sweep is None:
         sweep = DEFAULT_SWEEP
@@ -565,9 +565,10 @@ def run_search(sweep: Sweep | str | Path | None = None, *, study: str | None = N
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     def result_of(run: StudyRun, objective: Objective) -> SearchResult:
+        rows, kinds = trials_rows(run)
         result = SearchResult(name=name, storage=spec.display(), results_dir=folder, sweep=sweep,
-                              target=objective.target, directions=objective.directions, run=run,
-                              frame=trials_frame(run))
+                              target=objective.target, directions=objective.directions, run=run, rows=rows,
+                              kinds=kinds)
         if write_files:
             result.files = write_results(result)
         return result
