@@ -98,6 +98,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            experts_transposed=True, clamped_swiglu=True, attention_sinks=True,
            layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER, classifier_linears=_DECODER_SCORE,
            lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    # DeepSeek-V2 (modeling_deepseek_v2): V3's layer (MLA, `mlp.experts`, `mlp.gate`, `mlp.shared_experts`, in
+    # that order in DeepseekV2Moe.__init__; the first `first_k_dense_replace` layers dense) with a softmax
+    # router (greedy or group-limited greedy top-k, never renormalised, scaled) and no score-correction buffer.
+    Family("deepseek_v2", "DeepseekV2", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, shared_expert=True,
+           experts_before_router=True, latent_attention=True, shared_experts_name="mlp.shared_experts",
+           shared_expert_gate=False, layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
     # DeepSeek-V3 (and Moonlight, the same model type): MLA, experts then router then shared experts
     # (DeepseekV3MoE.__init__), the first `first_k_dense_replace` layers dense.
     Family("deepseek_v3", "DeepseekV3", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
