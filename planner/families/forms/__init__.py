@@ -154,6 +154,7 @@ _PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS
 # A context that tells a token-wise Linear (b·s rows) from a sample-wise one (b rows) by its row count; the
 # linear ops themselves do not depend on the micro-batch or the precision.
 _PROBE = Ctx(2, 3, "fp32", "sdpa", "cuda", False)
+PROBE_CTX = _PROBE  # a context without parallelism, for readers of a layer's modules (planner.adapters.targets)
 
 
 @dataclass(frozen=True)
