@@ -242,3 +242,27 @@ def test_bad_expert_targets_are_one_line_exit_2(args, needle):
     res = runner.invoke(app, [*base, *args])
     assert res.exit_code == 2, res.output
     assert needle in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.parametrize("extra", [{}, {"base_dtype": "nf4"}], ids=["lora", "qlora"])
+def test_estimate_program_sums_to_the_memory_terms(extra):
+    """`estimate --json`'s program under LoRA on the experts sums to the memory terms on one GPU, as for dense
+    models (tests/test_lora_program.py): parameters (frozen experts in the base's storage, their adapters fp32)
+    and saved bytes (the merged stacks included)."""
+    from planner.estimate import estimate, program
+
+    cfg = TrainConfig(batch_size=1, seq_len=256, precision="amp-bf16", parallelism="single", lora_r=8,
+                      lora_targets=("q_proj", "v_proj", "experts"), **extra)
+    est = estimate("qwen3-30b-a3b", cfg, "ml.p5.48xlarge", with_throughput=False)
+    ops = [op for b in program("qwen3-30b-a3b", est)["blocks"] for op in b["ops"]]
+    assert sum(op["param_bytes"] for op in ops) == est.memory_bytes.parameters
+    assert sum(op["saved_bytes"] for op in ops) == est.memory_bytes.activations
+
+
+def test_probe_job_passes_experts_as_target_parameters():
+    """jobs/probe.py turns the planner's `experts` into peft's target_parameters (and leaves module names)."""
+    from jobs.probe import _split_lora_targets
+
+    assert _split_lora_targets(("q_proj", "v_proj", "experts")) == (
+        ["q_proj", "v_proj"], ["experts.gate_up_proj", "experts.down_proj"])
+    assert _split_lora_targets(("all-linear", "mlp.experts.down_proj")) == (["all-linear"], ["mlp.experts.down_proj"])
