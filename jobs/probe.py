@@ -636,16 +636,37 @@ def apply_lora(model: Any, spec: dict[str, Any], plan: Plan, device: Any, applie
         model.to(torch.bfloat16 if plan.base_dtype == "bf16" else torch.float16)
     head = next((c for layer in _transformer_layers(spec) for c in [layer.get("head")]), None)
     task = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(head or "")
-    targets: Any = list(plan.lora_targets) or None
-    if plan.lora_targets == ("all-linear",):
+    modules, parameters = _split_lora_targets(plan.lora_targets)
+    targets: Any = modules or None
+    if tuple(modules) == ("all-linear",):
         targets = "all-linear"
     config = peft.LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha if plan.lora_alpha is not None else 8,
-                             lora_dropout=plan.lora_dropout, target_modules=targets, task_type=task)
+                             lora_dropout=plan.lora_dropout, target_modules=targets, task_type=task,
+                             **({"target_parameters": parameters} if parameters else {}))
     model = peft.get_peft_model(model, config)
     trainable, everything = model.get_nb_trainable_parameters()
     applied["lora"] = {"r": plan.lora_r, "targets": targets, "base_dtype": plan.base_dtype,
                        "trainable": trainable, "frozen": everything - trainable, "peft": peft.__version__}
     return model
+
+
+# The planner's names for an MoE model's fused expert weights (planner.adapters.targets: "experts" is both);
+# peft adapts them as `target_parameters` (ParamWrapper), matched by the parameter name's suffix.
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _split_lora_targets(targets: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) of the planner's --lora-targets."""
+    modules: list[str] = []
+    parameters: list[str] = []
+    for t in targets:
+        if t == "experts":
+            parameters += [f"experts.{w}" for w in EXPERT_WEIGHTS]
+        elif any(t == f"experts.{w}" or t.endswith(f".experts.{w}") for w in EXPERT_WEIGHTS):
+            parameters.append(t)
+        else:
+            modules.append(t)
+    return modules, parameters
 
 
 def _transformer_layers(spec: dict[str, Any]) -> list[dict[str, Any]]:

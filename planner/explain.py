@@ -158,7 +158,8 @@ def _storage_lines(est: Estimate) -> list[str]:
     if "active" in est.parameters:  # a mixture-of-experts model (issue 35; docs/moe.md)
         cfg = est.config
         ep = cfg.ep * cfg.etp
-        lines.append(f"Mixture of experts: {est.parameters['active']:,} of {est.parameters['total']:,} parameters "
+        base = est.parameters.get("frozen", est.parameters["total"])  # under LoRA: the base model's, no adapters
+        lines.append(f"Mixture of experts: {est.parameters['active']:,} of {base:,} parameters "
                      "are active per token (the FLOPs count those). "
                      + (f"--ep {cfg.ep}{f' × --etp {cfg.etp}' if cfg.etp > 1 else ''}: each GPU holds 1/{ep} of "
                         f"every MoE layer's experts (and their gradients and optimizer states), sharded further "

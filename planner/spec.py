@@ -41,9 +41,9 @@ PARALLELISMS: tuple[str, ...] = ("single", "dp", "ddp", "zero1", "zero2", "zero3
 Attention = Literal["auto", "eager", "sdpa", "flash"]
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa", "flash")
 Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "olmoe", "gpt_oss", "deepseek_v3"]
+                 "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "mixtral", "qwen2_moe",
-                             "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+                             "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 Head = Literal["base", "sequence-classification", "masked-lm", "causal-lm"]
 # Where kernels run. "cuda" is what the planner predicts; "cpu" exists so tests can compare the same
 # formulas with what CPU kernels save (dropout masks, SDPA fallback, autocast op lists differ).

@@ -211,6 +211,8 @@ def random_configs(draw):
                    intermediate_size=inter, max_position_embeddings=positions, bos_token_id=0, eos_token_id=0)
         if family == "llama":
             cfg |= dict(attention_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()))
+        if family == "deepseek_v2":  # DeepseekV2Config's default top-k is None: its router cannot run without one
+            cfg["num_experts_per_tok"] = draw(st.integers(1, 6))
     cfg |= dict(model_type=family, architectures=[hf_config.architecture_for(family, head)], vocab_size=vocab,
                 tie_word_embeddings=tie, pad_token_id=0 if family != "roberta" else 1)
     if head == "sequence-classification":

@@ -140,7 +140,8 @@ HF_CLASSES = {"bert": ("BertConfig", "BertModel"), "roberta": ("RobertaConfig", 
               "llama": ("LlamaConfig", "LlamaModel"), "mistral": ("MistralConfig", "MistralModel"),
               "mixtral": ("MixtralConfig", "MixtralModel"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeModel"),
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeModel"), "olmoe": ("OlmoeConfig", "OlmoeModel"),
-              "gpt_oss": ("GptOssConfig", "GptOssModel"), "deepseek_v3": ("DeepseekV3Config", "DeepseekV3Model")}
+              "gpt_oss": ("GptOssConfig", "GptOssModel"), "deepseek_v2": ("DeepseekV2Config", "DeepseekV2Model"),
+              "deepseek_v3": ("DeepseekV3Config", "DeepseekV3Model")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -70,14 +70,15 @@ def _adapters(model: ModelSpec, config: TrainConfig, lora: LoraPlan) -> Adapters
     from planner.adapters.targets import model_linears
 
     blocks = [b.name for b in model_blocks(model)]
-    first = next((name for name in blocks if lora.blocks[name].adapted), None)
+    first = next((name for name in blocks if lora.blocks[name].adapted or lora.blocks[name].experts), None)
     return Adapters(
         r=config.lora_r or 0, dropout=config.lora_dropout, scaling=alpha(config) / (config.lora_r or 1),
         adapted=frozenset(m.name for b in lora.blocks.values() for m in b.adapted),
         quantized=frozenset(m.name for b in lora.blocks.values() for m in b.quantized),
         trained=frozenset(m.name for ms in model_linears(model).values() for m in ms if m.head),
         first=first, input_grads=input_requires_grad(config), base_low=base_is_low(config),
-        dequant_bytes=4 if compute_dtype(config) == "fp32" else 2)
+        dequant_bytes=4 if compute_dtype(config) == "fp32" else 2,
+        experts=frozenset(w.name for b in lora.blocks.values() for w in b.experts))
 
 
 def lora_program(model: ModelSpec, config: TrainConfig, lora: LoraPlan, ctx: Ctx) -> Program:

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 from planner import caches
 from planner.adapters import nf4
-from planner.adapters.targets import LinearModule, adapted, default_targets, model_linears
+from planner.adapters.targets import (
+    ExpertWeight,
+    LinearModule,
+    adapted,
+    adapted_experts,
+    default_targets,
+    is_expert_target,
+    model_linears,
+)
 from planner.errors import PlannerError
 from planner.identity_cache import per_object
 from planner.models.blocks import model_blocks
@@ -68,6 +76,8 @@ class BlockLora:
     shapes: tuple[Shape, ...]  # trainable tensors, in registration order (what the optimizer keeps states for)
     adapted: tuple[LinearModule, ...]
     quantized: tuple[LinearModule, ...]
+    experts: tuple[ExpertWeight, ...] = ()  # fused expert weights with an adapter (peft target_parameters)
+    expert_shapes: tuple[Shape, ...] = ()  # their adapters' shapes (lora_A, lora_B of each), also in `shapes`
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,33 @@ class LoraPlan:
     def adapted_modules(self) -> int:
         return sum(len(b.adapted) for b in self.blocks.values())
 
+    @property
+    def adapted_experts(self) -> int:
+        return sum(len(b.experts) for b in self.blocks.values())
+
+    def shapes_split(self, ep_etp: int) -> tuple[list[Shape], list[Shape]]:
+        """(the adapters' shapes outside the experts, one rank's expert adapters' shapes) under expert
+        parallelism over `ep_etp` ranks: a rank adapts only the experts it holds (ParamWrapper reads the
+        local (E / ep, ·, ·) stack), so its lora_A / lora_B are r · E / ep wide."""
+        dense: list[Shape] = []
+        local: list[Shape] = []
+        for b in self.blocks.values():
+            k, n = 2 * len(b.adapted), len(b.expert_shapes)  # `shapes`: Linear adapters, experts', head's
+            dense += list(b.shapes[:k]) + list(b.shapes[k + n:])
+            for a, bb in zip(b.expert_shapes[::2], b.expert_shapes[1::2], strict=True):
+                rows = a[0] // ep_etp
+                local += [(rows, a[1]), (bb[0], rows)]
+        return dense, local
+
+
+def expert_bytes(block: BlockLora, experts: int, base: str) -> tuple[int, int, int, int]:
+    """(parameter bytes, gradient bytes, parameters, trainable) of one block's routed experts under LoRA:
+    `experts` frozen expert parameters in the base's storage (fp32 on a 4-bit base: not nn.Linear, so never
+    quantized, and cast up by prepare_model_for_kbit_training) and their fp32 adapters."""
+    frozen_bytes = 4 if base == "nf4" else DTYPE_BYTES[base]
+    adapters = sum(_numel(s) for s in block.expert_shapes)
+    return experts * frozen_bytes + adapters * ADAPTER_BYTES, adapters * ADAPTER_BYTES, experts + adapters, adapters
+
 
 def check(config: TrainConfig) -> None:
     """What peft accepts, as one-line errors naming the flag (pydantic checks the ranges)."""
@@ -111,16 +148,28 @@ def check(config: TrainConfig) -> None:
                            "autocast: prepare_model_for_kbit_training leaves norms, embeddings and the head fp32)")
     if config.base_dtype in ("bf16", "fp16") and config.precision == "fp32":
         raise PlannerError("--base-dtype", config.base_dtype, "fp32 or nf4 with --precision fp32 (or use AMP)")
+    if config.lora_dropout and any(is_expert_target(t) for t in config.lora_targets):
+        raise PlannerError("--lora-dropout", config.lora_dropout, "0 with experts in --lora-targets (peft 0.21's "
+                           "ParamWrapper, which adapts fused experts, has no dropout)")
 
 
 def _block(block, modules: list[LinearModule], targets: list[LinearModule], r: int, dtype: str,
-           frozen_bytes: int) -> BlockLora:
+           frozen_bytes: int, experts: list[ExpertWeight] | None = None) -> BlockLora:
+    """One block's counts and bytes. Fused expert weights are not nn.Linear: bitsandbytes leaves them in the
+    load dtype, so on a 4-bit base `prepare_model_for_kbit_training` casts them to fp32 with every other
+    16-bit parameter (peft utils/other.py: `param.data.to(torch.float32)` unless Params4bit); their adapters
+    (peft ParamWrapper.update_layer) are lora_A (r·E, in) and lora_B (out, r·E)."""
     own = block_parameters(block)
     quantized = [m for m in modules if dtype == "nf4" and not m.output and not m.last and not m.head]
     head = [m for m in modules if m.head]
+    experts = experts or []
     shapes: list[Shape] = []
     for m in targets:
         shapes += [(r, m.n_in), (m.n_out, r)]
+    expert_shapes: list[Shape] = []
+    for w in experts:
+        expert_shapes += [(r * w.experts, w.n_in), (w.n_out, r * w.experts)]
+    shapes += expert_shapes
     for m in head:  # the SEQ_CLS head's trainable copy (modules_to_save)
         shapes += [(m.n_out, m.n_in)] + ([(m.n_out,)] if m.bias else [])
     trainable = sum(_numel(s) for s in shapes)
@@ -129,7 +178,7 @@ def _block(block, modules: list[LinearModule], targets: list[LinearModule], r: i
     stored = sum(nf4.weight_bytes(m.weight_numel) for m in quantized)
     param_bytes = (frozen - q_weights) * frozen_bytes + stored + trainable * ADAPTER_BYTES
     return BlockLora(trainable, frozen, param_bytes, trainable * ADAPTER_BYTES, tuple(shapes), tuple(targets),
-                     tuple(quantized))
+                     tuple(quantized), tuple(experts), tuple(expert_shapes))
 
 
 def _numel(shape: Shape) -> int:
@@ -157,12 +206,13 @@ def _plan(model: ModelSpec, config: TrainConfig) -> LoraPlan:
     assert config.lora_r is not None
     targets = config.lora_targets or default_targets(model)
     chosen = adapted(model, targets)
+    experts = adapted_experts(model, targets)
     linears = model_linears(model)
     dtype = base_dtype(config)
     # nf4: prepare_model_for_kbit_training casts what is not 4-bit to fp32; otherwise the base dtype.
     frozen_bytes = 4 if dtype == "nf4" else DTYPE_BYTES[dtype]
-    blocks = {b.name: _block(b, linears[b.name], chosen[b.name], config.lora_r, dtype, frozen_bytes)
-              for b in model_blocks(model)}
+    blocks = {b.name: _block(b, linears[b.name], chosen[b.name], config.lora_r, dtype, frozen_bytes,
+                             experts[b.name]) for b in model_blocks(model)}
     return LoraPlan(blocks, targets, dtype)
 
 
@@ -180,8 +230,9 @@ def describe(lora: LoraPlan, config: TrainConfig) -> str:
     """One line for the notes: rank, targets, how many adapters, the base's storage."""
     base = {"nf4": "4-bit NF4 (bitsandbytes, double quantization)", "fp32": "fp32", "bf16": "bf16",
             "fp16": "fp16"}[lora.base_dtype]
+    experts = f" and {lora.adapted_experts} fused expert weights" if lora.adapted_experts else ""
     return (f"LoRA r={config.lora_r}, alpha={alpha(config):g}, dropout={config.lora_dropout:g} on "
-            f"{lora.adapted_modules} modules ({','.join(lora.targets)}); trainable {lora.trainable:,} of "
+            f"{lora.adapted_modules} modules{experts} ({','.join(lora.targets)}); trainable {lora.trainable:,} of "
             f"{lora.trainable + lora.frozen:,}; frozen base stored {base}, adapters fp32")
 
 
@@ -196,6 +247,8 @@ def op_parameter_bytes(op, adapters, config: TrainConfig) -> int:
     frozen_bytes = 4 if dtype == "nf4" else DTYPE_BYTES[dtype]
     if op.attrs.get("adapter"):
         return sum(p.numel for p in op.params) * ADAPTER_BYTES
+    if op.kind == "expert_gemm":  # fused experts: frozen in the base's storage, their adapters (if any) fp32
+        return sum(p.numel * (ADAPTER_BYTES if ".lora_" in p.name else frozen_bytes) for p in op.params)
     module = module_of(op) if op.kind == "linear" else None
     total = 0
     for p in op.params:

@@ -7,6 +7,10 @@ with what a frozen base does not run taken out and what the adapters and a 4-bit
 - Each adapter (peft lora.Linear): under AMP its input cast to 16-bit, the dropout when p > 0, lora_A
   (tokens × r × k) and lora_B (tokens × m × r) GEMMs, the scale-and-add into the base output; their backward
   (both gradients of each GEMM: the adapters train).
+- Fused experts with an adapter (peft ParamWrapper, `--lora-targets ... experts`): each forward merges the
+  local expert stack, W' = baddbmm(W, lhs, rhs) (one batched GEMM of rank r per expert, reading W and writing
+  W' whole); the backward computes W''s gradient (the grouped GEMM's weight gradient over the token-expert
+  pairs, which a frozen expert skips) and the factors' two gradients from it (two batched GEMMs of rank r).
 - A 4-bit weight (bitsandbytes gemm_4bit's dequantize + F.linear path for training-sized inputs) is
   dequantized in the forward and again in the backward: a memory-bound pass reading the packed weight and its
   constants and writing the 16-bit weight; no AMP weight cast.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 from planner.adapters.activations import base_is_low
 from planner.adapters.lora import LoraPlan
-from planner.perf.kernels import Kernel, Shapes, _fold, _with, backward_of
+from planner.perf.kernels import Kernel, Shapes, _fold, _with, backward_of, gemm, nbytes
 from planner.spec import ModelSpec, TrainConfig
 
 # What a frozen parameter does not need (planner.perf.kernels.Kernel.param_work): kernels are selected by what
@@ -54,7 +58,24 @@ def program_kernels(model: ModelSpec, config: TrainConfig, sh: Shapes, lora: Lor
             elif op.attrs.get("adapter"):
                 fwd = apply("kernels", op, sh)
                 out += fwd + [b for k in reversed(fwd) for b in backward_of(k)]
+            elif op.kind == "expert_gemm" and op.attrs.get("merged") and not op.attrs.get("no_grad"):
+                out += expert_merge_kernels(op, config.lora_r or 1)
     return out
+
+
+def expert_merge_kernels(op, r: int) -> list[Kernel]:
+    """The kernels LoRA on one fused expert weight adds (see the module docstring): the forward merge (E local
+    experts, each (out × r)·(r × in) added to W: reads W and the factors, writes W'), the weight gradient of
+    the grouped GEMM (Xᵀ·dY over the S pairs, writing dW' whole), and the merge's backward (the factors'
+    gradients, two batched GEMMs reading dW')."""
+    experts, (rows, n_in), n_out = op.shapes["experts"][0], op.shapes["input"], op.shapes["output"][1]
+    dtype = op.dtypes["compute"]
+    e, stack = nbytes(dtype), experts * n_in * n_out
+    merge = gemm(f"{op.name}.lora_merge", n_out, n_in, r, dtype, experts)
+    merge = _with(merge, bytes_read=merge.bytes_read + stack * e)  # baddbmm also reads W
+    grad_w = _with(gemm(f"{op.name}.grad_merged_weight", n_in, n_out, rows, dtype), bytes_written=stack * e,
+                   phase="backward")
+    return [merge, grad_w] + backward_of(merge)
 
 
 def lora_kernels(model: ModelSpec, config: TrainConfig, kernels: list[Kernel], sh: Shapes,

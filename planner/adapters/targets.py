@@ -16,6 +16,13 @@ from planner.models.blocks import Block, model_blocks
 from planner.spec import DenseSpec, ModelSpec, TransformerSpec
 
 ALL_LINEAR = "all-linear"  # peft.utils.constants.INCLUDE_LINEAR_LAYERS_SHORTHAND
+# Mixture-of-experts layers keep their experts as 3-D parameters (transformers 5 `*Experts.gate_up_proj`,
+# `.down_proj`), not nn.Linear modules, so peft adapts them through `LoraConfig(target_parameters=...)` (peft 0.21
+# tuners/lora/layer.py `ParamWrapper`), not target_modules. `--lora-targets experts` names both (the planner's
+# shorthand for target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]); "experts.gate_up_proj"
+# or "experts.down_proj" names one, as peft matches a target parameter by its name's suffix.
+EXPERTS = "experts"
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft 0.18): the targets LoraConfig
 # uses when target_modules is None. DistilBERT has no entry: peft asks for target_modules. Each family's
@@ -51,6 +58,33 @@ class LinearModule:
         return self.n_in * self.n_out
 
 
+@dataclass(frozen=True)
+class ExpertWeight:
+    """One fused expert weight (E, ·, ·) of an MoE layer, as peft's ParamWrapper sees it: `n_in` / `n_out` the
+    width each expert's matmul reads and writes (ParamWrapper swaps the stored (E, out, in) to (in, out) unless
+    the experts are stored transposed, gpt-oss's (E, in, out)); its adapter is lora_A (r·E, n_in) and lora_B
+    (n_out, r·E): r · E · (n_in + n_out) trainable parameters."""
+
+    name: str  # the parameter's full name, e.g. model.layers.1.mlp.experts.gate_up_proj
+    experts: int
+    n_in: int
+    n_out: int
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def numel(self) -> int:
+        return self.experts * self.n_in * self.n_out
+
+
+def is_expert_target(target: str) -> bool:
+    """A --lora-targets entry that names fused expert weights (peft target_parameters), not modules."""
+    return target == EXPERTS or any(target == f"{EXPERTS}.{w}" or target.endswith(f".{EXPERTS}.{w}")
+                                    for w in EXPERT_WEIGHTS)
+
+
 def _prefix(component: str, spec: TransformerSpec, single: bool) -> str:
     """Module name prefix of the base model: "model." for LlamaForCausalLM, "" for a bare BertModel; a model of
     several components (the multimodal one) names each by its component."""
@@ -75,7 +109,32 @@ def _modules(spec: TransformerSpec, prefix: str, rows: tuple[Linear, ...]) -> li
 
 def _layer(spec: TransformerSpec, base: str, i: int) -> list[LinearModule]:
     traits = family(spec.family)
+    if spec.moe:
+        return _program_linears(spec, base + traits.layer_prefix.format(i=i), i)
     return _modules(spec, base + traits.layer_prefix.format(i=i), traits.layer_linears)
+
+
+def _layer_ops(spec: TransformerSpec, prefix: str, i: int) -> list:
+    from planner.families.forms import PROBE_CTX, LayerArgs, load_forms
+
+    traits = family(spec.family)
+    return load_forms()[traits.layer](LayerArgs(spec, traits, PROBE_CTX, i, prefix))
+
+
+def _program_linears(spec: TransformerSpec, prefix: str, i: int) -> list[LinearModule]:
+    """A mixture-of-experts layer's nn.Linear modules, read from its program's `linear` ops (one rank's view of
+    nothing: the probe context has no tensor or expert parallelism): which exist depends on the layer (a
+    sparse layer has the router and the fused experts, which are not nn.Linear, plus any shared expert; a
+    dense one Llama's MLP) and on the attention (multi-head latent attention's q_a/q_b/kv_a/kv_b/o), so the
+    family's fixed rows do not describe it. Widths come from each weight's (out, in) shape."""
+    out = []
+    for op in _layer_ops(spec, prefix, i):
+        if op.kind != "linear":
+            continue
+        weight = next(p for p in op.params if p.name.endswith(".weight"))
+        out.append(LinearModule(weight.name[: -len(".weight")], weight.shape[1], weight.shape[0],
+                                any(p.name.endswith(".bias") for p in op.params)))
+    return out
 
 
 def _head(spec: TransformerSpec, top: str, base: str) -> list[LinearModule]:
@@ -116,6 +175,47 @@ def block_linears(block: Block, single: bool = True, root: str | None = None) ->
     return []
 
 
+def block_expert_weights(block: Block, single: bool = True, root: str | None = None) -> list[ExpertWeight]:
+    """The fused expert weights of one block (a sparse MoE layer's `expert_gemm` ops: gate_up then down, the
+    order the module registers them), named as `named_parameters()` names them; none elsewhere."""
+    layer = block.layer
+    if block.role != "layer" or not isinstance(layer, TransformerSpec) or not layer.sparse_layer(block.index):
+        return []
+    base = _prefix(block.component, layer, single)
+    if root is not None:
+        top = "" if single else f"{block.component}."
+        base = root + base[len(top):]
+    prefix = base + family(layer.family).layer_prefix.format(i=block.index)
+    return [ExpertWeight(op.params[0].name, op.params[0].shape[0], op.shapes["input"][1], op.shapes["output"][1])
+            for op in _layer_ops(layer, prefix, block.index) if op.kind == "expert_gemm"]
+
+
+def model_expert_weights(model: ModelSpec) -> dict[str, list[ExpertWeight]]:
+    """Block name -> its fused expert weights (empty for every block of a model without experts)."""
+    from planner.families.forms import root_prefix
+
+    single = len(model.components) == 1
+    if not any(t.moe for t in model.transformers):
+        return {b.name: [] for b in model_blocks(model)}
+    return {b.name: block_expert_weights(b, single, root_prefix(model, b)) for b in model_blocks(model)}
+
+
+def adapted_experts(model: ModelSpec, targets: tuple[str, ...]) -> dict[str, list[ExpertWeight]]:
+    """Block name -> the fused expert weights that get a LoRA adapter (peft target_parameters); a target that
+    names experts on a model without them is a PlannerError naming it."""
+    wanted = [t for t in targets if is_expert_target(t)]
+    weights = model_expert_weights(model)
+    if not wanted:
+        return {b: [] for b in weights}
+    if not any(weights.values()):
+        raise PlannerError("--lora-targets", ",".join(wanted), f"module names: {model.name} has no fused experts")
+
+    def chosen(w: ExpertWeight) -> bool:
+        return any(t == EXPERTS or w.name == t or w.name.endswith("." + t) for t in wanted)
+
+    return {b: [w for w in ws if chosen(w)] for b, ws in weights.items()}
+
+
 def model_linears(model: ModelSpec) -> dict[str, list[LinearModule]]:
     """Block name -> its linear modules, in forward order."""
     from planner.families.forms import root_prefix
@@ -144,6 +244,21 @@ def all_linear(module: LinearModule) -> bool:
     return not module.output
 
 
+def _check_peft_retargeting(model: ModelSpec, targets: tuple[str, ...]) -> None:
+    """peft 0.21 rewrites some target names on some MoE model types (traits.Family.peft_retargeted): gate_proj
+    and up_proj become the fused experts' gate_up_proj at rank 2r, down_proj their down_proj, gate the router's
+    weight, and those names then adapt no shared-expert or dense-layer Linear; all-linear is resolved to module
+    names first, so it is rewritten too. The planner does not model that rewrite: one line saying what to
+    give instead."""
+    for t in model.transformers:
+        renamed = family(t.family).peft_retargeted
+        hit = [x for x in targets if x == ALL_LINEAR or any(x == r or x.endswith("." + r) for r in renamed)]
+        if renamed and hit:
+            raise PlannerError("--lora-targets", ",".join(hit), f"attention modules and/or {EXPERTS} for "
+                               f"{t.family} (peft 0.21 turns {', '.join(renamed)} and {ALL_LINEAR} into fused-"
+                               "expert and router parameters at other ranks, not modelled)")
+
+
 def adapted(model: ModelSpec, targets: tuple[str, ...]) -> dict[str, list[LinearModule]]:
     """Block name -> the linear modules that get a LoRA adapter; an unknown target is a PlannerError naming it.
 
@@ -152,15 +267,19 @@ def adapted(model: ModelSpec, targets: tuple[str, ...]) -> dict[str, list[Linear
     """
     linears = model_linears(model)
     names = [m.name for ms in linears.values() for m in ms]
+    targets = tuple(t for t in targets if not is_expert_target(t))  # fused experts: `adapted_experts`
+    _check_peft_retargeting(model, targets)
     if targets == (ALL_LINEAR,):
         return {b: [m for m in ms if all_linear(m) and not m.head] for b, ms in linears.items()}
     if ALL_LINEAR in targets:
-        raise PlannerError("--lora-targets", ",".join(targets), f"{ALL_LINEAR} alone, or module names")
+        raise PlannerError("--lora-targets", ",".join(targets), f"{ALL_LINEAR} alone (or with {EXPERTS}), or "
+                           "module names")
     for t in targets:
         if not any(matches(n, t) for n in names):
             short = sorted({n.rsplit(".", 1)[-1] for n in names})
             near = closest(t, short)
             hint = f"did you mean {', '.join(near)}?" if near else f"{model.name} has {', '.join(short)}"
-            raise PlannerError("--lora-targets", t, f"no such module; {hint} (or {ALL_LINEAR})")
+            extra = f", or {EXPERTS} for the fused experts" if any(t.moe for t in model.transformers) else ""
+            raise PlannerError("--lora-targets", t, f"no such module; {hint} (or {ALL_LINEAR}{extra})")
     return {b: [m for m in ms if not m.head and any(matches(m.name, t) for t in targets)]
             for b, ms in linears.items()}

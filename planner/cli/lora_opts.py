@@ -13,7 +13,8 @@ LoraROpt = Annotated[int | None, typer.Option("--lora-r", help="LoRA rank: train
 LoraAlphaOpt = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha (peft's default 8).")]
 LoraTargetsOpt = Annotated[str | None, typer.Option(
     "--lora-targets", help="Modules to adapt, comma-separated (q_proj,v_proj; c_attn), or all-linear "
-                           "(default: peft's for the model type).")]
+                           "(default: peft's for the model type); experts adds an MoE model's fused experts "
+                           "(peft's target_parameters).")]
 LoraDropoutOpt = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout (default 0).")]
 BaseDtypeOpt = Annotated[str, typer.Option(
     "--base-dtype", help="Frozen base storage: auto (as --precision implies), fp32, bf16, fp16, or nf4 "

@@ -25,6 +25,12 @@ _QWEN2_MOE_LAYER = (Linear("self_attn.q_proj", "h", "q", "attention"), Linear("s
                     Linear("self_attn.v_proj", "h", "kv", "attention"), Linear("self_attn.o_proj", "q", "h", "no"),
                     *_LLAMA_LAYER[4:])
 
+# peft 0.21.2 utils/transformers_weight_conversion.py: _MOE_TARGET_MODULE_MAPPING["qwen2_moe"] (used for
+# qwen3_moe, olmoe, deepseek_v2, deepseek_v3 through _MODEL_TO_CONVERSION_PATTERN; not for qwen2_moe itself)
+# and ["mixtral"]: the target names it rewrites to fused-expert / router parameters (traits.Family).
+_PEFT_QWEN2_MOE = ("gate", "gate_proj", "up_proj", "down_proj")
+_PEFT_MIXTRAL = ("gate", "w1", "w2", "w3")
+
 _LLAMA_NAMES = {"word_table": "embed_tokens", "layer_norm_names": ("input_layernorm", "post_attention_layernorm"),
                 "final_norm_name": "norm"}
 
@@ -75,7 +81,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # and `mlp.shared_expert_gate`. peft 0.18 maps only mixtral (q_proj, v_proj); the others ask for targets.
     Family("mixtral", "Mixtral", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
            tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, sliding_window=True,
-           topk_fp32=True,
+           topk_fp32=True, peft_retargeted=_PEFT_MIXTRAL,
            lora_default_targets=("q_proj", "v_proj"), layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
            classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
     Family("qwen2_moe", "Qwen2Moe", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
@@ -84,11 +90,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
     Family("qwen3_moe", "Qwen3Moe", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
            tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, qk_norm="head",
-           experts_before_router=True, layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           experts_before_router=True, peft_retargeted=_PEFT_QWEN2_MOE, layer_prefix="layers.{i}.",
+           layer_linears=_LLAMA_LAYER,
            classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
     Family("olmoe", "Olmoe", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
            tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, qk_norm="full",
-           classifier_head=False, layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER,
+           classifier_head=False, peft_retargeted=_PEFT_QWEN2_MOE, layer_prefix="layers.{i}.",
+           layer_linears=_LLAMA_LAYER,
            classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
     # gpt-oss: every projection biased (attention_bias), a sink logit per head, the router and experts above;
     # transformers 5 runs it eager by default (GptOssPreTrainedModel._supports_sdpa = False).
@@ -98,12 +106,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            experts_transposed=True, clamped_swiglu=True, attention_sinks=True,
            layer_prefix="layers.{i}.", layer_linears=_LLAMA_LAYER, classifier_linears=_DECODER_SCORE,
            lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
+    # DeepSeek-V2 (modeling_deepseek_v2): V3's layer (MLA, `mlp.experts`, `mlp.gate`, `mlp.shared_experts`, in
+    # that order in DeepseekV2Moe.__init__; the first `first_k_dense_replace` layers dense) with a softmax
+    # router (greedy or group-limited greedy top-k, never renormalised, scaled) and no score-correction buffer.
+    Family("deepseek_v2", "DeepseekV2", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
+           tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, shared_expert=True,
+           experts_before_router=True, latent_attention=True, shared_experts_name="mlp.shared_experts",
+           shared_expert_gate=False, peft_retargeted=_PEFT_QWEN2_MOE, layer_prefix="layers.{i}.",
+           layer_linears=_LLAMA_LAYER,
+           classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM, **_LLAMA_NAMES),
     # DeepSeek-V3 (and Moonlight, the same model type): MLA, experts then router then shared experts
     # (DeepseekV3MoE.__init__), the first `first_k_dense_replace` layers dense.
     Family("deepseek_v3", "DeepseekV3", "model", "moe_gated", "score_all_tokens", "plain", "rotary",
            tie_word_embeddings_default=False, probs_cast="query", fp32_softmax=True, shared_expert=True,
            experts_before_router=True, latent_attention=True, shared_experts_name="mlp.shared_experts",
-           shared_expert_gate=False, router_score_buffer=True, layer_prefix="layers.{i}.",
+           shared_expert_gate=False, router_score_buffer=True, peft_retargeted=_PEFT_QWEN2_MOE,
+           layer_prefix="layers.{i}.",
            layer_linears=_LLAMA_LAYER, classifier_linears=_DECODER_SCORE, lm_head_linears=_DECODER_LM,
            **_LLAMA_NAMES),
 )}

@@ -115,6 +115,12 @@ class Family:
     shared_experts_name: str = "mlp.shared_expert"
     shared_expert_gate: bool = True
     router_score_buffer: bool = False
+    # Target names peft 0.21 rewrites for this model type under transformers 5 (peft utils/
+    # transformers_weight_conversion.py `_convert_peft_config_moe`, for adapters trained on transformers 4's
+    # per-expert Linears): each becomes a `target_parameters` entry on the fused experts or the router (gate_proj
+    # and up_proj together -> gate_up_proj at rank 2r; gate -> gate.weight) and leaves target_modules, so the
+    # shared experts' and dense layers' Linears of that name get no adapter. Refused here (planner.adapters.targets).
+    peft_retargeted: tuple[str, ...] = ()
     qk_norm: QkNorm = "none"
     shared_expert: bool = False
     classifier_head: bool = True

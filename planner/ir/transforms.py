@@ -254,6 +254,7 @@ class Adapters:
     input_grads: bool  # the embeddings' output requires grad (`enable_input_require_grads`)
     base_low: bool  # the base is stored in autocast's 16-bit dtype: autocast casts no base weight
     dequant_bytes: int = 2  # bytes per element of a 4-bit weight dequantized (bnb_4bit_compute_dtype)
+    experts: frozenset[str] = frozenset()  # fused expert weights with an adapter (peft target_parameters)
 
 
 # Blocks of a transformer the transform rewrites; the multimodal model's dense / batch-norm blocks and the loss
@@ -336,8 +337,9 @@ def lora_block(block: ProgramBlock, adapters: Adapters, ctx: Ctx, first_grad: bo
     for op in ops:
         if op.kind == "linear" and modules[id(op)] in adapters.adapted:
             takers.setdefault(_group(op, ops), []).append(op.name)
-    four_bit_mlp = ctx.amp and any(op.kind == "gated_mul" for op in ops) and all(
-        modules[id(op)] in adapters.quantized for op in ops if op.kind == "linear" and op.attrs["input"] == "mlp.input")
+    mlp_linears = [op for op in ops if op.kind == "linear" and op.attrs["input"] == "mlp.input"]
+    four_bit_mlp = ctx.amp and any(op.kind == "gated_mul" for op in ops) and bool(mlp_linears) and all(
+        modules[id(op)] in adapters.quantized for op in mlp_linears)
     out: list[Op] = []
     for k, op in enumerate(ops):
         if op.kind == "linear":
@@ -364,6 +366,12 @@ def lora_block(block: ProgramBlock, adapters: Adapters, ctx: Ctx, first_grad: bo
         elif op.kind == "first_token":
             reader = by_name.get(op.attrs["consumer"])
             out.append(op if reader is not None and trained[id(reader)] else _with(op, no_grad=True))
+        elif op.kind == "router":
+            out.append(_with(op, frozen=True))  # a frozen router weight: F.linear keeps no input for it
+        elif op.kind == "permute" and op.attrs.get("bias_index"):
+            out.append(_with(op, frozen_bias=True))  # frozen expert biases: their gather keeps no indices
+        elif op.kind == "expert_gemm":
+            out.append(_expert_gemm(op, ops, adapters, ctx))
         elif op.kind == "index":
             out.append(_with(op, no_grad=True))  # the ids of a frozen table: nothing needs them
         elif op.kind in ("rms_norm", "layer_norm") and first_grad and k == 0:
@@ -384,6 +392,37 @@ def lora_block(block: ProgramBlock, adapters: Adapters, ctx: Ctx, first_grad: bo
         else:
             out.append(op)
     return out
+
+
+def _expert_gemm(op: Op, ops: tuple[Op, ...], adapters: Adapters, ctx: Ctx) -> Op:
+    """A grouped expert GEMM under LoRA. Frozen experts: the weight needs no gradient, so grouped_mm keeps no
+    input. Adapted ones (peft 0.21 ParamWrapper, `target_parameters`): while the layer runs, the weight is a
+    parametrization, `_LoraFactorsProxy.forward` = `baddbmm(W, lhs, rhs, alpha=scaling)` with autocast off, so
+    the experts compute with a merged copy W' of the whole local stack in W's dtype; W' needs a gradient, so
+    grouped_mm keeps its input (as full training does) and W' itself (`merged`), and baddbmm keeps lhs and rhs,
+    the adapters' factors, which are views of the fp32 adapters unless W is 16-bit (`.to(param.dtype)`: new
+    16-bit copies, `factor_cast`). The parameters are renamed as peft nests its wrappers (each adapted weight
+    of a module wraps the module once more, in registration order: `experts.base_layer.base_layer.gate_up_proj`,
+    `experts.base_layer.lora_A.default.weight` for gate_up, `experts.lora_A.default.weight` for down)."""
+    weight = op.params[0]
+    module = weight.name.rsplit(".", 1)[0]
+    siblings = [o.params[0].name for o in ops if o.kind == "expert_gemm" and o.params[0].name.rsplit(".", 1)[0] == module]
+    adapted = [n for n in siblings if n in adapters.experts]
+    if weight.name not in adapters.experts:
+        params = op.params if not adapted else tuple(
+            Param(f"{module}.{'base_layer.' * len(adapted)}{p.name[len(module) + 1:]}", p.shape) for p in op.params)
+        return Op(op.kind, op.name, op.shapes, params, op.dtypes, op.attrs | {"frozen": True})
+    depth = len(adapted) - adapted.index(weight.name) - 1  # the first registered is wrapped innermost
+    experts, n_in, n_out, r = weight.shape[0], op.shapes["input"][1], op.shapes["output"][1], adapters.r
+    lora = f"{module}.{'base_layer.' * depth}"
+    params = tuple(Param(f"{module}.{'base_layer.' * len(adapted)}{p.name[len(module) + 1:]}", p.shape)
+                   for p in op.params)
+    params += (Param(f"{lora}lora_A.default.weight", (r * experts, n_in)),
+               Param(f"{lora}lora_B.default.weight", (n_out, r * experts)))
+    local = op.shapes["experts"][0]
+    return Op(op.kind, op.name, op.shapes, params, op.dtypes, op.attrs | {
+        "merged": local * n_in * n_out, "factor_cast": local * r * (n_in + n_out) if op.dtypes["compute"] != F32
+        else 0})
 
 
 def _dequantize(op: Op, adapters: Adapters, ctx: Ctx) -> Op:

@@ -292,7 +292,9 @@ def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
     n, h = op.shapes["input"]
     a = op.attrs
     tensors = act.linear_inputs(a["input_name"], n * h, op.dtypes["input"], ctx, a["consumers"])
-    if len(tensors) == a["consumers"] and a["consumers"] > 1:
+    if a.get("frozen"):  # LoRA: the router weight needs no gradient, so F.linear keeps no x for it
+        out = []
+    elif len(tensors) == a["consumers"] and a["consumers"] > 1:
         out = [tensors[a["consumer"]]]
     else:
         out = tensors if a["consumer"] == 0 else []
@@ -314,7 +316,8 @@ def permute_saved(op: Op, ctx: Ctx) -> list[Saved]:
     pairs = op.shapes["output"][0]
     out = [Saved(f"{op.name}.token_index", pairs, I64), Saved(f"{op.name}.perm", pairs, I64),
            Saved(f"{op.name}.offsets", op.attrs["experts"], "int32")]
-    if op.attrs.get("bias_index"):  # `*_proj_bias[expert_ids_g]`: the sorted expert ids, one storage for both
+    if op.attrs.get("bias_index") and not op.attrs.get("frozen_bias"):  # `*_proj_bias[expert_ids_g]`: the
+        # sorted expert ids, one storage for both; a frozen bias (LoRA) needs no indices for its gradient
         out.append(Saved(f"{op.name}.expert_ids", pairs, I64))
     return out
 
@@ -325,8 +328,15 @@ def expert_gemm_saved(op: Op, ctx: Ctx) -> list[Saved]:
     gated product (down), as a new cast when the input is not already in the weights' dtype."""
     rows, n_in = op.shapes["input"]
     dtype = op.dtypes["compute"]
+    if op.attrs.get("frozen"):  # LoRA on a frozen expert weight: no gradient of it, so no input kept
+        return []
     name = f"{op.name}.input" + (".cast" if op.dtypes["input"] != dtype else "")
-    return [Saved(name, rows * n_in, dtype)]
+    out = [Saved(name, rows * n_in, dtype)]
+    if op.attrs.get("merged"):  # LoRA on the experts (planner.ir.transforms._expert_gemm): W' and the factors
+        out.append(Saved(f"{op.name}.merged_weight", op.attrs["merged"], dtype))
+        if op.attrs.get("factor_cast"):
+            out.append(Saved(f"{op.name}.lora_factors.cast", op.attrs["factor_cast"], dtype))
+    return out
 
 
 @register("saved", "unpermute")

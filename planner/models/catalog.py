@@ -28,7 +28,8 @@ TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels", "use_cache")
 ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-base", "roberta-large",
                           "distilroberta-base", "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large",
                           "gpt2-xl", "llama-2-7b", "llama-3-8b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b",
-                          "qwen3-235b-a22b", "gpt-oss-20b", "gpt-oss-120b", "deepseek-v3")
+                          "qwen3-235b-a22b", "gpt-oss-20b", "gpt-oss-120b", "deepseek-v2-lite", "deepseek-v2",
+                          "moonlight-16b-a3b", "deepseek-v3")
 
 
 @caches.lru(None, scope="facts", key="none: the catalog's config files")
@@ -40,6 +41,24 @@ def _configs() -> dict[str, dict[str, Any]]:
     for name in sorted(found, key=lambda n: (rank.get(n, len(ORDER)), n)):
         out[name] = hf_config.load_config_file(found[name])
     return out
+
+
+SOURCES_FILE = DATA_DIR.parent / "model_sources.json"
+
+
+@caches.lru(None, scope="facts", key="none: planner/data/model_sources.json")
+def _sources() -> dict[str, Any]:
+    from planner.io import read_json
+
+    return read_json(SOURCES_FILE, "model_sources.json")
+
+
+def config_source(name: str) -> dict[str, Any] | None:
+    """Where a catalog model's config.json came from and what it was checked against (the Hub file, public
+    copies at a commit with the fields read from each, differences, unverified fields); None for a model the
+    sources file does not list (planner/data/model_sources.json, issue 35)."""
+    row = _sources()["models"].get(name)
+    return json.loads(json.dumps(row)) if row is not None else None
 
 
 def catalog_config(name: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ absent optional keys are those of the transformers 5 config classes (e.g. `BertC
 `transformers` would build from the same dict; tests/test_params.py checks this against real modules.
 
 Supported: model_type bert, roberta, distilbert, gpt2, llama, mistral, mixtral, qwen2_moe, qwen3_moe, olmoe,
-gpt_oss, deepseek_v3; `architectures[0]` picks the head:
+gpt_oss, deepseek_v2, deepseek_v3; `architectures[0]` picks the head:
 `<Prefix>Model` -> "base", `...ForSequenceClassification`, `...ForMaskedLM` (encoders),
 `GPT2LMHeadModel` / `...ForCausalLM` (decoders).
 """
@@ -315,39 +315,63 @@ def _moe_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     )
 
 
-def _deepseek_v3(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V3 (DeepseekV3Config defaults): MLA, n_routed_experts routed experts (top num_experts_per_tok,
-    sigmoid scores, group-limited, renormalised and scaled), n_shared_experts shared ones as one MLP of
-    moe_intermediate_size · n_shared_experts, dense MLPs (intermediate_size) in the first first_k_dense_replace
-    layers. Multi-token prediction (num_nextn_predict_layers) is not built by transformers: not counted."""
+# DeepSeek-V2 and -V3 (DeepseekV2Config, DeepseekV3Config in transformers 5.24): their defaults for absent keys.
+# V2's num_experts_per_tok defaults to None (its router's torch.topk cannot run without it): required here.
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(vocab=102400, inner=11008, experts=64, top_k=None, groups=None, moe_i=1407, shared=2,
+                        dense=0, positions=2048, norm_topk=False),
+    "deepseek_v3": dict(vocab=129280, inner=18432, experts=256, top_k=8, groups=8, moe_i=2048, shared=1, dense=3,
+                        positions=4096, norm_topk=True),
+}
+# DeepseekV2TopkRouter.forward: "greedy" or "group_limited_greedy" (any other value leaves its top-k unset).
+_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _deepseek(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """DeepSeek-V2 and -V3 (the config classes' defaults above): MLA, n_routed_experts routed experts (top
+    num_experts_per_tok; V3: sigmoid scores, group-limited, renormalised when norm_topk_prob, scaled; V2: softmax,
+    greedy or group-limited greedy, never renormalised (DeepseekV2TopkRouter ignores norm_topk_prob), scaled),
+    n_shared_experts shared ones as one MLP of moe_intermediate_size · n_shared_experts, dense MLPs
+    (intermediate_size) in the first first_k_dense_replace layers. Multi-token prediction
+    (num_nextn_predict_layers) is not built by transformers: not counted."""
+    d = _DEEPSEEK_DEFAULTS[family]
+    v2 = family == "deepseek_v2"
     hidden, heads = _req(cfg, "hidden_size"), _req(cfg, "num_attention_heads")
     _check_heads(hidden, heads, heads, None)
     layers = _req(cfg, "num_hidden_layers")
-    experts = _int(cfg, "n_routed_experts", 256)
-    top_k = _int(cfg, "num_experts_per_tok", 8)
-    groups = _int(cfg, "n_group", 8)
-    assert experts is not None and top_k is not None and groups is not None
+    experts = _int(cfg, "n_routed_experts", d["experts"])
+    top_k = _int(cfg, "num_experts_per_tok", d["top_k"], required=d["top_k"] is None)
+    assert experts is not None and top_k is not None
     if top_k > experts:
         raise PlannerError(f"{FIELD}:num_experts_per_tok", top_k, f"at most n_routed_experts={experts}")
-    if experts % groups:
-        raise PlannerError(f"{FIELD}:n_group", groups, f"a divisor of n_routed_experts={experts}")
-    moe_inner = _int(cfg, "moe_intermediate_size", 2048)
-    shared = _int(cfg, "n_shared_experts", 1, minimum=0)
-    dense = _int(cfg, "first_k_dense_replace", 3, minimum=0)
+    method = cfg.get("topk_method") or "greedy"
+    if v2 and method not in _V2_TOPK_METHODS:
+        raise PlannerError(f"{FIELD}:topk_method", method, f"one of {', '.join(_V2_TOPK_METHODS)} (DeepSeek-V2)")
+    if not v2 or method == "group_limited_greedy":  # the groups split the experts evenly
+        groups = _int(cfg, "n_group", d["groups"], required=d["groups"] is None)
+        assert groups is not None
+        if experts % groups:
+            raise PlannerError(f"{FIELD}:n_group", groups, f"a divisor of n_routed_experts={experts}")
+    if v2 and _bool(cfg, "mlp_bias", False):
+        raise PlannerError(f"{FIELD}:mlp_bias", True, "false (biased dense and shared-expert MLPs are not modelled)")
+    moe_inner = _int(cfg, "moe_intermediate_size", d["moe_i"])
+    shared = _int(cfg, "n_shared_experts", d["shared"], minimum=0)
+    dense = _int(cfg, "first_k_dense_replace", d["dense"], minimum=0)
     nope, rope = _int(cfg, "qk_nope_head_dim", 128), _int(cfg, "qk_rope_head_dim", 64)
     assert moe_inner is not None and shared is not None and dense is not None and nope and rope
     if _bool(cfg, "output_router_logits", False):
         raise PlannerError(f"{FIELD}:output_router_logits", True,
                            "false (the auxiliary loss's kept router logits are not modelled)")
     return dict(
-        vocab_size=_int(cfg, "vocab_size", 129280), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=heads, intermediate_size=_int(cfg, "intermediate_size", 18432), head_size=nope + rope,
-        max_positions=_int(cfg, "max_position_embeddings", 4096), position_table=0, type_vocab_size=0,
+        vocab_size=_int(cfg, "vocab_size", d["vocab"]), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, intermediate_size=_int(cfg, "intermediate_size", d["inner"]), head_size=nope + rope,
+        max_positions=_int(cfg, "max_position_embeddings", d["positions"]), position_table=0, type_vocab_size=0,
         hidden_act=_str(cfg, "hidden_act", "silu"), norm="rmsnorm", hidden_dropout=0.0,
         attention_dropout=_float(cfg, "attention_dropout", 0.0), embedding_dropout=0.0, classifier_dropout=None,
         attention_bias=_bool(cfg, "attention_bias", False), mlp_bias=False, num_experts=experts,
         experts_per_token=top_k, moe_intermediate_size=moe_inner, shared_expert_intermediate_size=moe_inner * shared,
-        norm_topk_prob=_bool(cfg, "norm_topk_prob", True), dense_layers=tuple(range(min(dense, layers))),
+        norm_topk_prob=False if v2 else _bool(cfg, "norm_topk_prob", d["norm_topk"]),
+        dense_layers=tuple(range(min(dense, layers))),
         q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else _int(cfg, "q_lora_rank", 1536),
         kv_lora_rank=_int(cfg, "kv_lora_rank", 512) or 512,
         qk_rope_head_dim=rope, v_head_dim=_int(cfg, "v_head_dim", 128) or 128,
@@ -432,8 +456,8 @@ def _transformer(config: dict[str, Any], family: str) -> TransformerSpec:
         fields = _gpt2(config)
     elif family in _MOE_DEFAULTS:
         fields = _moe_like(config, family)
-    elif family == "deepseek_v3":
-        fields = _deepseek_v3(config)
+    elif family in _DEEPSEEK_DEFAULTS:
+        fields = _deepseek(config, family)
     else:
         fields = _llama_like(config, family)
     _check_limits(fields)

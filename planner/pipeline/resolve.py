@@ -297,10 +297,6 @@ def fp8_instances() -> list[str]:
 def check_experts(spec: ModelSpec | None, cfg: TrainConfig, world: int) -> None:
     """The expert layout where the model is known (issue 35): --ep must divide the experts, ep · etp · pp the
     GPUs, and a model without experts takes neither (planner.parallel.dims.build holds the rules)."""
-    moe = [t for t in spec.transformers if t.moe] if spec is not None else []
-    if moe and cfg.lora:
-        raise PlannerError("--lora-r", cfg.lora_r, "none for a mixture-of-experts model (LoRA on its attention "
-                           "or experts is not modelled yet)")
     if spec is None and (cfg.ep > 1 or cfg.etp > 1):  # a traced model: its experts are not known here
         raise PlannerError("--ep" if cfg.ep > 1 else "--etp", cfg.ep if cfg.ep > 1 else cfg.etp,
                            "1 for a model of your own (expert parallelism needs a config.json or catalog model)")

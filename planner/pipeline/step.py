@@ -138,7 +138,7 @@ def _block_memory(model: ModelSpec, activations: tuple, config: TrainConfig,
     lay = lay or framework_layout.layout(config)
     p_bytes, g_bytes = lay.param_bytes, lay.grad_bytes
     lora = _lora_key(config)
-    ep_etp = 1 if lora else config.ep * config.etp
+    ep_etp = config.ep * config.etp
     key = (id(model), id(activations), p_bytes, g_bytes, share, lora, lay, ep_etp)
     hit = _BLOCKS.get(key)
     if hit is not None and hit[0] is model and hit[1] is activations:
@@ -156,19 +156,23 @@ def _lora_key(config: TrainConfig) -> tuple | None:
     return (config.lora_r, config.lora_targets, config.base_dtype) if config.lora else None
 
 
-def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, int, int, int]] | None:
+def _lora_bytes(model: ModelSpec, config: TrainConfig) -> dict[str, tuple[int, ...]] | None:
     """Block -> (parameter bytes, gradient bytes, parameters, trainable parameters) of a LoRA run
-    (planner.adapters.lora); None without one."""
+    (planner.adapters.lora), then the same four of its routed experts and their adapters (what expert
+    parallelism splits); None without one."""
     if not config.lora:
         return None
-    from planner.adapters.lora import plan
+    from planner.adapters.lora import expert_bytes, plan
 
-    return {name: (b.param_bytes, b.grad_bytes, b.trainable + b.frozen, b.trainable)
-            for name, b in plan(model, config).blocks.items()}
+    lora = plan(model, config)
+    experts = _model_facts(model).experts_by_block or {}
+    return {name: (b.param_bytes, b.grad_bytes, b.trainable + b.frozen, b.trainable,
+                   *expert_bytes(b, experts.get(name, 0), lora.base_dtype))
+            for name, b in lora.blocks.items()}
 
 
 def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes: int,
-                     share: parallel.Sharding, lora: dict[str, tuple[int, int, int, int]] | None = None,
+                     share: parallel.Sharding, lora: dict[str, tuple[int, ...]] | None = None,
                      lay: framework_layout.StateLayout | None = None,
                      counts: tuple[dict[str, int], dict[str, int]] | None = None, ep_etp: int = 1,
                      tp_cp: int = 1) -> tuple[timeline.BlockMemory, ...]:
@@ -188,11 +192,16 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
         if experts:  # this rank's experts, laid out over the expert data-parallel group (memory/experts.py)
             local = experts // ep_etp
             parts.append((local, local, expert_sharding(share, ep_etp, tp_cp)))
+        sized = [(n_p, n_t, n_p * p_bytes, n_t * g_bytes, sh) for n_p, n_t, sh in parts]
+        if lora is not None:  # the LoRA plan's bytes; under expert parallelism its experts split as above
+            full_p, full_g, n_p, n_t, e_p, e_g, e_n, e_t = lora.get(act.block, (0,) * 8)
+            sized = [(n_p, n_t, full_p, full_g, share)]
+            if experts:
+                sized = [(n_p - e_n, n_t - e_t, full_p - e_p, full_g - e_g, share),
+                         (e_n // ep_etp, e_t // ep_etp, e_p // ep_etp, e_g // ep_etp,
+                          expert_sharding(share, ep_etp, tp_cp))]
         laid_parts = []
-        for n_p, n_t, sh in parts:
-            full_p, full_g = n_p * p_bytes, n_t * g_bytes
-            if lora is not None:
-                full_p, full_g, n_p, n_t = lora.get(act.block, (0, 0, 0, 0))
+        for n_p, n_t, full_p, full_g, sh in sized:
             laid = lay.block_bytes(sh.parameters, sh.gradients, n_p, full_p, n_t, full_g) if lay else None
             laid_parts.append(laid or sh.block_bytes(full_p, full_g))
         resident_p, resident_g, gathered, transient_g = (sum(x) for x in zip(*laid_parts, strict=True))
@@ -526,11 +535,19 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
         from planner.adapters.lora import ADAPTER_BYTES, lora_counts, plan
 
         lora = plan(spec, cfg)
-        counts = lora_counts(spec, lora)
+        counts = lora_counts(spec, lora) | ({"active": counts["active"]} if "active" in counts else {})
         full_grad_bytes = lora.trainable * ADAPTER_BYTES
         states = optimizer.optimizer_state_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
         opt_temp = optimizer.optimizer_temporary_bytes(lora.shapes, cfg, ADAPTER_BYTES, share.optimizer_states)
         trained = lora.trainable
+        if ep_etp > 1 and lora.adapted_experts:  # a rank adapts only its experts (LoraPlan.shapes_split)
+            dense, local = lora.shapes_split(ep_etp)
+            e_share = expert_sharding(share, ep_etp)
+            full_grad_bytes = sum(math.prod(s) for s in dense + local) * ADAPTER_BYTES
+            states = (optimizer.optimizer_state_bytes(dense, cfg, ADAPTER_BYTES, share.optimizer_states)
+                      + optimizer.optimizer_state_bytes(local, cfg, ADAPTER_BYTES, e_share.optimizer_states))
+            opt_temp = max(optimizer.optimizer_temporary_bytes(dense, cfg, ADAPTER_BYTES, share.optimizer_states),
+                           optimizer.optimizer_temporary_bytes(local, cfg, ADAPTER_BYTES, e_share.optimizer_states))
     elif expert_total:  # experts' states over the expert data-parallel group (planner.memory.experts)
         dense, local = split_shapes(facts.gradient_shapes, ep_etp)
         opt_cfg, e_share = _optimizer_config(cfg, lay), expert_sharding(share, ep_etp)

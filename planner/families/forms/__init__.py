@@ -155,6 +155,7 @@ _PARAMETERS: dict[int, tuple] = caches.table("planner.families.forms._PARAMETERS
 # linear ops themselves do not depend on the micro-batch or the precision, only on the tensor-parallel degree
 # (one rank's widths: `probe`). Without sequence parallelism, so that every token-wise op keeps n rows.
 _PROBE = Ctx(2, 3, "fp32", "sdpa", "cuda", False)
+PROBE_CTX = _PROBE  # a context without parallelism, for readers of a layer's modules (planner.adapters.targets)
 
 
 def probe(tp: int = 1) -> Ctx:
