@@ -71,9 +71,11 @@ def program_kernels(model: ModelSpec, config: TrainConfig, sh: Shapes, lora: Lor
     for block in lora_program(model, config, lora, sh).blocks:
         last_saving = _last_saving(block.ops, sh) if full_recompute and block.role == "layer" else -1
         quantized = False
+        feeds = None  # the op whose output the next Linear reads (not a dequantization or an adapter op)
         for i, op in enumerate(block.ops):
             fwd: list[Kernel] = []
             grad = not op.attrs.get("no_grad")
+            reads, feeds = feeds, (feeds if op.kind == "dequantize" or op.attrs.get("adapter") else op)
             if op.kind == "dequantize":
                 fwd = [_with(k, launches=k.launches * NESTED_DEQUANTIZE_LAUNCHES) for k in apply("kernels", op, sh)]
                 bwd = [_with(k, name=f"{k.name}.backward", phase="backward") for k in fwd] if grad else []
@@ -83,7 +85,7 @@ def program_kernels(model: ModelSpec, config: TrainConfig, sh: Shapes, lora: Lor
                 bwd = [b for k in reversed(fwd) for b in backward_of(k)]
             elif op.kind == "linear" and quantized:
                 quantized = False
-                fwd = _output_cast(op, sh)
+                fwd = _output_cast(op, sh, reads)
                 bwd = [b for k in fwd for b in backward_of(k)] if grad and op.attrs.get("input_grad", True) else []
             else:
                 continue
@@ -93,14 +95,22 @@ def program_kernels(model: ModelSpec, config: TrainConfig, sh: Shapes, lora: Lor
     return out
 
 
-def _output_cast(op: Op, sh: Shapes) -> list[Kernel]:
+def _output_cast(op: Op, sh: Shapes, reads: Op | None) -> list[Kernel]:
     """`Linear4bit.forward`'s `.to(inp_dtype)`: the compute-dtype output cast back to an input of another dtype
-    (fp32 under prepare_model_for_kbit_training and autocast); nothing when they agree."""
+    (fp32 under prepare_model_for_kbit_training and autocast); nothing when they agree. The gated MLP's down
+    projection reads the fp32 product of the 4-bit gate and up projections (`lora_layers` keeps them fp32), so
+    its input is cast to the compute dtype too, which the full-training list (a 16-bit product) lacks."""
     src = op.dtypes["input"]
+    extra: list[Kernel] = []
+    if reads is not None and reads.kind == "gated_mul" and reads.dtypes["output"] != src:
+        src = reads.dtypes["output"]
+        rows, n_in = op.shapes["input"]
+        if sh.amp and src != sh.low:
+            extra.append(elementwise(f"{op.name}.input_cast", rows * n_in, (src,), (sh.low,), sh.low))
     if not sh.amp or src == sh.low:
-        return []
+        return extra
     rows, n_out = op.shapes["output"]
-    return [elementwise(f"{op.name}.output_cast", rows * n_out, (sh.low,), (src,), src)]
+    return extra + [elementwise(f"{op.name}.output_cast", rows * n_out, (sh.low,), (src,), src)]
 
 
 def _last_saving(ops: tuple[Op, ...], sh: Shapes) -> int:
