@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,42 +51,79 @@ def _phase_peaks(row: dict) -> tuple[int, int]:
     return max(p["max_alloc"] for p in phases), max(p["max_res"] for p in phases)
 
 
-def _estimate(model: str, **kw):
+def estimate_row(model: str, with_throughput: bool = False, **kw):
+    """The planner's estimate of one of these rows (one H200, SDPA, AdamW foreach, as measured)."""
     from planner.estimate import estimate
     from planner.spec import TrainConfig
 
     cfg = TrainConfig(attention="sdpa", parallelism="single", optimizer="adamw", optimizer_impl="foreach", **kw)
-    e = estimate(model, cfg, INSTANCE, with_throughput=False)
+    return estimate(model, cfg, INSTANCE, with_throughput=with_throughput)
+
+
+def step_peaks(e) -> tuple[int, int]:
+    """(allocated, reserved) of the step: the load phase's peak (--load cast's fp32 build) is not a step's."""
     step = max((p.allocated for p in e.phases if p.phase != "load"), default=e.memory_bytes.peak_allocated)
     return step, e.memory_bytes.peak_reserved
 
 
-def compare(folder: Path) -> list[tuple[str, int, int, int, int]]:
-    """(label, measured allocated, predicted allocated, measured reserved, predicted reserved) per row."""
+def lora_fields(r: dict) -> dict:
+    """TrainConfig fields of a LoRA/QLoRA row of `gpu_session.py lora_row` (lora.jsonl, load.jsonl,
+    qlora_nockpt.jsonl): AMP bf16, dropout 0.05, the loss-only loop, its adapters and base."""
+    load = "direct" if r.get("load_path", "direct") == "direct" else "cast"
+    targets = r.get("targets") or LORA_TARGETS
+    return dict(batch_size=r["b"], seq_len=r["s"], checkpointing=r["ckpt"], lora_r=r["r"], lora_alpha=r["alpha"],
+                lora_targets=(targets,) if isinstance(targets, str) else tuple(targets), base_dtype=r["base"],
+                load=load, precision="amp-bf16", lora_dropout=0.05, loop="loss-only")
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """One row of these files, its measured peaks and step time, and the planner's estimate of it."""
+
+    label: str
+    kind: str  # "loop", "load" or "qlora"
+    row: dict
+    measured_allocated: int
+    measured_reserved: int
+    estimate: object
+
+    @property
+    def measured_step_s(self) -> float | None:
+        return self.row.get("step_time_s")
+
+
+def predictions(folder: Path, with_throughput: bool = False) -> list[Predicted]:
+    """Every row of loops.jsonl, load.jsonl and qlora_nockpt.jsonl in `folder`, estimated once."""
     out = []
     for r in _rows(folder / "loops.jsonl"):
         steps = [s for s in r["steps"] if "max_alloc" in s]
         if not steps:
             continue
         loop = LOOP_OF_READING[r["loop"]]
-        pa, pr = _estimate(r["model"], batch_size=r["b"], seq_len=r["s"], precision=r["precision"], loop=loop)
-        out.append((f"loop {r['loop']} as {loop}", max(s["max_alloc"] for s in steps), pa,
-                    max(s["max_res"] for s in steps), pr))
-    lora = dict(precision="amp-bf16", lora_dropout=0.05, loop="loss-only")
+        e = estimate_row(r["model"], with_throughput, batch_size=r["b"], seq_len=r["s"],
+                         precision=r["precision"], loop=loop)
+        out.append(Predicted(f"loop {r['loop']} as {loop}", "loop", r, max(s["max_alloc"] for s in steps),
+                             max(s["max_res"] for s in steps), e))
     for r in _rows(folder / "load.jsonl"):
         path = r.get("load_path", "direct")
-        load = "direct" if path == "direct" else "cast"
-        pa, pr = _estimate(r["model"], batch_size=r["b"], seq_len=r["s"], checkpointing=r["ckpt"], lora_r=r["r"],
-                           lora_alpha=r["alpha"], lora_targets=tuple(r.get("targets") or LORA_TARGETS),
-                           base_dtype=r["base"], load=load, **lora)
+        e = estimate_row(r["model"], with_throughput, **lora_fields(r))
         ma, mr = _phase_peaks(r)
-        out.append((f"load {path}" + (" (as cast)" if path == "cast+empty_cache" else ""), ma, pa, mr, pr))
+        out.append(Predicted(f"load {path}" + (" (as cast)" if path == "cast+empty_cache" else ""), "load", r,
+                             ma, mr, e))
     for r in _rows(folder / "qlora_nockpt.jsonl"):
-        pa, pr = _estimate(r["model"], batch_size=r["b"], seq_len=r["s"], checkpointing=r["ckpt"], lora_r=r["r"],
-                           lora_alpha=r["alpha"], lora_targets=tuple(r.get("targets") or LORA_TARGETS),
-                           base_dtype=r["base"], **lora)
+        e = estimate_row(r["model"], with_throughput, **lora_fields(r))
         ma, mr = _phase_peaks(r)
-        out.append((f"qlora {r['b']}x{r['s']} ckpt={'on' if r['ckpt'] else 'off'}", ma, pa, mr, pr))
+        out.append(Predicted(f"qlora {r['b']}x{r['s']} ckpt={'on' if r['ckpt'] else 'off'}", "qlora", r, ma, mr,
+                             e))
+    return out
+
+
+def compare(folder: Path) -> list[tuple[str, int, int, int, int]]:
+    """(label, measured allocated, predicted allocated, measured reserved, predicted reserved) per row."""
+    out = []
+    for p in predictions(folder):
+        pa, pr = step_peaks(p.estimate)
+        out.append((p.label, p.measured_allocated, pa, p.measured_reserved, pr))
     return out
 
 

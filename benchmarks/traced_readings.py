@@ -32,7 +32,8 @@ def measured_peaks(row: dict) -> tuple[int, int]:
     return max(p["max_alloc"] for p in phases), max(p["max_res"] for p in phases)
 
 
-def predict(row: dict, instance: str, folder: Path, loop: str = "plain") -> tuple[int, int]:
+def estimate_row(row: dict, instance: str, folder: Path, loop: str = "plain", with_throughput: bool = False):
+    """The planner's estimate of one row: its config written to `folder`, traced as `--model config.json`."""
     from planner.estimate import estimate
     from planner.spec import TrainConfig
 
@@ -40,8 +41,20 @@ def predict(row: dict, instance: str, folder: Path, loop: str = "plain") -> tupl
     path.write_text(json.dumps(row["hf_config"]))
     cfg = TrainConfig(batch_size=row["b"], seq_len=row["s"], precision=row["precision"], attention="sdpa",
                       parallelism="single", loop=loop)
-    est = estimate(str(path), cfg, instance, with_throughput=False)
+    return estimate(str(path), cfg, instance, with_throughput=with_throughput)
+
+
+def predict(row: dict, instance: str, folder: Path, loop: str = "plain") -> tuple[int, int]:
+    est = estimate_row(row, instance, folder, loop)
     return est.memory_bytes.peak_allocated, est.memory_bytes.peak_reserved
+
+
+def measured_step_s(row: dict) -> float:
+    """The row's step time: `step_time_s` (the median of timed steps), else (vocab.jsonl, whose three steps
+    are the metered ones, the first cold) the median of the steps after the first."""
+    if "step_time_s" in row:
+        return row["step_time_s"]
+    return statistics.median(row["step_times_s"][1:])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,19 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
       index, so the transform found no adapter there; the old records matched them by suffix).
    No step time moves: the adapters' and dequantizations' kernels, read from the same transformed program
    since (planner.adapters.speed.program_kernels), equal the old per-module list in every LoRA case.
+7. Step-time kernels as CUDA runs them (issue 36; memory unchanged everywhere):
+   a. the eager attention's elementwise passes (scale, mask add, softmax, dropout, probability cast, copies)
+      are of kind "attention" for the breakdown, and their backward took the fused SDPA kernel's rule (reads
+      + 2 × writes: about twice their bytes); now the elementwise rule (`perf.kernels.is_fused_attention`),
+      and the additive mask is read once per sample (b·s·kv_s), not once per head;
+   b. the universal efficiencies refitted on the same public rows after (a) (benchmarks/fit_roofline.py:
+      GEMM 0.625 -> 0.60, HBM 0.90 -> 0.775; Hopper's own row is unchanged: benchmarks/fit_gemm_size.py
+      refits F_1/2 = 15 GFLOP and HBM 0.50 again): every non-Hopper estimate's step time moves;
+   c. LoRA / QLoRA under checkpointing recompute the adapters' forward and each 4-bit dequantization
+      (`adapters.speed.program_kernels`); a double-quantized 4-bit dequantization is three launches and a 4-bit
+      Linear fed fp32 casts its output back to fp32 (bitsandbytes 0.50.2 source lines in that module);
+   d. a traced model's CPU dropout (bernoulli_, div_, mul) is timed as CUDA's one fused dropout kernel
+      (`program.speed.cuda_rows`).
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

@@ -59,3 +59,21 @@ def test_lora_step_flops_match_flop_counter():
     assert _kernel_flops(spec, config) - real == first_layer_skippable  # exactly what the first layer skips
     full = _kernel_flops(spec, config.model_copy(update={"lora_r": None, "lora_targets": ()}))
     assert _kernel_flops(spec, config) < 0.75 * full
+
+
+def test_lora_step_flops_with_checkpointing_match_flop_counter():
+    """Under non-reentrant checkpointing (the input requiring grad, as peft's `enable_input_require_grads`
+    makes it, so no first-layer gradient is skipped) the recompute re-runs the adapters' GEMMs too (issue 36:
+    `program_kernels` had no recompute for them): forward + backward + recompute equal FlopCounterMode's."""
+    spec = small_spec("llama-2-7b", {})
+    config = TrainConfig(batch_size=BATCH, seq_len=SEQ, attention="eager", lora_r=R,
+                         lora_targets=("q_proj", "v_proj"), checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = build(spec)
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.enable_input_require_grads()
+        module = peft.get_peft_model(module, peft.LoraConfig(r=R, target_modules=["q_proj", "v_proj"]))
+    counted = sum(k.flops * k.count for k in micro_kernels(spec, config) if k.kind in ("gemm", "attention")
+                  and k.phase in ("forward", "backward", "recompute"))
+    assert counted == _counted(module)

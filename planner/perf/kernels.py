@@ -139,6 +139,14 @@ def reduction(name: str, numel: int, out: int, dtype: str) -> Kernel:
     return Kernel(name, "memory_bound", 0, numel * nbytes(dtype), out * nbytes(dtype), dtype)
 
 
+def is_fused_attention(k: Kernel) -> bool:
+    """The one fused SDPA / flash kernel of an attention (`attention`: FLOPs, no GEMM shape). The eager path's
+    kernels are also of kind "attention" (so that the breakdown groups them), but its scale, mask add, softmax,
+    dropout and casts are elementwise passes with no FLOPs, its two bmm's GEMMs (issue 36: the backward rule of
+    the fused kernel, reads + 2 × writes, was applied to those passes, about twice their bytes)."""
+    return k.kind == "attention" and k.gemm is None and k.flops > 0
+
+
 def backward_of(k: Kernel) -> list[Kernel]:
     """Backward kernels of one forward kernel: two GEMMs per GEMM (dX = dY·Wᵀ, dW = Xᵀ·dY), 2.5× a fused
     attention kernel's FLOPs over q, k, v, o, dO in and dq, dk, dv out; one pass reading the gradient and
@@ -149,7 +157,7 @@ def backward_of(k: Kernel) -> list[Kernel]:
         dw = gemm(f"{k.name}.grad_weight", kk, n, m, k.dtype, b, kind=k.kind)
         dw = _with(dw, param_work="weight_grad" if k.kind == "gemm" else "")  # bmm: both operands activations
         return [_with(x, phase="backward", count=k.count) for x in (dx, dw)]
-    if k.kind == "attention":  # fused SDPA / flash: one backward kernel
+    if is_fused_attention(k):  # fused SDPA / flash: one backward kernel
         flops = BACKWARD_TO_FORWARD * k.flops + k.flops // 2
         return [_with(k, name=f"{k.name}.backward", flops=flops, bytes_read=k.bytes_read + 2 * k.bytes_written,
                         bytes_written=k.bytes_read, phase="backward")]
@@ -285,8 +293,11 @@ def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float, heads: 
         # q, k, v arrive as (b, a, s, d) views of the projections: bmm needs contiguous copies of each
         ks = [elementwise(f"attention.{t}_copy", sh.n * a * d, (low,), (low,), low) for t in ("q", "k", "v")]
         ks += [qk, elementwise("attention.scale", s2, (low,), (low,), low)]
-        if masked:
-            ks.append(elementwise("attention.mask_add", s2, (low, sh.act), (sh.act,), sh.act))
+        if masked:  # the 4-D mask is (b, 1, s, kv_s), broadcast over the heads: one b·s·kv_s read from HBM
+            # (each sample's s·kv_s slice, 1 MiB fp32 at 512 tokens, is re-read by every head from L2), where
+            # counting it per element read b·heads·s·kv_s of it (issue 36)
+            add = elementwise("attention.mask_add", s2, (low,), (sh.act,), sh.act)
+            ks.append(_with(add, bytes_read=add.bytes_read + b * s * kv_s * nbytes(sh.act)))
         ks.append(elementwise("attention.softmax", s2, (sh.act if masked else low,), (soft,), soft))
         ks += [_with(k, kind="attention") for k in dropout("attention.dropout", s2, soft, spec.attention_dropout)]
         if soft != low:

@@ -15,6 +15,11 @@ One op = one kernel:
 - phase: forward; backward; ops run inside a module's forward during backward are checkpoint recomputation.
 - compute dtype: the first floating input's (16-bit under autocast: the tracer runs CPU autocast, with CUDA's
   fp32 op list applied).
+- CPU -> CUDA (issue 36): CPU dropout is three ops (aten/src/ATen/native/Dropout.cpp `_dropout_impl`:
+  `noise.bernoulli_(1 - p)`, `noise.div_(1 - p)`, `input * noise`), CUDA's one fused `native_dropout` kernel
+  (aten/src/ATen/native/cuda/Dropout.cu `fused_dropout_kernel`: reads x, writes the output and a 1-byte mask);
+  the three are timed as that one kernel (`cuda_rows`). The backward's `grad * noise` is left as traced (CUDA's
+  `native_dropout_backward` reads a 1-byte mask where it reads the noise: one pass either way).
 The optimizer is not taken from the trace: `perf.kernels.optimizer_kernels` over the parameter count and
 tensor count, as in the analytic path (the trace's optimizer ops are one per tensor for the for-loop
 implementation and the same multi-tensor launches otherwise).
@@ -31,6 +36,7 @@ from planner import caches
 from planner.perf.kernels import KINDS
 from planner.perf.roofline import PHASES, KernelTable
 from planner.perf.throughput import ThroughputConstants, table_throughput
+from planner.program import cuda
 from planner.program.records import OpRecord, StepTrace, TensorMeta
 from planner.spec import BYTES_PER_DTYPE, Instance, Throughput, TrainConfig
 
@@ -94,10 +100,42 @@ def op_row(op: OpRecord) -> tuple[str, str, tuple[int, int, int, int] | None, fl
     return kind, _compute_dtype(op), _gemm_dims(op) if kind == "gemm" else None, float(op.flops), float(read + written)
 
 
+DROPOUT_TAIL = ("aten.div_.Scalar", "aten.mul.Tensor")  # after the noise's bernoulli_: scale it, multiply
+
+
+def _numel(m: TensorMeta) -> int:
+    n = 1
+    for d in m.shape:
+        n *= d
+    return n
+
+
+def cuda_rows(ops: list[OpRecord]) -> list[tuple[OpRecord, tuple]]:
+    """(op, op_row) of each kernel CUDA runs for `ops`: CPU's dropout triple (bernoulli_, div_, mul over the
+    same elements) as one fused dropout kernel (module docstring), every other op as traced."""
+    out: list[tuple[OpRecord, tuple]] = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        tail = ops[i + 1:i + 3]
+        if (op.name == cuda.DROPOUT_NOISE_OP and op.outputs and tuple(t.name for t in tail) == DROPOUT_TAIL
+                and all(t.outputs and _numel(t.outputs[0]) == _numel(op.outputs[0]) for t in tail)):
+            x = tail[1].outputs[0]
+            n = _numel(x)
+            nbytes = 2 * _nbytes(x) + n * BYTES_PER_DTYPE["bool"]  # read x; write the output and the mask
+            out.append((op, ("memory_bound", x.dtype, None, 0.0, float(nbytes))))
+            i += 3
+            continue
+        out.append((op, op_row(op)))
+        i += 1
+    return out
+
+
 def kernel_table(trace: StepTrace) -> KernelTable:
     """The micro-step's kernels (forward, backward, recompute) of a trace, at its own batch size (per_b = 0)."""
-    ops = [op for op in trace.ops if op.kernel and op.phase in ("forward", "backward")]
-    rows = [op_row(op) for op in ops]
+    pairs = cuda_rows([op for op in trace.ops if op.kernel and op.phase in ("forward", "backward")])
+    ops = [op for op, _ in pairs]
+    rows = [row for _, row in pairs]
     base = np.array([[f, b, *(g or (0, 0, 0, 0))] for _, _, g, f, b in rows], dtype=float).reshape(len(rows), 6)
     return KernelTable(
         names=tuple(op.name for op in ops),
