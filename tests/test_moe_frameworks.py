@@ -205,3 +205,33 @@ def test_fp8_weight_copies_without_the_cache_are_the_tp_ranks():
                      fp8_weight_cache=True)
         assert weight_casts(layer, cached) == []
         assert fp8_weight_workspace_bytes(layer, cached) == 2 * _layer_weights_per_rank(tp)
+
+
+def test_megatron_fp8_runs_the_experts_in_fp8_with_cached_weights():
+    """Under a TE recipe, Megatron-Core's TEGroupedMLP (TE GroupedLinear in the same fp8_autocast) runs the routed
+    experts' GEMMs in FP8 and saves their FP8 inputs (1 B per element); its cached FP8 weights are the rank's
+    E / ep experts' 3 · h · i elements × 2 B per sparse layer beside the Linears'. transformers' grouped_mm (and
+    torchao, which converts nn.Linear only) keep them 16-bit."""
+    from planner.ir.transforms import for_context
+    from planner.memory.activations import fp8_weight_workspace_bytes, linear_params
+    from planner.memory.op_saved import op_saved
+    from planner.models.blocks import model_blocks
+    from planner.perf.op_rules import expert_gemm_kernels
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    t = spec.transformers[0]
+    for megatron in (True, False):
+        ctx = Ctx(2, 24, "amp-bf16", "flash", "cuda", False, ep=2, fp8="current", experts_16bit=megatron,
+                  fp8_weight_cache=megatron)
+        layer = next(b for b in model_program(spec, ctx).blocks if b.role == "layer")
+        gemms = [op for op in for_context(layer.ops, ctx, "layer") if op.kind == "expert_gemm"]
+        if not megatron:
+            assert all("fp8" not in op.attrs for op in gemms)
+            continue
+        (saved,) = op_saved(gemms[0], ctx)
+        assert (saved.numel, saved.dtype) == (ctx.n * t.experts_per_token * t.hidden_size, "float8_e4m3fn")
+        assert expert_gemm_kernels(gemms[0], ctx)[-1].dtype == "float8_e4m3fn"
+        block = next(b for b in model_blocks(spec) if b.role == "layer")
+        linears = sum(w for w, _ in linear_params(block, ctx))
+        experts = t.num_experts // 2 * 3 * t.moe_intermediate_size * t.hidden_size
+        assert fp8_weight_workspace_bytes(block, ctx) == 2 * (linears + experts)

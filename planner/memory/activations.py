@@ -500,7 +500,21 @@ def fp8_weight_workspace_bytes(block: Block, ctx: Ctx) -> int:
     if not (ctx.fp8 and ctx.fp8_weight_cache and block.role == "layer"):
         return 0
     per = fp8.weight_copies(ctx.fp8)
-    return sum(math.ceil(w * per) for w, _ in linear_params(block, ctx))
+    weights = sum(w for w, _ in linear_params(block, ctx)) + fp8_expert_weights(block, ctx)
+    return math.ceil(weights * per)
+
+
+def fp8_expert_weights(block: Block, ctx: Ctx) -> int:
+    """Weight elements of the rank's routed experts in a sparse layer whose grouped GEMMs run in FP8
+    (planner.ir.transforms.fp8_experts): E / ep experts, gate/up (2·i) and down (i) by h, each expert's width
+    over etp; TE's GroupedLinear caches each expert's FP8 weight as te.Linear does (`weight{i}` workspaces)."""
+    from planner.ir.transforms import fp8_experts
+
+    spec = block.layer
+    if not (isinstance(spec, TransformerSpec) and spec.moe and spec.sparse_layer(block.index) and fp8_experts(ctx)):
+        return 0
+    width = -(-spec.moe_intermediate_size // ctx.etp)
+    return spec.num_experts // ctx.ep * 3 * width * spec.hidden_size
 
 
 def autocast_cache(block: Block, ctx: Ctx) -> list[Saved]:
