@@ -123,8 +123,12 @@ def test_resolve_sets_the_experts_rule_from_the_framework():
     from planner.pipeline.resolve import resolve
 
     spec = get_model("qwen3-30b-a3b")
+    # accelerate's FSDP1 policy gathers bf16 units: transformers' grouped_mm computes in them; Lightning's
+    # bf16-mixed gathers fp32 units (policy-fp32) and the plain loop keeps fp32 weights under autocast
     for fw, parallelism, want in (("pytorch", "fsdp", False), ("torchtitan", "fsdp", True),
-                                  ("megatron", "ddp", True), ("accelerate", "fsdp", False)):
+                                  ("megatron", "ddp", True), ("accelerate", "fsdp", True),
+                                  ("lightning", "fsdp", False), ("accelerate", "ddp", False),
+                                  ("deepspeed", "zero2", True)):
         cfg = TrainConfig(batch_size=1, seq_len=512, precision="amp-bf16", parallelism=parallelism, framework=fw,
                           ep=8)
         assert resolve(spec, cfg, "ml.p5.48xlarge", None, None, {}, "cuda").ctx.experts_16bit is want

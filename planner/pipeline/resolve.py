@@ -224,16 +224,22 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
     model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
     runs them (sm80+), and this rank's tensor/sequence/context-parallel degrees (`dims`), with what the
     framework's column-parallel linears save under sequence parallelism."""
+    from planner.memory.framework_layout import layout
     from planner.parallel.frameworks import get as framework
 
     fw = framework(cfg.framework)
+    # the routed experts compute in 16 bits when the framework's MoE casts them, or when its layout holds 16-bit
+    # weights (an FSDP policy's gathered units, DeepSpeed's and Megatron's 16-bit engines): transformers'
+    # grouped_mm computes in the weights' dtype
+    experts_16bit = fw.experts_16bit or (cfg.precision != "fp32"
+                                         and layout(cfg).activation_precision != cfg.precision)
     padded = spec.inputs.attention_mask if spec is not None else False
     tp, sp, cp = (dims.tp, dims.sp, dims.cp) if dims is not None else (1, False, 1)
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
                padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp,
                fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
                compile=cfg.compile, sp_saves_gathered=fw.sp_saves_gathered_input,
-               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp, experts_16bit=fw.experts_16bit,
+               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp, experts_16bit=experts_16bit,
                fp8_weight_cache=fw.te_weight_cache)
 
 
