@@ -80,6 +80,15 @@ class Ctx:
     # expert-tensor parallelism (--etp): each expert's width split over etp ranks, which all-gather the
     # dispatched pairs of their group (Megatron-Core MoEAlltoAllTokenDispatcher over `expt_tp`)
     etp: int = 1
+    # whether the routed experts' grouped GEMMs run in the 16-bit compute dtype (`low`): the framework's own MoE
+    # casts them (planner.parallel.frameworks.Framework.experts_16bit: torchtitan, Megatron-Core) or its layout
+    # holds 16-bit weights (an FSDP policy, DeepSpeed's engine), which transformers' grouped_mm computes in;
+    # False: the weights' dtype as transformers does with fp32 weights (fp32 under amp-*)
+    experts_16bit: bool = False
+    # Transformer Engine's FP8 weight workspace cached per module across a step's micro-batches (Megatron
+    # passes `is_first_microbatch`; planner.parallel.frameworks.Framework.te_weight_cache): the FP8 weight and
+    # its transpose are one persistent copy per Linear, not one saved per micro-batch
+    fp8_weight_cache: bool = False
 
     @property
     def n(self) -> int:

@@ -204,18 +204,30 @@ def compile_program(program: Program) -> Program:
 FP8_ALIGN = 16
 
 
-def fp8_ops(ops: list[Op] | tuple[Op, ...], recipe: str) -> list[Op]:
+def fp8_ops(ops: list[Op] | tuple[Op, ...], recipe: str, experts: bool = False) -> list[Op]:
     """A transformer layer's ops with its nn.Linear ops marked FP8 (`fp8`: the recipe; planner.ir.fp8). Only
     layer blocks are passed: the LM head stays 16-bit (torchtitan's float8 `filter_fqns` default ["output"]),
     embeddings and norms are not Linears; a Linear whose weight has a dimension not divisible by 16 (Qwen2-MoE's
-    shared-expert gate, h × 1) stays 16-bit too (`FP8_ALIGN`)."""
+    shared-expert gate, h × 1) stays 16-bit too (`FP8_ALIGN`). `experts`: the routed experts' grouped GEMMs too
+    (Megatron-Core's TEGroupedMLP is TE's GroupedLinear, inside the same fp8_autocast as every TE module:
+    megatron/core/transformer/moe/experts.py @d98e8a64; transformers' grouped_mm and torchtitan's default
+    float8 converter, which swaps nn.Linear only, leave them 16-bit)."""
+    kinds = ("linear", "expert_gemm") if experts else ("linear",)
     return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes, op.attrs | {"fp8": recipe})
-            if op.kind == "linear" and "block" not in op.attrs and _fp8_aligned(op) else op for op in ops]
+            if op.kind in kinds and "block" not in op.attrs and _fp8_aligned(op) else op for op in ops]
 
 
 def _fp8_aligned(op: Op) -> bool:
     weights = [p.shape for p in op.params if p.name.endswith("weight") and len(p.shape) == 2]
     return all(d % FP8_ALIGN == 0 for shape in weights for d in shape)
+
+
+def fp8_experts(ctx: object) -> bool:
+    """Whether the routed experts' GEMMs run in FP8: a Transformer Engine recipe in a framework whose own MoE
+    runs the experts (`experts_16bit`: Megatron-Core's TEGroupedMLP)."""
+    from planner.ir.fp8 import TRANSFORMER_ENGINE
+
+    return getattr(ctx, "fp8", None) in TRANSFORMER_ENGINE and bool(getattr(ctx, "experts_16bit", False))
 
 
 def fp8_program(program: Program, recipe: str) -> Program:
@@ -229,7 +241,7 @@ def for_context(ops: list[Op] | tuple[Op, ...], ctx: object, role: str) -> list[
     (ctx.fp8) and torch.compile (ctx.compile)."""
     out = list(ops)
     if getattr(ctx, "fp8", None) and role == "layer":
-        out = fp8_ops(out, ctx.fp8)  # type: ignore[attr-defined]
+        out = fp8_ops(out, ctx.fp8, fp8_experts(ctx))  # type: ignore[attr-defined]
     if getattr(ctx, "compile", False):
         out = compile_ops(out)
     return out

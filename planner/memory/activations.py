@@ -480,14 +480,44 @@ def linear_params(block: Block, ctx: Ctx | None = None) -> list[tuple[int, int]]
 def weight_casts(block: Block, ctx: Ctx) -> list[Saved]:
     """16-bit weight copies the block's matmuls save under autocast (0 without autocast). Under FP8 a layer's
     Linears are torchao / Transformer Engine modules that cast their weights themselves: no 16-bit copy;
-    Transformer Engine saves the FP8 weight and its transpose instead (planner.ir.fp8.weight_copies)."""
+    Transformer Engine saves the FP8 weight and its transpose instead (planner.ir.fp8.weight_copies), at this
+    tensor-parallel rank's widths; when the framework passes TE `is_first_microbatch` (`ctx.fp8_weight_cache`:
+    Megatron-Core) the saved copy is the module's cached workspace, one per Linear for the run
+    (`fp8_weight_workspace_bytes`), not a copy per micro-batch: nothing here."""
     if ctx.fp8 and block.role == "layer":
         per = fp8.weight_copies(ctx.fp8)
-        return [Saved(f"weight{k}.fp8", math.ceil(w * per), fp8.F8) for k, (w, _) in enumerate(linear_params(block))
-                ] if per else []
+        if not per or ctx.fp8_weight_cache:
+            return []
+        return [Saved(f"weight{k}.fp8", math.ceil(w * per), fp8.F8)
+                for k, (w, _) in enumerate(linear_params(block, ctx))]
     if not ctx.amp:
         return []
     return [Saved(f"weight{k}.cast", w, ctx.low) for k, (w, _) in enumerate(linear_params(block, ctx))]
+
+
+def fp8_weight_workspace_bytes(block: Block, ctx: Ctx) -> int:
+    """Transformer Engine's cached FP8 weights of a layer's Linears (the FP8 weight and its transpose, at this
+    rank's widths), kept by each module from the step's first micro-batch for the run when the framework
+    passes `is_first_microbatch` (`ctx.fp8_weight_cache`; TE linear.py `get_weight_workspace(cache_name=
+    "weight")`); 0 otherwise (torchao recasts; TE without the cache saves a copy per forward: `weight_casts`)."""
+    if not (ctx.fp8 and ctx.fp8_weight_cache and block.role == "layer"):
+        return 0
+    per = fp8.weight_copies(ctx.fp8)
+    weights = sum(w for w, _ in linear_params(block, ctx)) + fp8_expert_weights(block, ctx)
+    return math.ceil(weights * per)
+
+
+def fp8_expert_weights(block: Block, ctx: Ctx) -> int:
+    """Weight elements of the rank's routed experts in a sparse layer whose grouped GEMMs run in FP8
+    (planner.ir.transforms.fp8_experts): E / ep experts, gate/up (2·i) and down (i) by h, each expert's width
+    over etp; TE's GroupedLinear caches each expert's FP8 weight as te.Linear does (`weight{i}` workspaces)."""
+    from planner.ir.transforms import fp8_experts
+
+    spec = block.layer
+    if not (isinstance(spec, TransformerSpec) and spec.moe and spec.sparse_layer(block.index) and fp8_experts(ctx)):
+        return 0
+    width = -(-spec.moe_intermediate_size // ctx.etp)
+    return spec.num_experts // ctx.ep * 3 * width * spec.hidden_size
 
 
 def autocast_cache(block: Block, ctx: Ctx) -> list[Saved]:

@@ -327,6 +327,12 @@ def expert_gemm_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """grouped_mm(input.to(weight.dtype), weight) saves its input: the gathered pairs (gate_up) or the
     gated product (down), as a new cast when the input is not already in the weights' dtype."""
     rows, n_in = op.shapes["input"]
+    saved_fp8 = fp8.input_saved(op.attrs["fp8"]) if op.attrs.get("fp8") else None
+    if saved_fp8 is not None:  # TE's GroupedLinear saves its FP8 copy of the input (te grouped_linear.py)
+        out = [Saved(f"{op.name}.input.fp8", rows * n_in, fp8.F8)]
+        if op.attrs["fp8"] == "mxfp8":
+            out.append(Saved(f"{op.name}.input.fp8.scale", -(-rows * n_in // fp8.MX_BLOCK), "uint8"))
+        return out
     dtype = op.dtypes["compute"]
     if op.attrs.get("frozen"):  # LoRA on a frozen expert weight: no gradient of it, so no input kept
         return []

@@ -62,6 +62,23 @@ class Framework:
     # backward, or its local n / tp shard, gathered again in backward (Megatron-Core's rule, the default;
     # planner.ir.context.Ctx.sp_saves_gathered cites both).
     sp_saves_gathered_input: bool = False
+    # Mixture-of-experts: whether the routed experts' grouped GEMMs run in the 16-bit compute dtype whatever
+    # dtype the expert weights are held in (True: the framework's own MoE casts them: torchtitan's
+    # GroupedExperts, Megatron-Core's GroupedMLP/TEGroupedMLP under Float16Module), or in the weights' dtype
+    # (False: transformers' `grouped_mm_experts_forward` casts the input to the weights' dtype and
+    # `grouped_mm` is not autocast, so fp32 weights under `amp-*` compute in fp32; 16-bit weights, as an FSDP
+    # policy gathers them, compute in 16 bits). planner.ir.context.Ctx.experts_16bit carries it.
+    experts_16bit: bool = False
+    # Transformer Engine's FP8 weight cache: the framework passes te.Linear `is_first_microbatch` (True on a
+    # step's first micro-batch, False after), so TE casts each weight to FP8 (and its transpose) once per step
+    # into a workspace the module keeps (`get_weight_workspace(cache_name="weight")`) and every micro-batch's
+    # backward reads that one copy. False: `is_first_microbatch` None, a fresh FP8 copy per forward, saved
+    # for its backward (per micro-batch in flight). planner.ir.context.Ctx.fp8_weight_cache carries it.
+    te_weight_cache: bool = False
+    # The framework runs its own fused attention, whatever transformers' default for the model class (gpt-oss,
+    # whose class has no SDPA path, runs eager in transformers): `--attention auto` resolves to the fused
+    # kernel ("flash": q, k, v, output and the row statistics saved) on a GPU that runs it.
+    fused_attention: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -113,7 +130,13 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                     "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)",
                     "hsdp": "FSDP2 fully_shard on the (dp_replicate, dp_shard) mesh, the same policy"},
         fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, sp_saves_gathered_input=True,
+        experts_16bit=True, fused_attention=True,
         sources=(*_FSDP2_SOURCES,
+                 "pytorch/torchtitan torchtitan/models/gpt_oss/model/model.py (@6404b932): attention through "
+                 "FlexAttention, the sinks applied by renormalising with its logsumexp (fused_attention)",
+                 "pytorch/torchtitan torchtitan/models/moe/moe.py _run_experts_grouped_mm (@6404b932): "
+                 "torch._grouped_mm(x.bfloat16(), w1.bfloat16().transpose(-2, -1), offs=offsets) for w1, w3 and "
+                 "w2, `.type_as(x)` after: the routed experts compute in bf16 under every precision setting",
                  "pytorch/torchtitan torchtitan/models/llama3/infra/parallelize.py apply_tp: attention_norm "
                  "SequenceParallel(), then PrepareModuleInput(Shard(1) -> Replicate()) and ColwiseParallel wq/wk/wv: "
                  "the linears read (and their mm saves) the all-gathered input",
@@ -128,7 +151,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         "megatron", "Megatron-LM (Megatron Core)",
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
-        engine="megatron", kernels="megatron",
+        engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
+        fused_attention=True,
         loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
@@ -136,7 +160,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel.py: a contiguous main-grad "
                  "buffer allocated when the model is wrapped (grad_reduce_in_fp32 -> fp32), kept for the run",
                  "NVIDIA/Megatron-LM megatron/core/transformer/module.py Float16Module: the model's parameters "
-                 "converted to bf16/fp16, no autocast"),
+                 "converted to bf16/fp16, no autocast",
+                 "NVIDIA/Megatron-LM megatron/core/transformer/moe/experts.py (@d98e8a64) GroupedMLP "
+                 "(gg.ops.gmm on the bf16 weights Float16Module made) and TEGroupedMLP (TE's GroupedLinear, "
+                 "inside fp8_autocast under --fp8-format): the routed experts compute in 16 bits (or FP8)",
+                 "NVIDIA/Megatron-LM megatron/core/extensions/transformer_engine.py (@d98e8a64) TELinear.forward: "
+                 "`_is_first_microbatch = None if self.disable_parameter_transpose_cache else "
+                 "self.is_first_microbatch`; `self.is_first_microbatch = False` after the call (reset each step "
+                 "by the schedules' set_is_first_microbatch); disable_parameter_transpose_cache defaults False",
+                 "NVIDIA/TransformerEngine transformer_engine/pytorch/module/linear.py _Linear.forward: "
+                 "`update_workspace = is_first_microbatch is None or is_first_microbatch`; `weightmat = "
+                 "module.get_weight_workspace(..., cache_name=(None if is_first_microbatch is None else "
+                 "'weight'), update_workspace=update_workspace)`: one cached FP8 weight (rowwise and columnwise "
+                 "copies) per module, reused by every micro-batch"),
         notes="bf16 parameters (2 B), fp32 main gradients (4 B) in a buffer that lives for the run, fp32 master "
               "weights and Adam states (12 B) in the optimizer: 18 B per parameter, 6 + 12/DP with the "
               "distributed optimizer. No FSDP1/FSDP2 (Megatron's own FSDP is not modelled)."),

@@ -218,6 +218,12 @@ def expert_gemm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     ks = []
     if op.dtypes["input"] != dtype:
         ks.append(K.elementwise(f"{op.name}.input_cast", rows * n_in, (op.dtypes["input"],), (dtype,), dtype))
+    recipe = op.attrs.get("fp8")
+    if recipe:  # TE's GroupedLinear: the input and the local experts' weights scaled and cast, an FP8 GEMM
+        ks += K.fp8_casts(f"{op.name}.input", rows * n_in, dtype, recipe)
+        ks += [K._with(k, param_work="weight_cast")
+               for k in K.fp8_casts(f"{op.name}.weight", experts * n_in * n_out, dtype, recipe)]
+        dtype = K.FP8_DTYPE
     g = K.gemm(op.name, rows, n_out, n_in, dtype)
     e = K.nbytes(dtype)
     ks.append(K._with(g, bytes_read=(rows * n_in + experts * n_in * n_out) * e))

@@ -18,6 +18,7 @@ from planner.memory import parallel
 from planner.memory import stack as sw
 from planner.parallel import dims as layout
 from planner.parallel.frameworks import check as check_framework
+from planner.parallel.frameworks import get as get_framework
 from planner.spec import (
     Instance,
     ModelSpec,
@@ -97,6 +98,11 @@ def check_supported(model: ModelSpec | None, config: TrainConfig, instance: Inst
         if config.precision == "fp32":
             raise PlannerError("--attention", "flash", "FlashAttention runs in fp16/bf16 only; use --precision "
                                "amp-fp16, amp-bf16, fp16 or bf16, or --attention sdpa")
+    if config.attention == "sdpa" and model is not None and _has_attention_sinks(model):
+        raise PlannerError("--attention", "sdpa", "eager or flash for a model with attention sinks (gpt-oss): "
+                           "transformers has no SDPA path for them (GptOssPreTrainedModel._supports_sdpa = False); "
+                           "flash stands for the fused kernels with sinks (FlashAttention 3/4, FlexAttention, "
+                           "Transformer Engine)")
     limit = model.max_positions if model is not None else None
     if model is not None and limit is not None and config.seq_len > limit:
         raise PlannerError("--seq-len", config.seq_len, f"{model.name} has {limit} positions; use <= {limit}")
@@ -132,6 +138,13 @@ def _calibrated_range(entry: dict[str, Any], key: str, family: str) -> list[floa
     return [float(min(value)), float(max(value))]
 
 
+def _has_attention_sinks(model: ModelSpec) -> bool:
+    """Whether one of the model's transformers has gpt-oss's attention sinks (planner.families traits)."""
+    from planner.families import family
+
+    return any(family(t.family).attention_sinks for t in model.transformers)
+
+
 def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, runtime, calibration,
                 rt: RuntimeConstants) -> tuple[TrainConfig, RuntimeConstants, _StackView]:
     """Resolve the stack and what it decides: attention "auto", the context (lazy vs eager loading) and the
@@ -140,7 +153,11 @@ def _with_stack(families: list[str], cfg: TrainConfig, inst: Instance, stack, ru
 
     st = sw.resolve_stack(stack, inst.gpu)
     if cfg.attention == "auto":
-        cfg = cfg.model_copy(update={"attention": sw.model_default_attention(st, families)})
+        attention = sw.model_default_attention(st, families)
+        if (attention == "eager" and get_framework(cfg.framework).fused_attention and inst.gpu.flash_attention
+                and cfg.precision != "fp32"):
+            attention = "flash"  # the framework's own fused attention (gpt-oss's sinks included), not HF's eager
+        cfg = cfg.model_copy(update={"attention": attention})
     given = frozenset(RuntimeConstants.model_fields) if isinstance(runtime, RuntimeConstants) \
         else frozenset(runtime or ())
     cal = calibration_entry(calibration, inst.gpu.family)
@@ -207,15 +224,23 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
     model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
     runs them (sm80+), and this rank's tensor/sequence/context-parallel degrees (`dims`), with what the
     framework's column-parallel linears save under sequence parallelism."""
+    from planner.memory.framework_layout import layout
     from planner.parallel.frameworks import get as framework
 
+    fw = framework(cfg.framework)
+    # the routed experts compute in 16 bits when the framework's MoE casts them, or when its layout holds 16-bit
+    # weights (an FSDP policy's gathered units, DeepSpeed's and Megatron's 16-bit engines): transformers'
+    # grouped_mm computes in the weights' dtype
+    experts_16bit = fw.experts_16bit or (cfg.precision != "fp32"
+                                         and layout(cfg).activation_precision != cfg.precision)
     padded = spec.inputs.attention_mask if spec is not None else False
     tp, sp, cp = (dims.tp, dims.sp, dims.cp) if dims is not None else (1, False, 1)
     return Ctx(cfg.batch_size, cfg.seq_len, cfg.precision, cfg.attention, backend,  # type: ignore[arg-type]
                padded, instance.gpu.flash_attention, tp=tp, sp=sp, cp=cp,
                fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
-               compile=cfg.compile, sp_saves_gathered=framework(cfg.framework).sp_saves_gathered_input,
-               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp)
+               compile=cfg.compile, sp_saves_gathered=fw.sp_saves_gathered_input,
+               ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp, experts_16bit=experts_16bit,
+               fp8_weight_cache=fw.te_weight_cache)
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:
@@ -322,7 +347,8 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
         calibration = load_calibration()  # read once: the runtime constants and the throughput scale use it
     families = [t.family for t in spec.transformers] if spec is not None else []
     cached = spec is not None and stack is None and runtime is None
-    key = (id(inst.gpu), tuple(families), cfg.attention, id(calibration))
+    # the framework and fp32 decide attention "auto" too (a framework's own fused attention: _with_stack)
+    key = (id(inst.gpu), tuple(families), cfg.attention, id(calibration), cfg.framework, cfg.precision == "fp32")
     hit = _RUNTIME.get(key) if cached else None
     if hit is not None and hit[0] is inst.gpu and hit[1] is calibration:
         rt, view, attention = hit[2]

@@ -297,8 +297,8 @@ IN_FLIGHT = "in-flight micro-batches"  # the pseudo-block holding the other micr
 
 
 def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.Sharding,
-                 lay: framework_layout.StateLayout, activations: tuple, template: timeline.StepMemory
-                 ) -> tuple[StageStep, ...]:
+                 lay: framework_layout.StateLayout, activations: tuple, template: timeline.StepMemory,
+                 ctx: Ctx | None = None) -> tuple[StageStep, ...]:
     """Each pipeline rank's step under tensor and pipeline parallelism (planner.memory.stages): its blocks with
     their tensor-parallel shards, sharded over the data-parallel group as `share` says; the optimizer states of
     its shards; and, ahead of its blocks, the saved activations of the other micro-batches its schedule keeps
@@ -357,7 +357,11 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
         if n_experts:  # Megatron's / DeepSpeed's fp32 masters of the rank's experts, over their own group
             more = _framework_state_bytes(lay, n_experts, e_share)
             extra_states, extra_temp = extra_states + more[0], extra_temp + more[1]
+        buffers = template.module_buffer_bytes
+        if ctx is not None and ctx.fp8:  # the FP8 state of this rank's layers only
+            buffers += _fp8_buffer_bytes(spec, ctx, held) - _fp8_buffer_bytes(spec, ctx)
         step = replace(template, blocks=block_mem, optimizer_state_bytes=states + extra_states,
+                       module_buffer_bytes=buffers,
                        optimizer_temporary_bytes=temps + extra_temp,
                        ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, model_states.gradient_bytes(n_trained, cfg)),
                        grads_resident=template.grads_resident or cfg.grad_accum > 1,
@@ -490,16 +494,19 @@ def _traced_optimizer_temporaries(shapes, cfg: TrainConfig, lay: framework_layou
     if flat is not None:
         return optimizer.optimizer_temporary_bytes(flat, cfg, opt_bytes)
     return optimizer.optimizer_temporary_bytes(shapes, _optimizer_config(cfg, lay), opt_bytes, share)
-def _fp8_buffer_bytes(spec: ModelSpec, ctx: Ctx) -> int:
-    """Delayed scaling's amax histories, module buffers for the whole run (planner.ir.fp8)."""
+def _fp8_buffer_bytes(spec: ModelSpec, ctx: Ctx, held: set[str] | None = None) -> int:
+    """FP8 module state for the whole run (planner.ir.fp8) of the layers in `held` (every layer when None; a
+    pipeline rank's under PP): delayed scaling's amax histories, and Transformer Engine's cached FP8 weights
+    where the framework passes `is_first_microbatch` (planner.memory.activations.fp8_weight_workspace_bytes)."""
     if not ctx.fp8:
         return 0
     from planner.ir import fp8
-    from planner.memory.activations import linear_params
+    from planner.memory.activations import fp8_weight_workspace_bytes, linear_params
     from planner.models.blocks import model_blocks
 
-    linears = sum(len(linear_params(b)) for b in model_blocks(spec) if b.role == "layer")
-    return fp8.amax_history_bytes(ctx.fp8, linears)
+    layers = [b for b in model_blocks(spec) if b.role == "layer" and (held is None or b.name in held)]
+    linears = sum(len(linear_params(b)) for b in layers)
+    return fp8.amax_history_bytes(ctx.fp8, linears) + sum(fp8_weight_workspace_bytes(b, ctx) for b in layers)
 
 
 def _prepare(model, config, instance, runtime, backend, model_options, stack=None,
@@ -585,7 +592,7 @@ def _prepare(model, config, instance, runtime, backend, model_options, stack=Non
     )
     stage_steps: tuple[StageStep, ...] = ()
     if r.dims is not None and r.dims.model_parallel > 1:  # tensor, context or pipeline parallelism
-        stage_steps = _stage_steps(spec, cfg, r.dims, share, lay, tuple(activations), step)
+        stage_steps = _stage_steps(spec, cfg, r.dims, share, lay, tuple(activations), step, r.ctx)
         step = max(stage_steps, key=lambda s: s.peak_allocated).step  # the worst rank decides the verdict
     elif r.dims is not None and r.dims.dp_replicate > 1:  # HSDP: one stage, the layout still reported
         layers = tuple(range(spec.transformers[0].num_layers)) if len(spec.transformers) == 1 else ()

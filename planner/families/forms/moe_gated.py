@@ -14,7 +14,9 @@ projections). The MLP of a sparse layer is the `*SparseMoeBlock`:
   gate_up and one for down over all experts (`expert_gemm`, offsets per expert), silu(gate) · up between
   them, then weighted by the routing weights, put back in token order and summed over top-k (`unpermute`).
   `_grouped_mm` casts the input to the weights' dtype and is not autocast (its comment cites
-  pytorch/pytorch#174763), so under `amp-*` the experts compute in the fp32 of the weights;
+  pytorch/pytorch#174763), so under `amp-*` the experts compute in the fp32 of the weights; under a
+  framework whose own MoE casts them (`ctx.experts_16bit`: torchtitan's GroupedExperts `x.bfloat16()`,
+  Megatron-Core's GroupedMLP / TEGroupedMLP on Float16Module's bf16 weights) they compute in 16 bits;
 - Qwen2-MoE's shared expert (a SwiGLU MLP on every token) times sigmoid(shared_expert_gate(x)).
 
 A dense layer (Qwen's mlp_only_layers / decoder_sparse_step) runs Llama's MLP. Under expert parallelism
@@ -295,7 +297,9 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     ep, imbalance = ctx.ep, ctx.moe_imbalance
     s = expert_pairs(spec, n, ep, imbalance)
     local = e // ep
-    wd = ctx.act  # the weights' dtype: fp32 under fp32 and AMP, 16-bit in pure 16-bit
+    # the experts' compute dtype: transformers' grouped_mm casts the input to the weights' dtype (fp32 under fp32
+    # and AMP, 16-bit in pure 16-bit or under an FSDP policy); torchtitan and Megatron-Core compute in 16 bits
+    wd = ctx.low if ctx.experts_16bit else ctx.act
     shared = a.traits.shared_expert and spec.shared_expert_intermediate_size > 0
     gated = shared and a.traits.shared_expert_gate
     # the shared expert's gate/up read the all-gathered rows, which a DTensor plan saves (not the block input)
