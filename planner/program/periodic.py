@@ -74,17 +74,13 @@ class Run:
         return self.layers[self.first + KEPT_AHEAD:self.last - 1]
 
 
-def _value(v: Any, index: int) -> Any:
-    """What an attribute contributes to a layer's identity (tensors by shape and dtype; the layer's own
-    position, `layer_idx`, as 'the index'; a partial by what it calls)."""
+def _value(v: Any) -> Any:
+    """What an attribute contributes to a layer's identity (tensors by shape and dtype; a partial by what it
+    calls)."""
     import torch
 
     if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.shape), v.dtype, v.requires_grad)
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int) and v == index:
-        return ("own index",)
     if isinstance(v, functools.partial):
         return ("partial", v.func, v.args, tuple(sorted(v.keywords.items())))
     if isinstance(v, dict) and v and all(isinstance(k, int) for k in v):  # hook dicts: keyed by handle ids
@@ -92,14 +88,28 @@ def _value(v: Any, index: int) -> Any:
     return v
 
 
-def _signature(layer: Any, index: int) -> list[tuple]:
+def _signature(layer: Any, positions: set[tuple[str, str]]) -> list[tuple]:
+    """A layer's modules, attributes, parameters and buffers; `positions`: the (module, attribute) pairs that
+    hold each layer's own position in the list (`layer_idx`), left out."""
     out = []
     for name, m in layer.named_modules(remove_duplicate=False):
-        attrs = tuple((k, _value(v, index)) for k, v in sorted(vars(m).items()) if k not in _OWN_RULE)
-        params = tuple((n, _value(p, -1)) for n, p in m._parameters.items())
-        buffers = tuple((n, _value(b, -1)) for n, b in m._buffers.items())
+        attrs = tuple((k, _value(v)) for k, v in sorted(vars(m).items())
+                      if k not in _OWN_RULE and (name, k) not in positions)
+        params = tuple((n, _value(p)) for n, p in m._parameters.items())
+        buffers = tuple((n, _value(b)) for n, b in m._buffers.items())
         out.append((name, type(m), attrs, params, buffers))
     return out
+
+
+def _positions(layers: list[Any]) -> set[tuple[str, str]]:
+    """(module, attribute) pairs whose value is, in every layer of the list, that layer's position (an int):
+    the layer's index, which the KV cache reads (module docstring), not a difference between layers."""
+    found: set[tuple[str, str]] | None = None
+    for i, layer in enumerate(layers):
+        here = {(name, k) for name, m in layer.named_modules(remove_duplicate=False) for k, v in vars(m).items()
+                if isinstance(v, int) and not isinstance(v, bool) and v == i}
+        found = here if found is None else found & here
+    return found or set()
 
 
 def _same(a: list[tuple], b: list[tuple]) -> bool:
@@ -123,11 +133,14 @@ def find_runs(module: Any, block_of: Callable[[str], str]) -> list[Run]:
         if any(block_of(n) != n for n in names):
             continue
         layers = [m for _, m in children]
-        sigs = [_signature(m, i) if m is not None else None for i, m in enumerate(layers)]
+        if any(m is None for m in layers):
+            continue
+        positions = _positions(layers)
+        sigs = [_signature(m, positions) for m in layers]
         start = 0
         while start < len(layers):
             end = start
-            while end + 1 < len(layers) and sigs[start] is not None and _same(sigs[start], sigs[end + 1]):
+            while end + 1 < len(layers) and _same(sigs[start], sigs[end + 1]):
                 end += 1
             if end - start + 1 >= KEPT_AHEAD + 2 + MIN_COPIES:
                 run = Run(parent, names, start, end, layers)
@@ -174,7 +187,9 @@ class Raw:
 
     ops: list[OpRecord]
     op_block: list[str]
-    events: list[tuple[int, str, Hashable]]  # (op, action, storage id), in order
+    # (op, action, storage id, stage, late), in order: stage 0 an op's result, 1 a free, 2 another allocation;
+    # late: a free whose storage died before its op began (trace._Recorder.event_stage, event_late)
+    events: list[tuple[int, str, Hashable, int, bool]]
     meta: dict[Hashable, tuple[int, str, str]]  # storage id -> (device bytes, device dtype, category)
     saved: list[SavedRecord]
     saved_op: list[int]  # the op each saved record was packed after
@@ -233,7 +248,11 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
     blocks = raw.op_block
     f = [_window(blocks, 0, fe, n) for n in names]
     b = [_window(blocks, fe, be, n) for n in names]
-    if any(f[n][1] >= f[n + 1][0] or b[n + 1][1] >= b[n][0] for n in range(4)):
+    # in order, forward and backward; in backward the first layer's block may also name ops of the others: a
+    # tensor every layer saves (a mask, rotary cos/sin) is recorded once, by the first layer to save it, and
+    # autograd's unpacking of it in each later layer's backward names that layer's ops after it
+    if any(f[n][1] >= f[n + 1][0] or b[n + 1][1] >= b[n][1] for n in range(4)) or any(
+            b[n + 1][1] >= b[n][0] for n in range(1, 4)):
         raise _NotPeriodic
     # windows (first op, last op): a layer's forward takes the ops since the previous layer's (the stack's own
     # ops between layers), its backward those since the next layer's backward (ops before a layer first
@@ -246,7 +265,7 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
         win[(n - 1, "b")] = (b[n][1] + 1, b[n - 1][1])
     if win[(0, "f")][0] < 0 or win[(4, "b")][0] < fe:
         raise _NotPeriodic
-    anchor = {(n, "f"): f[n][0] for n in range(5)} | {(n, "b"): b[n][0] for n in range(5)}
+    anchor = {(n, part): lo + (lead_f if part == "f" else lead_b) for (n, part), (lo, _) in win.items()}
     if _DEBUG:
         print("run", run.kept, "f", f, "b", b, "win", win)
 
@@ -261,19 +280,22 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
     # layer has the same key
     by_key: dict[tuple[int, str, int, int], Hashable] = {}
     home: dict[Hashable, tuple[int, str, int, int]] = {}
-    ev_at: dict[tuple[int, str], list[tuple[int, str, Hashable]]] = {key: [] for key in win}
-    outside_frees: list[tuple[int, Hashable]] = []
+    # an event belongs to the layer whose op caused it: a storage that died between two ops (a layer's
+    # local released when it returned) to the op before
+    ev_at: dict[tuple[int, str], list[tuple[int, str, Hashable, int, bool]]] = {key: [] for key in win}
+    outside_frees: list[tuple[int, str, Hashable, int, bool]] = []
     made_at: dict[int, int] = {}
-    for op, action, sid in raw.events:
-        key = where(op)
+    for e in raw.events:
+        op, action, sid, _, late = e
+        key = where(op - late)
         if action == "alloc" and key is not None:
             nth = made_at[op] = made_at.get(op, -1) + 1
             home[sid] = (*key, op - anchor[key], nth)
             by_key[home[sid]] = sid
         if key is not None:
-            ev_at[key].append((op, action, sid))
+            ev_at[key].append(e)
         elif action == "free":
-            outside_frees.append((op, sid))
+            outside_frees.append(e)
 
     def at(n: int, part: str, d: int, nth: int) -> Hashable:
         sid = by_key.get((n, part, d, nth))
@@ -285,9 +307,11 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
 
     # neighbours only: each layer's events touch its own storages and its neighbours'
     for (n, _), evs in ev_at.items():
-        for _, _, sid in evs:
+        for _, _, sid, _, _ in evs:
             h = home.get(sid)
             if h is not None and abs(h[0] - n) > 1:
+                if _DEBUG:
+                    print("far", n, _, h, [e for e in evs if e[2] == sid], raw.meta.get(sid))
                 raise _NotPeriodic
 
     def shift(sid: Hashable) -> Hashable:
@@ -308,14 +332,14 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
         eb, ec = ev_at[(1, part)], ev_at[(2, part)]
         if len(eb) != len(ec):
             raise _NotPeriodic
-        for (ob, ab, sb), (oc, ac, sc) in zip(eb, ec, strict=True):
-            if ob - lb != oc - lc or ab != ac or shift(sb) != sc:
+        for (ob, ab, sb, gb, late_b), (oc, ac, sc, gc, late_c) in zip(eb, ec, strict=True):
+            if (ob - lb, ab, gb, late_b) != (oc - lc, ac, gc, late_c) or shift(sb) != sc:
                 if _DEBUG:
                     print("event", part, (ob - lb, ab, sb, home.get(sb)), (oc - lc, ac, sc, home.get(sc)),
                           raw.meta.get(sb), raw.meta.get(sc), raw.ops[ob].name, raw.ops[oc].name)
                 raise _NotPeriodic
-    freed_b = {(op, shift(sid)) for op, sid in outside_frees if home.get(sid, (-1,))[0] == 1}
-    freed_c = {(op, sid) for op, sid in outside_frees if home.get(sid, (-1,))[0] == 2}
+    freed_b = {(op, late, shift(sid)) for op, _, sid, _, late in outside_frees if home.get(sid, (-1,))[0] == 1}
+    freed_c = {(op, late, sid) for op, _, sid, _, late in outside_frees if home.get(sid, (-1,))[0] == 2}
     if freed_b != freed_c:
         if _DEBUG:
             print("outside frees", sorted(freed_b - freed_c)[:5], sorted(freed_c - freed_b)[:5])
@@ -398,33 +422,31 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
                         _rename(blocks[c], C, copies[j - 1]))
 
     meta = dict(raw.meta)
-    events: list[tuple[int, str, Hashable]] = []
+    events: list[tuple[int, str, Hashable, int, bool]] = []
 
     def copy_events(part: str) -> None:
         lo = win[(2, part)][0]
         base = cut_f + 1 if part == "f" else cut_b + 1 + k * nf
         order = range(1, k + 1) if part == "f" else range(k, 0, -1)
         for pos, j in enumerate(order):
-            for op, action, sid in ev_at[(2, part)]:
+            for op, action, sid, stage, late in ev_at[(2, part)]:
                 new = copy_of(sid, j)
                 if action == "alloc":
                     meta[new] = raw.meta[sid]
-                events.append((base + pos * (nf if part == "f" else nb) + op - lo, action, new))
+                events.append((base + pos * (nf if part == "f" else nb) + op - lo, action, new, stage, late))
 
-    c_frees: dict[int, list[Hashable]] = {}
-    for op, sid in outside_frees:
-        if home.get(sid, (-1,))[0] == 2:
-            c_frees.setdefault(op, []).append(sid)
     done = {"f": False, "b": False}
-    for op, action, sid in raw.events:
+    for op, action, sid, stage, late in raw.events:
+        cause = op - late
         for part, cut in (("f", cut_f), ("b", cut_b)):
-            if not done[part] and op > cut:
+            if not done[part] and cause > cut:
                 copy_events(part)
                 done[part] = True
-        key = where(op)
-        events.append((new_op(op), action, across(sid, key[0]) if key is not None else sid))
-        if key is None and action == "free" and op in c_frees and sid == c_frees[op][-1]:
-            events.extend((new_op(op), "free", copy_of(x, j)) for x in c_frees[op] for j in range(1, k + 1))
+        key = where(cause)
+        at_op = new_op(cause) + late
+        events.append((at_op, action, across(sid, key[0]) if key is not None else sid, stage, late))
+        if key is None and action == "free" and home.get(sid, (-1,))[0] == 2:  # the copies' too
+            events.extend((at_op, "free", copy_of(sid, j), stage, late) for j in range(1, k + 1))
     for part in ("f", "b"):
         if not done[part]:
             copy_events(part)
@@ -456,25 +478,20 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
             standins[sid] = (layer, copy_of(grad, copies.index(layer) + 1))
         else:
             standins[sid] = (layer, grad)
-    return Raw(ops, op_block, _sorted_frees(events), meta, saved, saved_op, list(raw.retained), standins)
+    return Raw(ops, op_block, _in_order(events), meta, saved, saved_op, list(raw.retained), standins)
 
 
-def _sorted_frees(events: list[tuple[int, str, Hashable]]) -> list[tuple[int, str, Hashable]]:
-    """Each op's frees in allocation order, as the tracer records them (`trace._Recorder._poll` sorts by
-    storage id, which is allocation order): the copies' frees joined to an op's run."""
-    order = {sid: i for i, (_, action, sid) in enumerate(events) if action == "alloc"}
-    out: list[tuple[int, str, Hashable]] = []
-    run: list[tuple[int, str, Hashable]] = []
-    for e in events:
-        if run and (e[1] != "free" or e[0] != run[0][0]):
-            out.extend(sorted(run, key=lambda x: order.get(x[2], -1)))
-            run = []
-        if e[1] == "free":
-            run.append(e)
-        else:
-            out.append(e)
-    out.extend(sorted(run, key=lambda x: order.get(x[2], -1)))
-    return out
+def _in_order(events: list[tuple[int, str, Hashable, int, bool]]) -> list[tuple[int, str, Hashable, int, bool]]:
+    """The order the tracer records events in: by op; at one op its results' allocations, then its frees in
+    allocation order (`trace._Recorder._poll` sorts them by storage id, which is allocation order), then
+    autograd's allocations; otherwise as written."""
+    seq = sorted(range(len(events)), key=lambda i: (events[i][0], events[i][3], i))
+    rank = {}
+    for i in seq:
+        if events[i][1] == "alloc":
+            rank.setdefault(events[i][2], len(rank))
+    return [events[i] for i in sorted(seq, key=lambda i: (events[i][0], events[i][3],
+                                                          rank.get(events[i][2], -1) if events[i][1] == "free" else i))]
 
 
 def renumber(raw: Raw) -> tuple[list[tuple[int, str, int]], dict[int, tuple[int, str, str]], list[SavedRecord],
@@ -482,13 +499,13 @@ def renumber(raw: Raw) -> tuple[list[tuple[int, str, int]], dict[int, tuple[int,
     """Storage ids in allocation order (the tracer's own numbering: a storage's id is the number of storages
     registered before it), stand-in gradients as the copies' storages they stand for."""
     new: dict[Hashable, int] = {}
-    for _, action, sid in raw.events:
+    for _, action, sid, _, _ in raw.events:
         if action == "alloc" and sid not in new:
             new[sid] = len(new)
     for sid, (_, target) in raw.standins.items():
         if target in new:
             new[sid] = new[target]
-    events = [(op, action, new[sid]) for op, action, sid in raw.events]
+    events = [(op, action, new[sid]) for op, action, sid, _, _ in raw.events]
     meta = {new[sid]: m for sid, m in raw.meta.items() if sid in new and sid not in raw.standins}
     saved = [replace(s, storage=new[s.storage]) for s in raw.saved]
     retained = [(block, new[sid]) for block, sid in raw.retained]

@@ -133,6 +133,12 @@ class _Recorder(TorchDispatchMode):
         self.live: dict[int, _StorageInfo] = {}  # storage key -> info, not expired
         self.polled: dict[int, _StorageInfo] = {}  # key -> info: live storages that may be freed
         self.raw_events: list[tuple[int, str, int]] = []  # (op, action, sid)
+        # per event: 0 an op's result, 1 a free, 2 another allocation (autograd's saving, before the step); and
+        # whether a free's storage died before the op it is recorded after began (between two ops): where
+        # planner.program.periodic places an event among the layers, not what the trace records
+        self.event_stage: list[int] = []
+        self.event_late: list[bool] = []
+        self.before = 0  # deaths reported before the op now dispatching began
         self.op_block: list[str] = []
         self.failed_in: list[str] | None = None  # the module stack when an op raised
         self.repeats: dict[str, int] | None = None  # `layer_repeats` of the traced module
@@ -142,7 +148,7 @@ class _Recorder(TorchDispatchMode):
             return self.backward_block
         return block_of(self.stack[-1], self.repeats) if self.stack else LOSS_BLOCK
 
-    def register(self, t: torch.Tensor, category: str, op: int = -1) -> _StorageInfo:
+    def register(self, t: torch.Tensor, category: str, op: int = -1, stage: int = 2) -> _StorageInfo:
         """A storage that exists before the step (parameter, buffer, batch) or a new one."""
         key = storage_key(t)
         info = self.live.get(key)
@@ -161,11 +167,14 @@ class _Recorder(TorchDispatchMode):
                 dead = self.dead
                 info.watch = weakref.ref(st, lambda _, key=key: dead.append(key))
         self.raw_events.append((op, "alloc", info.sid))
+        self.event_stage.append(stage)
+        self.event_late.append(False)
         return info
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(func, "namespace", "") == "prim":  # metadata queries (`x.device`): no tensor, no kernel
             return func(*args, **(kwargs or {}))
+        self.before = len(self.dead)
         try:
             out = func(*args, **(kwargs or {}))
         except Exception:
@@ -184,7 +193,7 @@ class _Recorder(TorchDispatchMode):
             key = storage_key(t)
             info = self.live.get(key)
             if info is None or info.ref.expired():
-                info = self.register(t, "temporary", index)
+                info = self.register(t, "temporary", index, 0)
             mapped = cuda.device_storage(name, i, info.numel, info.dtype, self.backend)
             if mapped.rule or mapped.host:  # e.g. bernoulli_ turns a fresh buffer into dropout noise
                 info.device = mapped
@@ -199,26 +208,29 @@ class _Recorder(TorchDispatchMode):
         if not self.dead and not self.scanned:
             return
         expired = _EXPIRED
-        gone: list[tuple[int, int]] = []  # (sid, key)
-        for key in self.dead:
+        gone: list[tuple[int, int, bool]] = []  # (sid, key, died before the op began)
+        for i, key in enumerate(self.dead):
             info = self.polled.get(key)
             if info is None or key in self.scanned:
                 continue
             if expired(info.ref.cdata):
-                gone.append((info.sid, key))
+                gone.append((info.sid, key, i < self.before))
             else:  # the Python object died, the storage lives: watch it by scanning
                 self.scanned[key] = info
         self.dead.clear()
+        self.before = 0
         for key, info in list(self.scanned.items()):
             if expired(info.ref.cdata):
                 del self.scanned[key]
-                gone.append((info.sid, key))
+                gone.append((info.sid, key, False))
         gone.sort()  # registration order, as the scan walks `polled`
-        for sid, key in gone:
+        for sid, key, late in gone:
             info = self.polled.pop(key)
             if self.live.get(key) is info:
                 del self.live[key]
             self.raw_events.append((index, "free", sid))
+            self.event_stage.append(1)
+            self.event_late.append(late)
 
     def _scan(self, index: int) -> None:
         """The reference poller: free events for storages whose weak reference expired, checking every live
@@ -230,6 +242,8 @@ class _Recorder(TorchDispatchMode):
             if self.live.get(key) is info:
                 del self.live[key]
             self.raw_events.append((index, "free", info.sid))
+            self.event_stage.append(1)
+            self.event_late.append(False)
 
 
 _EXPIRED = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls (torch/storage.py)
@@ -598,7 +612,8 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
             rec = _Recorder(backend, stack, scan=scan_frees)
             rec.repeats = layer_repeats(module)
             repeats = rec.repeats
-            runs = periodic_layers.find_runs(module, lambda n: block_of(n, repeats)) if periodic else []
+            runs = (periodic_layers.find_runs(module, lambda n: block_of(n, repeats))
+                    if periodic and not scan_frees else [])
             named = list(module.named_parameters())  # shared weights once (remove_duplicate=True)
             parameters: dict[str, int] = {}
             block_params: dict[str, int] = {}
@@ -715,8 +730,9 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
     raw_events: list[tuple[int, str, int]] = rec.raw_events
     if runs:
         raw: periodic_layers.Raw | None = periodic_layers.Raw(
-            list(ops), list(op_block), list(raw_events), meta, saved_list, [saved_op[s.storage] for s in saved_list],
-            list(retained_storages), standin_of)
+            list(ops), list(op_block),
+            [(*e, stage, late) for e, stage, late in zip(raw_events, rec.event_stage, rec.event_late, strict=True)],
+            meta, saved_list, [saved_op[s.storage] for s in saved_list], list(retained_storages), standin_of)
         for run in runs:
             raw = periodic_layers.expand(raw, run) if raw is not None else None
         if raw is None:
