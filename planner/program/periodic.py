@@ -328,6 +328,8 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
             if (x.name, x.phase, x.inputs, x.outputs, x.flops, x.kernel) != (
                     y.name, y.phase, y.inputs, y.outputs, y.flops, y.kernel) \
                     or _rename(x.module, B, C) != y.module or _rename(blocks[lb + i], B, C) != blocks[lc + i]:
+                if _DEBUG:
+                    print("op", part, i, x, y, blocks[lb + i], blocks[lc + i])
                 raise _NotPeriodic
         eb, ec = ev_at[(1, part)], ev_at[(2, part)]
         if len(eb) != len(ec):
@@ -363,7 +365,7 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
             if _DEBUG:
                 print("saved", x, y, shift(x.storage), home.get(x.storage), home.get(y.storage))
             raise _NotPeriodic
-    if any(sid in home for _, sid in raw.retained):
+    if any(home.get(sid, (-1,))[0] in (1, 2) for _, sid in raw.retained):  # an output of the last layer is fine
         raise _NotPeriodic
 
     # storage ids in the whole trace: C = copy 0, copies 1..k, D = copy k + 1, B = -1, A = -2

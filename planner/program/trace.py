@@ -587,9 +587,9 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
     `periodic`: cut runs of identical layers to four and write the rest out (`planner.program.periodic`);
     None when the trace does not repeat as the modules do (then trace with periodic=False).
     """
-    from planner.program import periodic as periodic_layers
-
     from torch._subclasses import fake_tensor as ft
+
+    from planner.program import periodic as periodic_layers
 
     fake_errors = (ft.DataDependentOutputException, ft.DynamicOutputShapeException,
                    ft.UnsupportedFakeTensorException, ft.UnsupportedOperatorException)
@@ -612,8 +612,10 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
             rec = _Recorder(backend, stack, scan=scan_frees)
             rec.repeats = layer_repeats(module)
             repeats = rec.repeats
+            # not under checkpointing: a layer's recomputation runs before autograd names its block, so the
+            # layers' windows in backward are not where `periodic` looks (traced whole, as before)
             runs = (periodic_layers.find_runs(module, lambda n: block_of(n, repeats))
-                    if periodic and not scan_frees else [])
+                    if periodic and not scan_frees and not config.checkpointing else [])
             named = list(module.named_parameters())  # shared weights once (remove_duplicate=True)
             parameters: dict[str, int] = {}
             block_params: dict[str, int] = {}
