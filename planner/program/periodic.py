@@ -1,31 +1,36 @@
-"""Trace four layers of a stack of identical layers and write out the rest: the same trace, a fraction of the cost.
+"""Trace five layers of a stack of identical layers and write out the rest: the same trace, a fraction of the cost.
 
 Why: a transformer repeats one layer (T5-base: 2 × 11 of its 24, Qwen2-0.5B: 24 of 24), and tracing runs every
 op of every layer through FakeTensorMode in Python (≈ 3 s CPU for T5-base at 16 × 512, issue 38). Where the
 layers are provably the same module, their ops, storages and saved tensors repeat from one layer to the next;
-the tracer then runs a copy of the model that keeps four of the run (the first three, A B C, and the last, D),
-and this module writes the removed layers' part of the trace as copies of C's, which is what the whole model's
-trace holds.
+the tracer then runs the model with five layers of the run (the first three, A B C, and the last two, D E),
+and this module writes the removed layers' part of the trace (between C and D) as copies of C's, which is
+what the whole model's trace holds.
 
 Proven, not assumed:
 - before the trace (`find_runs`): the layers of a run are consecutive numbered children of one ModuleList or
   Sequential, each a block of its own (`trace.block_of`), of the same class with the same parameters (names,
-  shapes, dtypes, requires_grad), buffers, hooks and attributes in every submodule (the same config object;
-  an int equal to the layer's own position, `layer_idx`, is its index, which the KV cache reads, not a
-  difference: ASSUMPTION, a training step keeps no cache, `hf.hf_config_object` sets use_cache False); no
-  parameter of a removed layer is shared with the rest;
+  shapes, dtypes, requires_grad), buffers, hooks and attributes in every submodule (the same config object);
+  an int attribute that holds each layer's own position in every layer of the list (`layer_idx`) is its
+  index, not a difference. ASSUMPTION: the index is read for the KV cache, which a training step does not
+  keep (`hf.hf_config_object` sets use_cache False), not to branch on in forward; a branch on it in the
+  first three or last two layers shows in the check below. No parameter of a removed layer is shared;
 - after (`expand`): layer B's part of the trace, shifted one layer on, is C's, op for op (name, shapes,
-  dtypes, FLOPs, module), storage event for storage event (each storage a layer allocates in its forward or
-  its backward stands at the same place in the next layer's) and saved tensor for saved tensor; each layer's
-  events touch only its own and its neighbours' storages; a storage of B freed outside the layers is freed
-  there for C too. Otherwise `expand` returns None and the tracer traces the whole model
-  (`trace.trace_step`).
+  dtypes, FLOPs, module, block), storage event for storage event (a storage a layer allocates stands at the
+  same op, counted from the layer's first op, as the next layer's) and saved tensor for saved tensor; each
+  layer's events touch only its own and its neighbours' storages; a storage of B freed outside the layers is
+  freed there for C too; no output the loop keeps is B's or C's. An event belongs to the layer whose op
+  caused it (a storage that died between two ops, a local released as a layer returned, to the op before),
+  and the written-out events are put back in the order the tracer records them. Otherwise `expand` returns
+  None and the tracer traces the whole model (`trace.trace_step`);
+- not under checkpointing (a layer's recomputation runs before autograd names its block: the whole model is
+  traced, as before).
 
 The written-out trace is the whole model's, event for event: tests/test_trace_periodic.py compares every
-field of both traces and the estimate JSON on T5, BART and Qwen2 configs at several shapes. The optimizer
-step is not written out: it runs over every parameter of the whole model (the removed layers' parameters
-with stand-in gradients that stand for the copies' gradient storages), so its multi-tensor ops are the
-whole model's.
+field of both traces and the estimate JSON on T5, BART and Qwen2 configs at several shapes and precisions.
+The optimizer step is not written out: it runs over every parameter of the whole model (the removed layers'
+parameters with stand-in gradients that stand for the copies' gradient storages), so its multi-tensor ops
+are the whole model's.
 """
 
 from __future__ import annotations
@@ -205,9 +210,6 @@ class Raw:
         return self.forward_end + sum(op.phase == "backward" for op in self.ops)
 
 
-_DEBUG = False
-
-
 class _NotPeriodic(Exception):
     """The trace does not repeat as the run's modules do: trace the whole model."""
 
@@ -266,8 +268,6 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
     if win[(0, "f")][0] < 0 or win[(4, "b")][0] < fe:
         raise _NotPeriodic
     anchor = {(n, part): lo + (lead_f if part == "f" else lead_b) for (n, part), (lo, _) in win.items()}
-    if _DEBUG:
-        print("run", run.kept, "f", f, "b", b, "win", win)
 
     def where(op: int) -> tuple[int, str] | None:
         for key, (lo, hi) in win.items():
@@ -300,8 +300,6 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
     def at(n: int, part: str, d: int, nth: int) -> Hashable:
         sid = by_key.get((n, part, d, nth))
         if sid is None:
-            if _DEBUG:
-                print("at", n, part, d, nth)
             raise _NotPeriodic
         return sid
 
@@ -310,8 +308,6 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
         for _, _, sid, _, _ in evs:
             h = home.get(sid)
             if h is not None and abs(h[0] - n) > 1:
-                if _DEBUG:
-                    print("far", n, _, h, [e for e in evs if e[2] == sid], raw.meta.get(sid))
                 raise _NotPeriodic
 
     def shift(sid: Hashable) -> Hashable:
@@ -328,23 +324,16 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
             if (x.name, x.phase, x.inputs, x.outputs, x.flops, x.kernel) != (
                     y.name, y.phase, y.inputs, y.outputs, y.flops, y.kernel) \
                     or _rename(x.module, B, C) != y.module or _rename(blocks[lb + i], B, C) != blocks[lc + i]:
-                if _DEBUG:
-                    print("op", part, i, x, y, blocks[lb + i], blocks[lc + i])
                 raise _NotPeriodic
         eb, ec = ev_at[(1, part)], ev_at[(2, part)]
         if len(eb) != len(ec):
             raise _NotPeriodic
         for (ob, ab, sb, gb, late_b), (oc, ac, sc, gc, late_c) in zip(eb, ec, strict=True):
             if (ob - lb, ab, gb, late_b) != (oc - lc, ac, gc, late_c) or shift(sb) != sc:
-                if _DEBUG:
-                    print("event", part, (ob - lb, ab, sb, home.get(sb)), (oc - lc, ac, sc, home.get(sc)),
-                          raw.meta.get(sb), raw.meta.get(sc), raw.ops[ob].name, raw.ops[oc].name)
                 raise _NotPeriodic
     freed_b = {(op, late, shift(sid)) for op, _, sid, _, late in outside_frees if home.get(sid, (-1,))[0] == 1}
     freed_c = {(op, late, sid) for op, _, sid, _, late in outside_frees if home.get(sid, (-1,))[0] == 2}
     if freed_b != freed_c:
-        if _DEBUG:
-            print("outside frees", sorted(freed_b - freed_c)[:5], sorted(freed_c - freed_b)[:5])
         raise _NotPeriodic
     # saved tensors by their block (autograd saves an op's inputs before the op runs, so a layer's first saved
     # tensor is packed after the previous layer's last op); none of another block inside the run's windows
@@ -362,8 +351,6 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
         if (replace(x, storage=shift(x.storage), block=_rename(x.block, B, C), module=_rename(x.module, B, C))
                 != replace(y, storage=y.storage)) or raw.saved_op[i] - win[(1, "f")][0] != raw.saved_op[j] - \
                 win[(2, "f")][0]:
-            if _DEBUG:
-                print("saved", x, y, shift(x.storage), home.get(x.storage), home.get(y.storage))
             raise _NotPeriodic
     if any(home.get(sid, (-1,))[0] in (1, 2) for _, sid in raw.retained):  # an output of the last layer is fine
         raise _NotPeriodic
