@@ -138,3 +138,27 @@ def test_the_estimate_is_the_same_byte_for_byte(monkeypatch, tmp_path, cuts):
     whole = estimate(str(path), cfg, "ml.g5.xlarge").model_dump(mode="json")
     caches.clear()
     assert json.dumps(cut, sort_keys=True) == json.dumps(whole, sort_keys=True)
+
+
+def test_code_that_needs_every_layer_is_traced_whole(cuts, monkeypatch):
+    """A forward that indexes its layers up to a count of its own fails on the cut model: traced whole."""
+
+    class Indexed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                                              for _ in range(7))
+
+        def forward(self, x):
+            for i in range(7):
+                x = self.layers[i](x)
+            return x
+
+    truncated: list[str] = []
+    real = periodic.truncate
+    monkeypatch.setattr(periodic, "truncate", lambda run: truncated.append(run.kept[0]) or real(run))
+    cfg = TrainConfig(batch_size=2, seq_len=4)
+    cut = trace_step(Indexed, lambda b, s: torch.randn(b, s, 8), cfg, backend="cpu")
+    whole = trace_step(Indexed, lambda b, s: torch.randn(b, s, 8), cfg, backend="cpu", periodic=False)
+    assert truncated == ["layers.0"] and cuts == []  # cut, raised (IndexError) before anything was written out
+    _equal(cut, whole)

@@ -560,7 +560,10 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
         kw = {"loss_fn": loss_fn, "backend": backend, "flash_ok": flash_ok, "name": name, "source": source,
               "enable_checkpointing": enable_checkpointing, "scan_frees": scan_frees}
         if periodic and PERIODIC_LAYERS:
-            trace = _trace_step(build, make_batch, config, periodic=True, **kw)
+            try:
+                trace = _trace_step(build, make_batch, config, periodic=True, **kw)
+            except Exception:  # noqa: BLE001 - code that needs every layer (`self.layers[i]` for i up to the
+                trace = None  # config's count): the whole model says whether the step itself fails
             if trace is not None:
                 return trace
         out = _trace_step(build, make_batch, config, periodic=False, **kw)
