@@ -162,3 +162,13 @@ def test_code_that_needs_every_layer_is_traced_whole(cuts, monkeypatch):
     whole = trace_step(Indexed, lambda b, s: torch.randn(b, s, 8), cfg, backend="cpu", periodic=False)
     assert truncated == ["layers.0"] and cuts == []  # cut, raised (IndexError) before anything was written out
     _equal(cut, whole)
+
+    class Iterated(Indexed):
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    cut = trace_step(Iterated, lambda b, s: torch.randn(b, s, 8), cfg, backend="cpu")
+    assert cuts == [("layers.0", 2)]  # the same layers, iterated: cut and written out
+    _equal(cut, trace_step(Iterated, lambda b, s: torch.randn(b, s, 8), cfg, backend="cpu", periodic=False))

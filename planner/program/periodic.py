@@ -458,15 +458,13 @@ def _expand(raw: Raw, run: Run) -> Raw:  # noqa: C901 - one pass per record kind
                                          module=_rename(src.module, C, copies[j - 1])))
                     saved_op.append(cut_f + 1 + (j - 1) * nf + raw.saved_op[c] - lf)
 
+    # a stand-in gradient has no event: it stands for the copy's storage where C's gradient is C's own (else for
+    # nothing; the copies' gradient events are C's, checked above)
     standins = {}
     for sid, (layer, grad) in raw.standins.items():
-        if layer in copies:
-            h = home.get(grad)
-            if h is None or h[0] != 2:
-                raise _NotPeriodic
-            standins[sid] = (layer, copy_of(grad, copies.index(layer) + 1))
-        else:
-            standins[sid] = (layer, grad)
+        h = home.get(grad)
+        standins[sid] = (layer, copy_of(grad, copies.index(layer) + 1) if layer in copies and h is not None
+                         and h[0] == 2 else grad)
     return Raw(ops, op_block, _in_order(events), meta, saved, saved_op, list(raw.retained), standins)
 
 
