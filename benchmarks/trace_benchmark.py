@@ -14,9 +14,11 @@ Targets (issue 12), each traced in a fresh process so its peak RSS is its own:
 Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert (analytic) at 8 × 512, and a
 30-trial `planner search` over it (issue 12: a traced model is traced once per shape class, so a search over
 it stays interactive).
-Usage: python benchmarks/trace_benchmark.py [--quick] [--repeat N] [--search-only] [--baseline DIR]
+Usage: python benchmarks/trace_benchmark.py [--quick] [--repeat N] [--search-only] [--baseline DIR] [--layers]
 (--quick: the estimates of issue 38 only; --repeat: medians of N runs; --search-only: the search only;
---baseline: another checkout, e.g. `git archive main | tar -x -C DIR`, timed alongside each first estimate)
+--baseline: another checkout, e.g. `git archive main | tar -x -C DIR`, timed alongside each first estimate;
+--layers: only the trace of each config.json model with its identical layers written out
+(planner.program.periodic) against the whole model's, in this process: CPU seconds and whether they are equal)
 """
 
 from __future__ import annotations
@@ -107,6 +109,47 @@ def search(trials: int = SEARCH_TRIALS) -> dict:
             "interpolated": sources._traced_at_batch.cache_info().misses}
 
 
+def layers() -> None:
+    """Issue 38: each config.json model of ESTIMATES traced with its runs of identical layers cut and written
+    out, and whole (`trace_step(..., periodic=False)`), in this process after a small warm-up trace: CPU seconds
+    of each, the layers written out, and whether the two traces are equal in every field."""
+    from dataclasses import fields
+
+    from planner.models.hf_config import load_config_file
+    from planner.program import hf, periodic
+    from planner.program.trace import trace_step
+    from planner.spec import TrainConfig
+
+    written: list[int] = []
+    real = periodic.expand
+
+    def counted(raw, run):
+        out = real(raw, run)
+        written.append(len(run.copies) if out is not None else 0)
+        return out
+
+    periodic.expand = counted
+    print(f"{'trace (CPU seconds)':28s} {'cut':>6s} {'whole':>6s} {'layers written out':>19s} {'equal':>6s}")
+    for label, args in ESTIMATES.items():
+        if not args[1].endswith(".json"):
+            continue
+        path, b, s = args[1], int(args[3]), int(args[5])
+        precision = args[args.index("-p") + 1] if "-p" in args else "fp32"
+        hc = hf.hf_config_object(load_config_file(path), path, "sdpa")
+        cfg = TrainConfig(batch_size=b, seq_len=s, precision=precision, attention="sdpa")
+        trace_step(hf.builder(hc, path), hf.batch_maker(hc, path), cfg.model_copy(update={"batch_size": 2,
+                                                                                        "seq_len": 8}))
+        written.clear()
+        t0 = time.process_time()
+        cut = trace_step(hf.builder(hc, path), hf.batch_maker(hc, path), cfg)
+        t1 = time.process_time()
+        whole = trace_step(hf.builder(hc, path), hf.batch_maker(hc, path), cfg, periodic=False)
+        t2 = time.process_time()
+        same = all(getattr(cut, f.name) == getattr(whole, f.name) for f in fields(cut))
+        print(f"{label:28s} {t1 - t0:6.2f} {t2 - t1:6.2f} {sum(written):19d} {'yes' if same else 'NO':>6s}", flush=True)
+    periodic.expand = real
+
+
 def timed(cmd: list[str], env: dict[str, str], cwd: str | Path = ROOT) -> tuple[float, float, str]:
     """Run `cmd` in a new process: (wall seconds, CPU seconds user + sys, stdout)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -180,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each estimate (medians printed)")
     parser.add_argument("--search-only", action="store_true", help="the 100-trial search of issue 38 only")
     parser.add_argument("--baseline", help="a folder with another checkout's planner package, timed alongside")
+    parser.add_argument("--layers", action="store_true", help="traces with identical layers cut, against whole")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--search-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -191,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.search_only:
         search_timed()
+        return 0
+    if args.layers:
+        layers()
         return 0
     estimates(args.repeat, args.baseline)
     if args.quick:

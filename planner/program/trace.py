@@ -133,6 +133,12 @@ class _Recorder(TorchDispatchMode):
         self.live: dict[int, _StorageInfo] = {}  # storage key -> info, not expired
         self.polled: dict[int, _StorageInfo] = {}  # key -> info: live storages that may be freed
         self.raw_events: list[tuple[int, str, int]] = []  # (op, action, sid)
+        # per event: 0 an op's result, 1 a free, 2 another allocation (autograd's saving, before the step); and
+        # whether a free's storage died before the op it is recorded after began (between two ops): where
+        # planner.program.periodic places an event among the layers, not what the trace records
+        self.event_stage: list[int] = []
+        self.event_late: list[bool] = []
+        self.before = 0  # deaths reported before the op now dispatching began
         self.op_block: list[str] = []
         self.failed_in: list[str] | None = None  # the module stack when an op raised
         self.repeats: dict[str, int] | None = None  # `layer_repeats` of the traced module
@@ -142,7 +148,7 @@ class _Recorder(TorchDispatchMode):
             return self.backward_block
         return block_of(self.stack[-1], self.repeats) if self.stack else LOSS_BLOCK
 
-    def register(self, t: torch.Tensor, category: str, op: int = -1) -> _StorageInfo:
+    def register(self, t: torch.Tensor, category: str, op: int = -1, stage: int = 2) -> _StorageInfo:
         """A storage that exists before the step (parameter, buffer, batch) or a new one."""
         key = storage_key(t)
         info = self.live.get(key)
@@ -161,11 +167,14 @@ class _Recorder(TorchDispatchMode):
                 dead = self.dead
                 info.watch = weakref.ref(st, lambda _, key=key: dead.append(key))
         self.raw_events.append((op, "alloc", info.sid))
+        self.event_stage.append(stage)
+        self.event_late.append(False)
         return info
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(func, "namespace", "") == "prim":  # metadata queries (`x.device`): no tensor, no kernel
             return func(*args, **(kwargs or {}))
+        self.before = len(self.dead)
         try:
             out = func(*args, **(kwargs or {}))
         except Exception:
@@ -184,7 +193,7 @@ class _Recorder(TorchDispatchMode):
             key = storage_key(t)
             info = self.live.get(key)
             if info is None or info.ref.expired():
-                info = self.register(t, "temporary", index)
+                info = self.register(t, "temporary", index, 0)
             mapped = cuda.device_storage(name, i, info.numel, info.dtype, self.backend)
             if mapped.rule or mapped.host:  # e.g. bernoulli_ turns a fresh buffer into dropout noise
                 info.device = mapped
@@ -199,26 +208,29 @@ class _Recorder(TorchDispatchMode):
         if not self.dead and not self.scanned:
             return
         expired = _EXPIRED
-        gone: list[tuple[int, int]] = []  # (sid, key)
-        for key in self.dead:
+        gone: list[tuple[int, int, bool]] = []  # (sid, key, died before the op began)
+        for i, key in enumerate(self.dead):
             info = self.polled.get(key)
             if info is None or key in self.scanned:
                 continue
             if expired(info.ref.cdata):
-                gone.append((info.sid, key))
+                gone.append((info.sid, key, i < self.before))
             else:  # the Python object died, the storage lives: watch it by scanning
                 self.scanned[key] = info
         self.dead.clear()
+        self.before = 0
         for key, info in list(self.scanned.items()):
             if expired(info.ref.cdata):
                 del self.scanned[key]
-                gone.append((info.sid, key))
+                gone.append((info.sid, key, False))
         gone.sort()  # registration order, as the scan walks `polled`
-        for sid, key in gone:
+        for sid, key, late in gone:
             info = self.polled.pop(key)
             if self.live.get(key) is info:
                 del self.live[key]
             self.raw_events.append((index, "free", sid))
+            self.event_stage.append(1)
+            self.event_late.append(late)
 
     def _scan(self, index: int) -> None:
         """The reference poller: free events for storages whose weak reference expired, checking every live
@@ -230,6 +242,8 @@ class _Recorder(TorchDispatchMode):
             if self.live.get(key) is info:
                 del self.live[key]
             self.raw_events.append((index, "free", info.sid))
+            self.event_stage.append(1)
+            self.event_late.append(False)
 
 
 _EXPIRED = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls (torch/storage.py)
@@ -309,9 +323,10 @@ def layer_repeats(module: torch.nn.Module) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _module_stack(module: torch.nn.Module) -> Iterator[list[str]]:
-    """Qualified names of the modules running now (global forward hooks, as tests/saved_tensors.py)."""
-    names = {id(m): n for n, m in module.named_modules()}
+def _module_stack(module: torch.nn.Module, names: dict[int, str] | None = None) -> Iterator[list[str]]:
+    """Qualified names of the modules running now (global forward hooks, as tests/saved_tensors.py); `names`:
+    id -> name, taken before layers were cut out (`planner.program.periodic`)."""
+    names = names if names is not None else {id(m): n for n, m in module.named_modules()}
     stack: list[str] = []
 
     def pre(mod, args):
@@ -533,30 +548,51 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
                enable_checkpointing: Callable[[torch.nn.Module], None] | None = None,
-               scan_frees: bool = False) -> StepTrace:
-    """`_trace_step` without torch's FakeTensor data-pointer warning in the user's output."""
+               scan_frees: bool = False, periodic: bool = True) -> StepTrace:
+    """`_trace_step` without torch's FakeTensor data-pointer warning in the user's output.
+
+    `periodic`: trace four layers of each run of identical layers and write out the rest
+    (`planner.program.periodic`); where the trace does not repeat as the modules do, trace the whole model."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FAKE_DATA_PTR_WARNING, category=UserWarning)
-        return _trace_step(build, make_batch, config, loss_fn=loss_fn, backend=backend, flash_ok=flash_ok,
-                           name=name, source=source, enable_checkpointing=enable_checkpointing,
-                           scan_frees=scan_frees)
+        kw = {"loss_fn": loss_fn, "backend": backend, "flash_ok": flash_ok, "name": name, "source": source,
+              "enable_checkpointing": enable_checkpointing, "scan_frees": scan_frees}
+        if periodic and PERIODIC_LAYERS:
+            try:
+                trace = _trace_step(build, make_batch, config, periodic=True, **kw)
+            except Exception:  # noqa: BLE001 - code that needs every layer (`self.layers[i]` for i up to the
+                trace = None  # config's count): the whole model says whether the step itself fails
+            if trace is not None:
+                return trace
+        out = _trace_step(build, make_batch, config, periodic=False, **kw)
+        assert out is not None
+        return out
+
+
+# Trace a run of identical layers as four and write out the rest (`planner.program.periodic`); False traces
+# every layer (the reference the tests compare against).
+PERIODIC_LAYERS = True
 
 
 def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, int], Any], config: TrainConfig,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
                enable_checkpointing: Callable[[torch.nn.Module], None] | None = None,
-               scan_frees: bool = False) -> StepTrace:
+               scan_frees: bool = False, periodic: bool = False) -> StepTrace | None:
     """One training step of `build()` on `make_batch(config.batch_size, config.seq_len)`, as a StepTrace.
 
     `build` and `make_batch` run inside FakeTensorMode, so parameters and inputs are fake from the start.
     `enable_checkpointing(module)` is called when `config.checkpointing` (HF models' per-layer checkpointing).
     `scan_frees`: find frees by the reference scan of every live storage after every op (`_Recorder`; slow,
     for the tests that check the callbacks give the same events).
+    `periodic`: cut runs of identical layers to four and write the rest out (`planner.program.periodic`);
+    None when the trace does not repeat as the modules do (then trace with periodic=False).
     """
     from torch._subclasses import fake_tensor as ft
+
+    from planner.program import periodic as periodic_layers
 
     fake_errors = (ft.DataDependentOutputException, ft.DynamicOutputShapeException,
                    ft.UnsupportedFakeTensorException, ft.UnsupportedOperatorException)
@@ -574,9 +610,15 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
             enable_checkpointing(module)
         batch = _to_model_dtype(make_batch(config.batch_size, config.seq_len), MODEL_DTYPE[config.precision])
 
-        with _module_stack(module) as stack:
+        names = {id(m): n for n, m in module.named_modules()}
+        with _module_stack(module, names) as stack:
             rec = _Recorder(backend, stack, scan=scan_frees)
             rec.repeats = layer_repeats(module)
+            repeats = rec.repeats
+            # not under checkpointing: a layer's recomputation runs before autograd names its block, so the
+            # layers' windows in backward are not where `periodic` looks (traced whole, as before)
+            runs = (periodic_layers.find_runs(module, lambda n: block_of(n, repeats))
+                    if periodic and not scan_frees and not config.checkpointing else [])
             named = list(module.named_parameters())  # shared weights once (remove_duplicate=True)
             parameters: dict[str, int] = {}
             block_params: dict[str, int] = {}
@@ -602,8 +644,17 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
             for t in inputs.values():
                 rec.register(t, "batch")
             excluded = {storage_key(p) for _, p in named} | set(buffers) | set(inputs)
+            # the removed layers' gradients, made now (outside the recorder) and given to their parameters
+            # after backward, so the optimizer step runs over the whole model's parameters
+            standins = [(p, torch.empty_like(p), layer_name, kept_layer.get_parameter(pname))
+                        for run in runs for layer_name, layer in zip(run.copies, run.removed_layers(), strict=True)
+                        for kept_layer in (run.layers[run.first + periodic_layers.TEMPLATE],)
+                        for pname, p in layer.named_parameters() if p.requires_grad]
+            for run in runs:
+                periodic_layers.truncate(run)
 
             saved: dict[int, SavedRecord] = {}
+            saved_op: dict[int, int] = {}
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 key = storage_key(t)
@@ -614,6 +665,7 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                     info = rec.register(t, "temporary", len(rec.ops) - 1)
                 if info.sid not in saved and rec.phase == "forward":
                     info.category = "activation"
+                    saved_op[info.sid] = len(rec.ops) - 1
                     dev = info.device
                     saved[info.sid] = SavedRecord(
                         info.sid, rec.block(), stack[-1] if stack else "", tuple(t.shape), dev.dtype,
@@ -647,6 +699,7 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                     for _, p in named:
                         if p.grad is not None:
                             rec.register(p.grad, "gradient", backward_end - 1).category = "gradient"
+                    standin_of = _give_standins(rec, standins)
                     rec.phase = "optimizer"
                     opt = _optimizer([p for _, p in named if p.requires_grad], config)
                     if opt is not None:
@@ -670,21 +723,57 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                 raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
                                    f"(in {where}); check --inputs matches the model") from None
 
+        for run in runs:
+            periodic_layers.restore(run)
         grads = tuple(tuple(p.shape) for _, p in named if p.requires_grad)
         pbytes = named[0][1].element_size() if named else 4
         buffer_bytes = sum(b.untyped_storage().nbytes() for b in buffers.values())
         batch_bytes = sum(t.untyped_storage().nbytes() for t in inputs.values())
         del output, loss
-    events = tuple(StorageEvent(op, action, sid, rec.storages[sid].device.nbytes, rec.storages[sid].device.dtype,
-                                rec.storages[sid].category) for op, action, sid in rec.raw_events)
-    blocks = block_memory(events, tuple(rec.op_block), tuple(saved.values()), block_params, retained, forward_end,
+    ops, op_block, saved_list = rec.ops, rec.op_block, list(saved.values())
+    meta = {sid: (info.device.nbytes, info.device.dtype, info.category) for sid, info in rec.storages.items()}
+    raw_events: list[tuple[int, str, int]] = rec.raw_events
+    if runs:
+        raw: periodic_layers.Raw | None = periodic_layers.Raw(
+            list(ops), list(op_block),
+            [(*e, stage, late) for e, stage, late in zip(raw_events, rec.event_stage, rec.event_late, strict=True)],
+            meta, saved_list, [saved_op[s.storage] for s in saved_list], list(retained_storages), standin_of)
+        for run in runs:
+            raw = periodic_layers.expand(raw, run) if raw is not None else None
+        if raw is None:
+            return None
+        ops, op_block = raw.ops, raw.op_block
+        forward_end, backward_end = raw.forward_end, raw.backward_end
+        raw_events, meta, saved_list, retained_storages = periodic_layers.renumber(raw)
+    events = tuple(StorageEvent(op, action, sid, *meta[sid]) for op, action, sid in raw_events)
+    blocks = block_memory(events, tuple(op_block), tuple(saved_list), block_params, retained, forward_end,
                           backward_end, backend, frozenset(sid for _, sid in retained_storages))
     return StepTrace(name=name, backend=backend, parameters=parameters, gradient_shapes=grads,
                      parameter_dtype_bytes=pbytes, buffer_bytes=buffer_bytes, batch_bytes=batch_bytes,
-                     blocks=blocks, saved=tuple(saved.values()), ops=tuple(rec.ops), events=events,
+                     blocks=blocks, saved=tuple(saved_list), ops=tuple(ops), events=events,
                      checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes),
-                     op_blocks=tuple(rec.op_block), block_parameters=block_params, block_trainable=block_trainable,
+                     op_blocks=tuple(op_block), block_parameters=block_params, block_trainable=block_trainable,
                      retained_storages=tuple(retained_storages))
+
+
+def _give_standins(rec: _Recorder, standins: list[tuple[torch.nn.Parameter, torch.Tensor, str, torch.nn.Parameter]]
+                   ) -> dict[int, tuple[str, int]]:
+    """Each removed layer's parameter gets its stand-in gradient, known to the recorder as a live gradient
+    storage with no event of its own (the written-out copy's gradient storage is its events); returns stand-in
+    storage id -> (the removed layer, the storage id of the same parameter's gradient in layer C)."""
+    out: dict[int, tuple[str, int]] = {}
+    for p, g, layer, kept in standins:
+        if kept.grad is None:  # the parameter gets no gradient in the whole model either
+            continue
+        p.grad = g
+        st = g.untyped_storage()
+        info = _StorageInfo(len(rec.storages), StorageWeakRef(st), st.nbytes() // g.element_size(),
+                            dtype_name(g.dtype), cuda.Storage(st.nbytes() // g.element_size(), dtype_name(g.dtype)),
+                            "", "gradient")
+        rec.storages[info.sid] = info
+        rec.live[storage_key(g)] = info
+        out[info.sid] = (layer, rec.live[storage_key(kept.grad)].sid)
+    return out
 
 
 def _retained(output: Any, loss: torch.Tensor, rec: _Recorder, excluded: set[int],
