@@ -330,7 +330,7 @@ def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
     else:
         out = tensors if a["consumer"] == 0 else []
     rows, k = op.shapes["topk"]
-    if a.get("fused"):  # TE's FusedTopkScoreFunction: `ctx.save_for_backward(routing_map, intermediate_output)`
+    if a.get("fused_moe"):  # TE's FusedTopkScoreFunction: `ctx.save_for_backward(routing_map, intermediate_output)`
         e = op.shapes["logits"][1]  # (transformer_engine/pytorch/router.py; Megatron's moe_router_fusion)
         return out + [Saved(f"{op.name}.routing_map", rows * e, "bool"), Saved(f"{op.name}.intermediate", rows * e, F32)]
     if a.get("topk_then_softmax"):  # gpt-oss: top-k of the logits, then a softmax over those k (logits' dtype)
@@ -348,7 +348,7 @@ def permute_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """`hidden_states[perm // top_k]` saves its index, `sample_weights[perm]` the sort's permutation (S int64
     each); the per-expert offsets (int32, one per local expert) are saved by the grouped GEMMs."""
     pairs = op.shapes["output"][0]
-    if op.attrs.get("fused"):  # TE's mask-map permutation (Megatron's moe_permute_fusion): its int32 row-id map
+    if op.attrs.get("fused_moe"):  # TE's mask-map permutation (Megatron's moe_permute_fusion): its int32 row-id map
         # [tokens, 2E + 1] (transformer_engine/pytorch/triton/permutation.py make_row_id_map), which the
         # unpermutation reuses; with several local experts behind an all-to-all, sort_chunks_by_idxs keeps one
         # int32 index a pair in dispatch and one in combine (ASSUMPTION: TE moe_sort_chunks_by_index's map)
@@ -395,7 +395,7 @@ def unpermute_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """`proj_out * sample_weights_g` saves both (S·h and S), `weighted_out[inv_perm]` its index (S int64);
     the sum over top-k saves nothing."""
     pairs, h = op.shapes["input"]
-    if op.attrs.get("fused"):  # TE's fused unpermutation without merging probs: the permutation's row-id map
+    if op.attrs.get("fused_moe"):  # TE's fused unpermutation without merging probs: the permutation's row-id map
         return []
     return [Saved(f"{op.name}.expert_output", pairs * h, op.dtypes["input"]),
             Saved(f"{op.name}.weights", pairs, op.dtypes["weights"]), Saved(f"{op.name}.inv_perm", pairs, I64)]

@@ -315,7 +315,7 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     if shared:
         ops += shared_expert_ops(a, x_dtype, readers, apart)
     shared_ops = len(ops)
-    fused = {"fused": True} if ctx.fused_moe else {}
+    fused = {"fused_moe": True} if ctx.fused_moe else {}  # not `fused`: torch.compile's pointwise fusion
     router = router_op(spec, a, x_dtype, readers, 0)
     ops.append(Op(router.kind, router.name, router.shapes, router.params, router.dtypes, router.attrs | fused))
     ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),

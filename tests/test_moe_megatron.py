@@ -1,0 +1,156 @@
+"""Megatron-Core's MoE layer as it saves tensors for backward (issue 35: the published Megatron runs called OOM).
+
+`Framework.fused_moe` (planner/parallel/frameworks.py) carries Megatron-Core's fused MoE kernels. No
+Megatron-Core or Transformer Engine runs on this CPU machine, so each rule is checked against the source lines
+it transcribes, quoted here (NVIDIA/Megatron-LM @d98e8a64ddf34856e74b24714e3bedb2f5a39553; NVIDIA/
+TransformerEngine as cited in the framework record), on a tiny Qwen3-MoE and gpt-oss program:
+
+- router, TE FusedTopkScoreFunction.forward: `ctx.save_for_backward(routing_map, intermediate_output)`
+  (E bools and E fp32 a token) besides the gating Linear's input;
+- permutation, TE make_row_id_map: "row_id_map ... of shape [num_tokens, num_experts * 2 + 1]" (int32);
+  MoEAlltoAllTokenDispatcher unpermutes with no probs: `unpermute(permutated_local_input_tokens,
+  self.reversed_local_input_permutation_mapping, restore_shape=..., fused=self.config.moe_permute_fusion)`;
+- activation, fused_bias_swiglu.py WeightedSwiGLUFunction: `ctx.save_for_backward(input_for_backward, weights)`;
+- selective recompute (experts.py TEGroupedMLP.forward): `self.activation_checkpoint =
+  tensor_parallel.CheckpointWithoutOutput()` ... `discard_output_and_register_recompute(output)`; moe_layer.py
+  `outputs = tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)` for "moe".
+
+The saved-tensor-hook check of the unfused ops (transformers' modules) is tests/test_moe.py's; the CUDA grouped
+GEMM saving its input only is the derivative formula both paths share (tests/test_moe_frameworks.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.families.forms import model_program
+from planner.ir.context import Ctx
+from planner.ir.transforms import recompute_selected
+from planner.memory.op_saved import op_saved
+from planner.models import hf_config
+from planner.parallel.frameworks import FRAMEWORKS
+from planner.spec import TrainConfig
+from tests.test_moe import TINY
+
+NBYTES = {"bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "bool": 1, "float8_e4m3fn": 1}
+
+
+def _layer(model_type: str, fused: bool, precision: str = "bf16", ep: int = 1):
+    spec = hf_config.spec_from_hf_config(TINY[model_type], name=model_type)
+    ctx = Ctx(2, 24, precision, "flash", "cuda", False, True, experts_16bit=True,
+              fused_moe=fused, ep=ep)
+    program = model_program(spec, ctx)
+    layer = next(b for b in program.blocks if b.role == "layer")
+    return spec.transformers[0], ctx, program, layer
+
+
+def _bytes(ops, ctx) -> int:
+    """What a layer keeps after its forward: the saved tensors of every op not recomputed, and the checkpoints'."""
+    return sum(t.numel * NBYTES[t.dtype] for op in ops if not op.attrs.get("checkpointed")
+               for t in op_saved(op, ctx))
+
+
+def test_only_megatron_runs_fused_moe_and_cites_its_source():
+    assert FRAMEWORKS["megatron"].fused_moe
+    assert not any(f.fused_moe for n, f in FRAMEWORKS.items() if n != "megatron")
+    text = " ".join(FRAMEWORKS["megatron"].sources)
+    for quote in ("save_for_backward(input_for_backward, weights)", "num_experts * 2 + 1",
+                  "save_for_backward(routing_map, intermediate_output)"):
+        assert quote in text
+
+
+def test_resolve_carries_fused_moe_from_the_framework():
+    from planner.models.catalog import get_model
+    from planner.pipeline.resolve import resolve
+
+    spec = get_model("qwen3-30b-a3b")
+    for fw, parallelism in (("megatron", "ddp"), ("pytorch", "fsdp"), ("torchtitan", "fsdp")):
+        cfg = TrainConfig(batch_size=1, seq_len=512, precision="bf16", parallelism=parallelism, framework=fw, ep=8)
+        ctx = resolve(spec, cfg, "ml.p5.48xlarge", None, None, {}, "cuda").ctx
+        assert ctx.fused_moe is (fw == "megatron")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_fused_ops_save_what_megatron_and_te_save(model_type):
+    t, ctx, _, layer = _layer(model_type, True)
+    n, e, k, h, i = ctx.n, t.num_experts, t.experts_per_token, t.hidden_size, t.moe_intermediate_size
+    s = n * k
+    ops = {op.name: op for op in layer.ops}
+    router = next(op for op in layer.ops if op.kind == "router")
+    got = [(x.numel, x.dtype) for x in op_saved(router, ctx)]
+    assert got == [(n * h, "bfloat16"), (n * e, "bool"), (n * e, "float32")]
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.permute"], ctx)] == [(n * (2 * e + 1), "int32")]
+    assert op_saved(ops["mlp.experts.unpermute"], ctx) == []
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.act"], ctx)] == [(2 * s * i, "bfloat16"),
+                                                                                   (s, "float32")]
+    if "mlp.experts.gate_mul_up" in ops:
+        assert op_saved(ops["mlp.experts.gate_mul_up"], ctx) == []
+    # the grouped GEMMs save their inputs as before (TE GroupedLinear: the input for the weight gradient)
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.gate_up"], ctx)] == [(s * h, "bfloat16")]
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.down"], ctx)] == [(s * i, "bfloat16")]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_fused_layer_saves_less_than_transformers_ops_by_the_dropped_tensors(model_type):
+    """The fused layer drops, per the quoted lines: the sort's and gather's int64 indices, the unpermute's
+    S·h expert output, weights and inverse index, and the activation's own tensors beyond its input and probs."""
+    t, ctx, _, fused = _layer(model_type, True)
+    _, ctx0, _, eager = _layer(model_type, False)
+    assert _bytes(fused.ops, ctx) < _bytes(eager.ops, ctx0)
+    s, h = ctx.n * t.experts_per_token, t.hidden_size
+    unperm = next(op for op in eager.ops if op.name == "mlp.experts.unpermute")
+    assert sum(x.numel for x in op_saved(unperm, ctx0)) >= s * h
+
+
+def test_ep_with_several_local_experts_keeps_the_chunk_sort_maps():
+    t, ctx, _, layer = _layer("qwen3_moe", True, ep=2)
+    perm = next(op for op in layer.ops if op.name == "mlp.experts.permute")
+    s = ctx.n * t.experts_per_token
+    assert [(x.numel, x.dtype) for x in op_saved(perm, ctx)][1:] == [(s, "int32"), (s, "int32")]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_moe_act_recompute_frees_the_activation_output_fc2_saved(fused):
+    t, ctx, program, layer = _layer("qwen3_moe", fused)
+    s, i = ctx.n * t.experts_per_token, t.moe_intermediate_size
+    sel = next(b for b in recompute_selected(program, ["moe_act"]).blocks if b.name == layer.name)
+    keep = next(op for op in sel.ops if op.kind == "checkpoint")
+    assert [(x.numel, x.dtype) for x in op_saved(keep, ctx)] == (
+        [(2 * s * i, "bfloat16")] + ([(s, "float32")] if fused else []))
+    down = next(op for op in sel.ops if op.name == "mlp.experts.down")
+    assert op_saved(down, ctx) == []
+    if fused:  # the fused activation already saved exactly its input and probs: only fc2's input goes
+        assert _bytes(layer.ops, ctx) - _bytes(sel.ops, ctx) == s * i * 2
+
+
+def test_moe_recompute_keeps_only_the_blocks_input():
+    t, ctx, program, layer = _layer("qwen3_moe", True)
+    sel = next(b for b in recompute_selected(program, ["moe", "moe_act"]).blocks if b.name == layer.name)
+    keeps = [op for op in sel.ops if op.kind == "checkpoint"]
+    assert [op.attrs["region"] for op in keeps] == ["moe"]
+    assert [(x.numel, x.dtype) for x in op_saved(keeps[0], ctx)] == [(ctx.n * t.hidden_size, "bfloat16")]
+    assert all(op.attrs.get("recomputed") for op in sel.ops if op.attrs.get("moe_block"))
+    moe_bytes = sum(x.numel * NBYTES[x.dtype] for op in layer.ops if op.attrs.get("moe_block")
+                    for x in op_saved(op, ctx))
+    assert _bytes(layer.ops, ctx) - _bytes(sel.ops, ctx) == moe_bytes - ctx.n * t.hidden_size * 2
+
+
+def test_shared_experts_recompute_keeps_the_shared_experts_input():
+    t, ctx, program, layer = _layer("qwen2_moe", True)
+    sel = next(b for b in recompute_selected(program, ["shared_experts"]).blocks if b.name == layer.name)
+    (keep,) = [op for op in sel.ops if op.kind == "checkpoint"]
+    assert keep.attrs["region"] == "shared_experts"
+    assert [(x.numel, x.dtype) for x in op_saved(keep, ctx)] == [(ctx.n * t.hidden_size, "bfloat16")]
+    assert all(op.attrs.get("recomputed") for op in sel.ops if op.attrs.get("shared_experts"))
+    assert not any(op.attrs.get("recomputed") for op in sel.ops if op.kind == "router")
+
+
+def test_layernorm_recompute_discards_the_routers_copy_of_the_norm_output():
+    """transformer_layer.py: 'layernorm' recomputes the pre-MLP norm too (`recompute_pre_mlp_layernorm`);
+    the router's gating Linear saved that output, which CheckpointWithoutOutput frees."""
+    t, ctx, program, layer = _layer("qwen3_moe", True)
+    sel = next(b for b in recompute_selected(program, ["layernorm"]).blocks if b.name == layer.name)
+    router = next(op for op in sel.ops if op.kind == "router")
+    assert router.attrs.get("input_discarded")
+    assert [(x.numel, x.dtype) for x in op_saved(router, ctx)] == [(ctx.n * t.num_experts, "bool"),
+                                                                   (ctx.n * t.num_experts, "float32")]
