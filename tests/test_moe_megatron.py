@@ -154,3 +154,24 @@ def test_layernorm_recompute_discards_the_routers_copy_of_the_norm_output():
     assert router.attrs.get("input_discarded")
     assert [(x.numel, x.dtype) for x in op_saved(router, ctx)] == [(ctx.n * t.num_experts, "bool"),
                                                                    (ctx.n * t.num_experts, "float32")]
+
+
+def test_te_rmsnorm_saves_its_input_and_rstd_only():
+    """TE ops/basic/rmsnorm.py RMSNorm.op_forward: `ctx.save_for_backward(x, rstdevs)`: the 16-bit input and one
+    fp32 rstd a row, where transformers' RMSNorm saves an fp32 copy of the input, the rstd and the normalised
+    tensor (Qwen3's per-head q/k norms included)."""
+    from planner.ir.context import Ctx as C
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    base = dict(experts_16bit=True, fused_moe=True)
+    for fused, want in ((True, lambda r, w: [(r * w, "bfloat16"), (r, "float32")]),
+                        (False, lambda r, w: [(r * w, "float32"), (r, "float32"), (r * w, "bfloat16")])):
+        ctx = C(2, 24, "bf16", "flash", "cuda", False, True, fused_norms=fused, **base)
+        layer = next(b for b in model_program(spec, ctx).blocks if b.role == "layer")
+        norms = [op for op in layer.ops if op.kind == "rms_norm"]
+        assert {op.name for op in norms} >= {"input_layernorm", "self_attn.q_norm", "post_attention_layernorm"}
+        for op in norms:
+            rows, width = op.shapes["input"]
+            assert [(x.numel, x.dtype) for x in op_saved(op, ctx)] == want(rows, width), op.name
+    assert FRAMEWORKS["megatron"].fused_norms
+    assert not any(f.fused_norms for n, f in FRAMEWORKS.items() if n != "megatron")

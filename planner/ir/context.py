@@ -92,6 +92,8 @@ class Ctx:
     # the framework's fused MoE kernels (planner.parallel.frameworks.Framework.fused_moe: Megatron-Core's fused
     # router, permutation and weighted SwiGLU): what the router, permutation and expert activation save
     fused_moe: bool = False
+    # Transformer Engine's fused RMSNorm (Framework.fused_norms, Megatron): its input and the fp32 rstd saved
+    fused_norms: bool = False
 
     @property
     def n(self) -> int:

@@ -74,6 +74,9 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
                     if dtype != F32 or op.attrs["input_is_new"] else []) + stats
         # after a residual add: recomputed from the block input and the branch's last matmul output (16-bit)
         return [Saved(f"{op.name}.branch_output", rows * width, ctx.low)] + stats
+    if ctx.fused_norms:  # TE's RMSNorm (Megatron): `ctx.save_for_backward(x, rstdevs)`, x in its own dtype
+        return ([Saved(f"{op.name}.input", rows * width, dtype)] if dtype != F32 or op.attrs["input_is_new"]
+                else []) + [Saved(f"{op.name}.rsqrt", rows, F32)]
     out = act.rmsnorm_saved(op.name, rows, width, dtype, ctx, op.attrs["input_is_new"])
     return [t for t in out if not t.name.endswith(".normalized")] if op.attrs.get("frozen") else out
 

@@ -87,6 +87,11 @@ class Framework:
     # weighted SwiGLU / quick-GeGLU saves its input and the pairs' probabilities only. False: transformers' (and
     # torchtitan's) eager ops, each saving what its derivative needs. planner.ir.context.Ctx.fused_moe carries it.
     fused_moe: bool = False
+    # Transformer Engine's fused RMSNorm (Megatron-Core's TE layer spec: the input norm inside
+    # TELayerNormColumnParallelLinear, TENorm for the pre-MLP norm of an MoE layer and the q/k layernorms): it saves
+    # its 16-bit input and the fp32 rstd per row, not transformers' fp32 copy of the input and normalised tensor.
+    # planner.ir.context.Ctx.fused_norms carries it (LayerNorm models keep the eager rule: not modelled).
+    fused_norms: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -160,7 +165,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
         engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
-        fused_attention=True, fused_moe=True,
+        fused_attention=True, fused_moe=True, fused_norms=True,
         loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
@@ -197,7 +202,12 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "`ctx.save_for_backward(routing_map, intermediate_output)` (E bools and E fp32 a token), under "
                  "Megatron-Core's moe_router_fusion (router.py `fused=self.config.moe_router_fusion`), which "
                  "Megatron-Bridge's performance recipes set (scripts/performance/configs/*/…_llm_pretrain.py "
-                 "`cfg.model.moe_router_fusion = True`, @00b7660b)"),
+                 "`cfg.model.moe_router_fusion = True`, @00b7660b)",
+                 "NVIDIA/Megatron-LM megatron/core/models/gpt/gpt_layer_specs.py (@d98e8a64) "
+                 "get_gpt_layer_with_transformer_engine_spec: linear_qkv TELayerNormColumnParallelLinear, "
+                 "q_layernorm/k_layernorm and an MoE layer's pre_mlp_layernorm TENorm; NVIDIA/TransformerEngine "
+                 "transformer_engine/pytorch/ops/basic/rmsnorm.py RMSNorm.op_forward `ctx.save_for_backward(x, "
+                 "rstdevs)` (fused_norms)"),
         notes="bf16 parameters (2 B), fp32 main gradients (4 B) in a buffer that lives for the run, fp32 master "
               "weights and Adam states (12 B) in the optimizer: 18 B per parameter, 6 + 12/DP with the "
               "distributed optimizer. No FSDP1/FSDP2 (Megatron's own FSDP is not modelled)."),
