@@ -175,3 +175,46 @@ def test_te_rmsnorm_saves_its_input_and_rstd_only():
             assert [(x.numel, x.dtype) for x in op_saved(op, ctx)] == want(rows, width), op.name
     assert FRAMEWORKS["megatron"].fused_norms
     assert not any(f.fused_norms for n, f in FRAMEWORKS.items() if n != "megatron")
+
+
+def test_torchtitan_grouped_experts_save_what_the_planners_expert_ops_save():
+    """torchtitan's `_run_experts_grouped_mm` (quoted in tests/test_moe_frameworks.py) under saved-tensor hooks, in
+    bf16: its separate w1 / w3 GEMMs save the same bytes as transformers' fused gate_up op list the planner uses for
+    `--framework torchtitan` (fused_moe False): x (S·h), and four S·i tensors (w1's output, silu's output, w3's
+    output, the product) against gate_up's 2·S·i output, act(gate) and the product. The hooks see autograd's
+    saved tensors, which do not depend on the kernel: on CPU `torch._grouped_mm` may run per expert, on CUDA as
+    one grouped GEMM; both save their inputs (and int32 offsets, counted at the permutation)."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not in this torch")
+    from tests.test_moe_frameworks import _torchtitan_run_experts_grouped_mm
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    t = spec.transformers[0]
+    ctx = Ctx(1, 8, "bf16", "flash", "cuda", False, True, experts_16bit=True)
+    layer = next(b for b in model_program(spec, ctx).blocks if b.role == "layer")
+    ops = [op for op in layer.ops if op.name in ("mlp.experts.gate_up", "mlp.experts.act",
+                                                 "mlp.experts.gate_mul_up", "mlp.experts.down")]
+    ours = sum(x.numel * NBYTES[x.dtype] for op in ops for x in op_saved(op, ctx))
+    e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    pairs = ctx.n * t.experts_per_token
+    w1, w3 = (torch.randn(e, i, h, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(e, h, i, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(pairs, h, dtype=torch.bfloat16, requires_grad=True)
+    counts = torch.full((e,), pairs // e, dtype=torch.int64)
+    counts[0] += pairs - int(counts.sum())
+    params = {w.untyped_storage().data_ptr() for w in (w1, w2, w3)}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        s = tensor.untyped_storage()
+        if s.data_ptr() not in params and tensor.dtype != torch.int32:  # offsets: the permutation's
+            seen[s.data_ptr()] = s.nbytes()
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z):
+            _torchtitan_run_experts_grouped_mm(w1, w2, w3, x, counts).float().sum().backward()
+    except (RuntimeError, NotImplementedError) as exc:  # a torch whose CPU has no grouped_mm kernel
+        pytest.skip(f"torch._grouped_mm on CPU: {exc}")
+    assert sum(seen.values()) == ours == (pairs * h + 4 * pairs * i) * 2
