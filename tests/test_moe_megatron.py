@@ -218,3 +218,28 @@ def test_torchtitan_grouped_experts_save_what_the_planners_expert_ops_save():
     except (RuntimeError, NotImplementedError) as exc:  # a torch whose CPU has no grouped_mm kernel
         pytest.skip(f"torch._grouped_mm on CPU: {exc}")
     assert sum(seen.values()) == ours == (pairs * h + 4 * pairs * i) * 2
+
+
+def test_moe_recompute_counts_the_blocks_matmuls_again():
+    """"moe" re-runs the router, the routed experts (top-k of E per token) and a shared expert; "moe_act" no
+    matmul; a dense model nothing."""
+    from planner.models.catalog import get_model
+    from planner.perf.flops import matmul_flops, step_flops
+
+    m = get_model("qwen3-30b-a3b")
+    t = m.transformers[0]
+
+    def recompute(mods):
+        return step_flops(m, TrainConfig(batch_size=1, seq_len=512, recompute="selective",
+                                         recompute_modules=mods)).recompute
+
+    base = recompute(("moe_act",))
+    tokens = 512
+    per_layer = matmul_flops(tokens, t.num_experts, t.hidden_size) + 3 * matmul_flops(
+        tokens * t.experts_per_token, t.moe_intermediate_size, t.hidden_size)
+    assert recompute(("moe_act", "moe")) - base == t.num_layers * per_layer
+    assert recompute(("moe_act", "shared_experts")) == base  # Qwen3-MoE has no shared expert
+    dense = get_model("llama-3-8b")
+    assert step_flops(dense, TrainConfig(batch_size=1, seq_len=512, recompute="selective",
+                                         recompute_modules=("moe",))).recompute == step_flops(
+        dense, TrainConfig(batch_size=1, seq_len=512, recompute="selective", recompute_modules=("moe_act",))).recompute
