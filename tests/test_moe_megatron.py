@@ -243,3 +243,17 @@ def test_moe_recompute_counts_the_blocks_matmuls_again():
     assert step_flops(dense, TrainConfig(batch_size=1, seq_len=512, recompute="selective",
                                          recompute_modules=("moe",))).recompute == step_flops(
         dense, TrainConfig(batch_size=1, seq_len=512, recompute="selective", recompute_modules=("moe_act",))).recompute
+
+
+@pytest.mark.parametrize("model,modules", [("qwen3-30b-a3b", ("moe_act", "layernorm")), ("gpt-oss-20b", ("moe",))])
+def test_program_report_and_memory_model_agree_under_megatron_moe_recompute(model, modules):
+    """One GPU: `program.blocks[]` saved bytes sum to `memory_bytes.activations` (ARCHITECTURE.md's invariant)
+    with the fused MoE ops and a MoE recompute module."""
+    import planner
+    from planner.estimate import program
+
+    cfg = TrainConfig(batch_size=1, seq_len=1024, precision="bf16", framework="megatron", parallelism="single",
+                      recompute="selective", recompute_modules=modules, attention="flash")
+    est = planner.estimate(model, cfg, "ml.p5.48xlarge")
+    saved = sum(o["saved_bytes"] for b in program(model, est)["blocks"] for o in b["ops"])
+    assert saved == est.memory_bytes.activations
