@@ -70,7 +70,8 @@ def _layout(r: Any) -> str:
     if r.compile:
         parts.append("compile")
     if r.recompute != "none":
-        parts.append(f"ac-{r.recompute}")
+        mods = getattr(r, "recompute_modules", "")
+        parts.append(f"ac-{r.recompute}" + (f"({mods.replace(' ', ',')})" if mods else ""))
     return " ".join(parts)
 
 

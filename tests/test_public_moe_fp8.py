@@ -65,3 +65,14 @@ def test_nothing_in_the_planner_reads_these_rows():
     readers = [p for p in (ROOT / "planner").rglob("*.py")
                if "public_moe_fp8" in p.read_text() and p.name != "public_moe_fp8.py"]
     assert readers == []
+
+
+def test_a_rows_recompute_modules_reach_the_planner():
+    """Megatron-Bridge's gpt-oss-120b H100 preset recomputes `layernorm` and `moe_act` (its recipe, cited in the
+    row); a selective row without modules under torchtitan is its per-op policy."""
+    rows = {r.id: r for r in load_published("moe")}
+    cfg = rows["mb-2511-h100-gpt-oss-120b-bf16"].train_config()
+    assert (cfg.recompute, cfg.recompute_modules) == ("selective", ("layernorm", "moe_act"))
+    assert "recompute_modules=['layernorm', 'moe_act']" in rows["mb-2511-h100-gpt-oss-120b-bf16"].where
+    tt = [r for r in load_published("fp8") if r.framework == "torchtitan" and r.recompute == "selective"]
+    assert tt and all(r.train_config().recompute_modules == ("op",) for r in tt)

@@ -89,6 +89,11 @@ class Ctx:
     # passes `is_first_microbatch`; planner.parallel.frameworks.Framework.te_weight_cache): the FP8 weight and
     # its transpose are one persistent copy per Linear, not one saved per micro-batch
     fp8_weight_cache: bool = False
+    # the framework's fused MoE kernels (planner.parallel.frameworks.Framework.fused_moe: Megatron-Core's fused
+    # router, permutation and weighted SwiGLU): what the router, permutation and expert activation save
+    fused_moe: bool = False
+    # Transformer Engine's fused RMSNorm (Framework.fused_norms, Megatron): its input and the fp32 rstd saved
+    fused_norms: bool = False
 
     @property
     def n(self) -> int:

@@ -12,8 +12,15 @@ keeps its inputs (a `checkpoint` op with `region` set, placed before it) and its
 in backward (`checkpointed`, `recomputed`), as torch.utils.checkpoint / Megatron's `tensor_parallel.checkpoint`
 do for "core_attn" and "mlp". "layernorm" is Megatron's output-discarding checkpoint
 (`CheckpointWithoutOutput`): the norm keeps only its input, and the norm's output, which the next Linear(s)
-saved, is freed after the forward and rebuilt in backward (the Linears' `input_discarded`). Names of modules a
-dense model does not have (moe_act, moe, shared_experts, mla_up_proj) select nothing.
+saved, is freed after the forward and rebuilt in backward (the Linears' and an MoE router's `input_discarded`).
+In a mixture-of-experts layer (megatron/core/transformer/moe/moe_layer.py and experts.py @d98e8a64): "moe" checkpoints
+the whole MoE block on its input (`moe_layer_recompute`: `tensor_parallel.checkpoint(custom_forward, False,
+hidden_states, ...)`), "shared_experts" the shared expert on its input (`shared_experts_recompute`), "moe_act" the
+experts' activation with `CheckpointWithoutOutput` (TEGroupedMLP.forward: its input, the fc1 output, and the
+probabilities kept; its output, which fc2 saved, freed after fc2 and rebuilt in backward: the down GEMM's
+`input_discarded`; under FP8 `set_save_original_input(self.linear_fc2)` makes fc2 save that 16-bit output, freed
+too). Names of modules a model does not have select nothing; "mla_up_proj" (DeepSeek's latent attention's up
+projections) is accepted and NOT modelled: it selects nothing.
 
 torchtitan's per-op policy ("op", `--recompute-modules op`; torchtitan/models/llama3/infra/parallelize.py
 `_save_list` and `apply_ac` with selective_ac_option "op"): the whole layer is checkpointed with
@@ -46,6 +53,12 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 TORCHTITAN_OP = "op"  # torchtitan's per-op selective checkpointing
 RECOMPUTE_MODULES = (*MEGATRON_RECOMPUTE_MODULES, TORCHTITAN_OP)
 NORMS = ("layer_norm", "rms_norm")
+READERS = ("linear", "router")  # ops that save a norm's output as their input (an MoE router's F.linear too)
+
+
+def _reads(op: Op) -> object:
+    """The name of the tensor a Linear or router reads (a Linear's `input`, a router's `input_name`)."""
+    return op.attrs.get("input") if op.kind == "linear" else op.attrs.get("input_name")
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "send_recv")
 
 
@@ -112,16 +125,30 @@ def selective_layer(ops: Sequence[Op], modules: Collection[str]) -> list[Op]:
             if op.kind not in NORMS:
                 continue
             nxt = next((j for j in range(i + 1, len(out)) if out[j].kind not in COLLECTIVES), None)
-            if nxt is None or out[nxt].kind != "linear":
+            if nxt is None or out[nxt].kind not in READERS:
                 continue  # its output leaves the layer (a post-norm layer's last norm): nothing to discard
-            reads = out[nxt].attrs.get("input")  # the Linears reading the norm's output share its name
-            consumers = [j for j in range(nxt, len(out)) if out[j].kind == "linear" and out[j].attrs.get("input") == reads]
+            reads = _reads(out[nxt])  # the Linears (and an MoE router) reading the norm's output share its name
+            consumers = [j for j in range(nxt, len(out)) if out[j].kind in READERS and _reads(out[j]) == reads]
             if not consumers:
                 continue  # its output leaves the layer (a post-norm layer's last norm): nothing to discard
             marks[i] = {"checkpointed": True, "recomputed": True}
             keeps[i] = _keep("layernorm", [op])
             for j in consumers:
                 marks[j] = marks.get(j, {}) | {"input_discarded": True}
+    moe = "moe" in modules
+    for region, flag in (("moe", "moe_block"), ("shared_experts", "shared_experts"), ("moe_act", "moe_act")):
+        if region not in modules or (moe and region != "moe"):
+            continue  # "moe" recomputes the whole block, its shared expert and activation with it
+        idx = [i for i, op in enumerate(out) if op.attrs.get(flag)]
+        if not idx:
+            continue  # a dense layer, or a block without a shared expert
+        for i in idx:
+            marks[i] = marks.get(i, {}) | {"checkpointed": True, "recomputed": True}
+        keeps[idx[0]] = _keep(region, [out[i] for i in idx])
+        if region == "moe_act":  # CheckpointWithoutOutput: fc2's saved input (the activation output) is freed
+            down = next((j for j in range(idx[-1] + 1, len(out)) if out[j].kind == "expert_gemm"), None)
+            if down is not None:
+                marks[down] = marks.get(down, {}) | {"input_discarded": True}
     result = []
     for i, op in enumerate(out):
         if i in keeps:

@@ -74,12 +74,17 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
                     if dtype != F32 or op.attrs["input_is_new"] else []) + stats
         # after a residual add: recomputed from the block input and the branch's last matmul output (16-bit)
         return [Saved(f"{op.name}.branch_output", rows * width, ctx.low)] + stats
+    if ctx.fused_norms:  # TE's RMSNorm (Megatron): `ctx.save_for_backward(x, rstdevs)`, x in its own dtype
+        return ([Saved(f"{op.name}.input", rows * width, dtype)] if dtype != F32 or op.attrs["input_is_new"]
+                else []) + [Saved(f"{op.name}.rsqrt", rows, F32)]
     out = act.rmsnorm_saved(op.name, rows, width, dtype, ctx, op.attrs["input_is_new"])
     return [t for t in out if not t.name.endswith(".normalized")] if op.attrs.get("frozen") else out
 
 
 @register("saved", "activation")
 def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
+    if op.attrs.get("weighted"):  # Megatron's fused weighted SwiGLU / quick-GeGLU: its input and the probs
+        return fused_moe_act_saved(op)
     if op.attrs["act"] == "clamped_swiglu":
         return clamped_swiglu_saved(op)
     return act.activation_saved(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)[0]
@@ -91,6 +96,8 @@ def gated_mul_saved(op: Op, ctx: Ctx) -> list[Saved]:
     activation saves, so only `up` stays. A broadcast product (Qwen2-MoE's sigmoid(gate) (n, 1) times the
     shared expert's output) adds only the wide factor: the narrow one is the sigmoid's saved output."""
     n = math.prod(op.shapes["input"])
+    if op.attrs.get("fused_into_act"):  # part of Megatron's fused weighted SwiGLU: the activation saves for both
+        return []
     if "broadcast" in op.attrs:
         return [Saved(f"{op.name}.other", n, op.dtypes["other"])]
     up = Saved("mlp.up", n, op.dtypes["other"])
@@ -266,7 +273,22 @@ def region_inputs(region: str, ops: tuple[Op, ...], ctx: Ctx) -> list[Saved]:
         return [Saved("mlp.checkpoint.input", numel, lin.dtypes["input"])]
     if region == "layernorm":
         return [Saved(f"{first.name}.checkpoint.input", math.prod(first.shapes["input"]), first.dtypes["input"])]
-    raise ValueError(f"recompute region {region!r}: known core_attn, mlp, layernorm")
+    if region == "moe":  # the MoE block's input (what its router reads: the rank's rows)
+        router = next(o for o in ops if o.kind == "router")
+        return [Saved("moe.checkpoint.input", math.prod(router.shapes["input"]), router.dtypes["input"])]
+    if region == "shared_experts":  # the shared expert's input (its first Linear's; the local shard under SP)
+        lin = next(o for o in ops if o.kind == "linear")
+        numel = math.prod(lin.shapes["input"])
+        if lin.attrs.get("tp") == "column" and ctx.sp and not ctx.sp_saves_gathered:
+            numel //= ctx.tp
+        return [Saved("shared_experts.checkpoint.input", numel, lin.dtypes["input"])]
+    if region == "moe_act":  # the activation's inputs: the gate_up output (2n), and the probabilities when fused
+        n, d = math.prod(first.shapes["input"]), first.dtypes["input"]
+        out = [Saved("moe_act.checkpoint.gate_up", 2 * n, d)]
+        if first.attrs.get("weighted"):
+            out.append(Saved("moe_act.checkpoint.probs", first.attrs["weighted"], F32))
+        return out
+    raise ValueError(f"recompute region {region!r}: known core_attn, mlp, layernorm, moe, shared_experts, moe_act")
 
 
 def clamped_swiglu_saved(op: Op) -> list[Saved]:
@@ -276,6 +298,16 @@ def clamped_swiglu_saved(op: Op) -> list[Saved]:
     n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
     return [Saved(f"{op.name}.gate_up", 2 * n, d), Saved(f"{op.name}.gate_clamped", n, d),
             Saved(f"{op.name}.sigmoid", n, d), Saved(f"{op.name}.up_plus_one", n, d), Saved(f"{op.name}.glu", n, d)]
+
+
+def fused_moe_act_saved(op: Op) -> list[Saved]:
+    """Megatron-Core's fused expert activation (TEGroupedMLP with bias_activation_fusion:
+    `weighted_bias_swiglu_impl` / `weighted_bias_quick_geglu_impl`, megatron/core/fusions/fused_bias_swiglu.py
+    WeightedSwiGLUFunction `ctx.save_for_backward(input_for_backward, weights)`, fused_bias_geglu.py the same
+    with its linear offset): the fc1 output (gate and up halves, 2n) and the pairs' probabilities (fp32, one a
+    pair); the activation output, the product and the weighting are rebuilt in backward."""
+    n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+    return [Saved(f"{op.name}.input", 2 * n, d), Saved(f"{op.name}.probs", op.attrs["weighted"], F32)]
 
 
 # ------------------------------------------------------------------------------ mixture of experts
@@ -294,11 +326,16 @@ def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
     tensors = act.linear_inputs(a["input_name"], n * h, op.dtypes["input"], ctx, a["consumers"])
     if a.get("frozen"):  # LoRA: the router weight needs no gradient, so F.linear keeps no x for it
         out = []
+    elif a.get("input_discarded") and not (ctx.amp and op.dtypes["input"] != ctx.low):
+        out = []  # the norm output it saved is freed and rebuilt in backward (selective "layernorm")
     elif len(tensors) == a["consumers"] and a["consumers"] > 1:
         out = [tensors[a["consumer"]]]
     else:
         out = tensors if a["consumer"] == 0 else []
     rows, k = op.shapes["topk"]
+    if a.get("fused_moe"):  # TE's FusedTopkScoreFunction: `ctx.save_for_backward(routing_map, intermediate_output)`
+        e = op.shapes["logits"][1]  # (transformer_engine/pytorch/router.py; Megatron's moe_router_fusion)
+        return out + [Saved(f"{op.name}.routing_map", rows * e, "bool"), Saved(f"{op.name}.intermediate", rows * e, F32)]
     if a.get("topk_then_softmax"):  # gpt-oss: top-k of the logits, then a softmax over those k (logits' dtype)
         return out + [Saved(f"{op.name}.topk_indices", rows * k, I64),
                       Saved(f"{op.name}.scores", rows * k, op.dtypes["compute"])]
@@ -314,6 +351,15 @@ def permute_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """`hidden_states[perm // top_k]` saves its index, `sample_weights[perm]` the sort's permutation (S int64
     each); the per-expert offsets (int32, one per local expert) are saved by the grouped GEMMs."""
     pairs = op.shapes["output"][0]
+    if op.attrs.get("fused_moe"):  # TE's mask-map permutation (Megatron's moe_permute_fusion): its int32 row-id map
+        # [tokens, 2E + 1] (transformer_engine/pytorch/triton/permutation.py make_row_id_map), which the
+        # unpermutation reuses; with several local experts behind an all-to-all, sort_chunks_by_idxs keeps one
+        # int32 index a pair in dispatch and one in combine (ASSUMPTION: TE moe_sort_chunks_by_index's map)
+        tokens, e = op.shapes["input"][0], op.attrs["all_experts"]
+        out = [Saved(f"{op.name}.row_id_map", tokens * (2 * e + 1), "int32")]
+        if op.attrs["ep"] > 1 and op.attrs["experts"] > 1:
+            out += [Saved(f"{op.name}.sort_chunks", pairs, "int32"), Saved(f"{op.name}.unsort_chunks", pairs, "int32")]
+        return out
     out = [Saved(f"{op.name}.token_index", pairs, I64), Saved(f"{op.name}.perm", pairs, I64),
            Saved(f"{op.name}.offsets", op.attrs["experts"], "int32")]
     if op.attrs.get("bias_index") and not op.attrs.get("frozen_bias"):  # `*_proj_bias[expert_ids_g]`: the
@@ -327,6 +373,8 @@ def expert_gemm_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """grouped_mm(input.to(weight.dtype), weight) saves its input: the gathered pairs (gate_up) or the
     gated product (down), as a new cast when the input is not already in the weights' dtype."""
     rows, n_in = op.shapes["input"]
+    if op.attrs.get("input_discarded"):  # selective "moe_act": the activation output it saved is freed after fc2
+        return []
     saved_fp8 = fp8.input_saved(op.attrs["fp8"]) if op.attrs.get("fp8") else None
     if saved_fp8 is not None:  # TE's GroupedLinear saves its FP8 copy of the input (te grouped_linear.py)
         out = [Saved(f"{op.name}.input.fp8", rows * n_in, fp8.F8)]
@@ -350,6 +398,8 @@ def unpermute_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """`proj_out * sample_weights_g` saves both (S·h and S), `weighted_out[inv_perm]` its index (S int64);
     the sum over top-k saves nothing."""
     pairs, h = op.shapes["input"]
+    if op.attrs.get("fused_moe"):  # TE's fused unpermutation without merging probs: the permutation's row-id map
+        return []
     return [Saved(f"{op.name}.expert_output", pairs * h, op.dtypes["input"]),
             Saved(f"{op.name}.weights", pairs, op.dtypes["weights"]), Saved(f"{op.name}.inv_perm", pairs, I64)]
 

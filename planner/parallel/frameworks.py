@@ -79,6 +79,19 @@ class Framework:
     # whose class has no SDPA path, runs eager in transformers): `--attention auto` resolves to the fused
     # kernel ("flash": q, k, v, output and the row statistics saved) on a GPU that runs it.
     fused_attention: bool = False
+    # Mixture-of-experts: the framework's own fused MoE kernels (Megatron-Core with moe_router_fusion,
+    # moe_permute_fusion, moe_grouped_gemm and bias_activation_fusion, as Megatron-Bridge's providers and
+    # performance recipes set them): TE's fused top-k router saves its routing map (E bools a token) and one fp32
+    # E-wide intermediate; TE's mask-map permutation saves only its int32 row-id map, the unpermutation nothing
+    # more (the probabilities are applied inside the experts' activation, not at the combine); the fused
+    # weighted SwiGLU / quick-GeGLU saves its input and the pairs' probabilities only. False: transformers' (and
+    # torchtitan's) eager ops, each saving what its derivative needs. planner.ir.context.Ctx.fused_moe carries it.
+    fused_moe: bool = False
+    # Transformer Engine's fused RMSNorm (Megatron-Core's TE layer spec: the input norm inside
+    # TELayerNormColumnParallelLinear, TENorm for the pre-MLP norm of an MoE layer and the q/k layernorms): it saves
+    # its 16-bit input and the fp32 rstd per row, not transformers' fp32 copy of the input and normalised tensor.
+    # planner.ir.context.Ctx.fused_norms carries it (LayerNorm models keep the eager rule: not modelled).
+    fused_norms: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -152,7 +165,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
         engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
-        fused_attention=True,
+        fused_attention=True, fused_moe=True, fused_norms=True,
         loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
@@ -172,7 +185,29 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "`update_workspace = is_first_microbatch is None or is_first_microbatch`; `weightmat = "
                  "module.get_weight_workspace(..., cache_name=(None if is_first_microbatch is None else "
                  "'weight'), update_workspace=update_workspace)`: one cached FP8 weight (rowwise and columnwise "
-                 "copies) per module, reused by every micro-batch"),
+                 "copies) per module, reused by every micro-batch",
+                 "NVIDIA/Megatron-LM megatron/core/transformer/moe/experts.py (@d98e8a64) TEGroupedMLP.forward "
+                 "bias_act_func: with bias_activation_fusion, `weighted_bias_swiglu_impl(intermediate_parallel, "
+                 "bias_parallel, permuted_probs, ...)` (or weighted_bias_quick_geglu_impl for gpt-oss's clamped "
+                 "quick-GeGLU); megatron/core/fusions/fused_bias_swiglu.py WeightedSwiGLUFunction.forward "
+                 "`ctx.save_for_backward(input_for_backward, weights)` (fused_bias_geglu.py: input, weights, "
+                 "linear_offset): the fc1 output and the probabilities, no activation output or product (fused_moe)",
+                 "NVIDIA/Megatron-LM megatron/core/transformer/moe/token_dispatcher.py (@d98e8a64) "
+                 "MoEAlltoAllTokenDispatcher: `permute(hidden_states, self.routing_map, probs=probs, ..., "
+                 "fused=self.config.moe_permute_fusion)` and `unpermute(..., fused=...)` with no probs "
+                 "(moe_utils.py: TE fused_permute_with_probs / fused_unpermute(merging_probs=None)); "
+                 "NVIDIA/TransformerEngine transformer_engine/pytorch/triton/permutation.py make_row_id_map: "
+                 "'row_id_map ... of shape [num_tokens, num_experts * 2 + 1]' int32, the one tensor both keep",
+                 "NVIDIA/TransformerEngine transformer_engine/pytorch/router.py FusedTopkScoreFunction.forward: "
+                 "`ctx.save_for_backward(routing_map, intermediate_output)` (E bools and E fp32 a token), under "
+                 "Megatron-Core's moe_router_fusion (router.py `fused=self.config.moe_router_fusion`), which "
+                 "Megatron-Bridge's performance recipes set (scripts/performance/configs/*/…_llm_pretrain.py "
+                 "`cfg.model.moe_router_fusion = True`, @00b7660b)",
+                 "NVIDIA/Megatron-LM megatron/core/models/gpt/gpt_layer_specs.py (@d98e8a64) "
+                 "get_gpt_layer_with_transformer_engine_spec: linear_qkv TELayerNormColumnParallelLinear, "
+                 "q_layernorm/k_layernorm and an MoE layer's pre_mlp_layernorm TENorm; NVIDIA/TransformerEngine "
+                 "transformer_engine/pytorch/ops/basic/rmsnorm.py RMSNorm.op_forward `ctx.save_for_backward(x, "
+                 "rstdevs)` (fused_norms)"),
         notes="bf16 parameters (2 B), fp32 main gradients (4 B) in a buffer that lives for the run, fp32 master "
               "weights and Adam states (12 B) in the optimizer: 18 B per parameter, 6 + 12/DP with the "
               "distributed optimizer. No FSDP1/FSDP2 (Megatron's own FSDP is not modelled)."),

@@ -160,6 +160,8 @@ def step_flops(model: ModelSpec, config: TrainConfig, *, causal_fraction: float 
             recompute = layer_recompute_flops(block, b, s, causal_fraction)
         if mode == "selective" and is_layer:
             recompute = selective_recompute_flops(block.layer, b, s, causal_fraction, modules)
+            tail = block.name.rsplit(".", 1)[-1]
+            recompute += moe_recompute_flops(block.layer, int(tail) if tail.isdigit() else 0, b, s, modules)
         if fused and is_layer:
             recompute += attention_score_flops(block.layer, b, s, causal_fraction) // 2  # Q@K^T once more
         out.append(BlockFlops(block.name, block.role, fwd, BACKWARD_TO_FORWARD * fwd, recompute))
@@ -192,6 +194,20 @@ def selective_recompute_flops(t: TransformerSpec, batch: int, seq: int, causal_f
     if "mlp" in modules:
         out += (3 if family(t.family).gated_mlp else 2) * matmul_flops(batch * seq, t.intermediate_size, t.hidden_size)
     return out
+
+
+def moe_recompute_flops(t: TransformerSpec, index: int, batch: int, seq: int, modules: tuple[str, ...]) -> int:
+    """Matmul FLOPs Megatron's "moe" (the router, the routed experts and a shared expert run again: moe_layer.py
+    `moe_layer_recompute`) or "shared_experts" recomputation re-runs in a sparse layer; "moe_act" re-runs no
+    matmul. Nothing in a dense layer."""
+    if not t.num_experts or not t.sparse_layer(index) or not {"moe", "shared_experts"} & set(modules):
+        return 0
+    tokens, h = batch * seq, t.hidden_size
+    shared = 3 * matmul_flops(tokens, t.shared_expert_intermediate_size, h) if t.shared_expert_intermediate_size else 0
+    if "moe" not in modules:
+        return shared
+    pairs = tokens * t.experts_per_token
+    return matmul_flops(tokens, t.num_experts, h) + 3 * matmul_flops(pairs, t.moe_intermediate_size, h) + shared
 
 
 def tokens_per_sample(model: ModelSpec, seq_len: int) -> int:

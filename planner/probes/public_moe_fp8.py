@@ -37,6 +37,9 @@ class PublishedRun(BaseModel):
     fp8_param_gather: bool = False
     compile: bool = False
     recompute: Literal["none", "full", "selective"] = "none"
+    # Megatron's recompute_modules under selective recomputation, space-separated (blank: the default, core_attn;
+    # torchtitan's per-op policy under --framework torchtitan)
+    recompute_modules: str = ""
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     vp: int = Field(1, ge=1)
@@ -71,6 +74,14 @@ class PublishedRun(BaseModel):
     def instance(self) -> str:
         return INSTANCE[self.gpu]
 
+    def _recompute_modules(self) -> tuple[str, ...]:
+        if self.recompute != "selective":
+            return ()
+        if self.recompute_modules:
+            return tuple(self.recompute_modules.split())
+        # torchtitan's selective AC is its per-op policy (planner.ir.transforms TORCHTITAN_OP)
+        return ("op",) if self.framework == "torchtitan" else ()
+
     def train_config(self) -> TrainConfig:
         """The run as the planner takes it: the printed layout and batch, instances = GPUs / 8."""
         full = self.recompute == "full"
@@ -80,7 +91,7 @@ class PublishedRun(BaseModel):
             grad_accum=self.grad_accum, instances=max(1, self.gpus // GPUS_PER_INSTANCE), tp=self.tp, pp=self.pp,
             vp=self.vp, ep=self.ep, checkpointing=full, recompute="selective" if self.recompute == "selective" else None,
             # torchtitan's selective AC is its per-op policy (planner.ir.transforms TORCHTITAN_OP)
-            recompute_modules=("op",) if self.recompute == "selective" and self.framework == "torchtitan" else (),
+            recompute_modules=self._recompute_modules(),
             compile=self.compile, fp8_recipe=self.fp8_recipe, fp8_param_gather=self.fp8_param_gather,
             distributed_optimizer=self.framework == "megatron" and self.parallelism == "ddp")
 

@@ -266,15 +266,20 @@ def _expert_ops(a: LayerArgs, s: int, x_dtype: str, wd: str) -> list[Op]:
     ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (rows, h), "output": (rows, 2 * i),
                                                           "experts": (local,)},
                   up_params, {"input": x_dtype, "compute": wd, "output": wd}, {}))
+    # Megatron-Core's fused weighted SwiGLU / quick-GeGLU (ctx.fused_moe) saves the fc1 output and the pairs'
+    # probabilities only: `weighted` (the pairs) on the activation, `fused_into_act` on the product
+    fused = {"weighted": rows} if ctx.fused_moe else {}
     if a.traits.clamped_swiglu:  # gpt-oss: clamp, sigmoid(α·gate), (up + 1)·glu on interleaved halves
         ops.append(Op("activation", "mlp.experts.act", {"input": (rows * i,), "output": (rows * i,)}, (),
-                      {"input": wd, "output": wd}, {"act": "clamped_swiglu"}))
+                      {"input": wd, "output": wd}, {"act": "clamped_swiglu", "moe_act": True} | fused))
         act_out = wd
     else:
         act_op, act_out = activation("mlp.experts.act", spec.hidden_act, rows * i, wd, ctx)
-        ops.append(act_op)
+        ops.append(Op(act_op.kind, act_op.name, act_op.shapes, act_op.params, act_op.dtypes,
+                      act_op.attrs | {"moe_act": True} | fused))
         ops.append(Op("gated_mul", "mlp.experts.gate_mul_up", {"input": (rows * i,), "output": (rows * i,)}, (),
-                      {"input": act_out, "other": wd, "output": promote(act_out, wd)}))
+                      {"input": act_out, "other": wd, "output": promote(act_out, wd)},
+                      {"moe_act": True} | ({"fused_into_act": True} if ctx.fused_moe else {})))
     ops.append(Op("expert_gemm", "mlp.experts.down", {"input": (rows, i), "output": (rows, h), "experts": (local,)},
                   down_params, {"input": promote(act_out, wd), "compute": wd, "output": wd}, {}))
     if etp > 1:
@@ -309,10 +314,13 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     ops: list[Op] = []
     if shared:
         ops += shared_expert_ops(a, x_dtype, readers, apart)
-    ops.append(router_op(spec, a, x_dtype, readers, 0))
+    shared_ops = len(ops)
+    fused = {"fused_moe": True} if ctx.fused_moe else {}  # not `fused`: torch.compile's pointwise fusion
+    router = router_op(spec, a, x_dtype, readers, 0)
+    ops.append(Op(router.kind, router.name, router.shapes, router.params, router.dtypes, router.attrs | fused))
     ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
                   {"input": x_dtype, "output": x_dtype},
-                  {"experts": local, "ep": ep, "bias_index": a.traits.expert_bias}))
+                  {"experts": local, "ep": ep, "bias_index": a.traits.expert_bias, "all_experts": e} | fused))
     if ep > 1:
         ops.append(Op("all_to_all", "mlp.experts.dispatch", {"input": (s, h), "output": (s, h)}, (),
                       {"input": x_dtype, "output": x_dtype}, {"ep": ep}))
@@ -323,7 +331,7 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     # Qwen2/Qwen3/OLMoE cast the top-k weights back to the logits' dtype; Mixtral keeps them fp32.
     weights = F32 if a.traits.topk_fp32 else ctx.low
     ops.append(Op("unpermute", "mlp.experts.unpermute", {"input": (s, h), "output": (n, h)}, (),
-                  {"input": wd, "weights": weights, "output": promote(wd, weights)}, {}))
+                  {"input": wd, "weights": weights, "output": promote(wd, weights)}, dict(fused)))
     if shared and not gated:  # DeepseekV3MoE: routed + shared_experts(residuals)
         ops.append(add("mlp.shared_add", n * h, promote(wd, weights), ctx.low, promote(promote(wd, weights), ctx.low)))
     if gated:
@@ -335,7 +343,12 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
         ops.append(Op("gated_mul", "mlp.shared_expert.scale", {"input": (n * h,), "output": (n * h,)}, (),
                       {"input": ctx.low, "other": ctx.low, "output": ctx.low}, {"broadcast": n}))
         ops.append(add("mlp.shared_add", n * h, x_dtype, ctx.low, promote(x_dtype, ctx.low)))
-    return ops
+    # Megatron's selective recompute modules (planner.ir.transforms.selective_layer): "moe" is every op of the
+    # block (moe_layer.py `moe_layer_recompute`: the MoELayer checkpointed on its input), "shared_experts" the
+    # shared expert's (`shared_experts_recompute`), "moe_act" the experts' activation (TEGroupedMLP)
+    return [Op(op.kind, op.name, op.shapes, op.params, op.dtypes,
+               op.attrs | {"moe_block": True} | ({"shared_experts": True} if j < shared_ops else {}))
+            for j, op in enumerate(ops)]
 
 
 @layer_form("moe_gated")

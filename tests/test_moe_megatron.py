@@ -1,0 +1,259 @@
+"""Megatron-Core's MoE layer as it saves tensors for backward (issue 35: the published Megatron runs called OOM).
+
+`Framework.fused_moe` (planner/parallel/frameworks.py) carries Megatron-Core's fused MoE kernels. No
+Megatron-Core or Transformer Engine runs on this CPU machine, so each rule is checked against the source lines
+it transcribes, quoted here (NVIDIA/Megatron-LM @d98e8a64ddf34856e74b24714e3bedb2f5a39553; NVIDIA/
+TransformerEngine as cited in the framework record), on a tiny Qwen3-MoE and gpt-oss program:
+
+- router, TE FusedTopkScoreFunction.forward: `ctx.save_for_backward(routing_map, intermediate_output)`
+  (E bools and E fp32 a token) besides the gating Linear's input;
+- permutation, TE make_row_id_map: "row_id_map ... of shape [num_tokens, num_experts * 2 + 1]" (int32);
+  MoEAlltoAllTokenDispatcher unpermutes with no probs: `unpermute(permutated_local_input_tokens,
+  self.reversed_local_input_permutation_mapping, restore_shape=..., fused=self.config.moe_permute_fusion)`;
+- activation, fused_bias_swiglu.py WeightedSwiGLUFunction: `ctx.save_for_backward(input_for_backward, weights)`;
+- selective recompute (experts.py TEGroupedMLP.forward): `self.activation_checkpoint =
+  tensor_parallel.CheckpointWithoutOutput()` ... `discard_output_and_register_recompute(output)`; moe_layer.py
+  `outputs = tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)` for "moe".
+
+The saved-tensor-hook check of the unfused ops (transformers' modules) is tests/test_moe.py's; the CUDA grouped
+GEMM saving its input only is the derivative formula both paths share (tests/test_moe_frameworks.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.families.forms import model_program
+from planner.ir.context import Ctx
+from planner.ir.transforms import recompute_selected
+from planner.memory.op_saved import op_saved
+from planner.models import hf_config
+from planner.parallel.frameworks import FRAMEWORKS
+from planner.spec import TrainConfig
+from tests.test_moe import TINY
+
+NBYTES = {"bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "bool": 1, "float8_e4m3fn": 1}
+
+
+def _layer(model_type: str, fused: bool, precision: str = "bf16", ep: int = 1):
+    spec = hf_config.spec_from_hf_config(TINY[model_type], name=model_type)
+    ctx = Ctx(2, 24, precision, "flash", "cuda", False, True, experts_16bit=True,
+              fused_moe=fused, ep=ep)
+    program = model_program(spec, ctx)
+    layer = next(b for b in program.blocks if b.role == "layer")
+    return spec.transformers[0], ctx, program, layer
+
+
+def _bytes(ops, ctx) -> int:
+    """What a layer keeps after its forward: the saved tensors of every op not recomputed, and the checkpoints'."""
+    return sum(t.numel * NBYTES[t.dtype] for op in ops if not op.attrs.get("checkpointed")
+               for t in op_saved(op, ctx))
+
+
+def test_only_megatron_runs_fused_moe_and_cites_its_source():
+    assert FRAMEWORKS["megatron"].fused_moe
+    assert not any(f.fused_moe for n, f in FRAMEWORKS.items() if n != "megatron")
+    text = " ".join(FRAMEWORKS["megatron"].sources)
+    for quote in ("save_for_backward(input_for_backward, weights)", "num_experts * 2 + 1",
+                  "save_for_backward(routing_map, intermediate_output)"):
+        assert quote in text
+
+
+def test_resolve_carries_fused_moe_from_the_framework():
+    from planner.models.catalog import get_model
+    from planner.pipeline.resolve import resolve
+
+    spec = get_model("qwen3-30b-a3b")
+    for fw, parallelism in (("megatron", "ddp"), ("pytorch", "fsdp"), ("torchtitan", "fsdp")):
+        cfg = TrainConfig(batch_size=1, seq_len=512, precision="bf16", parallelism=parallelism, framework=fw, ep=8)
+        ctx = resolve(spec, cfg, "ml.p5.48xlarge", None, None, {}, "cuda").ctx
+        assert ctx.fused_moe is (fw == "megatron")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_fused_ops_save_what_megatron_and_te_save(model_type):
+    t, ctx, _, layer = _layer(model_type, True)
+    n, e, k, h, i = ctx.n, t.num_experts, t.experts_per_token, t.hidden_size, t.moe_intermediate_size
+    s = n * k
+    ops = {op.name: op for op in layer.ops}
+    router = next(op for op in layer.ops if op.kind == "router")
+    got = [(x.numel, x.dtype) for x in op_saved(router, ctx)]
+    assert got == [(n * h, "bfloat16"), (n * e, "bool"), (n * e, "float32")]
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.permute"], ctx)] == [(n * (2 * e + 1), "int32")]
+    assert op_saved(ops["mlp.experts.unpermute"], ctx) == []
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.act"], ctx)] == [(2 * s * i, "bfloat16"),
+                                                                                   (s, "float32")]
+    if "mlp.experts.gate_mul_up" in ops:
+        assert op_saved(ops["mlp.experts.gate_mul_up"], ctx) == []
+    # the grouped GEMMs save their inputs as before (TE GroupedLinear: the input for the weight gradient)
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.gate_up"], ctx)] == [(s * h, "bfloat16")]
+    assert [(x.numel, x.dtype) for x in op_saved(ops["mlp.experts.down"], ctx)] == [(s * i, "bfloat16")]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_fused_layer_saves_less_than_transformers_ops_by_the_dropped_tensors(model_type):
+    """The fused layer drops, per the quoted lines: the sort's and gather's int64 indices, the unpermute's
+    S·h expert output, weights and inverse index, and the activation's own tensors beyond its input and probs."""
+    t, ctx, _, fused = _layer(model_type, True)
+    _, ctx0, _, eager = _layer(model_type, False)
+    assert _bytes(fused.ops, ctx) < _bytes(eager.ops, ctx0)
+    s, h = ctx.n * t.experts_per_token, t.hidden_size
+    unperm = next(op for op in eager.ops if op.name == "mlp.experts.unpermute")
+    assert sum(x.numel for x in op_saved(unperm, ctx0)) >= s * h
+
+
+def test_ep_with_several_local_experts_keeps_the_chunk_sort_maps():
+    t, ctx, _, layer = _layer("qwen3_moe", True, ep=2)
+    perm = next(op for op in layer.ops if op.name == "mlp.experts.permute")
+    s = ctx.n * t.experts_per_token
+    assert [(x.numel, x.dtype) for x in op_saved(perm, ctx)][1:] == [(s, "int32"), (s, "int32")]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_moe_act_recompute_frees_the_activation_output_fc2_saved(fused):
+    t, ctx, program, layer = _layer("qwen3_moe", fused)
+    s, i = ctx.n * t.experts_per_token, t.moe_intermediate_size
+    sel = next(b for b in recompute_selected(program, ["moe_act"]).blocks if b.name == layer.name)
+    keep = next(op for op in sel.ops if op.kind == "checkpoint")
+    assert [(x.numel, x.dtype) for x in op_saved(keep, ctx)] == (
+        [(2 * s * i, "bfloat16")] + ([(s, "float32")] if fused else []))
+    down = next(op for op in sel.ops if op.name == "mlp.experts.down")
+    assert op_saved(down, ctx) == []
+    if fused:  # the fused activation already saved exactly its input and probs: only fc2's input goes
+        assert _bytes(layer.ops, ctx) - _bytes(sel.ops, ctx) == s * i * 2
+
+
+def test_moe_recompute_keeps_only_the_blocks_input():
+    t, ctx, program, layer = _layer("qwen3_moe", True)
+    sel = next(b for b in recompute_selected(program, ["moe", "moe_act"]).blocks if b.name == layer.name)
+    keeps = [op for op in sel.ops if op.kind == "checkpoint"]
+    assert [op.attrs["region"] for op in keeps] == ["moe"]
+    assert [(x.numel, x.dtype) for x in op_saved(keeps[0], ctx)] == [(ctx.n * t.hidden_size, "bfloat16")]
+    assert all(op.attrs.get("recomputed") for op in sel.ops if op.attrs.get("moe_block"))
+    moe_bytes = sum(x.numel * NBYTES[x.dtype] for op in layer.ops if op.attrs.get("moe_block")
+                    for x in op_saved(op, ctx))
+    assert _bytes(layer.ops, ctx) - _bytes(sel.ops, ctx) == moe_bytes - ctx.n * t.hidden_size * 2
+
+
+def test_shared_experts_recompute_keeps_the_shared_experts_input():
+    t, ctx, program, layer = _layer("qwen2_moe", True)
+    sel = next(b for b in recompute_selected(program, ["shared_experts"]).blocks if b.name == layer.name)
+    (keep,) = [op for op in sel.ops if op.kind == "checkpoint"]
+    assert keep.attrs["region"] == "shared_experts"
+    assert [(x.numel, x.dtype) for x in op_saved(keep, ctx)] == [(ctx.n * t.hidden_size, "bfloat16")]
+    assert all(op.attrs.get("recomputed") for op in sel.ops if op.attrs.get("shared_experts"))
+    assert not any(op.attrs.get("recomputed") for op in sel.ops if op.kind == "router")
+
+
+def test_layernorm_recompute_discards_the_routers_copy_of_the_norm_output():
+    """transformer_layer.py: 'layernorm' recomputes the pre-MLP norm too (`recompute_pre_mlp_layernorm`);
+    the router's gating Linear saved that output, which CheckpointWithoutOutput frees."""
+    t, ctx, program, layer = _layer("qwen3_moe", True)
+    sel = next(b for b in recompute_selected(program, ["layernorm"]).blocks if b.name == layer.name)
+    router = next(op for op in sel.ops if op.kind == "router")
+    assert router.attrs.get("input_discarded")
+    assert [(x.numel, x.dtype) for x in op_saved(router, ctx)] == [(ctx.n * t.num_experts, "bool"),
+                                                                   (ctx.n * t.num_experts, "float32")]
+
+
+def test_te_rmsnorm_saves_its_input_and_rstd_only():
+    """TE ops/basic/rmsnorm.py RMSNorm.op_forward: `ctx.save_for_backward(x, rstdevs)`: the 16-bit input and one
+    fp32 rstd a row, where transformers' RMSNorm saves an fp32 copy of the input, the rstd and the normalised
+    tensor (Qwen3's per-head q/k norms included)."""
+    from planner.ir.context import Ctx as C
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    base = dict(experts_16bit=True, fused_moe=True)
+    for fused, want in ((True, lambda r, w: [(r * w, "bfloat16"), (r, "float32")]),
+                        (False, lambda r, w: [(r * w, "float32"), (r, "float32"), (r * w, "bfloat16")])):
+        ctx = C(2, 24, "bf16", "flash", "cuda", False, True, fused_norms=fused, **base)
+        layer = next(b for b in model_program(spec, ctx).blocks if b.role == "layer")
+        norms = [op for op in layer.ops if op.kind == "rms_norm"]
+        assert {op.name for op in norms} >= {"input_layernorm", "self_attn.q_norm", "post_attention_layernorm"}
+        for op in norms:
+            rows, width = op.shapes["input"]
+            assert [(x.numel, x.dtype) for x in op_saved(op, ctx)] == want(rows, width), op.name
+    assert FRAMEWORKS["megatron"].fused_norms
+    assert not any(f.fused_norms for n, f in FRAMEWORKS.items() if n != "megatron")
+
+
+def test_torchtitan_grouped_experts_save_what_the_planners_expert_ops_save():
+    """torchtitan's `_run_experts_grouped_mm` (quoted in tests/test_moe_frameworks.py) under saved-tensor hooks, in
+    bf16: its separate w1 / w3 GEMMs save the same bytes as transformers' fused gate_up op list the planner uses for
+    `--framework torchtitan` (fused_moe False): x (S·h), and four S·i tensors (w1's output, silu's output, w3's
+    output, the product) against gate_up's 2·S·i output, act(gate) and the product. The hooks see autograd's
+    saved tensors, which do not depend on the kernel: on CPU `torch._grouped_mm` may run per expert, on CUDA as
+    one grouped GEMM; both save their inputs (and int32 offsets, counted at the permutation)."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not in this torch")
+    from tests.test_moe_frameworks import _torchtitan_run_experts_grouped_mm
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    t = spec.transformers[0]
+    ctx = Ctx(1, 8, "bf16", "flash", "cuda", False, True, experts_16bit=True)
+    layer = next(b for b in model_program(spec, ctx).blocks if b.role == "layer")
+    ops = [op for op in layer.ops if op.name in ("mlp.experts.gate_up", "mlp.experts.act",
+                                                 "mlp.experts.gate_mul_up", "mlp.experts.down")]
+    ours = sum(x.numel * NBYTES[x.dtype] for op in ops for x in op_saved(op, ctx))
+    e, h, i = t.num_experts, t.hidden_size, t.moe_intermediate_size
+    pairs = ctx.n * t.experts_per_token
+    w1, w3 = (torch.randn(e, i, h, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(e, h, i, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(pairs, h, dtype=torch.bfloat16, requires_grad=True)
+    counts = torch.full((e,), pairs // e, dtype=torch.int64)
+    counts[0] += pairs - int(counts.sum())
+    params = {w.untyped_storage().data_ptr() for w in (w1, w2, w3)}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        s = tensor.untyped_storage()
+        if s.data_ptr() not in params and tensor.dtype != torch.int32:  # offsets: the permutation's
+            seen[s.data_ptr()] = s.nbytes()
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z):
+            _torchtitan_run_experts_grouped_mm(w1, w2, w3, x, counts).float().sum().backward()
+    except (RuntimeError, NotImplementedError) as exc:  # a torch whose CPU has no grouped_mm kernel
+        pytest.skip(f"torch._grouped_mm on CPU: {exc}")
+    assert sum(seen.values()) == ours == (pairs * h + 4 * pairs * i) * 2
+
+
+def test_moe_recompute_counts_the_blocks_matmuls_again():
+    """"moe" re-runs the router, the routed experts (top-k of E per token) and a shared expert; "moe_act" no
+    matmul; a dense model nothing."""
+    from planner.models.catalog import get_model
+    from planner.perf.flops import matmul_flops, step_flops
+
+    m = get_model("qwen3-30b-a3b")
+    t = m.transformers[0]
+
+    def recompute(mods):
+        return step_flops(m, TrainConfig(batch_size=1, seq_len=512, recompute="selective",
+                                         recompute_modules=mods)).recompute
+
+    base = recompute(("moe_act",))
+    tokens = 512
+    per_layer = matmul_flops(tokens, t.num_experts, t.hidden_size) + 3 * matmul_flops(
+        tokens * t.experts_per_token, t.moe_intermediate_size, t.hidden_size)
+    assert recompute(("moe_act", "moe")) - base == t.num_layers * per_layer
+    assert recompute(("moe_act", "shared_experts")) == base  # Qwen3-MoE has no shared expert
+    dense = get_model("llama-3-8b")
+    assert step_flops(dense, TrainConfig(batch_size=1, seq_len=512, recompute="selective",
+                                         recompute_modules=("moe",))).recompute == step_flops(
+        dense, TrainConfig(batch_size=1, seq_len=512, recompute="selective", recompute_modules=("moe_act",))).recompute
+
+
+@pytest.mark.parametrize("model,modules", [("qwen3-30b-a3b", ("moe_act", "layernorm")), ("gpt-oss-20b", ("moe",))])
+def test_program_report_and_memory_model_agree_under_megatron_moe_recompute(model, modules):
+    """One GPU: `program.blocks[]` saved bytes sum to `memory_bytes.activations` (ARCHITECTURE.md's invariant)
+    with the fused MoE ops and a MoE recompute module."""
+    import planner
+    from planner.estimate import program
+
+    cfg = TrainConfig(batch_size=1, seq_len=1024, precision="bf16", framework="megatron", parallelism="single",
+                      recompute="selective", recompute_modules=modules, attention="flash")
+    est = planner.estimate(model, cfg, "ml.p5.48xlarge")
+    saved = sum(o["saved_bytes"] for b in program(model, est)["blocks"] for o in b["ops"])
+    assert saved == est.memory_bytes.activations
