@@ -64,8 +64,9 @@ Load = Literal["direct", "cast"]
 # Whose training loop and parallel wrappers run the step (planner.parallel.frameworks): how --precision is
 # applied (autocast, FSDP's mixed-precision policy, Megatron's or DeepSpeed's 16-bit engine with fp32 master
 # weights) and each framework's defaults (prefetch, reshard after forward, buckets).
-Framework = Literal["pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning"]
-FRAMEWORKS: tuple[str, ...] = ("pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning")
+Framework = Literal["pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning", "nemo-automodel"]
+FRAMEWORKS: tuple[str, ...] = ("pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning",
+                               "nemo-automodel")
 BASE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "nf4")
 # Pipeline schedules (planner.parallel.dims): Megatron-Core's and torch.distributed.pipelining's names.
 PipelineSchedule = Literal["1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"]

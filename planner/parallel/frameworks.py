@@ -276,6 +276,46 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  _FSDP1_FLAT),
         notes="FSDP1 with Lightning's 'bf16-mixed': units all-gathered in fp32 and cast by autocast per op "
               "(the casts are saved for backward, not cached), gradients reduced in bf16."),
+    Framework(
+        "nemo-automodel", "NVIDIA NeMo AutoModel",
+        strategies={"single": "one GPU, a bf16 model", "ddp": "DDP over the bf16 model",
+                    "fsdp": "FSDP2 fully_shard, MixedPrecisionPolicy(param bf16, reduce fp32), "
+                            "reshard_after_forward=False"},
+        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, reshard_after_forward=False,
+        experts_16bit=True, fused_attention=True, fused_norms=True,
+        loss="masked cross-entropy on the 16-bit logits (MaskedCrossEntropy, fp32_upcast false in the "
+             "benchmark recipes)",
+        sources=(*_FSDP2_SOURCES,
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/parallelizer.py (@cb976544) apply_fsdp: "
+                 "`mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
+                 "output_dtype=torch.bfloat16, cast_forward_inputs=True)` and `reshard_after_forward: bool = "
+                 "False` (parallelize_model and MoEParallelizerConfig default False too); under EP the experts "
+                 "are `ignored_params` of their block's FSDP unit",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/_transformers/auto_model.py (@cb976544) from_config: "
+                 "`torch_dtype = ... if torch_dtype != 'auto' else torch.bfloat16`: the model, its sharded "
+                 "parameters and torch.optim.Adam's states are bf16 (the benchmark recipes run --precision bf16)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py (@cb976544) "
+                 "GroupedExpertsDeepEP.forward: `compute_dtype = permuted_local_hidden_states.dtype`; "
+                 "`self.gate_and_up_projs.to_local().to(compute_dtype)`, then grouped_gemm `ops.gmm` "
+                 "(backend experts: gmm): the routed experts compute in 16 bits (experts_16bit)",
+                 "NVIDIA-NeMo/Automodel examples/llm_benchmark/{qwen/qwen3_moe_30b,gpt_oss/gptoss_20b,"
+                 "gpt_oss/gptoss_120b}_te_deepep.yaml (@cb976544) backend: attn te or flex, linear te, rms_norm "
+                 "te, experts gmm, dispatcher deepep; nemo_automodel/components/models/gpt_oss/layers.py: "
+                 "`assert backend.attn in ('flex', 'te')`, sinks passed to FlexAttention (fused_attention)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/models/common/utils.py (@cb976544) "
+                 "rms_norm 'te': `transformer_engine.pytorch.module.rmsnorm.RMSNorm`; NVIDIA/TransformerEngine "
+                 "transformer_engine/pytorch/ops/basic/rmsnorm.py `ctx.save_for_backward(x, rstdevs)` "
+                 "(fused_norms)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py (@cb976544) "
+                 "get_expert_activation_for_deepep: 'quick_geglu' (gpt-oss, models/gpt_oss/model.py) runs "
+                 "eager ops (clamp, sigmoid, products, the probabilities' product), as transformers' clamped "
+                 "SwiGLU saves; 'swiglu' (Qwen3-MoE) runs Megatron's fused weighted_bias_swiglu_impl "
+                 "(input and probabilities saved): fused_moe False, an over-estimate for Qwen3-MoE's "
+                 "activation, and DeepEP's dispatch buffers are not modelled"),
+        notes="A bf16 model under FSDP2 with a bf16/fp32 mixed-precision policy, its own MoE layer (DeepEP "
+              "dispatch, grouped GEMMs in bf16), Transformer Engine's RMSNorm and TE or FlexAttention. "
+              "reshard_after_forward=False is recorded; the memory model does not yet keep every unit's "
+              "gathered parameters from its forward to its backward."),
 )}
 
 DEFAULT = "pytorch"

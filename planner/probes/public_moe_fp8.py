@@ -30,7 +30,7 @@ class PublishedRun(BaseModel):
     model: str = Field(min_length=1)  # catalog name, or a config.json of this repository (Llama-3-70B's)
     gpu: str
     gpus: int = Field(ge=1)
-    framework: Literal["pytorch", "torchtitan", "megatron"]
+    framework: Literal["pytorch", "torchtitan", "megatron", "nemo-automodel"]
     parallelism: Literal["ddp", "fsdp"]
     precision: Literal["bf16", "amp-bf16", "fp8"]
     fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "current", "mxfp8"] | None = None
