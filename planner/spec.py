@@ -317,6 +317,10 @@ class TrainConfig(Frozen):
     pp_schedule: PipelineSchedule | None = None
     dp_replicas: int | None = Field(None, ge=1, le=MAX_INSTANCES * 8)
     distributed_optimizer: bool = False
+    # Megatron-Core DDP's grad_reduce_in_fp32 (DistributedDataParallelConfig): the main-gradient buffer (and its
+    # reduce-scatter / all-reduce) in fp32 (True) or in the parameters' 16-bit dtype (False). None: the
+    # framework's default (fp32 under Megatron-LM's and Megatron-Bridge's bf16 defaults). Megatron only.
+    grad_reduce_in_fp32: bool | None = None
     # None: what --checkpointing says (full when on, none when off)
     recompute: Recompute | None = None
     recompute_modules: tuple[str, ...] = ()

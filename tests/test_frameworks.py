@@ -63,6 +63,41 @@ def test_megatron_bytes_per_parameter():
         assert states == pytest.approx(per_param * N_LLAMA3_8B, rel=1e-3), parallelism
 
 
+def test_megatron_bf16_main_gradients_without_grad_reduce_in_fp32():
+    """Megatron-Core DDP's grad_reduce_in_fp32 False (Megatron-Bridge's performance recipes): a bf16 main-gradient
+    buffer (2 B) reduced in bf16, and the optimizer steps an fp32 copy of its gradient shard (distrib_optimizer.py
+    `shard_main_param.grad = shard_model_grad.float()`): 2 + 2 + 12 B, + 4 B / DP for that copy."""
+    for parallelism, dp in (("ddp", 1), ("zero1", 64)):
+        fp32 = _est("megatron", parallelism, grad_reduce_in_fp32=True)
+        bf16 = _est("megatron", parallelism, grad_reduce_in_fp32=False)
+        assert bf16.memory_bytes.gradients == pytest.approx(fp32.memory_bytes.gradients / 2, rel=1e-6)
+        m, d = bf16.memory_bytes, _est("megatron", parallelism).memory_bytes
+        assert d.gradients == fp32.memory_bytes.gradients  # the default is fp32 (Megatron-LM, Megatron-Bridge)
+        assert m.parameters + m.gradients + m.optimizer_states == pytest.approx(
+            (16 + (12 / dp - 12 if dp > 1 else 0)) * N_LLAMA3_8B, rel=1e-3)
+        lay = framework_layout.layout(TrainConfig(batch_size=1, seq_len=8, precision="amp-bf16",
+                                                  parallelism=parallelism, framework="megatron",
+                                                  grad_reduce_in_fp32=False))
+        assert (lay.grad_bytes, lay.reduce_comm_bytes, lay.step_grad_bytes) == (2, 2, 4)
+        if dp > 1:  # the fp32 copy is of the rank's shard only: 2 B per parameter less at the peak, nearly
+            assert bf16.memory_bytes.peak_allocated < fp32.memory_bytes.peak_allocated - 1.9 * N_LLAMA3_8B
+        else:  # without the distributed optimizer it copies every gradient (Float16Optimizer: `.float()`)
+            assert bf16.memory_bytes.peak_allocated > fp32.memory_bytes.peak_allocated
+
+
+def test_nemo_automodel_record_follows_its_moe_parallelizer():
+    """NeMo AutoModel (Automodel@cb976544): FSDP2 with MixedPrecisionPolicy(bf16, reduce fp32), no reshard after
+    forward, bf16 grouped experts, TE RMSNorm, TE or Flex attention; its own MoE activation is not Megatron's
+    fused one for every model (fused_moe off)."""
+    fw = FRAMEWORKS["nemo-automodel"]
+    assert (fw.fsdp, fw.fsdp_precision, fw.reduce_fp32, fw.reshard_after_forward) == ("fsdp2", "policy", True, False)
+    assert fw.experts_16bit and fw.fused_attention and fw.fused_norms and not fw.fused_moe
+    assert fw.runs("fsdp") and fw.runs("zero1") is None
+    # the policy's layout under amp-bf16 is torchtitan's (16-bit units in flight, an fp32 reduce copy)
+    assert framework_layout.layout(TrainConfig(batch_size=1, seq_len=8, precision="amp-bf16", parallelism="fsdp",
+                                               framework="nemo-automodel")).kind == "policy"
+
+
 def test_deepspeed_zero3_states_and_buckets():
     """fp16/bf16 engine: 2 + 2 + 12 = 16 B per parameter, all divided by the ZeRO-3 world; the reduce bucket
     of reduce_bucket_size 16-bit elements (DeepSpeed's default 5e8, or the ds_config's)."""
@@ -136,6 +171,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (("--framework", "deepspeed", "--ds-config", "BAD"), "--ds-config"),
     (("--framework", "deepspeed", "--ds-config", "STAGE3", "--parallelism", "zero1"), "--parallelism"),
     (("--ds-config", "STAGE3"), "--ds-config"),
+    (("--no-grad-reduce-in-fp32",), "--grad-reduce-in-fp32"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, flag):
     (tmp_path / "bad.json").write_text("{not json")

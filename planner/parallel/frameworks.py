@@ -172,6 +172,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "(param 2 + grad 4 + fp32 master 4 + Adam 4 + 4)",
                  "NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel.py: a contiguous main-grad "
                  "buffer allocated when the model is wrapped (grad_reduce_in_fp32 -> fp32), kept for the run",
+                 "grad_reduce_in_fp32 (TrainConfig.grad_reduce_in_fp32, --grad-reduce-in-fp32): NVIDIA/Megatron-LM "
+                 "megatron/core/distributed/distributed_data_parallel_config.py `grad_reduce_in_fp32: bool = False` "
+                 "(the core's default), but megatron/training/arguments.py validate_args under --bf16: 'bfloat16 "
+                 "requires gradient accumulation and all-reduce to be done in fp32' (accumulate_allreduce_grads_"
+                 "in_fp32 = True) and NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/training/mixed_precision.py "
+                 "(@00b7660b) MixedPrecisionConfig `grad_reduce_in_fp32: bool = True`, bf16_mixed() True: fp32 is "
+                 "the default here; its performance recipes set it False (scripts/performance/configs/gpt_oss/"
+                 "gpt_oss_llm_pretrain.py, qwen/qwen3_llm_pretrain.py `cfg.ddp.grad_reduce_in_fp32 = False`)",
+                 "NVIDIA/Megatron-LM megatron/core/optimizer/distrib_optimizer.py _copy_model_grads_to_main_grads: "
+                 "`shard_main_param.grad = shard_model_grad.float()` (optimizer.py Float16OptimizerWithFloat16Params: "
+                 "`main_param.grad = model_param.main_grad.float()`): with a bf16 buffer the step reads an fp32 copy "
+                 "of the rank's gradient shard (of every gradient without the distributed optimizer); on an fp32 "
+                 "buffer `.float()` returns the buffer itself",
                  "NVIDIA/Megatron-LM megatron/core/transformer/module.py Float16Module: the model's parameters "
                  "converted to bf16/fp16, no autocast",
                  "NVIDIA/Megatron-LM megatron/core/transformer/moe/experts.py (@d98e8a64) GroupedMLP "
