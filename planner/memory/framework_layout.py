@@ -201,7 +201,8 @@ def _describe(lay: StateLayout) -> str:
         if lay.grad_bytes == 2:
             return ("Megatron (grad_reduce_in_fp32 off): bf16 parameters (2 B), bf16 main gradients in a buffer "
                     "kept for the run and reduced in bf16 (2 B), fp32 master weights + Adam (12 B, divided by DP "
-                    "with the distributed optimizer) and an fp32 copy of the gradient shard for the step (4 B)")
+                    "with the distributed optimizer) and an fp32 copy of the gradient shard for the step (4 B, "
+                    "divided by DP with the distributed optimizer)")
         return ("Megatron: bf16 parameters (2 B), fp32 main gradients in a buffer kept for the run (4 B), fp32 "
                 "master weights + Adam (12 B, divided by DP with the distributed optimizer)")
     if lay.kind == "deepspeed":
