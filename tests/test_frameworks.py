@@ -537,3 +537,28 @@ def test_for_loop_adam_temporaries_follow_fsdp_shards():
     r, lay = root // n, layer // n
     assert temps("accelerate") == max(2 * r, r + 2 * lay, 3 * lay) * 4  # prev denom + sqrt + quotient, fp32
     assert temps("torchtitan") == (4096 // n + 2 * (32000 * 4096 // n)) * 4  # the head after the final norm
+
+
+def test_a_loss_on_the_16bit_logits_saves_them_in_16_bits():
+    """NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False) runs cross_entropy on the bf16 logits: log_softmax
+    saves n·V in bf16 (checked on CPU below); transformers' ForCausalLMLoss upcasts first (fp32). Under autocast
+    cross_entropy runs in fp32 whatever the framework."""
+    from planner.ir.context import Ctx
+    from planner.memory.activations import loss_saved
+    from planner.models.catalog import get_model
+
+    spec = get_model("llama-3-8b").transformers[-1]
+    for precision, loss_fp32, dtype in (("bf16", True, "float32"), ("bf16", False, "bfloat16"),
+                                        ("amp-bf16", False, "float32")):
+        ctx = Ctx(2, 64, precision, "flash", "cuda", False, True, loss_fp32=loss_fp32)
+        lsm = next(s for s in loss_saved(spec, ctx) if s.name == "loss.log_softmax")
+        assert (lsm.numel, lsm.dtype) == (2 * 64 * spec.vocab_size, dtype), (precision, loss_fp32)
+    assert not FRAMEWORKS["nemo-automodel"].loss_fp32
+    assert all(f.loss_fp32 for n, f in FRAMEWORKS.items() if n != "nemo-automodel")
+    # the operation itself: cross_entropy on bf16 logits saves a bf16 log_softmax
+    logits = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.cross_entropy(logits, torch.randint(0, 32, (8,)))
+    assert any(t.shape == (8, 32) and t.dtype == torch.bfloat16 for t in saved)
+    assert not any(t.shape == (8, 32) and t.dtype == torch.float32 for t in saved)

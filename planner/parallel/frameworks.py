@@ -92,6 +92,10 @@ class Framework:
     # its 16-bit input and the fp32 rstd per row, not transformers' fp32 copy of the input and normalised tensor.
     # planner.ir.context.Ctx.fused_norms carries it (LayerNorm models keep the eager rule: not modelled).
     fused_norms: bool = False
+    # The causal LM loss upcasts the logits to fp32 first (transformers' ForCausalLMLoss `logits.float()`), so
+    # log_softmax saves (and its backward writes) fp32 n·V tensors. False: cross-entropy on the logits as they
+    # are (16-bit in pure bf16; autocast still runs it in fp32 under amp-*). planner.ir.context.Ctx.loss_fp32.
+    loss_fp32: bool = True
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -295,7 +299,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                     "fsdp": "FSDP2 fully_shard, MixedPrecisionPolicy(param bf16, reduce fp32), "
                             "reshard_after_forward=False"},
         fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, reshard_after_forward=False,
-        experts_16bit=True, fused_attention=True, fused_norms=True,
+        experts_16bit=True, fused_attention=True, fused_norms=True, loss_fp32=False,
         loss="masked cross-entropy on the 16-bit logits (MaskedCrossEntropy, fp32_upcast false in the "
              "benchmark recipes)",
         sources=(*_FSDP2_SOURCES,
@@ -324,7 +328,11 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "eager ops (clamp, sigmoid, products, the probabilities' product), as transformers' clamped "
                  "SwiGLU saves; 'swiglu' (Qwen3-MoE) runs Megatron's fused weighted_bias_swiglu_impl "
                  "(input and probabilities saved): fused_moe False, an over-estimate for Qwen3-MoE's "
-                 "activation, and DeepEP's dispatch buffers are not modelled"),
+                 "activation, and DeepEP's dispatch buffers are not modelled",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/loss/masked_ce.py (@cb976544) "
+                 "MaskedCrossEntropy.forward: `if self.fp32_upcast: logits = logits.float()`, then "
+                 "`F.cross_entropy(logits, labels)`; the benchmark recipes set `fp32_upcast: false`: the loss "
+                 "runs on the bf16 logits (loss_fp32 False)"),
         notes="A bf16 model under FSDP2 with a bf16/fp32 mixed-precision policy, its own MoE layer (DeepEP "
               "dispatch, grouped GEMMs in bf16), Transformer Engine's RMSNorm and TE or FlexAttention. "
               "reshard_after_forward=False is recorded; the memory model does not yet keep every unit's "
