@@ -308,6 +308,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "output_dtype=torch.bfloat16, cast_forward_inputs=True)` and `reshard_after_forward: bool = "
                  "False` (parallelize_model and MoEParallelizerConfig default False too); under EP the experts "
                  "are `ignored_params` of their block's FSDP unit",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/distributed/config.py (@cb976544) _STRATEGY_MAP: "
+                 "fsdp2, megatron_fsdp and ddp (DDPConfig); its Megatron-FSDP is not modelled",
                  "NVIDIA-NeMo/Automodel nemo_automodel/_transformers/auto_model.py (@cb976544) from_config: "
                  "`torch_dtype = ... if torch_dtype != 'auto' else torch.bfloat16`: the model, its sharded "
                  "parameters and torch.optim.Adam's states are bf16 (the benchmark recipes run --precision bf16)",
