@@ -562,3 +562,24 @@ def test_a_loss_on_the_16bit_logits_saves_them_in_16_bits():
         torch.nn.functional.cross_entropy(logits, torch.randint(0, 32, (8,)))
     assert any(t.shape == (8, 32) and t.dtype == torch.bfloat16 for t in saved)
     assert not any(t.shape == (8, 32) and t.dtype == torch.float32 for t in saved)
+
+
+def test_no_reshard_after_forward_keeps_every_unit_gathered_until_its_backward(monkeypatch):
+    """NeMo AutoModel's FSDP2 `reshard_after_forward=False` (moe/parallelizer.py apply_fsdp): each unit stays
+    all-gathered from its forward to its backward, so the backward starts with the whole model's 16-bit parameters
+    gathered (less the shard each rank holds anyway), where resharding holds two units at a time."""
+    from dataclasses import replace
+
+    fw = FRAMEWORKS["nemo-automodel"]
+    assert not fw.reshard_after_forward
+
+    def peak(reshard: bool) -> int:
+        monkeypatch.setitem(FRAMEWORKS, "nemo-automodel", replace(fw, reshard_after_forward=reshard))
+        cfg = TrainConfig(batch_size=1, seq_len=512, precision="bf16", parallelism="fsdp", instances=8,
+                          framework="nemo-automodel")
+        return estimate("llama-3-8b", cfg, "ml.p4de.24xlarge").memory_bytes.peak_allocated
+
+    held = 2 * N_LLAMA3_8B * 63 / 64  # every unit's gathered bf16 parameters, less the rank's own shard
+    head = 128_256 * 4_096  # the LM head's unit, where the backward (and the peak) starts: resharding's window
+    extra = peak(False) - peak(True)  # there is it and its prefetch, both held anyway without resharding
+    assert held - 2 * 2 * head * 63 / 64 - 2**30 < extra <= held

@@ -64,6 +64,9 @@ class StateLayout:
     accumulate_unsharded: bool = False
     # FSDP1 (FullyShardedDataParallel): the root unit is not resharded after forward (frameworks.Framework.fsdp)
     fsdp1_root: bool = False
+    # FSDP2 fully_shard(reshard_after_forward=...) (frameworks.Framework.reshard_after_forward): False keeps each
+    # unit gathered from its forward to its backward (timeline.BlockMemory.gathered_until_backward)
+    reshard_after_forward: bool = True
 
     @property
     def legacy(self) -> bool:
@@ -168,6 +171,8 @@ def _layout(cfg: TrainConfig) -> StateLayout:
         base["accumulate_unsharded"] = True
     if fsdp and fw.fsdp == "fsdp1":
         base["fsdp1_root"] = True
+    if fsdp and fw.fsdp == "fsdp2" and not fw.reshard_after_forward:
+        base["reshard_after_forward"] = False
     if fsdp and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
         if fw.fsdp_precision == "policy":  # units gathered in 16 bits, computed in 16 bits, no autocast
