@@ -337,8 +337,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "runs on the bf16 logits (loss_fp32 False)"),
         notes="A bf16 model under FSDP2 with a bf16/fp32 mixed-precision policy, its own MoE layer (DeepEP "
               "dispatch, grouped GEMMs in bf16), Transformer Engine's RMSNorm and TE or FlexAttention. "
-              "reshard_after_forward=False is recorded; the memory model does not yet keep every unit's "
-              "gathered parameters from its forward to its backward."),
+              "reshard_after_forward=False: every unit stays gathered from its forward to its backward."),
 )}
 
 DEFAULT = "pytorch"
