@@ -7,7 +7,7 @@ Rows: results/public/fp8/runs.csv and results/public/moe/runs.csv (planner.probe
 each row names its repository, file, commit and table row). A row whose configuration the planner cannot express
 is printed with the planner's own one-line reason instead of figures.
 
-error = planner / published - 1. Usage: python benchmarks/public_moe_fp8.py [--json]
+error = planner / published - 1. Usage: python benchmarks/public_moe_fp8.py [--json] [--flags]
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def records(kind: str) -> list[dict[str, Any]]:
         rec = {"id": r.id, "model": r.model, "gpus": r.gpus, "precision": r.precision, "recipe": r.fp8_recipe,
                "framework": r.framework, "layout": _layout(r), "published_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
                "published_mfu": r.tflops_per_gpu / peak if r.tflops_per_gpu else None,
-               "published_peak_gib": r.peak_gib, "baseline": r.baseline, "source": f"{r.repo} {r.commit[:10]}", **p}
+               "published_peak_gib": r.peak_gib, "baseline": r.baseline, "source": f"{r.repo} {r.commit[:10]}",
+               "flags": cli_flags(r), **p}
         if "error" not in p:
             rec["error_tokens"] = p["tokens_per_s_per_gpu"] / r.tokens_per_s_per_gpu - 1
             rec["error_peak"] = p["peak_reserved_gib"] / r.peak_gib - 1 if r.peak_gib else None
@@ -62,6 +63,32 @@ def records(kind: str) -> list[dict[str, Any]]:
             rec["planner_speedup"] = p["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
         out[r.id] = rec
     return list(out.values())
+
+
+def cli_flags(r: Any) -> str:
+    """The row as `planner estimate` / `planner explain` flags (the same TrainConfig the benchmark estimates)."""
+    c = r.train_config()
+    f = [f"--model {r.model}", f"--instance {r.instance}", f"--instances {c.instances}", f"--batch-size {c.batch_size}",
+         f"--grad-accum {c.grad_accum}", f"--seq-len {c.seq_len}", f"--precision {c.precision}",
+         f"--optimizer {c.optimizer}", f"--attention {c.attention}", f"--parallelism {c.parallelism}",
+         f"--framework {c.framework}"]
+    f += [f"--{k} {getattr(c, k)}" for k in ("tp", "pp", "vp", "ep") if getattr(c, k) > 1]
+    if c.checkpointing:
+        f.append("--checkpointing")
+    if c.recompute == "selective":
+        f.append("--recompute selective" + (f" --recompute-modules {','.join(c.recompute_modules)}"
+                                            if c.recompute_modules else ""))
+    if c.distributed_optimizer:
+        f.append("--distributed-optimizer")
+    if c.grad_reduce_in_fp32 is not None:
+        f.append("--grad-reduce-in-fp32" if c.grad_reduce_in_fp32 else "--no-grad-reduce-in-fp32")
+    if c.fp8_recipe:
+        f.append(f"--fp8-recipe {c.fp8_recipe}")
+    if c.fp8_param_gather:
+        f.append("--fp8-param-gather")
+    if c.compile:
+        f.append("--compile")
+    return " ".join(f)
 
 
 def _layout(r: Any) -> str:
@@ -79,11 +106,13 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:+.0%}"
 
 
-def print_table(kind: str, recs: list[dict[str, Any]]) -> None:
+def print_table(kind: str, recs: list[dict[str, Any]], flags: bool = False) -> None:
     print(f"\n{kind.upper()}: published vs planner (tokens/s per GPU, MFU, peak GiB)")
     for rec in recs:
         prec = rec["precision"] + (f" {rec['recipe']}" if rec["recipe"] else "")
         print(f"{rec['id']}: {rec['model']}, {rec['gpus']} GPUs, {rec['framework']}, {prec}, {rec['layout']}")
+        if flags:
+            print(f"  planner explain {rec['flags']}")
         if "error" in rec:
             print(f"  not expressible: {rec['error']}")
             continue
@@ -116,6 +145,7 @@ def print_table(kind: str, recs: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="one JSON record per row instead of the tables")
+    ap.add_argument("--flags", action="store_true", help="print each row's `planner explain` flags")
     args = ap.parse_args()
     for kind in ("fp8", "moe"):
         recs = records(kind)
@@ -123,7 +153,7 @@ def main() -> None:
             for rec in recs:
                 print(json.dumps({"kind": kind, **rec}))
         else:
-            print_table(kind, recs)
+            print_table(kind, recs, args.flags)
 
 
 if __name__ == "__main__":

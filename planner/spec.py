@@ -64,8 +64,9 @@ Load = Literal["direct", "cast"]
 # Whose training loop and parallel wrappers run the step (planner.parallel.frameworks): how --precision is
 # applied (autocast, FSDP's mixed-precision policy, Megatron's or DeepSpeed's 16-bit engine with fp32 master
 # weights) and each framework's defaults (prefetch, reshard after forward, buckets).
-Framework = Literal["pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning"]
-FRAMEWORKS: tuple[str, ...] = ("pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning")
+Framework = Literal["pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning", "nemo-automodel"]
+FRAMEWORKS: tuple[str, ...] = ("pytorch", "torchtitan", "megatron", "deepspeed", "accelerate", "lightning",
+                               "nemo-automodel")
 BASE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "nf4")
 # Pipeline schedules (planner.parallel.dims): Megatron-Core's and torch.distributed.pipelining's names.
 PipelineSchedule = Literal["1f1b", "interleaved-1f1b", "gpipe", "zero-bubble"]
@@ -316,6 +317,10 @@ class TrainConfig(Frozen):
     pp_schedule: PipelineSchedule | None = None
     dp_replicas: int | None = Field(None, ge=1, le=MAX_INSTANCES * 8)
     distributed_optimizer: bool = False
+    # Megatron-Core DDP's grad_reduce_in_fp32 (DistributedDataParallelConfig): the main-gradient buffer (and its
+    # reduce-scatter / all-reduce) in fp32 (True) or in the parameters' 16-bit dtype (False). None: the
+    # framework's default (fp32 under Megatron-LM's and Megatron-Bridge's bf16 defaults). Megatron only.
+    grad_reduce_in_fp32: bool | None = None
     # None: what --checkpointing says (full when on, none when off)
     recompute: Recompute | None = None
     recompute_modules: tuple[str, ...] = ()

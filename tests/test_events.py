@@ -24,6 +24,9 @@ CASES = [
     # FSDP1 (Accelerate): the root unit unsharded for the whole step, gradients whole inside no_sync()
     ("gpt2", dict(batch_size=2, seq_len=256, precision="amp-bf16", parallelism="fsdp", framework="accelerate",
                   grad_accum=2, checkpointing=True), "ml.p4d.24xlarge"),
+    # FSDP2 without reshard after forward (NeMo AutoModel): every unit gathered from its forward to its backward
+    ("gpt2", dict(batch_size=2, seq_len=256, precision="bf16", parallelism="fsdp", framework="nemo-automodel",
+                  instances=2), "ml.p4d.24xlarge"),
 ]
 
 

@@ -63,6 +63,41 @@ def test_megatron_bytes_per_parameter():
         assert states == pytest.approx(per_param * N_LLAMA3_8B, rel=1e-3), parallelism
 
 
+def test_megatron_bf16_main_gradients_without_grad_reduce_in_fp32():
+    """Megatron-Core DDP's grad_reduce_in_fp32 False (Megatron-Bridge's performance recipes): a bf16 main-gradient
+    buffer (2 B) reduced in bf16, and the optimizer steps an fp32 copy of its gradient shard (distrib_optimizer.py
+    `shard_main_param.grad = shard_model_grad.float()`): 2 + 2 + 12 B, + 4 B / DP for that copy."""
+    for parallelism, dp in (("ddp", 1), ("zero1", 64)):
+        fp32 = _est("megatron", parallelism, grad_reduce_in_fp32=True)
+        bf16 = _est("megatron", parallelism, grad_reduce_in_fp32=False)
+        assert bf16.memory_bytes.gradients == pytest.approx(fp32.memory_bytes.gradients / 2, rel=1e-6)
+        m, d = bf16.memory_bytes, _est("megatron", parallelism).memory_bytes
+        assert d.gradients == fp32.memory_bytes.gradients  # the default is fp32 (Megatron-LM, Megatron-Bridge)
+        assert m.parameters + m.gradients + m.optimizer_states == pytest.approx(
+            (16 + (12 / dp - 12 if dp > 1 else 0)) * N_LLAMA3_8B, rel=1e-3)
+        lay = framework_layout.layout(TrainConfig(batch_size=1, seq_len=8, precision="amp-bf16",
+                                                  parallelism=parallelism, framework="megatron",
+                                                  grad_reduce_in_fp32=False))
+        assert (lay.grad_bytes, lay.reduce_comm_bytes, lay.step_grad_bytes) == (2, 2, 4)
+        if dp > 1:  # the fp32 copy is of the rank's shard only: 2 B per parameter less at the peak, nearly
+            assert bf16.memory_bytes.peak_allocated < fp32.memory_bytes.peak_allocated - 1.9 * N_LLAMA3_8B
+        else:  # without the distributed optimizer it copies every gradient (Float16Optimizer: `.float()`)
+            assert bf16.memory_bytes.peak_allocated > fp32.memory_bytes.peak_allocated
+
+
+def test_nemo_automodel_record_follows_its_moe_parallelizer():
+    """NeMo AutoModel (Automodel@cb976544): FSDP2 with MixedPrecisionPolicy(bf16, reduce fp32), no reshard after
+    forward, bf16 grouped experts, TE RMSNorm, TE or Flex attention; its own MoE activation is not Megatron's
+    fused one for every model (fused_moe off)."""
+    fw = FRAMEWORKS["nemo-automodel"]
+    assert (fw.fsdp, fw.fsdp_precision, fw.reduce_fp32, fw.reshard_after_forward) == ("fsdp2", "policy", True, False)
+    assert fw.experts_16bit and fw.fused_attention and fw.fused_norms and not fw.fused_moe
+    assert fw.runs("fsdp") and fw.runs("zero1") is None
+    # the policy's layout under amp-bf16 is torchtitan's (16-bit units in flight, an fp32 reduce copy)
+    assert framework_layout.layout(TrainConfig(batch_size=1, seq_len=8, precision="amp-bf16", parallelism="fsdp",
+                                               framework="nemo-automodel")).kind == "policy"
+
+
 def test_deepspeed_zero3_states_and_buckets():
     """fp16/bf16 engine: 2 + 2 + 12 = 16 B per parameter, all divided by the ZeRO-3 world; the reduce bucket
     of reduce_bucket_size 16-bit elements (DeepSpeed's default 5e8, or the ds_config's)."""
@@ -136,6 +171,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (("--framework", "deepspeed", "--ds-config", "BAD"), "--ds-config"),
     (("--framework", "deepspeed", "--ds-config", "STAGE3", "--parallelism", "zero1"), "--parallelism"),
     (("--ds-config", "STAGE3"), "--ds-config"),
+    (("--no-grad-reduce-in-fp32",), "--grad-reduce-in-fp32"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, flag):
     (tmp_path / "bad.json").write_text("{not json")
@@ -501,3 +537,49 @@ def test_for_loop_adam_temporaries_follow_fsdp_shards():
     r, lay = root // n, layer // n
     assert temps("accelerate") == max(2 * r, r + 2 * lay, 3 * lay) * 4  # prev denom + sqrt + quotient, fp32
     assert temps("torchtitan") == (4096 // n + 2 * (32000 * 4096 // n)) * 4  # the head after the final norm
+
+
+def test_a_loss_on_the_16bit_logits_saves_them_in_16_bits():
+    """NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False) runs cross_entropy on the bf16 logits: log_softmax
+    saves n·V in bf16 (checked on CPU below); transformers' ForCausalLMLoss upcasts first (fp32). Under autocast
+    cross_entropy runs in fp32 whatever the framework."""
+    from planner.ir.context import Ctx
+    from planner.memory.activations import loss_saved
+    from planner.models.catalog import get_model
+
+    spec = get_model("llama-3-8b").transformers[-1]
+    for precision, loss_fp32, dtype in (("bf16", True, "float32"), ("bf16", False, "bfloat16"),
+                                        ("amp-bf16", False, "float32")):
+        ctx = Ctx(2, 64, precision, "flash", "cuda", False, True, loss_fp32=loss_fp32)
+        lsm = next(s for s in loss_saved(spec, ctx) if s.name == "loss.log_softmax")
+        assert (lsm.numel, lsm.dtype) == (2 * 64 * spec.vocab_size, dtype), (precision, loss_fp32)
+    assert not FRAMEWORKS["nemo-automodel"].loss_fp32
+    assert all(f.loss_fp32 for n, f in FRAMEWORKS.items() if n != "nemo-automodel")
+    # the operation itself: cross_entropy on bf16 logits saves a bf16 log_softmax
+    logits = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.cross_entropy(logits, torch.randint(0, 32, (8,)))
+    assert any(t.shape == (8, 32) and t.dtype == torch.bfloat16 for t in saved)
+    assert not any(t.shape == (8, 32) and t.dtype == torch.float32 for t in saved)
+
+
+def test_no_reshard_after_forward_keeps_every_unit_gathered_until_its_backward(monkeypatch):
+    """NeMo AutoModel's FSDP2 `reshard_after_forward=False` (moe/parallelizer.py apply_fsdp): each unit stays
+    all-gathered from its forward to its backward, so the backward starts with the whole model's 16-bit parameters
+    gathered (less the shard each rank holds anyway), where resharding holds two units at a time."""
+    from dataclasses import replace
+
+    fw = FRAMEWORKS["nemo-automodel"]
+    assert not fw.reshard_after_forward
+
+    def peak(reshard: bool) -> int:
+        monkeypatch.setitem(FRAMEWORKS, "nemo-automodel", replace(fw, reshard_after_forward=reshard))
+        cfg = TrainConfig(batch_size=1, seq_len=512, precision="bf16", parallelism="fsdp", instances=8,
+                          framework="nemo-automodel")
+        return estimate("llama-3-8b", cfg, "ml.p4de.24xlarge").memory_bytes.peak_allocated
+
+    held = 2 * N_LLAMA3_8B * 63 / 64  # every unit's gathered bf16 parameters, less the rank's own shard
+    head = 128_256 * 4_096  # the LM head's unit, where the backward (and the peak) starts: resharding's window
+    extra = peak(False) - peak(True)  # there is it and its prefetch, both held anyway without resharding
+    assert held - 2 * 2 * head * 63 / 64 - 2**30 < extra <= held

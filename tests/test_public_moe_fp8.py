@@ -76,3 +76,15 @@ def test_a_rows_recompute_modules_reach_the_planner():
     assert "recompute_modules=['layernorm', 'moe_act']" in rows["mb-2511-h100-gpt-oss-120b-bf16"].where
     tt = [r for r in load_published("fp8") if r.framework == "torchtitan" and r.recompute == "selective"]
     assert tt and all(r.train_config().recompute_modules == ("op",) for r in tt)
+
+
+def test_rows_take_their_recipes_framework_settings():
+    """Megatron-Bridge's performance recipes set `cfg.ddp.grad_reduce_in_fp32 = False` (cited in each row): the
+    rows reach the planner with bf16 main gradients; NeMo AutoModel's rows run under its own framework record."""
+    rows = {r.id: r for r in load_published("moe")}
+    for rid in ("mb-2511-h100-gpt-oss-120b-bf16", "mb-2511-h100-qwen3-30b-fp8cs"):
+        assert rows[rid].train_config().grad_reduce_in_fp32 is False
+        assert "cfg.ddp.grad_reduce_in_fp32 = False" in rows[rid].where
+    nemo = [r for r in rows.values() if r.repo == "NVIDIA-NeMo/Automodel"]
+    assert nemo and all(r.train_config().framework == "nemo-automodel" for r in nemo)
+    assert all(r.train_config().grad_reduce_in_fp32 is None for r in nemo)

@@ -52,6 +52,7 @@ from planner.cli.parallel_opts import (
     CpOpt,
     DistOptOpt,
     DpReplicasOpt,
+    GradReduceOpt,
     PpOpt,
     PpScheduleOpt,
     RecomputeModulesOpt,
@@ -138,7 +139,8 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        | moe_fields(f.get("ep", 1), f.get("etp", 1), f.get("moe_imbalance", 1.0))
                        | parallel_fields(tp=f["tp"], sp=f["sp"], cp=f["cp"], pp=f["pp"], pp_schedule=f["pp_schedule"],
                                          vp=f["vp"], dp_replicas=f["dp_replicas"],
-                                         distributed_optimizer=f["distributed_optimizer"], recompute=f["recompute"],
+                                         distributed_optimizer=f["distributed_optimizer"],
+                                         grad_reduce_in_fp32=f["grad_reduce_in_fp32"], recompute=f["recompute"],
                                          recompute_modules=f["recompute_modules"],
                                          checkpointing=f["checkpointing"]))
     if f["plot"]:
@@ -345,6 +347,7 @@ def register(app: typer.Typer) -> None:
         vp: VpOpt = 1,
         dp_replicas: DpReplicasOpt = None,
         distributed_optimizer: DistOptOpt = False,
+        grad_reduce_in_fp32: GradReduceOpt = None,
         recompute: RecomputeOpt = None,
         recompute_modules: RecomputeModulesOpt = None,
         ep: EpOpt = 1,

@@ -1,5 +1,5 @@
 """The model-parallel flags of estimate, explain, probe and search (issue 34): --tp, --sp, --cp, --pp,
---pp-schedule, --vp, --dp-replicas, --distributed-optimizer, --recompute, --recompute-modules, and the
+--pp-schedule, --vp, --dp-replicas, --distributed-optimizer, --grad-reduce-in-fp32, --recompute, --recompute-modules, and the
 TrainConfig fields they set. How the degrees combine is checked once, when the estimate resolves the
 configuration (planner.parallel.dims)."""
 
@@ -26,6 +26,9 @@ DpReplicasOpt = Annotated[int | None, typer.Option(
 DistOptOpt = Annotated[bool, typer.Option(
     "--distributed-optimizer/--no-distributed-optimizer",
     help="Megatron's distributed optimizer: optimizer states sharded over data parallelism.")]
+GradReduceOpt = Annotated[bool | None, typer.Option(
+    "--grad-reduce-in-fp32/--no-grad-reduce-in-fp32",
+    help="Megatron: main gradients kept and reduced in fp32 (default) or in bf16.", show_default=False)]
 RecomputeOpt = Annotated[str | None, typer.Option(
     "--recompute", help="Activation recomputation: none, full (= --checkpointing) or selective.")]
 RecomputeModulesOpt = Annotated[str | None, typer.Option(
@@ -34,6 +37,7 @@ RecomputeModulesOpt = Annotated[str | None, typer.Option(
 
 def parallel_fields(*, tp: int = 1, sp: bool | None = None, cp: int = 1, pp: int = 1, pp_schedule: str | None = None,
                     vp: int = 1, dp_replicas: int | None = None, distributed_optimizer: bool = False,
+                    grad_reduce_in_fp32: bool | None = None,
                     recompute: str | None = None, recompute_modules: str | None = None,
                     checkpointing: bool = False) -> dict[str, Any]:
     """The TrainConfig fields of the flags (empty at their defaults). --checkpointing is --recompute full: the
@@ -52,9 +56,11 @@ def parallel_fields(*, tp: int = 1, sp: bool | None = None, cp: int = 1, pp: int
     if modules and recompute != "selective":
         raise PlannerError("--recompute-modules", recompute_modules, "only with --recompute selective")
     given = {"tp": tp, "sp": sp, "cp": cp, "pp": pp, "pp_schedule": pp_schedule, "vp": vp, "dp_replicas": dp_replicas,
-             "distributed_optimizer": distributed_optimizer, "recompute": recompute, "recompute_modules": modules}
+             "distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": grad_reduce_in_fp32,
+             "recompute": recompute, "recompute_modules": modules}
     defaults = {"tp": 1, "sp": None, "cp": 1, "pp": 1, "pp_schedule": None, "vp": 1, "dp_replicas": None,
-                "distributed_optimizer": False, "recompute": None, "recompute_modules": ()}
+                "distributed_optimizer": False, "grad_reduce_in_fp32": None, "recompute": None,
+                "recompute_modules": ()}
     return {k: v for k, v in given.items() if v != defaults[k]}
 
 
@@ -69,6 +75,8 @@ def parallel_flags(config: Any) -> list[str]:
         parts.append(f"--dp-replicas {config.dp_replicas}")
     if config.distributed_optimizer:
         parts.append("--distributed-optimizer")
+    if getattr(config, "grad_reduce_in_fp32", None) is not None:
+        parts.append("--grad-reduce-in-fp32" if config.grad_reduce_in_fp32 else "--no-grad-reduce-in-fp32")
     if config.recompute == "selective":
         parts.append("--recompute selective")
         if config.recompute_modules:

@@ -94,6 +94,9 @@ class Ctx:
     fused_moe: bool = False
     # Transformer Engine's fused RMSNorm (Framework.fused_norms, Megatron): its input and the fp32 rstd saved
     fused_norms: bool = False
+    # the causal LM's logits upcast to fp32 before cross-entropy (transformers' ForCausalLMLoss `logits.float()`;
+    # Framework.loss_fp32): log_softmax's saved output in fp32; False: in the logits' dtype (pure 16-bit)
+    loss_fp32: bool = True
 
     @property
     def n(self) -> int:

@@ -432,7 +432,10 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
         if ctx.tp > 1:
             return [Saved("loss.softmax", n * vocab_per_rank(spec, ctx), F32), Saved("loss.target_mask", n, BOOL),
                     Saved("loss.masked_target", n, I64), Saved("loss.shift_labels", labels, I64)]
-        return [Saved("loss.log_softmax", n * spec.vocab_size, F32), Saved("loss.total_weight", 1, F32),
+        # a framework whose loss takes the logits as they are (Framework.loss_fp32 False): autocast's fp32 under
+        # amp-*, the logits' 16-bit dtype in pure 16-bit
+        dtype = F32 if ctx.loss_fp32 else cls_dtype
+        return [Saved("loss.log_softmax", n * spec.vocab_size, dtype), Saved("loss.total_weight", 1, dtype),
                 Saved("loss.shift_labels", labels, I64)]
     if spec.head == "masked-lm":
         return [Saved("loss.log_softmax", n * vocab_per_rank(spec, ctx), cls_dtype),

@@ -420,7 +420,8 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     blocks = step.blocks
     bt = [tensors.get(b.name) or BlockTensors(b.name) for b in blocks]
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
-    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed, b.root_unit) for b in blocks), step.outputs_die,
+    shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed, b.root_unit, b.gathered_until_backward)
+                                                        for b in blocks), step.outputs_die,
              step.grads_die, bool(step.build_ratio), bool(step.outputs_fp32_bytes))
     lens = tuple(map(len, values))
     key = (shape, lens)
@@ -555,6 +556,7 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
     root_params: Refs = []
     for i in root:
         root_params += alloc(blocks[i].name, i * BLOCK_SLOTS + B_GATHERED, ".gathered params (root unit)")
+    held: dict[int, Refs] = {}  # units gathered until their backward (BlockMemory.gathered_until_backward)
     for i, b in enumerate(blocks):
         name, row = b.name, i * BLOCK_SLOTS
         gathered = [] if b.root_unit else alloc(name, row + B_GATHERED, ".gathered params")
@@ -570,7 +572,10 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
             tmp = alloc(name, row + B_FORWARD_TMP, ".forward transient")
         mark("forward", name)
         free(tmp)
-        free(gathered)
+        if b.gathered_until_backward:
+            held[i] = gathered
+        else:
+            free(gathered)
     top = len(blocks) * BLOCK_SLOTS
     converted = alloc("outputs.fp32 copy", top + S_OUTPUTS_FP32)  # Accelerate's convert_outputs_to_fp32
     mark("forward", "end of forward")
@@ -587,7 +592,10 @@ def _blocks_section(step: timeline.StepMemory, new_grads: bool) -> tuple[_Progra
         b, ids = blocks[i], live[i]
         name, row = b.name, i * BLOCK_SLOTS
         recompute = alloc(name, row + B_RECOMPUTED, ".recomputed") if b.checkpointed else []
-        gathered = [] if b.root_unit else alloc(name, row + B_GATHERED, ".gathered params")
+        if i in held:
+            gathered = held.pop(i)
+        else:
+            gathered = [] if b.root_unit else alloc(name, row + B_GATHERED, ".gathered params")
         tmp = alloc(name, row + B_BACKWARD_TMP, ".backward transient")
         if new_grads:
             grad_ids += alloc(name, row + B_GRADS, ".grad")

@@ -13,7 +13,9 @@ into bytes. Four layouts:
   computes in 16 bits (no autocast, so no weight cache); a unit's 16-bit gradients are copied into a
   `reduce_dtype` buffer for the reduce-scatter; sharded gradients in fp32.
 - Megatron: 16-bit parameters, fp32 main gradients in a buffer that lives for the run, fp32 master weights
-  beside Adam's states: 2 + 4 + 12 = 18 B per parameter, 6 + 12/DP with the distributed optimizer.
+  beside Adam's states: 2 + 4 + 12 = 18 B per parameter, 6 + 12/DP with the distributed optimizer. With
+  Megatron-Core DDP's `grad_reduce_in_fp32` off (TrainConfig.grad_reduce_in_fp32 False) the buffer is 16-bit
+  (2 B) and the optimizer steps an fp32 copy of its shard (4 B / DP under the distributed optimizer).
 - DeepSpeed: 16-bit parameters and gradients, fp32 master partition (2 + 2 + 12 = 16 B per parameter, divided
   by the ZeRO stage), reduce buckets of `reduce_bucket_size` elements, ZeRO-3's prefetch of
   `stage3_prefetch_bucket_size` elements beside the sub-module computing.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.errors import PlannerError
 from planner.memory import model_states
 from planner.parallel import frameworks
 from planner.parallel import get as strategy_of
@@ -61,6 +64,9 @@ class StateLayout:
     accumulate_unsharded: bool = False
     # FSDP1 (FullyShardedDataParallel): the root unit is not resharded after forward (frameworks.Framework.fsdp)
     fsdp1_root: bool = False
+    # FSDP2 fully_shard(reshard_after_forward=...) (frameworks.Framework.reshard_after_forward): False keeps each
+    # unit gathered from its forward to its backward (timeline.BlockMemory.gathered_until_backward)
+    reshard_after_forward: bool = True
 
     @property
     def legacy(self) -> bool:
@@ -134,11 +140,19 @@ def _layout(cfg: TrainConfig) -> StateLayout:
                 frozen_grads=False, grads_resident=False, replace_ddp_buckets=False, bucket_elements=0,
                 reduce_comm_bytes=g, gather_comm_bytes=p)
     engine = fw.engine_for(strategy)
+    if cfg.grad_reduce_in_fp32 is not None and engine != "megatron":
+        raise PlannerError("--grad-reduce-in-fp32", cfg.grad_reduce_in_fp32,
+                           "only with --framework megatron (Megatron-Core DDP's main-gradient buffer)")
     if engine == "megatron" and sixteen:
-        return StateLayout(**base | dict(kind="megatron", param_bytes=2, grad_bytes=4, unsharded_grad_bytes=4,
+        # grad_reduce_in_fp32 False: a 16-bit main-gradient buffer, reduced in 16 bits; the optimizer then steps
+        # an fp32 copy of its gradient shard (`shard_model_grad.float()`, a no-op on an fp32 buffer)
+        g32 = cfg.grad_reduce_in_fp32 is not False
+        grad = 4 if g32 else 2
+        return StateLayout(**base | dict(kind="megatron", param_bytes=2, grad_bytes=grad, unsharded_grad_bytes=grad,
                                          master_bytes=4, state_param_bytes=4, activation_precision=sixteen,
-                                         autocast_cache=False, grads_resident=True, replace_ddp_buckets=True,
-                                         reduce_comm_bytes=4, gather_comm_bytes=2))
+                                         step_grad_bytes=0 if g32 else 4, autocast_cache=False,
+                                         grads_resident=True, replace_ddp_buckets=True,
+                                         reduce_comm_bytes=grad, gather_comm_bytes=2))
     if engine == "deepspeed":
         ds = _deepspeed(cfg)
         width = 2 if sixteen else 4
@@ -157,6 +171,8 @@ def _layout(cfg: TrainConfig) -> StateLayout:
         base["accumulate_unsharded"] = True
     if fsdp and fw.fsdp == "fsdp1":
         base["fsdp1_root"] = True
+    if fsdp and fw.fsdp == "fsdp2" and not fw.reshard_after_forward:
+        base["reshard_after_forward"] = False
     if fsdp and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
         if fw.fsdp_precision == "policy":  # units gathered in 16 bits, computed in 16 bits, no autocast
@@ -187,6 +203,11 @@ def describe(lay: StateLayout) -> str:
 
 def _describe(lay: StateLayout) -> str:
     if lay.kind == "megatron":
+        if lay.grad_bytes == 2:
+            return ("Megatron (grad_reduce_in_fp32 off): bf16 parameters (2 B), bf16 main gradients in a buffer "
+                    "kept for the run and reduced in bf16 (2 B), fp32 master weights + Adam (12 B, divided by DP "
+                    "with the distributed optimizer) and an fp32 copy of the gradient shard for the step (4 B, "
+                    "divided by DP with the distributed optimizer)")
         return ("Megatron: bf16 parameters (2 B), fp32 main gradients in a buffer kept for the run (4 B), fp32 "
                 "master weights + Adam (12 B, divided by DP with the distributed optimizer)")
     if lay.kind == "deepspeed":

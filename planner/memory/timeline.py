@@ -47,6 +47,10 @@ class BlockMemory(NamedTuple):
     # part of FSDP1's root unit (the modules outside the wrapped layers): unsharded from the start of the forward
     # to the end of the backward, each block's part of its unsharded gradient from that block's backward on
     root_unit: bool = False
+    # FSDP2 `reshard_after_forward=False` (frameworks.Framework.reshard_after_forward, NeMo AutoModel): the block's
+    # unit stays gathered from its forward to the end of its backward; `gathered_param_bytes` is then that one
+    # unit (the next unit's prefetch in forward is not counted: it is held from its own forward on anyway)
+    gathered_until_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,15 +112,17 @@ def _rows(step: StepMemory) -> list[Row]:
 
     # FSDP1's root unit (BlockMemory.root_unit): gathered for the whole step
     root_p = sum(b.gathered_param_bytes for b in blocks if b.root_unit)
-    kept = cache = 0
+    kept = cache = held = 0  # held: units gathered until their backward (BlockMemory.gathered_until_backward)
     for b in blocks:
         running = (b.kept_bytes if b.checkpointed else b.saved_bytes) + b.forward_cache_bytes + b.retained_bytes
-        gathered = root_p if b.root_unit else root_p + b.gathered_param_bytes
+        gathered = root_p if b.root_unit else root_p + held + b.gathered_param_bytes
         rows.append(("forward", b.name, params + gathered, grads + carried_grads, states,
                      kept + cache + running + carried, batch, base_buffers + b.forward_transient_bytes))
         kept += b.kept_bytes + b.retained_bytes
         cache += b.forward_cache_bytes
-    rows.append(("forward", "end of forward", params + root_p, grads + carried_grads, states,
+        if b.gathered_until_backward:
+            held += b.gathered_param_bytes
+    rows.append(("forward", "end of forward", params + root_p + held, grads + carried_grads, states,
                  kept + cache + carried, batch, base_buffers + step.outputs_fp32_bytes))
     if step.outputs_die == "forward-end":  # the loop returned only the loss: the outputs die before backward
         kept -= outputs_total
@@ -132,13 +138,16 @@ def _rows(step: StepMemory) -> list[Row]:
         new_grads = 0 if step.grads_resident else b.grad_bytes
         if b.root_unit:
             root_grads += b.transient_grad_bytes
-        gathered = root_p if b.root_unit else root_p + b.gathered_param_bytes
+        own = 0 if b.gathered_until_backward else b.gathered_param_bytes  # a held unit is counted in `held`
+        gathered = root_p if b.root_unit else root_p + held + own
         transient = 0 if b.root_unit else b.transient_grad_bytes
         rows.append(("backward", b.name, params + gathered,
                      grads + new_grads + transient + root_grads, states, kept + recompute, batch,
                      base_buffers + b.backward_transient_bytes))
         kept -= b.kept_bytes
         grads += new_grads
+        if b.gathered_until_backward:
+            held -= b.gathered_param_bytes
     rows.append(("optimizer", "optimizer step", params, grads_total, states, kept, batch,
                  static_buffers + step.workspace_bytes + step.optimizer_temporary_bytes))
     return rows

@@ -92,6 +92,10 @@ class Framework:
     # its 16-bit input and the fp32 rstd per row, not transformers' fp32 copy of the input and normalised tensor.
     # planner.ir.context.Ctx.fused_norms carries it (LayerNorm models keep the eager rule: not modelled).
     fused_norms: bool = False
+    # The causal LM loss upcasts the logits to fp32 first (transformers' ForCausalLMLoss `logits.float()`), so
+    # log_softmax saves (and its backward writes) fp32 n·V tensors. False: cross-entropy on the logits as they
+    # are (16-bit in pure bf16; autocast still runs it in fp32 under amp-*). planner.ir.context.Ctx.loss_fp32.
+    loss_fp32: bool = True
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -172,6 +176,19 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "(param 2 + grad 4 + fp32 master 4 + Adam 4 + 4)",
                  "NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel.py: a contiguous main-grad "
                  "buffer allocated when the model is wrapped (grad_reduce_in_fp32 -> fp32), kept for the run",
+                 "grad_reduce_in_fp32 (TrainConfig.grad_reduce_in_fp32, --grad-reduce-in-fp32): NVIDIA/Megatron-LM "
+                 "megatron/core/distributed/distributed_data_parallel_config.py `grad_reduce_in_fp32: bool = False` "
+                 "(the core's default), but megatron/training/arguments.py validate_args under --bf16: 'bfloat16 "
+                 "requires gradient accumulation and all-reduce to be done in fp32' (accumulate_allreduce_grads_"
+                 "in_fp32 = True) and NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/training/mixed_precision.py "
+                 "(@00b7660b) MixedPrecisionConfig `grad_reduce_in_fp32: bool = True`, bf16_mixed() True: fp32 is "
+                 "the default here; its performance recipes set it False (scripts/performance/configs/gpt_oss/"
+                 "gpt_oss_llm_pretrain.py, qwen/qwen3_llm_pretrain.py `cfg.ddp.grad_reduce_in_fp32 = False`)",
+                 "NVIDIA/Megatron-LM megatron/core/optimizer/distrib_optimizer.py _copy_model_grads_to_main_grads: "
+                 "`shard_main_param.grad = shard_model_grad.float()` (optimizer.py Float16OptimizerWithFloat16Params: "
+                 "`main_param.grad = model_param.main_grad.float()`): with a bf16 buffer the step reads an fp32 copy "
+                 "of the rank's gradient shard (of every gradient without the distributed optimizer); on an fp32 "
+                 "buffer `.float()` returns the buffer itself",
                  "NVIDIA/Megatron-LM megatron/core/transformer/module.py Float16Module: the model's parameters "
                  "converted to bf16/fp16, no autocast",
                  "NVIDIA/Megatron-LM megatron/core/transformer/moe/experts.py (@d98e8a64) GroupedMLP "
@@ -276,6 +293,51 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  _FSDP1_FLAT),
         notes="FSDP1 with Lightning's 'bf16-mixed': units all-gathered in fp32 and cast by autocast per op "
               "(the casts are saved for backward, not cached), gradients reduced in bf16."),
+    Framework(
+        "nemo-automodel", "NVIDIA NeMo AutoModel",
+        strategies={"single": "one GPU, a bf16 model", "ddp": "DDP over the bf16 model",
+                    "fsdp": "FSDP2 fully_shard, MixedPrecisionPolicy(param bf16, reduce fp32), "
+                            "reshard_after_forward=False"},
+        fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, reshard_after_forward=False,
+        experts_16bit=True, fused_attention=True, fused_norms=True, loss_fp32=False,
+        loss="masked cross-entropy on the 16-bit logits (MaskedCrossEntropy, fp32_upcast false in the "
+             "benchmark recipes)",
+        sources=(*_FSDP2_SOURCES,
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/parallelizer.py (@cb976544) apply_fsdp: "
+                 "`mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, "
+                 "output_dtype=torch.bfloat16, cast_forward_inputs=True)` and `reshard_after_forward: bool = "
+                 "False` (parallelize_model and MoEParallelizerConfig default False too); under EP the experts "
+                 "are `ignored_params` of their block's FSDP unit",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/distributed/config.py (@cb976544) _STRATEGY_MAP: "
+                 "fsdp2, megatron_fsdp and ddp (DDPConfig); its Megatron-FSDP is not modelled",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/_transformers/auto_model.py (@cb976544) from_config: "
+                 "`torch_dtype = ... if torch_dtype != 'auto' else torch.bfloat16`: the model, its sharded "
+                 "parameters and torch.optim.Adam's states are bf16 (the benchmark recipes run --precision bf16)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py (@cb976544) "
+                 "GroupedExpertsDeepEP.forward: `compute_dtype = permuted_local_hidden_states.dtype`; "
+                 "`self.gate_and_up_projs.to_local().to(compute_dtype)`, then grouped_gemm `ops.gmm` "
+                 "(backend experts: gmm): the routed experts compute in 16 bits (experts_16bit)",
+                 "NVIDIA-NeMo/Automodel examples/llm_benchmark/{qwen/qwen3_moe_30b,gpt_oss/gptoss_20b,"
+                 "gpt_oss/gptoss_120b}_te_deepep.yaml (@cb976544) backend: attn te or flex, linear te, rms_norm "
+                 "te, experts gmm, dispatcher deepep; nemo_automodel/components/models/gpt_oss/layers.py: "
+                 "`assert backend.attn in ('flex', 'te')`, sinks passed to FlexAttention (fused_attention)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/models/common/utils.py (@cb976544) "
+                 "rms_norm 'te': `transformer_engine.pytorch.module.rmsnorm.RMSNorm`; NVIDIA/TransformerEngine "
+                 "transformer_engine/pytorch/ops/basic/rmsnorm.py `ctx.save_for_backward(x, rstdevs)` "
+                 "(fused_norms)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py (@cb976544) "
+                 "get_expert_activation_for_deepep: 'quick_geglu' (gpt-oss, models/gpt_oss/model.py) runs "
+                 "eager ops (clamp, sigmoid, products, the probabilities' product), as transformers' clamped "
+                 "SwiGLU saves; 'swiglu' (Qwen3-MoE) runs Megatron's fused weighted_bias_swiglu_impl "
+                 "(input and probabilities saved): fused_moe False, an over-estimate for Qwen3-MoE's "
+                 "activation, and DeepEP's dispatch buffers are not modelled",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/loss/masked_ce.py (@cb976544) "
+                 "MaskedCrossEntropy.forward: `if self.fp32_upcast: logits = logits.float()`, then "
+                 "`F.cross_entropy(logits, labels)`; the benchmark recipes set `fp32_upcast: false`: the loss "
+                 "runs on the bf16 logits (loss_fp32 False)"),
+        notes="A bf16 model under FSDP2 with a bf16/fp32 mixed-precision policy, its own MoE layer (DeepEP "
+              "dispatch, grouped GEMMs in bf16), Transformer Engine's RMSNorm and TE or FlexAttention. "
+              "reshard_after_forward=False: every unit stays gathered from its forward to its backward."),
 )}
 
 DEFAULT = "pytorch"

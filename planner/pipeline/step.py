@@ -208,6 +208,11 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
         in_root = act.block in root and n_params > 0
         if in_root and lay is not None and gathered and lay.units_in_flight > 1 and not lay.legacy:
             gathered //= lay.units_in_flight  # the root is one unit, gathered once (not a prefetch window)
+        # reshard_after_forward=False: the block's own unit, held from its forward to its backward (the prefetch
+        # window's second unit is the next block's, held from its own forward)
+        held = bool(gathered) and lay is not None and not lay.reshard_after_forward and not in_root
+        if held:
+            gathered //= 2 if lay.legacy else max(lay.units_in_flight, 1)
         saved_casts = 0 if act.checkpointed else act.weight_cast_bytes
         cache = max(act.autocast_cache_bytes - saved_casts, 0) if lay is None or lay.autocast_cache else 0
         out.append(timeline.BlockMemory(
@@ -223,7 +228,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             checkpointed=act.checkpointed,
             forward_cache_bytes=cache,
             retained_bytes=act.retained_output_bytes,
-            root_unit=in_root,
+            root_unit=in_root, gathered_until_backward=held,
         ))
     return tuple(out)
 

@@ -30,7 +30,7 @@ class PublishedRun(BaseModel):
     model: str = Field(min_length=1)  # catalog name, or a config.json of this repository (Llama-3-70B's)
     gpu: str
     gpus: int = Field(ge=1)
-    framework: Literal["pytorch", "torchtitan", "megatron"]
+    framework: Literal["pytorch", "torchtitan", "megatron", "nemo-automodel"]
     parallelism: Literal["ddp", "fsdp"]
     precision: Literal["bf16", "amp-bf16", "fp8"]
     fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "current", "mxfp8"] | None = None
@@ -40,6 +40,8 @@ class PublishedRun(BaseModel):
     # Megatron's recompute_modules under selective recomputation, space-separated (blank: the default, core_attn;
     # torchtitan's per-op policy under --framework torchtitan)
     recompute_modules: str = ""
+    # Megatron-Core DDP's grad_reduce_in_fp32 as the row's recipe sets it (blank: the framework's default)
+    grad_reduce_in_fp32: bool | None = None
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     vp: int = Field(1, ge=1)
@@ -61,7 +63,8 @@ class PublishedRun(BaseModel):
     read_on: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
     where: str = Field(min_length=10)
 
-    @field_validator("fp8_recipe", "tflops_per_gpu", "peak_gib", "peak_kind", "baseline", mode="before")
+    @field_validator("fp8_recipe", "tflops_per_gpu", "peak_gib", "peak_kind", "baseline", "grad_reduce_in_fp32",
+                     mode="before")
     @classmethod
     def _blank(cls, value: object) -> object:
         return None if value == "" else value
@@ -93,7 +96,8 @@ class PublishedRun(BaseModel):
             # torchtitan's selective AC is its per-op policy (planner.ir.transforms TORCHTITAN_OP)
             recompute_modules=self._recompute_modules(),
             compile=self.compile, fp8_recipe=self.fp8_recipe, fp8_param_gather=self.fp8_param_gather,
-            distributed_optimizer=self.framework == "megatron" and self.parallelism == "ddp")
+            distributed_optimizer=self.framework == "megatron" and self.parallelism == "ddp",
+            grad_reduce_in_fp32=self.grad_reduce_in_fp32)
 
 
 def load_published(kind: str, root: Path | None = None) -> list[PublishedRun]:
