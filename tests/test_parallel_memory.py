@@ -111,10 +111,28 @@ def test_done_when_in_flight_and_worst_rank(done_when):
     worst = p.stages[p.worst_stage]
     assert worst.peak_device_bytes == done_when.memory_bytes.peak_device
     assert worst.verdict == done_when.verdict and all(s.replayed for s in p.stages)  # 4 stages: each replayed
-    assert worst.peak_allocated_bytes == max(s.peak_allocated_bytes for s in p.stages)
+    assert worst.peak_device_bytes == max(s.peak_device_bytes for s in p.stages)
     # FSDP2 under PP keeps the stage's unsharded fp32 parameters (and gradients) besides its shards
     assert done_when.memory_bytes.parameters == worst.parameter_bytes + worst.parameters * 4
     assert worst.unsharded_bytes == worst.parameters * (4 + 4)
+
+
+def test_the_stage_with_the_highest_device_peak_decides_the_verdict():
+    """The worst rank is the one whose replayed device peak is highest, not the one whose allocated peak is:
+    on gpt-oss-120b under Megatron (pp 4, ep 8) the first stage allocates most, but the last one (the
+    head and the loss) reserves most; the verdict and `memory_bytes` are that stage's."""
+    config = TrainConfig(batch_size=1, grad_accum=32, seq_len=4096, precision="bf16", attention="flash",
+                         parallelism="ddp", framework="megatron", instances=8, pp=4, ep=8, recompute="selective",
+                         recompute_modules="layernorm,moe_act", distributed_optimizer=True,
+                         grad_reduce_in_fp32=False)
+    est = estimate("gpt-oss-120b", config, "ml.p5.48xlarge", with_throughput=False, calibration={})
+    p = est.parallel
+    worst = p.stages[p.worst_stage]
+    assert all(s.replayed for s in p.stages)
+    assert worst.peak_device_bytes == max(s.peak_device_bytes for s in p.stages) == est.memory_bytes.peak_device
+    by_allocated = max(p.stages, key=lambda s: s.peak_allocated_bytes)
+    assert by_allocated.stage != worst.stage  # the case this test is about: the two orders disagree
+    assert worst.verdict == est.verdict
 
 
 def test_in_flight_activations_scale_the_stage():

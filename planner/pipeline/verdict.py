@@ -4,6 +4,7 @@ the band of the whole-device peak, speed (roofline) and cost, from a prepared st
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from planner import caches
@@ -31,14 +32,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     from planner.memory.reserved import replay_step
     from planner.memory.runtime import nccl_bytes
 
-    spec, inst, cfg, world, rt, counts, step = (prep.spec, prep.inst, prep.cfg, prep.world, prep.rt, prep.counts,
-                                                prep.step)
-    states = step.optimizer_state_bytes
-    micro_batch = step.batch_bytes
-    block_mem = step.blocks
-    peaks, top = _timeline_peaks(step)
-
-    peak_allocated = top.total
+    spec, inst, cfg, world, rt = prep.spec, prep.inst, prep.cfg, prep.world, prep.rt
     # DataParallel is one process but still moves tensors between its GPUs through NCCL.
     nccl = nccl_bytes(rt, inst.gpus if strategy_of(cfg.parallelism).one_process else world)
     if prep.dims is not None and not prep.dims.plain:  # one communicator per tensor/context/pipeline/data group
@@ -47,6 +41,30 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         d = prep.dims
         nccl = nccl_group_bytes(rt, (d.tp, d.cp, d.pp, d.dp))
     gpu_memory = inst.gpu.reported_memory_bytes or inst.gpu.memory_bytes
+    capacity = gpu_memory - rt.cuda_context_bytes - nccl
+    replays: dict[int, Any] = {}  # id(a stage's step) -> its allocator replay
+
+    def replay_of(stage_step: timeline.StepMemory) -> Any:
+        if id(stage_step) not in replays:
+            replays[id(stage_step)] = replay_step(
+                spec, cfg, stage_step, prep.activations, parameter_share=prep.share.parameters,
+                gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
+                capacity_bytes=capacity, expandable_segments=expandable_segments or prep.stack.expandable_segments,
+                max_split_size=prep.stack.max_split_size, backend=backend, flash_ok=inst.gpu.flash_attention)
+        return replays[id(stage_step)]
+
+    replay_stages = (prep.stages and spec is not None and not prep.fragmentation_given
+                     and len(prep.stages) <= REPLAY_STAGES)
+    if replay_stages:  # the worst rank is the one whose device peak (reserved) is highest, not allocated
+        def device_peak(s: Any) -> tuple[int, bool]:
+            return max(replay_of(s.step).peak_reserved, _timeline_peaks(s.step)[1].total), s.step is prep.step
+        prep = replace(prep, step=max(prep.stages, key=device_peak).step)
+    counts, step = prep.counts, prep.step
+    states = step.optimizer_state_bytes
+    micro_batch = step.batch_bytes
+    block_mem = step.blocks
+    peaks, top = _timeline_peaks(step)
+    peak_allocated = top.total
     alloc = None
     replicated = prep.share.parameters == prep.share.gradients == prep.share.optimizer_states == 1
     if prep.fragmentation_given or (spec is None and (prep.traced is None or not replicated
@@ -61,12 +79,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
                              expandable_segments=expandable_segments or prep.stack.expandable_segments)
         peak_reserved = max(alloc.peak_reserved, peak_allocated)
     else:
-        alloc = replay_step(spec, cfg, step, prep.activations, parameter_share=prep.share.parameters,
-                            gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
-                            capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
-                            expandable_segments=expandable_segments or prep.stack.expandable_segments,
-                            max_split_size=prep.stack.max_split_size, backend=backend,
-                            flash_ok=inst.gpu.flash_attention)
+        alloc = replay_of(step)
         # The allocator's reserved peak, never under the allocated peak of the timeline.
         peak_reserved = max(alloc.peak_reserved, peak_allocated)
     peak_device = rt.cuda_context_bytes + nccl + peak_reserved
@@ -100,13 +113,7 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
     layout = None
     if prep.stages:
         def replay(stage_step: timeline.StepMemory) -> int:  # the allocator replay of another stage's step
-            r = replay_step(spec, cfg, stage_step, prep.activations, parameter_share=prep.share.parameters,
-                            gradient_share=prep.share.gradients, state_share=prep.share.optimizer_states,
-                            capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
-                            expandable_segments=expandable_segments or prep.stack.expandable_segments,
-                            max_split_size=prep.stack.max_split_size, backend=backend,
-                            flash_ok=inst.gpu.flash_attention)
-            return r.peak_reserved
+            return replay_of(stage_step).peak_reserved
 
         layout = _parallel_layout(prep, alloc, peak_allocated, peak_reserved, peak_device, low, high, gpu_memory,
                                   replay if alloc is not None and spec is not None else None)
