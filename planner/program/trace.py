@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.program import cuda
 from planner.program.records import (  # noqa: F401 - the records are read from here too
@@ -701,8 +702,15 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                             rec.register(p.grad, "gradient", backward_end - 1).category = "gradient"
                     standin_of = _give_standins(rec, standins)
                     rec.phase = "optimizer"
-                    opt = _optimizer([p for _, p in named if p.requires_grad], config)
-                    if opt is not None:
+                    trained = [p for _, p in named if p.requires_grad]
+                    step = (optimizer_step(trained, config, backend)
+                            if SPLICE_OPTIMIZER and not scan_frees and not rec.scanned and not stack else None)
+                    opt = _optimizer(trained, config) if step is None else None
+                    if step is not None:
+                        if not step.ran:
+                            notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
+                        step.splice(rec)
+                    elif opt is not None:
                         opt.step()
                         for state in opt.state.values():
                             for v in state.values():
@@ -754,6 +762,115 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                      checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes),
                      op_blocks=tuple(op_block), block_parameters=block_params, block_trainable=block_trainable,
                      retained_storages=tuple(retained_storages))
+
+
+# Splice the optimizer step, traced once per parameter list and optimizer (`optimizer_step`), into every trace
+# of a model; False runs it in every trace (the reference the tests compare against).
+SPLICE_OPTIMIZER = True
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One optimizer step as the recorder saw it, apart from the model: its ops, and its storage events over
+    storages of its own (numbered from 0; the parameters' and gradients' storages have no event in it).
+
+    Why: the step (AdamW's foreach ops over every parameter tensor) was a fifth to a third of each trace and
+    depends only on the parameters and gradients (shapes, strides, dtypes, which have a gradient), the
+    optimizer, its implementation and the backend, never on the batch, length, precision of the compute or
+    checkpointing; a search traces one model at many shape classes."""
+
+    ran: bool  # a torch optimizer ran (else the trace notes it did not)
+    spliceable: bool  # False: the step touched a parameter's or gradient's storage (the trace runs it itself)
+    ops: tuple[OpRecord, ...]  # indices from 0
+    events: tuple[tuple[int, str, int, int, bool], ...]  # (op from 0, or -1; action; own storage; stage; late)
+    storages: tuple[tuple[int, str, cuda.Storage, str], ...]  # own storages: (numel, dtype, device, category)
+
+    def splice(self, rec: _Recorder) -> None:
+        """Append the step to `rec` as if it had run there: the model's temporaries that died since the last
+        op are freed after the step's first op (after its results, before its own frees: `_poll` frees in
+        registration order), as the recorder does for an op that runs."""
+        base_op, base_sid = len(rec.ops), len(rec.storages)
+        block = rec.block()
+        for numel, dtype, device, category in self.storages:
+            info = _StorageInfo(len(rec.storages), None, numel, dtype, device, block, category)  # type: ignore[arg-type]
+            rec.storages[info.sid] = info
+        for op in self.ops:
+            rec.ops.append(replace(op, index=base_op + op.index))
+            rec.op_block.append(block)
+        pending = True
+        for op, action, sid, stage, late in self.events:
+            if pending and self.ops and (op != 0 or action == "free"):
+                rec.before = len(rec.dead)
+                rec._poll(base_op)  # the model's temporaries that died before the step's first op
+                pending = False
+            rec.raw_events.append((base_op + op if op >= 0 else op, action, base_sid + sid))
+            rec.event_stage.append(stage)
+            rec.event_late.append(late)
+        if pending and self.ops:
+            rec.before = len(rec.dead)
+            rec._poll(base_op)
+
+
+# (optimizer, implementation, backend, each trained parameter's and its gradient's shape, stride, dtype) ->
+# the step, traced once per process (`optimizer_step`)
+_OPTIMIZER_STEPS: dict[tuple, OptimizerStep] = caches.table(
+    "planner.program.trace._OPTIMIZER_STEPS", scope="model",
+    key="(optimizer, implementation, backend, shapes, strides and dtypes of the parameters and gradients)")
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+                                   t.untyped_storage().nbytes())
+
+
+def optimizer_step(params: list[torch.nn.Parameter], config: TrainConfig, backend: Backend) -> OptimizerStep | None:
+    """The optimizer step over `params` (with their gradients), traced once per key (`_OPTIMIZER_STEPS`) on
+    stand-in parameters of the same shapes in a FakeTensorMode of its own; None where the traced step
+    touches a parameter's or gradient's storage (then the trace runs the step itself)."""
+    key = (config.optimizer, config.optimizer_impl, backend,
+           tuple((_tensor_key(p), _tensor_key(p.grad)) for p in params))
+    if key not in _OPTIMIZER_STEPS:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the trace's FakeTensorMode and recorder do not see this one
+            _OPTIMIZER_STEPS[key] = _trace_optimizer_step(params, config, backend)
+    step = _OPTIMIZER_STEPS[key]
+    return step if step.spliceable else None
+
+
+def _trace_optimizer_step(params: list[torch.nn.Parameter], config: TrainConfig, backend: Backend) -> OptimizerStep:
+    from torch._subclasses import fake_tensor as ft
+
+    with ft.FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
+        standins = []
+        for p in params:
+            q = torch.nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype), requires_grad=True)
+            if p.grad is not None:
+                q.grad = torch.empty_strided(p.grad.shape, p.grad.stride(), dtype=p.grad.dtype)
+            standins.append(q)
+        rec = _Recorder(backend, [])
+        rec.phase = "optimizer"
+        for q in standins:
+            rec.register(q, "parameter")
+            if q.grad is not None:
+                rec.register(q.grad, "gradient")
+        own, first_event = len(rec.storages), len(rec.raw_events)
+        with rec:
+            opt = _optimizer(standins, config)  # made under the recorder, as in the trace
+            if opt is not None:
+                opt.step()
+                for state in opt.state.values():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor) and v.numel() > 1:
+                            rec.register(v, "optimizer_state").category = "optimizer_state"
+    events = tuple((op, action, sid - own, stage, late) for (op, action, sid), stage, late in
+                   zip(rec.raw_events[first_event:], rec.event_stage[first_event:], rec.event_late[first_event:],
+                       strict=True))
+    if any(sid < 0 for _, _, sid, _, _ in events) or rec.scanned:
+        return OptimizerStep(False, False, (), (), ())  # touches the model's storages: not spliced (see optimizer_step)
+    storages = tuple((i.numel, i.dtype, i.device, i.category) for sid, i in sorted(rec.storages.items())
+                     if sid >= own)
+    return OptimizerStep(opt is not None, True, tuple(rec.ops), events, storages)
 
 
 def _give_standins(rec: _Recorder, standins: list[tuple[torch.nn.Parameter, torch.Tensor, str, torch.nn.Parameter]]
