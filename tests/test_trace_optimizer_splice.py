@@ -112,3 +112,31 @@ def test_the_estimate_is_the_same_byte_for_byte(monkeypatch, tmp_path):
     whole = estimate(str(path), cfg, "ml.g5.xlarge").model_dump(mode="json")
     caches.clear()
     assert json.dumps(spliced, sort_keys=True) == json.dumps(whole, sort_keys=True)
+
+
+@pytest.mark.parametrize("arch", ["T5ForConditionalGeneration", "Qwen2ForCausalLM"])
+def test_a_class_differing_only_in_the_optimizer_reuses_the_trace_before_the_step(monkeypatch, arch):
+    """The trace before the step is kept under the caller's key (`before_key`): the same model and shape class
+    with another optimizer or implementation is not traced again, and its trace is the one traced whole."""
+    hc = hf.hf_config_object(_tiny(arch, 6), "config.json", "sdpa")
+    calls = []
+    real_build = hf.builder(hc, "config.json")
+
+    def build():
+        calls.append(1)
+        return real_build()
+
+    trace._OPTIMIZER_STEPS.clear()
+    trace._BEFORE_STEP.clear()
+    base = TrainConfig(batch_size=2, seq_len=8, precision="amp-bf16", attention="sdpa")
+    first = trace_step(build, hf.batch_maker(hc, "config.json"), base, before_key="k")
+    assert len(calls) == 1 and trace._BEFORE_STEP
+    others = [base.model_copy(update=u) for u in ({"optimizer_impl": "fused"}, {"optimizer": "sgd-momentum"},
+                                                  {"optimizer_impl": "for-loop"}, {})]
+    reused = [trace_step(build, hf.batch_maker(hc, "config.json"), c, before_key="k") for c in others]
+    assert len(calls) == 1  # none traced the model again
+    monkeypatch.setattr(trace, "SPLICE_OPTIMIZER", False)
+    for c, got in zip(others, reused, strict=True):
+        _equal(got, trace_step(hf.builder(hc, "config.json"), hf.batch_maker(hc, "config.json"), c))
+    _equal(first, reused[-1])
+    trace._BEFORE_STEP.clear()
