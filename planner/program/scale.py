@@ -75,7 +75,8 @@ def _op(a: OpRecord, b: OpRecord, t: float, memo: dict) -> OpRecord:
 def _event(a: StorageEvent, b: StorageEvent, t: float) -> StorageEvent:
     if (a.op, a.action, a.storage, a.dtype, a.category) != (b.op, b.action, b.storage, b.dtype, b.category):
         raise _Mismatch
-    return a if a.nbytes == b.nbytes else replace(a, nbytes=_lerp(a.nbytes, b.nbytes, t))
+    return a if a.nbytes == b.nbytes else StorageEvent(a.op, a.action, a.storage, _lerp(a.nbytes, b.nbytes, t),
+                                                       a.dtype, a.category)
 
 
 def _saved(a: SavedRecord, b: SavedRecord, t: float, backend: str, device_nbytes: dict[int, int]) -> SavedRecord:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,8 +59,16 @@ MODEL_DTYPE = {"fp32": torch.float32, "amp-bf16": torch.float32, "amp-fp16": tor
 # ----------------------------------------------------------------------------------------- helpers
 
 
+# dtype -> its name, one string object each (torch's dtypes are a fixed set): not a cache of derived facts
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """"float32" for torch.float32; one string object per dtype, so that the records share it (`_DTYPE_NAMES`)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -84,13 +92,12 @@ def _tensors(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
+def _metas_of(tensors: list[torch.Tensor], memo: dict | None = None) -> tuple[TensorMeta, ...]:
+    """`memo` (the recorder's): equal metadata tuples as one object, so the trace cache finds them shared."""
     names = _DTYPE_NAMES
-    return tuple(TensorMeta(tuple(t.shape), names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)))
-                 for t in tensors)
+    out = tuple(TensorMeta(tuple(t.shape), names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)))
+                for t in tensors)
+    return out if memo is None else memo.setdefault(out, out)
 
 
 def _metas(tree: Any) -> tuple[TensorMeta, ...]:
@@ -143,6 +150,7 @@ class _Recorder(TorchDispatchMode):
         self.op_block: list[str] = []
         self.failed_in: list[str] | None = None  # the module stack when an op raised
         self.repeats: dict[str, int] | None = None  # `layer_repeats` of the traced module
+        self.metas: dict[tuple, tuple] = {}  # an op's metadata tuple -> the equal one first seen (`_metas_of`)
 
     def block(self) -> str:
         if self.phase != "forward":
@@ -187,7 +195,8 @@ class _Recorder(TorchDispatchMode):
         results = _tensors(out, [])
         flops = _flops(formula, args, kwargs, out) if formula is not None else 0
         self.ops.append(OpRecord(index, name, self.phase, self.stack[-1] if self.stack else "",
-                                 _metas_of(_tensors(kwargs, _tensors(args, []))), _metas_of(results), flops,
+                                 _metas_of(_tensors(kwargs, _tensors(args, [])), self.metas),
+                                 _metas_of(results, self.metas), flops,
                                  kernel))
         self.op_block.append(self.block())
         for i, t in enumerate(results):
@@ -885,7 +894,8 @@ class OptimizerStep:
         for i, (_, _, device, category) in enumerate(self.storages):
             meta[base_sid + i] = (device.nbytes, device.dtype, category)
         for op in self.ops:
-            ops.append(replace(op, index=base_op + op.index))
+            ops.append(OpRecord(base_op + op.index, op.name, op.phase, op.module, op.inputs, op.outputs, op.flops,
+                                op.kernel))
             op_block.append(block)
         waiting = bool(self.ops)
 

@@ -193,14 +193,27 @@ def _shared(trace: StepTrace) -> StepTrace:
     def metas(x: tuple) -> tuple:
         got = tuples.get(x)
         if got is None:
-            got = tuples[x] = tuple(one(m, m) for m in x)
+            got = tuple(one(m, m) for m in x)
+            got = tuples[x] = x if all(a is b for a, b in zip(got, x, strict=True)) else got
         return got
 
     # positional constructors: `dataclasses.replace` per op and event was most of a search's writing time
-    ops = tuple(OpRecord(o.index, one(o.name, o.name), one(o.phase, o.phase), one(o.module, o.module),
-                         metas(o.inputs), metas(o.outputs), o.flops, o.kernel) for o in trace.ops)
-    events = tuple(StorageEvent(e.op, one(e.action, e.action), e.storage, e.nbytes, one(e.dtype, e.dtype),
-                                one(e.category, e.category)) for e in trace.events)
+    def event(e: StorageEvent) -> StorageEvent:
+        action, dtype, category = one(e.action, e.action), one(e.dtype, e.dtype), one(e.category, e.category)
+        if action is e.action and dtype is e.dtype and category is e.category:  # shared already (most are)
+            return e
+        return StorageEvent(e.op, action, e.storage, e.nbytes, dtype, category)
+
+    def op(o: OpRecord) -> OpRecord:
+        name, phase, module = one(o.name, o.name), one(o.phase, o.phase), one(o.module, o.module)
+        inputs, outputs = metas(o.inputs), metas(o.outputs)
+        if (name is o.name and phase is o.phase and module is o.module and inputs is o.inputs
+                and outputs is o.outputs):
+            return o
+        return OpRecord(o.index, name, phase, module, inputs, outputs, o.flops, o.kernel)
+
+    ops = tuple(op(o) for o in trace.ops)
+    events = tuple(event(e) for e in trace.events)
     return replace(trace, ops=ops, events=events, op_blocks=tuple(one(b, b) for b in trace.op_blocks))
 
 
