@@ -120,8 +120,10 @@ def search(trials: int = SEARCH_TRIALS) -> dict:
         result = run_search(sweep, trials=trials, results_dir=tmp, write_files=False)
     seconds = time.perf_counter() - start
     trace._trace_step = real
-    # the trial table without the columns that name this checkout's path (study name, error reasons)
-    table = result.frame.drop(columns=["study", "reason"], errors="ignore").to_csv()
+    # the trial table without the columns that name this checkout's path (study name, error reasons) or time it
+    frame = result.frame
+    table = frame.drop(columns=["study", "reason", *(c for c in frame.columns if "time" in c or "duration" in c)],
+                       errors="ignore").to_csv()
     return {"seconds": seconds, "trials": len(result.frame),
             "estimates": result.run.evaluations, "traces": sources._user_trace.cache_info().misses,
             "interpolated": sources._traced_at_batch.cache_info().misses, "model_traces": built[0],

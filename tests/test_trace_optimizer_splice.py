@@ -140,3 +140,33 @@ def test_a_class_differing_only_in_the_optimizer_reuses_the_trace_before_the_ste
         _equal(got, trace_step(hf.builder(hc, "config.json"), hf.batch_maker(hc, "config.json"), c))
     _equal(first, reused[-1])
     trace._BEFORE_STEP.clear()
+
+
+def test_a_step_that_fails_before_the_optimizer_fails_again_without_tracing(monkeypatch):
+    """A BatchNorm given one sample raises in forward: a class differing only in the optimizer gets the same
+    one-line error without building the model again."""
+    from planner.errors import PlannerError
+
+    built = []
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            built.append(1)
+            self.a = torch.nn.Linear(8, 16)
+            self.bn = torch.nn.BatchNorm1d(16)
+
+        def forward(self, x):
+            return self.bn(self.a(x))
+
+    trace._FAILED_BEFORE_STEP.clear()
+    cfg = TrainConfig(batch_size=1, seq_len=8, precision="fp32")
+    errors, builds = [], []
+    for c in (cfg, cfg.model_copy(update={"optimizer_impl": "fused"})):
+        with pytest.raises(PlannerError) as exc:
+            trace_step(Net, lambda b, s: torch.randn(b, 8), c, backend="cpu", before_key="net")
+        errors.append(str(exc.value))
+        builds.append(len(built))
+    assert errors[0] == errors[1] and "Expected more than 1 value per channel" in errors[0]
+    assert builds[0] >= 1 and builds[1] == builds[0]  # the second class built nothing
+    trace._FAILED_BEFORE_STEP.clear()

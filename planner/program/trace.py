@@ -607,6 +607,9 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
 
     from planner.program import periodic as periodic_layers
 
+    failed = _FAILED_BEFORE_STEP.get((before_key, periodic)) if before_key is not None else None
+    if failed is not None:  # the model's step raised for another optimizer: it raises for this one too
+        raise failed
     kept = _BEFORE_STEP.get((before_key, periodic)) if before_key is not None and not scan_frees else None
     if kept is not None and SPLICE_OPTIMIZER:
         step = optimizer_step(kept.metas, config, backend)
@@ -735,17 +738,18 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                         else:
                             notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
             except fake_errors as exc:
-                raise _fake_error(exc, rec.failed_in if rec.failed_in is not None else stack, source,
-                                  type(module).__name__) from None
-            except PlannerError:
-                raise
+                raise _remember(_fake_error(exc, rec.failed_in if rec.failed_in is not None else stack, source,
+                                            type(module).__name__), before_key, periodic, rec) from None
+            except PlannerError as exc:
+                raise _remember(exc, before_key, periodic, rec) from None
             except Exception as exc:  # noqa: BLE001 - an error in the user's forward/loss: one line, exit 2
                 from planner.models.user_module import last_line
 
                 at = rec.failed_in if rec.failed_in is not None else stack
                 where = (at[-1] or "(root)") if at else "the loss or backward"
-                raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
-                                   f"(in {where}); check --inputs matches the model") from None
+                raise _remember(PlannerError("--model", source or name, f"the training step raised "
+                                             f"{last_line(exc)} (in {where}); check --inputs matches the model"),
+                                before_key, periodic, rec) from None
 
         for run in runs:
             periodic_layers.restore(run)
@@ -807,6 +811,21 @@ _BEFORE_STEP: dict[tuple, _Before] = caches.table(
     "planner.program.trace._BEFORE_STEP", scope="model",
     key="(source kind, its arguments, config JSON without the optimizer and its implementation, periodic)")
 BEFORE_STEP_SIZE = 64  # kept per process, the oldest out first (each holds a trace's op and event lists)
+
+
+# (before_key, periodic) -> the error the model's step raised before its optimizer step (a BatchNorm given one
+# sample): the same error for a shape class that differs only in the optimizer, without tracing again
+_FAILED_BEFORE_STEP: dict[tuple, PlannerError] = caches.table(
+    "planner.program.trace._FAILED_BEFORE_STEP", scope="model",
+    key="(source kind, its arguments, config JSON without the optimizer and its implementation, periodic)")
+
+
+def _remember(err: PlannerError, before_key: Any, periodic: bool, rec: _Recorder) -> PlannerError:
+    """`err`, kept under `before_key` where it was raised before the optimizer step (which alone differs
+    between the shape classes sharing the key)."""
+    if before_key is not None and rec.phase != "optimizer":
+        _FAILED_BEFORE_STEP[(before_key, periodic)] = err
+    return err
 
 
 def _pending_frees(rec: _Recorder) -> list[int] | None:
