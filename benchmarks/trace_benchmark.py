@@ -110,7 +110,8 @@ def search(trials: int = SEARCH_TRIALS) -> dict:
 
     def counted(*args, **kwargs):  # the model itself traced (not a step spliced onto a kept trace)
         key = kwargs.get("before_key")
-        if key is None or (key, kwargs.get("periodic", False)) not in getattr(trace, "_BEFORE_STEP", {}):
+        kept = (key, kwargs.get("periodic", False))
+        if key is None or not any(kept in getattr(trace, t, {}) for t in ("_BEFORE_STEP", "_FAILED_BEFORE_STEP")):
             built[0] += 1
         return real(*args, **kwargs)
 
