@@ -53,8 +53,7 @@ def test_the_spliced_step_is_the_step_run_in_the_trace(monkeypatch, arch, layers
                       optimizer_impl=impl, checkpointing=ckpt)
     spliced, again, whole = _traces(monkeypatch, _tiny(arch, layers), cfg)
     steps = [op for op in whole.ops if op.phase == "optimizer"]
-    assert steps and any(e.category == "optimizer_state" for e in whole.events) == (optimizer != "sgd-momentum"
-                                                                                    or True)
+    assert steps and any(e.category == "optimizer_state" for e in whole.events)  # Adam's moments, SGD's momentum
     assert sum(e.op >= steps[0].index for e in whole.events) > 0  # the comparison covers the step's events
     _equal(spliced, whole)
     _equal(again, whole)
