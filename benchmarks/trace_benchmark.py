@@ -98,15 +98,37 @@ def search(trials: int = SEARCH_TRIALS) -> dict:
     example = str(ROOT / "examples" / "multimodal_bert.py")
     sweep = Sweep(name="trace-benchmark", model=f"{example}:build", inputs=f"{example}:batch",
                   instance="ml.p3.16xlarge")
+    import hashlib
+
+    from planner.program import trace
+
     sources._user_trace.cache_clear()
     sources._traced_at_batch.cache_clear()
     sources._FAILED.clear()
+    built = [0]
+    real = trace._trace_step
+
+    def counted(*args, **kwargs):  # the model itself traced (not a step spliced onto a kept trace)
+        key = kwargs.get("before_key")
+        kept = (key, kwargs.get("periodic", False))
+        if key is None or not any(kept in getattr(trace, t, {}) for t in ("_BEFORE_STEP", "_FAILED_BEFORE_STEP")):
+            built[0] += 1
+        return real(*args, **kwargs)
+
+    trace._trace_step = counted
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = run_search(sweep, trials=trials, results_dir=tmp, write_files=False)
-    return {"seconds": time.perf_counter() - start, "trials": len(result.frame),
+    seconds = time.perf_counter() - start
+    trace._trace_step = real
+    # the trial table without the columns that name this checkout's path (study name, error reasons) or time it
+    frame = result.frame
+    table = frame.drop(columns=["study", "reason", *(c for c in frame.columns if "time" in c or "duration" in c)],
+                       errors="ignore").to_csv()
+    return {"seconds": seconds, "trials": len(result.frame),
             "estimates": result.run.evaluations, "traces": sources._user_trace.cache_info().misses,
-            "interpolated": sources._traced_at_batch.cache_info().misses}
+            "interpolated": sources._traced_at_batch.cache_info().misses, "model_traces": built[0],
+            "table_sha256": hashlib.sha256(table.encode()).hexdigest()[:16]}
 
 
 def layers() -> None:
@@ -202,19 +224,34 @@ def _without_interpolation_note(out: str) -> dict:
     return answer
 
 
-def search_timed() -> None:
+def search_timed(baseline: str | None = None) -> None:
     """A SEARCH_TRIALS-trial search over examples/multimodal_bert.py in a new process, from an empty trace cache,
-    then again in another new process (the traces read back from the disk)."""
+    then again in another new process (the traces read back from the disk); with `baseline` (another
+    checkout), its own search from an empty trace cache first, back to back, and whether the trial tables
+    are the same (a digest of every column but the study name and error reasons, which name the checkout)."""
+    print()
+    if baseline:
+        base = Path(baseline).resolve()
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "PYTHONPATH": str(base), "PLANNER_CACHE_DIR": cache}
+            env.pop("PLANNER_TRACE_CACHE", None)
+            wall, cpu, out = timed([sys.executable, str(base / "benchmarks" / "trace_benchmark.py"),
+                                    "--search-case"], env)
+            r = json.loads(out.strip().splitlines()[-1])
+            print(f"baseline ({base.name}), empty trace cache: {r['trials']} trials in {wall:.1f} s wall, "
+                  f"{cpu:.1f} s CPU, load average {os.getloadavg()[0]:.1f}"
+                  + (f", table {r['table_sha256']}" if "table_sha256" in r else ""))
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_CACHE_DIR": cache}
         env.pop("PLANNER_TRACE_CACHE", None)
-        print()
         for label in ("empty trace cache", "traces on disk"):
             wall, cpu, out = timed([sys.executable, __file__, "--search-case"], env)
             r = json.loads(out.strip().splitlines()[-1])
             print(f"planner search over examples/multimodal_bert.py, ml.p3.16xlarge, new process, {label}: "
-                  f"{r['trials']} trials in {wall:.1f} s wall, {cpu:.1f} s CPU ({r['estimates']} estimates, "
-                  f"{r['traces']} traces made or read; the rest interpolated between micro-batches 2 and 4)")
+                  f"{r['trials']} trials in {wall:.1f} s wall, {cpu:.1f} s CPU (target <= 30 s; "
+                  f"{r['estimates']} estimates, {r['traces']} traces made or read, the model traced "
+                  f"{r['model_traces']} times, the optimizer step spliced on; the rest interpolated between "
+                  f"micro-batches 2 and 4), load average {os.getloadavg()[0]:.1f}, table {r['table_sha256']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(search(SEARCH_TRIALS)))
         return 0
     if args.search_only:
-        search_timed()
+        search_timed(args.baseline)
         return 0
     if args.layers:
         layers()
@@ -242,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     estimates(args.repeat, args.baseline)
     if args.quick:
         return 0
-    search_timed()
+    search_timed(args.baseline)
     print()
     print(f"{'case':26s} {'seconds':>8s} {'peak RSS MB':>12s} {'ops':>7s} {'events':>7s} {'saved MiB':>10s}")
     for name in CASES:

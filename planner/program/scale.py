@@ -53,17 +53,30 @@ def _metas(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...], t: float) -> tu
                  for x, y in zip(a, b, strict=True))
 
 
-def _op(a: OpRecord, b: OpRecord, t: float) -> OpRecord:
+def _op(a: OpRecord, b: OpRecord, t: float, memo: dict) -> OpRecord:
+    """`memo`: (a's metadata, b's) -> the interpolated metadata, for one t (a step repeats few distinct ones:
+    interpolating each op's afresh was most of an interpolation's time)."""
     if (a.name, a.phase, a.module, a.kernel) != (b.name, b.phase, b.module, b.kernel):
         raise _Mismatch
-    return replace(a, inputs=_metas(a.inputs, b.inputs, t), outputs=_metas(a.outputs, b.outputs, t),
-                   flops=_lerp(a.flops, b.flops, t))
+    key = (a.inputs, b.inputs)
+    inputs = memo.get(key)
+    if inputs is None:
+        inputs = memo[key] = _metas(a.inputs, b.inputs, t)
+    key = (a.outputs, b.outputs)
+    outputs = memo.get(key)
+    if outputs is None:
+        outputs = memo[key] = _metas(a.outputs, b.outputs, t)
+    flops = _lerp(a.flops, b.flops, t) if a.flops != b.flops else a.flops
+    if inputs == a.inputs and outputs == a.outputs and flops == a.flops:
+        return a
+    return OpRecord(a.index, a.name, a.phase, a.module, inputs, outputs, flops, a.kernel)
 
 
 def _event(a: StorageEvent, b: StorageEvent, t: float) -> StorageEvent:
     if (a.op, a.action, a.storage, a.dtype, a.category) != (b.op, b.action, b.storage, b.dtype, b.category):
         raise _Mismatch
-    return a if a.nbytes == b.nbytes else replace(a, nbytes=_lerp(a.nbytes, b.nbytes, t))
+    return a if a.nbytes == b.nbytes else StorageEvent(a.op, a.action, a.storage, _lerp(a.nbytes, b.nbytes, t),
+                                                       a.dtype, a.category)
 
 
 def _saved(a: SavedRecord, b: SavedRecord, t: float, backend: str, device_nbytes: dict[int, int]) -> SavedRecord:
@@ -94,7 +107,8 @@ def scaled(t0: StepTrace, t1: StepTrace, b0: int, b1: int, b: int) -> StepTrace 
         saved = tuple(_saved(x, y, t, t0.backend, device_nbytes) for x, y in zip(t0.saved, t1.saved, strict=True))
         if t0.op_blocks != t1.op_blocks:
             raise _Mismatch
-        ops = tuple(_op(x, y, t) for x, y in zip(t0.ops, t1.ops, strict=True))
+        memo: dict = {}
+        ops = tuple(_op(x, y, t, memo) for x, y in zip(t0.ops, t1.ops, strict=True))
         # per-block saved bytes and transient peaks: measured again over the interpolated events (a peak is a
         # max over ops of 512-byte-rounded sizes, affine only piecewise)
         if t0.retained_storages != t1.retained_storages:

@@ -53,10 +53,18 @@ def _user_trace(ref: str, options_json: str, inputs: str | None, loss: str | Non
         return trace_step(build, user_module.batch_maker(inputs, json.loads(options_json)),
                           config, loss_fn=user_module.loss_function(loss), backend=backend,  # type: ignore[arg-type]
                           flash_ok=flash_ok, name=ref.rsplit("/", 1)[-1], source=ref,
-                          enable_checkpointing=_checkpointing_for)
+                          enable_checkpointing=_checkpointing_for,
+                          before_key=("user", ref, options_json, inputs, loss, _but_optimizer(config), backend,
+                                      flash_ok))
 
     return trace_cache.cached(_parts("user", (ref, options_json, inputs, loss, backend, flash_ok), config_json),
                               make, user_code=True)
+
+
+def _but_optimizer(config: TrainConfig) -> str:
+    """The shape class without the optimizer and its implementation: what the trace before the optimizer
+    step depends on (`trace_step`'s `before_key`; the step is spliced on per optimizer)."""
+    return config.model_copy(update={"optimizer": "adamw", "optimizer_impl": "foreach"}).model_dump_json()
 
 
 def _absolute(*refs: str | None) -> list[str | None]:
@@ -85,7 +93,8 @@ def _config_trace(path: str, options_json: str, config_json: str, backend: str, 
         return trace_step(with_adapters(hf.builder(hf_config, path), config), hf.batch_maker(hf_config, path),
                           config, backend=backend,  # type: ignore[arg-type]
                           flash_ok=flash_ok, name=label or path, source=path,
-                          enable_checkpointing=_checkpointing_for)
+                          enable_checkpointing=_checkpointing_for,
+                          before_key=("config", path, options_json, _but_optimizer(config), backend, flash_ok))
 
     return trace_cache.cached(_parts("config", (path, options_json, backend, flash_ok), config_json), make)
 

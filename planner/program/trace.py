@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from planner import caches
 from planner.errors import PlannerError
 from planner.program import cuda
 from planner.program.records import (  # noqa: F401 - the records are read from here too
@@ -58,8 +59,16 @@ MODEL_DTYPE = {"fp32": torch.float32, "amp-bf16": torch.float32, "amp-fp16": tor
 # ----------------------------------------------------------------------------------------- helpers
 
 
+# dtype -> its name, one string object each (torch's dtypes are a fixed set): not a cache of derived facts
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """"float32" for torch.float32; one string object per dtype, so that the records share it (`_DTYPE_NAMES`)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -83,13 +92,12 @@ def _tensors(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _metas_of(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
+def _metas_of(tensors: list[torch.Tensor], memo: dict | None = None) -> tuple[TensorMeta, ...]:
+    """`memo` (the recorder's): equal metadata tuples as one object, so the trace cache finds them shared."""
     names = _DTYPE_NAMES
-    return tuple(TensorMeta(tuple(t.shape), names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)))
-                 for t in tensors)
+    out = tuple(TensorMeta(tuple(t.shape), names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)))
+                for t in tensors)
+    return out if memo is None else memo.setdefault(out, out)
 
 
 def _metas(tree: Any) -> tuple[TensorMeta, ...]:
@@ -142,6 +150,7 @@ class _Recorder(TorchDispatchMode):
         self.op_block: list[str] = []
         self.failed_in: list[str] | None = None  # the module stack when an op raised
         self.repeats: dict[str, int] | None = None  # `layer_repeats` of the traced module
+        self.metas: dict[tuple, tuple] = {}  # an op's metadata tuple -> the equal one first seen (`_metas_of`)
 
     def block(self) -> str:
         if self.phase != "forward":
@@ -186,7 +195,8 @@ class _Recorder(TorchDispatchMode):
         results = _tensors(out, [])
         flops = _flops(formula, args, kwargs, out) if formula is not None else 0
         self.ops.append(OpRecord(index, name, self.phase, self.stack[-1] if self.stack else "",
-                                 _metas_of(_tensors(kwargs, _tensors(args, []))), _metas_of(results), flops,
+                                 _metas_of(_tensors(kwargs, _tensors(args, [])), self.metas),
+                                 _metas_of(results, self.metas), flops,
                                  kernel))
         self.op_block.append(self.block())
         for i, t in enumerate(results):
@@ -548,17 +558,20 @@ def trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int, 
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
                enable_checkpointing: Callable[[torch.nn.Module], None] | None = None,
-               scan_frees: bool = False, periodic: bool = True) -> StepTrace:
+               scan_frees: bool = False, periodic: bool = True, before_key: Any = None) -> StepTrace:
     """`_trace_step` without torch's FakeTensor data-pointer warning in the user's output.
 
     `periodic`: trace four layers of each run of identical layers and write out the rest
-    (`planner.program.periodic`); where the trace does not repeat as the modules do, trace the whole model."""
+    (`planner.program.periodic`); where the trace does not repeat as the modules do, trace the whole model.
+    `before_key`: what the model and its shape class are but for the optimizer and its implementation (the
+    caller's key); the trace before the optimizer step is kept under it, and a later call with the same key
+    splices its own optimizer step onto it without tracing the model again (`_BEFORE_STEP`)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FAKE_DATA_PTR_WARNING, category=UserWarning)
         kw = {"loss_fn": loss_fn, "backend": backend, "flash_ok": flash_ok, "name": name, "source": source,
-              "enable_checkpointing": enable_checkpointing, "scan_frees": scan_frees}
+              "enable_checkpointing": enable_checkpointing, "scan_frees": scan_frees, "before_key": before_key}
         if periodic and PERIODIC_LAYERS:
             try:
                 trace = _trace_step(build, make_batch, config, periodic=True, **kw)
@@ -580,7 +593,7 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, backend: Backend = "cuda",
                flash_ok: bool = True, name: str = "model", source: str = "",
                enable_checkpointing: Callable[[torch.nn.Module], None] | None = None,
-               scan_frees: bool = False, periodic: bool = False) -> StepTrace | None:
+               scan_frees: bool = False, periodic: bool = False, before_key: Any = None) -> StepTrace | None:
     """One training step of `build()` on `make_batch(config.batch_size, config.seq_len)`, as a StepTrace.
 
     `build` and `make_batch` run inside FakeTensorMode, so parameters and inputs are fake from the start.
@@ -594,6 +607,14 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
 
     from planner.program import periodic as periodic_layers
 
+    failed = _FAILED_BEFORE_STEP.get((before_key, periodic)) if before_key is not None else None
+    if failed is not None:  # the model's step raised for another optimizer: it raises for this one too
+        raise failed
+    kept = _BEFORE_STEP.get((before_key, periodic)) if before_key is not None and not scan_frees else None
+    if kept is not None and SPLICE_OPTIMIZER:
+        step = optimizer_step(kept.metas, config, backend)
+        if step is not None:
+            return _finish(kept, step, config, name, backend)
     fake_errors = (ft.DataDependentOutputException, ft.DynamicOutputShapeException,
                    ft.UnsupportedFakeTensorException, ft.UnsupportedOperatorException)
     notes: list[str] = []
@@ -701,44 +722,149 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                             rec.register(p.grad, "gradient", backward_end - 1).category = "gradient"
                     standin_of = _give_standins(rec, standins)
                     rec.phase = "optimizer"
-                    opt = _optimizer([p for _, p in named if p.requires_grad], config)
-                    if opt is not None:
-                        opt.step()
-                        for state in opt.state.values():
-                            for v in state.values():
-                                if isinstance(v, torch.Tensor) and v.numel() > 1:
-                                    rec.register(v, "optimizer_state").category = "optimizer_state"
-                    else:
-                        notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
+                    trained = [p for _, p in named if p.requires_grad]
+                    metas = tuple((_tensor_key(p), _tensor_key(p.grad)) for p in trained)
+                    pending = _pending_frees(rec) if SPLICE_OPTIMIZER and not scan_frees and not stack else None
+                    step = optimizer_step(metas, config, backend) if pending is not None else None
+                    if step is None:  # run the step here (the reference; or it cannot be spliced)
+                        pending = None
+                        opt = _optimizer(trained, config)
+                        if opt is not None:
+                            opt.step()
+                            for state in opt.state.values():
+                                for v in state.values():
+                                    if isinstance(v, torch.Tensor) and v.numel() > 1:
+                                        rec.register(v, "optimizer_state").category = "optimizer_state"
+                        else:
+                            notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
             except fake_errors as exc:
-                raise _fake_error(exc, rec.failed_in if rec.failed_in is not None else stack, source,
-                                  type(module).__name__) from None
-            except PlannerError:
-                raise
+                raise _remember(_fake_error(exc, rec.failed_in if rec.failed_in is not None else stack, source,
+                                            type(module).__name__), before_key, periodic, rec) from None
+            except PlannerError as exc:
+                raise _remember(exc, before_key, periodic, rec) from None
             except Exception as exc:  # noqa: BLE001 - an error in the user's forward/loss: one line, exit 2
                 from planner.models.user_module import last_line
 
                 at = rec.failed_in if rec.failed_in is not None else stack
                 where = (at[-1] or "(root)") if at else "the loss or backward"
-                raise PlannerError("--model", source or name, f"the training step raised {last_line(exc)} "
-                                   f"(in {where}); check --inputs matches the model") from None
+                raise _remember(PlannerError("--model", source or name, f"the training step raised "
+                                             f"{last_line(exc)} (in {where}); check --inputs matches the model"),
+                                before_key, periodic, rec) from None
 
         for run in runs:
             periodic_layers.restore(run)
-        grads = tuple(tuple(p.shape) for _, p in named if p.requires_grad)
-        pbytes = named[0][1].element_size() if named else 4
-        buffer_bytes = sum(b.untyped_storage().nbytes() for b in buffers.values())
-        batch_bytes = sum(t.untyped_storage().nbytes() for t in inputs.values())
+        saved_list = list(saved.values())
+        before = _Before(
+            rec.ops, rec.op_block, rec.raw_events, rec.event_stage, rec.event_late,
+            {sid: (info.device.nbytes, info.device.dtype, info.category) for sid, info in rec.storages.items()},
+            pending or [], rec.block(), metas, runs, saved_list, [saved_op[s.storage] for s in saved_list],
+            retained, list(retained_storages), standin_of, forward_end, backward_end,
+            tuple(tuple(p.shape) for _, p in named if p.requires_grad),
+            named[0][1].element_size() if named else 4,
+            sum(b.untyped_storage().nbytes() for b in buffers.values()),
+            sum(t.untyped_storage().nbytes() for t in inputs.values()),
+            parameters, block_params, block_trainable, tuple(notes),
+            config.checkpointing and enable_checkpointing is not None)
         del output, loss
-    ops, op_block, saved_list = rec.ops, rec.op_block, list(saved.values())
-    meta = {sid: (info.device.nbytes, info.device.dtype, info.category) for sid, info in rec.storages.items()}
-    raw_events: list[tuple[int, str, int]] = rec.raw_events
-    if runs:
+    if step is not None and before_key is not None:
+        _BEFORE_STEP[(before_key, periodic)] = before
+        while len(_BEFORE_STEP) > BEFORE_STEP_SIZE:
+            del _BEFORE_STEP[next(iter(_BEFORE_STEP))]
+    return _finish(before, step, config, name, backend)
+
+
+@dataclass
+class _Before:
+    """A trace up to its optimizer step, as data: kept (`_BEFORE_STEP`) so that a shape class that differs
+    only in the optimizer or its implementation splices its own step onto it instead of tracing again."""
+
+    ops: list[OpRecord]
+    op_block: list[str]
+    events: list[tuple[int, str, int]]
+    stage: list[int]
+    late: list[bool]
+    meta: dict[int, tuple[int, str, str]]  # storage id -> (device bytes, device dtype, category)
+    pending: list[int]  # the model's temporaries that died after the last op: freed after the step's first op
+    block: str  # the block the step's ops are counted in (the recorder's last backward block)
+    metas: tuple  # the trained parameters' and gradients' metadata (`optimizer_step`)
+    runs: list  # planner.program.periodic runs written out
+    saved: list[SavedRecord]
+    saved_op: list[int]
+    retained: dict[str, int]
+    retained_storages: list[tuple[str, int]]
+    standin_of: dict[int, tuple[str, int]]
+    forward_end: int
+    backward_end: int
+    grads: tuple[tuple[int, ...], ...]
+    pbytes: int
+    buffer_bytes: int
+    batch_bytes: int
+    parameters: dict[str, int]
+    block_params: dict[str, int]
+    block_trainable: dict[str, int]
+    notes: tuple[str, ...]
+    checkpointed: bool
+
+
+# (the model and its shape class but the optimizer, whether layers are cut) -> the trace before its step
+_BEFORE_STEP: dict[tuple, _Before] = caches.table(
+    "planner.program.trace._BEFORE_STEP", scope="model",
+    key="(source kind, its arguments, config JSON without the optimizer and its implementation, periodic)")
+BEFORE_STEP_SIZE = 64  # kept per process, the oldest out first (each holds a trace's op and event lists)
+
+
+# (before_key, periodic) -> the error the model's step raised before its optimizer step (a BatchNorm given one
+# sample): the same error for a shape class that differs only in the optimizer, without tracing again
+_FAILED_BEFORE_STEP: dict[tuple, PlannerError] = caches.table(
+    "planner.program.trace._FAILED_BEFORE_STEP", scope="model",
+    key="(source kind, its arguments, config JSON without the optimizer and its implementation, periodic)")
+
+
+def _remember(err: PlannerError, before_key: Any, periodic: bool, rec: _Recorder) -> PlannerError:
+    """`err`, kept under `before_key` where it was raised before the optimizer step (which alone differs
+    between the shape classes sharing the key)."""
+    if before_key is not None and rec.phase != "optimizer":
+        _FAILED_BEFORE_STEP[(before_key, periodic)] = err
+    return err
+
+
+def _pending_frees(rec: _Recorder) -> list[int] | None:
+    """Storage ids of the model's temporaries whose death was reported since the last op (what `_poll` frees
+    after the next op), in registration order; None where one is dead only as a Python object (its storage
+    may die at any later op: then the step is run in the trace)."""
+    if rec.scanned:
+        return None
+    out: set[int] = set()
+    for key in rec.dead:
+        info = rec.polled.get(key)
+        if info is None:
+            continue
+        if not _EXPIRED(info.ref.cdata):
+            return None
+        out.add(info.sid)
+    return sorted(out)
+
+
+def _finish(before: _Before, step: OptimizerStep | None, config: TrainConfig, name: str,
+            backend: Backend) -> StepTrace | None:
+    """The StepTrace of `before` with `step` spliced in (None: the step is in `before` already); layers
+    written out (`planner.program.periodic`); None where they do not repeat."""
+    from planner.program import periodic as periodic_layers
+
+    ops, op_block, raw_events = list(before.ops), list(before.op_block), list(before.events)
+    stages, lates, meta = list(before.stage), list(before.late), dict(before.meta)
+    notes = before.notes
+    if step is not None:
+        if not step.ran:
+            notes = (*notes, f"optimizer {config.optimizer}: not run in the trace (no torch class)")
+        step.splice(ops, op_block, raw_events, stages, lates, meta, before.pending, before.block)
+    forward_end, backward_end = before.forward_end, before.backward_end
+    saved_list, retained_storages = before.saved, before.retained_storages
+    if before.runs:
         raw: periodic_layers.Raw | None = periodic_layers.Raw(
-            list(ops), list(op_block),
-            [(*e, stage, late) for e, stage, late in zip(raw_events, rec.event_stage, rec.event_late, strict=True)],
-            meta, saved_list, [saved_op[s.storage] for s in saved_list], list(retained_storages), standin_of)
-        for run in runs:
+            ops, op_block, [(*e, stage, late) for e, stage, late in zip(raw_events, stages, lates, strict=True)],
+            meta, list(saved_list), list(before.saved_op), list(retained_storages), dict(before.standin_of))
+        for run in before.runs:
             raw = periodic_layers.expand(raw, run) if raw is not None else None
         if raw is None:
             return None
@@ -746,14 +872,128 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
         forward_end, backward_end = raw.forward_end, raw.backward_end
         raw_events, meta, saved_list, retained_storages = periodic_layers.renumber(raw)
     events = tuple(StorageEvent(op, action, sid, *meta[sid]) for op, action, sid in raw_events)
-    blocks = block_memory(events, tuple(op_block), tuple(saved_list), block_params, retained, forward_end,
-                          backward_end, backend, frozenset(sid for _, sid in retained_storages))
-    return StepTrace(name=name, backend=backend, parameters=parameters, gradient_shapes=grads,
-                     parameter_dtype_bytes=pbytes, buffer_bytes=buffer_bytes, batch_bytes=batch_bytes,
-                     blocks=blocks, saved=tuple(saved_list), ops=tuple(ops), events=events,
-                     checkpointed=config.checkpointing and enable_checkpointing is not None, notes=tuple(notes),
-                     op_blocks=tuple(op_block), block_parameters=block_params, block_trainable=block_trainable,
+    blocks = block_memory(events, tuple(op_block), tuple(saved_list), before.block_params, before.retained,
+                          forward_end, backward_end, backend, frozenset(sid for _, sid in retained_storages))
+    return StepTrace(name=name, backend=backend, parameters=before.parameters, gradient_shapes=before.grads,
+                     parameter_dtype_bytes=before.pbytes, buffer_bytes=before.buffer_bytes,
+                     batch_bytes=before.batch_bytes, blocks=blocks, saved=tuple(saved_list), ops=tuple(ops),
+                     events=events, checkpointed=before.checkpointed, notes=notes, op_blocks=tuple(op_block),
+                     block_parameters=before.block_params, block_trainable=before.block_trainable,
                      retained_storages=tuple(retained_storages))
+
+
+# Splice the optimizer step, traced once per parameter list and optimizer (`optimizer_step`), into every trace
+# of a model; False runs it in every trace (the reference the tests compare against).
+SPLICE_OPTIMIZER = True
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """One optimizer step as the recorder saw it, apart from the model: its ops, and its storage events over
+    storages of its own (numbered from 0; the parameters' and gradients' storages have no event in it).
+
+    Why: the step (AdamW's foreach ops over every parameter tensor) was a fifth to a third of each trace and
+    depends only on the parameters and gradients (shapes, strides, dtypes, which have a gradient), the
+    optimizer, its implementation and the backend, never on the batch, length, precision of the compute or
+    checkpointing; a search traces one model at many shape classes."""
+
+    ran: bool  # a torch optimizer ran (else the trace notes it did not)
+    spliceable: bool  # False: the step touched a parameter's or gradient's storage (the trace runs it itself)
+    ops: tuple[OpRecord, ...]  # indices from 0
+    events: tuple[tuple[int, str, int, int, bool], ...]  # (op from 0, or -1; action; own storage; stage; late)
+    storages: tuple[tuple[int, str, cuda.Storage, str], ...]  # own storages: (numel, dtype, device, category)
+
+    def splice(self, ops: list[OpRecord], op_block: list[str], events: list[tuple[int, str, int]],
+               stages: list[int], lates: list[bool], meta: dict[int, tuple[int, str, str]], pending: list[int],
+               block: str) -> None:
+        """Append the step as if it had run after `ops`: `pending` (the model's temporaries that died after
+        the last op) are freed after the step's first op, after its results and before its own frees (the
+        recorder frees in registration order, `_Recorder._poll`), as the recorder does for an op that runs."""
+        base_op, base_sid = len(ops), len(meta)
+        for i, (_, _, device, category) in enumerate(self.storages):
+            meta[base_sid + i] = (device.nbytes, device.dtype, category)
+        for op in self.ops:
+            ops.append(OpRecord(base_op + op.index, op.name, op.phase, op.module, op.inputs, op.outputs, op.flops,
+                                op.kernel))
+            op_block.append(block)
+        waiting = bool(self.ops)
+
+        def flush() -> None:
+            for sid in pending:
+                events.append((base_op, "free", sid))
+                stages.append(1)
+                lates.append(True)
+
+        for op, action, sid, stage, late in self.events:
+            if waiting and (op != 0 or action == "free"):
+                flush()
+                waiting = False
+            events.append((base_op + op if op >= 0 else op, action, base_sid + sid))
+            stages.append(stage)
+            lates.append(late)
+        if waiting:
+            flush()
+
+
+# (optimizer, implementation, backend, each trained parameter's and its gradient's shape, stride, dtype) ->
+# the step, traced once per process (`optimizer_step`)
+_OPTIMIZER_STEPS: dict[tuple, OptimizerStep] = caches.table(
+    "planner.program.trace._OPTIMIZER_STEPS", scope="model",
+    key="(optimizer, implementation, backend, shapes, strides and dtypes of the parameters and gradients)")
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype,
+                                   t.untyped_storage().nbytes())
+
+
+def optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -> OptimizerStep | None:
+    """The optimizer step over `params` (with their gradients), traced once per key (`_OPTIMIZER_STEPS`) on
+    stand-in parameters of the same shapes in a FakeTensorMode of its own; None where the traced step
+    touches a parameter's or gradient's storage (then the trace runs the step itself)."""
+    key = (config.optimizer, config.optimizer_impl, backend, metas)
+    if key not in _OPTIMIZER_STEPS:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the trace's FakeTensorMode and recorder do not see this one
+            _OPTIMIZER_STEPS[key] = _trace_optimizer_step(metas, config, backend)
+    step = _OPTIMIZER_STEPS[key]
+    return step if step.spliceable else None
+
+
+def _trace_optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -> OptimizerStep:
+    from torch._subclasses import fake_tensor as ft
+
+    with ft.FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
+        standins = []
+        for p, g in metas:
+            q = torch.nn.Parameter(torch.empty_strided(p[0], p[1], dtype=p[3]), requires_grad=True)
+            if g is not None:
+                q.grad = torch.empty_strided(g[0], g[1], dtype=g[3])
+            standins.append(q)
+        rec = _Recorder(backend, [])
+        rec.phase = "optimizer"
+        for q in standins:
+            rec.register(q, "parameter")
+            if q.grad is not None:
+                rec.register(q.grad, "gradient")
+        own, first_event = len(rec.storages), len(rec.raw_events)
+        with rec:
+            opt = _optimizer(standins, config)  # made under the recorder, as in the trace
+            if opt is not None:
+                opt.step()
+                for state in opt.state.values():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor) and v.numel() > 1:
+                            rec.register(v, "optimizer_state").category = "optimizer_state"
+    events = tuple((op, action, sid - own, stage, late) for (op, action, sid), stage, late in
+                   zip(rec.raw_events[first_event:], rec.event_stage[first_event:], rec.event_late[first_event:],
+                       strict=True))
+    if any(sid < 0 for _, _, sid, _, _ in events) or rec.scanned:
+        return OptimizerStep(False, False, (), (), ())  # touches the model's storages: not spliced (see optimizer_step)
+    storages = tuple((i.numel, i.dtype, i.device, i.category) for sid, i in sorted(rec.storages.items())
+                     if sid >= own)
+    return OptimizerStep(opt is not None, True, tuple(rec.ops), events, storages)
 
 
 def _give_standins(rec: _Recorder, standins: list[tuple[torch.nn.Parameter, torch.Tensor, str, torch.nn.Parameter]]
