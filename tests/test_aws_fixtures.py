@@ -83,3 +83,20 @@ def describe_response(name: str, status: str, *, failure: str | None = None, sec
         resp["TrainingTimeInSeconds"] = 120
         resp["BillableTimeInSeconds"] = 120
     return resp
+
+
+def launch_new_job(aws: FakeAws, request: Any, options: Any) -> tuple[Any, dict[str, Any]]:
+    """Launch one request whose job does not exist yet (inside `mock_aws()`): the bucket made, SageMaker
+    answering "not found" then "created"; returns the launch result and the CreateTrainingJob parameters
+    the planner sent, with every stubbed answer used."""
+    from planner.aws.launch import job_name, launch
+
+    aws.s3.create_bucket(Bucket=BUCKET)
+    not_found(aws.stub, job_name(request))
+    aws.stub.add_response("create_training_job", {"TrainingJobArn": f"arn:aws:sagemaker:{REGION}:1:training-job/x"})
+    sent: dict[str, Any] = {}
+    aws.sagemaker.meta.events.register("before-parameter-build.sagemaker.CreateTrainingJob",
+                                       lambda params, **_: sent.update(params))
+    [res] = launch([request], options, aws=aws)
+    aws.stub.assert_no_pending_responses()
+    return res, sent

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moto import mock_aws
-from test_aws_fixtures import BUCKET, REGION, ROLE, FakeAws, aws_env, not_found, tiny_config  # noqa: F401
+from test_aws_fixtures import BUCKET, REGION, ROLE, FakeAws, aws_env, launch_new_job, not_found, tiny_config  # noqa: F401
 from typer.testing import CliRunner
 
 from planner.aws import images
@@ -157,14 +157,8 @@ def test_sourcedir_is_reproducible_and_complete(tiny_request):
 def test_launch_uploads_then_creates_and_is_idempotent(aws_env, tiny_request):  # noqa: F811
     with mock_aws():
         aws = FakeAws()
-        aws.s3.create_bucket(Bucket=BUCKET)
         name = job_name(tiny_request)
-        not_found(aws.stub, name)
-        aws.stub.add_response("create_training_job", {"TrainingJobArn": f"arn:aws:sagemaker:{REGION}:1:training-job/x"})
-        sent = {}
-        aws.sagemaker.meta.events.register("before-parameter-build.sagemaker.CreateTrainingJob",
-                                           lambda params, **_: sent.update(params))
-        [res] = launch([tiny_request], opts(), aws=aws)
+        res, sent = launch_new_job(aws, tiny_request, opts())
         assert res.action == "created" and res.job_name == name
         key = f"planner-probes/{name}/source/sourcedir.tar.gz"
         body = aws.s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()

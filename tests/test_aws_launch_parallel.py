@@ -8,15 +8,13 @@ import tarfile
 
 import pytest
 from moto import mock_aws
-from test_aws_fixtures import BUCKET, REGION, ROLE, FakeAws, aws_env, not_found  # noqa: F401
+from test_aws_fixtures import BUCKET, REGION, ROLE, FakeAws, aws_env, launch_new_job, not_found  # noqa: F401
 
 from planner.aws.launch import (
     INSTANCE_TYPE_HP,
     TORCH_DISTRIBUTED_HP,
     LaunchOptions,
     create_request,
-    job_name,
-    launch,
     pack_sourcedir,
 )
 from planner.aws.session import S3Location
@@ -87,15 +85,7 @@ def test_launch_sends_the_layout_job(aws_env, llama_config):  # noqa: F811
     request = make_request(str(llama_config), cfg, "ml.g5.12xlarge", with_estimate=False)
     with mock_aws():
         aws = FakeAws()
-        aws.s3.create_bucket(Bucket=BUCKET)
-        name = job_name(request)
-        not_found(aws.stub, name)
-        aws.stub.add_response("create_training_job", {"TrainingJobArn": f"arn:aws:sagemaker:{REGION}:1:training-job/x"})
-        sent: dict = {}
-        aws.sagemaker.meta.events.register("before-parameter-build.sagemaker.CreateTrainingJob",
-                                           lambda params, **_: sent.update(params))
-        [res] = launch([request], opts(), aws=aws)
-        aws.stub.assert_no_pending_responses()
+        res, sent = launch_new_job(aws, request, opts())
     assert res.action == "created"
     assert sent["ResourceConfig"]["InstanceCount"] == 2
     assert json.loads(sent["HyperParameters"][TORCH_DISTRIBUTED_HP]) is True

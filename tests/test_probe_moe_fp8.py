@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from moto import mock_aws
-from test_aws_fixtures import BUCKET, REGION, ROLE, FakeAws, aws_env, not_found  # noqa: F401
+from test_aws_fixtures import BUCKET, REGION, ROLE, FakeAws, aws_env, launch_new_job, not_found  # noqa: F401
 from test_moe import TINY
 from test_probe_spec import _in_process_run
 from typer.testing import CliRunner
@@ -185,7 +185,7 @@ def _hp(req: dict) -> dict:
 def test_probe_launch_sends_the_fp8_settings(aws_env, mixtral_path):  # noqa: F811
     """CreateTrainingJob (Stubber) and the uploaded source (moto S3) carry the recipe: the hyperparameters,
     request.json's config, and the job file that converts the Linears."""
-    from planner.aws.launch import LaunchOptions, job_name, launch
+    from planner.aws.launch import LaunchOptions
     from planner.aws.session import S3Location
     from planner.probes.spec import make_request
 
@@ -194,15 +194,8 @@ def test_probe_launch_sends_the_fp8_settings(aws_env, mixtral_path):  # noqa: F8
     assert request.config["precision"] == "fp8" and request.config["fp8_recipe"] == "rowwise"
     with mock_aws():
         aws = FakeAws()
-        aws.s3.create_bucket(Bucket=BUCKET)
-        name = job_name(request)
-        not_found(aws.stub, name)
-        aws.stub.add_response("create_training_job", {"TrainingJobArn": f"arn:aws:sagemaker:{REGION}:1:training-job/x"})
-        sent: dict = {}
-        aws.sagemaker.meta.events.register("before-parameter-build.sagemaker.CreateTrainingJob",
-                                           lambda params, **_: sent.update(params))
-        [res] = launch([request], LaunchOptions(role_arn=ROLE, s3=S3Location(BUCKET, "p"), region=REGION), aws=aws)
-        aws.stub.assert_no_pending_responses()
+        res, sent = launch_new_job(aws, request, LaunchOptions(role_arn=ROLE, s3=S3Location(BUCKET, "p"),
+                                                                region=REGION))
         uri = _hp(sent)["sagemaker_submit_directory"]
         body = aws.s3.get_object(Bucket=BUCKET, Key=uri.split(BUCKET + "/", 1)[1])["Body"].read()
     assert res.action == "created"
