@@ -266,6 +266,20 @@ def _module_tracker(module: torch.nn.Module) -> Iterator[tuple[list[str], set[st
         h2.remove()
 
 
+def program_saved_per_block(spec: ModelSpec, config: TrainConfig, **ctx_fields: Any) -> dict[str, int]:
+    """What the planner's program says each block saves for backward on one CPU rank (the numbers the tests
+    hold against `measure`): `program_report` with unsharded states and the context record of `config` on the
+    CPU backend (`ctx_fields`: tp, sp, ... of one rank)."""
+    from planner.ir.context import Ctx
+    from planner.memory.parallel import Sharding
+    from planner.pipeline.program_report import program_report
+
+    ctx = Ctx(config.batch_size, config.seq_len, config.precision, config.attention, "cpu",
+              spec.inputs.attention_mask, **ctx_fields)
+    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
+    return {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
+
+
 def measure(spec: ModelSpec, config: TrainConfig, *, fake: bool = True, padded: bool = True,
             keep_tensors: bool = True, transform: Any = None) -> Measurement:
     """Bytes autograd saves during one training forward + loss of `spec` under `config` (CPU kernels).

@@ -135,16 +135,12 @@ def test_saved_bytes_match_saved_tensor_hooks(case, precision):
     what autograd saves in the real module on CPU."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from planner.memory.parallel import Sharding
-    from planner.pipeline.program_report import program_report
-    from tests.saved_tensors import measure
+    from tests.saved_tensors import measure, program_saved_per_block
 
     spec = hf_config.spec_from_hf_config(TINY[case], name=case)
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
     measured = measure(spec, config, fake=False, keep_tensors=False)
-    ctx = Ctx(2, 24, precision, "eager", "cpu", spec.inputs.attention_mask)
-    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
-    ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
+    ours = program_saved_per_block(spec, config)
     assert {k: v for k, v in ours.items() if v} == {k: v for k, v in measured.per_block.items() if v}
 
 
@@ -155,16 +151,12 @@ def test_gpt_oss_saved_bytes_within_a_percent(precision):
     under pure bf16 transformers keeps its norms in fp32 (`_keep_in_fp32_modules`), not modelled (docs/moe.md)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from planner.memory.parallel import Sharding
-    from planner.pipeline.program_report import program_report
-    from tests.saved_tensors import measure
+    from tests.saved_tensors import measure, program_saved_per_block
 
     spec = hf_config.spec_from_hf_config(TINY["gpt_oss"], name="gpt_oss")
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
     measured = measure(spec, config, fake=False, keep_tensors=False).per_block
-    ctx = Ctx(2, 24, precision, "eager", "cpu", spec.inputs.attention_mask)
-    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
-    ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
+    ours = program_saved_per_block(spec, config)
     assert ours["model.layer.1"] == measured["model.layer.1"]
     for name, real in measured.items():
         assert abs(ours.get(name, 0) - real) <= 0.01 * real, name
@@ -182,17 +174,13 @@ def test_deepseek_v3_saved_bytes_are_an_upper_bound_within_thirty_percent(precis
     pytest.importorskip("transformers")
     import torch
 
-    from planner.memory.parallel import Sharding
-    from planner.pipeline.program_report import program_report
-    from tests.saved_tensors import measure
+    from tests.saved_tensors import measure, program_saved_per_block
 
     spec = hf_config.spec_from_hf_config(TINY["deepseek_v3"], name="deepseek_v3")
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
     torch.manual_seed(0)
     measured = measure(spec, config, fake=False, keep_tensors=False).per_block
-    ctx = Ctx(2, 24, precision, "eager", "cpu", spec.inputs.attention_mask)
-    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
-    ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
+    ours = program_saved_per_block(spec, config)
     for name, real in measured.items():
         if name.startswith("model.layer."):
             assert real <= ours[name] <= 1.3 * real, name

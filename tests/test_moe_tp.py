@@ -94,9 +94,7 @@ def _rank_config(case: str, tp: int) -> dict[str, Any]:
 def test_tensor_parallel_moe_rank_saves_what_the_rank_module_saves(case, precision):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from planner.memory.parallel import Sharding
-    from planner.pipeline.program_report import program_report
-    from tests.saved_tensors import measure
+    from tests.saved_tensors import measure, program_saved_per_block
 
     tp = 2
     spec = hf_config.spec_from_hf_config(TINY[case], name=case)
@@ -104,15 +102,11 @@ def test_tensor_parallel_moe_rank_saves_what_the_rank_module_saves(case, precisi
     measured = measure(rank, TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager"),
                        fake=False, keep_tensors=False)
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager", tp=tp, sp=False)
-    ctx = Ctx(2, 24, precision, "eager", "cpu", spec.inputs.attention_mask, tp=tp, sp=False)
-    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
-    ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
+    ours = program_saved_per_block(spec, config, tp=tp, sp=False)
     layers = [b.name for b in model_blocks(spec) if b.role == "layer"]
     assert {n: ours[n] for n in layers} == {n: measured.per_block[n] for n in layers}
-    assert ours[layers[0]] < sum(o["saved_bytes"] for b in program_report(
-        spec, TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager"),
-        Sharding(1.0, 1.0, 1.0), Ctx(2, 24, precision, "eager", "cpu", spec.inputs.attention_mask))["blocks"]
-        if b["name"] == layers[0] for o in b["ops"])
+    whole = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
+    assert ours[layers[0]] < program_saved_per_block(spec, whole)[layers[0]]
 
 
 def test_sequence_parallel_moe_layer_routes_the_local_tokens():

@@ -147,18 +147,13 @@ def test_saved_bytes_match_saved_tensor_hooks(small, precision):
     hooks see on the real module (CPU kernels, FakeTensorMode): tests/saved_tensors.py."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from planner.ir.context import Ctx
-    from planner.memory.parallel import Sharding
-    from planner.pipeline.program_report import program_report
-    from tests.saved_tensors import measure, model
+    from tests.saved_tensors import measure, model, program_saved_per_block
 
     fam, head, kw = SMALL[small]
     spec = model(fam, head, **kw)
     config = TrainConfig(batch_size=2, seq_len=24, precision=precision, attention="eager")
     measured = measure(spec, config, keep_tensors=False)
-    ctx = Ctx(config.batch_size, config.seq_len, precision, "eager", "cpu", spec.inputs.attention_mask)
-    report = program_report(spec, config, Sharding(1.0, 1.0, 1.0), ctx)
-    ours = {b["name"]: sum(o["saved_bytes"] for o in b["ops"]) for b in report["blocks"]}
+    ours = program_saved_per_block(spec, config)
     assert {k: v for k, v in ours.items() if v} == {k: v for k, v in measured.per_block.items() if v}
 
 
