@@ -214,7 +214,7 @@ def describe(lay: StateLayout) -> str:
     line = _describe(lay)
     if lay.accumulate_unsharded:
         line += ("; gradient accumulation inside FSDP's no_sync(): every unit's gradient is kept whole (unsharded) "
-                 "until the last micro-step")
+                 "until the last micro-step, whose reduce-scatter leaves the shards the optimizer steps")
     return line
 
 
