@@ -27,21 +27,23 @@ def _rank(rank: int, world: int, path: str, queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                buffer_dtype=torch.bfloat16)  # transformers 4.28's policy for --bf16
-        model = FSDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 63)), mixed_precision=policy,
-                     sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
-        flat = next(model.parameters())
-        x = torch.randn(4, 64)
-        with model.no_sync():
-            model(x).float().sum().backward()
-        whole = (flat.grad.dtype, flat.grad.numel())
-        whole_storage = weakref.ref(flat.grad.untyped_storage())
-        model(x).float().sum().backward()  # the last micro-step: reduce-scatter
-        synced = (flat.grad.dtype, flat.grad.numel(), flat.numel())
+        out = {}
+        for reduce in (torch.bfloat16, torch.float32):  # transformers 4.28's policy for --bf16; torchtitan's reduce
+            torch.manual_seed(0)
+            policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce, buffer_dtype=torch.bfloat16)
+            model = FSDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 63)), mixed_precision=policy,
+                         sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
+            flat = next(model.parameters())
+            x = torch.randn(4, 64)
+            with model.no_sync():
+                model(x).float().sum().backward()
+            whole = (flat.grad.dtype, flat.grad.numel())
+            whole_storage = weakref.ref(flat.grad.untyped_storage())
+            model(x).float().sum().backward()  # the last micro-step: reduce-scatter
+            synced = (flat.grad.dtype, flat.grad.numel(), flat.numel())
+            out[str(reduce)] = (whole, synced, whole_storage() is None, flat._unpadded_unsharded_size.numel())
         if rank == 0:
-            queue.put((whole, synced, whole_storage() is None, flat._unpadded_unsharded_size.numel()))
+            queue.put(out)
     finally:
         dist.destroy_process_group()
 
@@ -68,8 +70,10 @@ def two_ranks(tmp_path_factory):
     return out
 
 
-def test_fsdp1_keeps_whole_bf16_gradients_under_no_sync_and_steps_fp32_shards(two_ranks):
-    (w_dtype, w_numel), (s_dtype, s_numel, shard_numel), whole_freed, unsharded = two_ranks
+@pytest.mark.parametrize("reduce", ["torch.bfloat16", "torch.float32"])
+def test_fsdp1_keeps_whole_bf16_gradients_under_no_sync_and_steps_fp32_shards(two_ranks, reduce):
+    """Whatever the reduce dtype: bf16 whole gradients through no_sync(), fp32 shards at the step."""
+    (w_dtype, w_numel), (s_dtype, s_numel, shard_numel), whole_freed, unsharded = two_ranks[reduce]
     assert (w_dtype, w_numel) == (torch.bfloat16, unsharded)  # whole, in the compute dtype
     assert whole_freed  # the whole gradient is gone once the last micro-step reduced it
     assert (s_dtype, s_numel) == (torch.float32, shard_numel)  # the optimizer steps the fp32 shard
