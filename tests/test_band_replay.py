@@ -25,15 +25,14 @@ def _scorecard():
 
 
 def test_the_margin_is_the_largest_miss_of_the_readings_each_way():
-    """Every step reading's real pool lies within the margin of the replay's, and the margin is the largest
+    """Every H200 step reading's real pool lies within the margin of the replay's, and the margin is the largest
     miss each way rounded up to the percent: not widened beyond what the readings show, nor narrowed under
-    one of them. The readings at both ends: QLoRA Llama-2-7B with checkpointing (real pool above the replay's)
+    one of them. The H100 readings are held out of it and must fall inside. The readings at both ends: QLoRA Llama-2-7B with checkpointing (real pool above the replay's)
     and BART-base traced from its config (below)."""
     sc = _scorecard()
     traced = importlib.import_module("traced_readings")
     rows = sc.steps_folder(sc.SHARED, (sc.SHARED_FIT, sc.SHARED_HELD))
-    for folder, group in zip(sc.HELD_OUT, (sc.H200, sc.H100), strict=True):
-        rows += sc.steps_folder(folder, group)
+    rows += sc.steps_folder(sc.HELD_OUT[0], sc.H200)
     rows += sc.lora_rows(sc.HELD_OUT[0])
     rows += [r for r in sc.loop_load_rows(sc.DAY2) if "empty_cache" not in r.label]  # not modelled (docs)
     misses = [r.pool_miss for r in rows if r.pool_miss is not None]
@@ -42,10 +41,14 @@ def test_the_margin_is_the_largest_miss_of_the_readings_each_way():
     with tempfile.TemporaryDirectory() as tmp:
         e = traced.estimate_row(bart, "ml.p5e.48xlarge", Path(tmp), "loss-only")
     misses.append((traced.measured_peaks(bart)[1] - e.memory_bytes.peak_reserved) / e.memory_bytes.peak_allocated)
-    assert len(misses) > 100
+    assert len(misses) > 70
     low, high = band.REPLAY_POOL_MARGIN
     assert -low <= min(misses) and max(misses) <= high
     assert low < -min(misses) + 0.01 and high < max(misses) + 0.01
+    # The H100 folder is held out of the margin: the same steps on another GPU must lie inside it.
+    h100 = [r.pool_miss for r in sc.steps_folder(sc.HELD_OUT[1], sc.H100) if r.pool_miss is not None]
+    assert len(h100) > 20
+    assert all(-low <= m <= high for m in h100)
 
 
 @pytest.mark.parametrize("torch_version,given,world,keys,why", [
