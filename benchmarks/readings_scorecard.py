@@ -86,6 +86,13 @@ class Scored:
     step: float | None = None
     allocated: float | None = None
     reserved: float | None = None
+    # (measured reserved - predicted reserved) / predicted allocated: how far the real pool sat above (> 0) or
+    # below (< 0) the replay's, in the unit of the band's replay margin (planner.memory.band REPLAY_POOL_MARGIN)
+    pool_miss: float | None = None
+
+
+def _miss(pred_reserved: float, meas_reserved: float | None, pred_allocated: float) -> float | None:
+    return (meas_reserved - pred_reserved) / pred_allocated if meas_reserved and pred_allocated else None
 
 
 def _err(pred: float, meas: float | None) -> float | None:
@@ -106,8 +113,10 @@ def steps_folder(folder: Path, groups: tuple[str, str] | str) -> list[Scored]:
     for row in check(readings):
         r = row.reading
         group = groups if isinstance(groups, str) else groups[(r.folder, r.index) in held]
+        p = row.predicted
         out.append(Scored(group, r.label, _frac(row.errors["step_time_s"]), _frac(row.errors["peak_allocated"]),
-                          _frac(row.errors["peak_reserved"])))
+                          _frac(row.errors["peak_reserved"]),
+                          _miss(p["peak_reserved"], r.peak_reserved, p["peak_allocated"])))
     return out
 
 
@@ -136,7 +145,8 @@ def runs_file(path: Path, group: str) -> list[Scored]:
     if not path.exists():
         return []
     return [Scored(group, f"run {c.label} {len(c.row['lengths'])} steps", None, c.allocated_error,
-                   c.reserved_error) for c in run_readings.compare(path)]
+                   c.reserved_error, _miss(c.reserved, c.row["peak_reserved"], c.allocated))
+            for c in run_readings.compare(path)]
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -158,7 +168,7 @@ def lora_rows(folder: Path) -> list[Scored]:
         label = (f"{r['name']} {r['model']} b{r['b']} s{r['s']} r{r['r']} {targets}"
                  f"{' ckpt' if r['ckpt'] else ''}")
         out.append(Scored(QLORA if r["base"] == "nf4" else LORA, label, _err(e.throughput.step_time_s,
-                          r["step_time_s"]), _err(pa, ma), _err(pr, mr)))
+                          r["step_time_s"]), _err(pa, ma), _err(pr, mr), _miss(pr, mr, pa)))
     return out
 
 
@@ -170,7 +180,7 @@ def loop_load_rows(folder: Path) -> list[Scored]:
         pa, pr = loop_load_readings.step_peaks(p.estimate)
         step = _err(p.estimate.throughput.step_time_s, p.measured_step_s)
         out.append(Scored(group[p.kind], p.label, step, _err(pa, p.measured_allocated),
-                          _err(pr, p.measured_reserved)))
+                          _err(pr, p.measured_reserved), _miss(pr, p.measured_reserved, pa)))
     return out
 
 
@@ -185,7 +195,8 @@ def traced_rows(folder: Path, file: str) -> list[Scored]:
             ma, mr = traced_readings.measured_peaks(r)
             out.append(Scored(TRACED, f"{r['model']} b{r['b']} s{r['s']} {r['precision']}",
                               _err(e.throughput.step_time_s, traced_readings.measured_step_s(r)),
-                              _err(e.memory_bytes.peak_allocated, ma), _err(e.memory_bytes.peak_reserved, mr)))
+                              _err(e.memory_bytes.peak_allocated, ma), _err(e.memory_bytes.peak_reserved, mr),
+                              _miss(e.memory_bytes.peak_reserved, mr, e.memory_bytes.peak_allocated)))
     return out
 
 
@@ -201,7 +212,8 @@ def fsdp_rows(path: Path) -> list[Scored]:
             pa = max(p.allocated for p in e.phases if p.phase != "load")
             out.append(Scored(FSDP, f"fsdp {r['variant']}", _err(e.throughput.step_time_s, r.get("step_time_s")),
                               _err(pa, max(p["max_alloc"] for p in phases)),
-                              _err(e.memory_bytes.peak_reserved, max(p["max_res"] for p in phases))))
+                              _err(e.memory_bytes.peak_reserved, max(p["max_res"] for p in phases)),
+                              _miss(e.memory_bytes.peak_reserved, max(p["max_res"] for p in phases), pa)))
     return out
 
 

@@ -271,7 +271,8 @@ def _state_lines(est: Estimate) -> list[str]:
     if layout(cfg).accumulate_unsharded:  # FSDP's no_sync() during accumulation (planner.parallel.frameworks)
         grads = (f"Gradients: {fmt_bytes(m.gradients)} on each GPU: the framework accumulates inside FSDP's "
                  "no_sync(), so every unit's gradient is kept whole (unsharded, in the 16-bit compute dtype) "
-                 "until the last micro-step reduce-scatters it.")
+                 "until the last micro-step reduce-scatters it; the optimizer then steps the shards, cast to the "
+                 "parameters' dtype.")
     else:
         grads = (f"Gradients: {fmt_bytes(m.gradients)} {where}. They have the parameters' dtype and, with "
                  "gradient accumulation, stay allocated across micro-steps.")

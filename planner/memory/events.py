@@ -422,7 +422,7 @@ def step_events(step: timeline.StepMemory, tensors: dict[str, BlockTensors] | No
     values = _slot_values(step, bt, state_sizes, temp_sizes, bucket_cap_bytes)
     shape = (first_step, step.grads_resident, tuple((b.name, b.checkpointed, b.root_unit, b.gathered_until_backward)
                                                         for b in blocks), step.outputs_die,
-             step.grads_die, bool(step.build_ratio), bool(step.outputs_fp32_bytes))
+             step.grads_die, bool(step.build_ratio), bool(step.outputs_fp32_bytes), _synced(step))
     lens = tuple(map(len, values))
     key = (shape, lens)
     known = _STRUCTURES.get(key)
@@ -451,8 +451,8 @@ _STRUCTURES: dict[tuple, _Laid] = caches.table("planner.memory.events._STRUCTURE
 
 # Slots: each block's row of size tuples, then the step's own.
 (B_PARAMS, B_GATHERED, B_SAVED, B_KEPT, B_CACHE, B_LOGITS, B_FORWARD_TMP, B_RECOMPUTED, B_BACKWARD_TMP, B_GRADS,
- B_UNSHARDED, B_BUILD) = range(12)
-BLOCK_SLOTS = 12
+ B_UNSHARDED, B_BUILD, B_SYNCED_GRAD) = range(13)
+BLOCK_SLOTS = 13
 S_BUFFERS, S_BUCKETS, S_BATCH, S_EXTRA, S_WORKSPACE, S_STATES, S_TEMPS, S_OUTPUTS_FP32 = range(8)
 
 
@@ -485,12 +485,19 @@ def _slot_values(step: timeline.StepMemory, bt: list[BlockTensors], state_sizes:
                 split(b.grad_bytes, d.grads if b.grad_bytes == sum(d.grads) else ()),
                 _one(b.transient_grad_bytes),
                 tuple(n * step.build_ratio for n in split(b.param_bytes, d.params if b.param_bytes == sum(d.params)
-                                                           else ())) if step.build_ratio else ())
+                                                           else ())) if step.build_ratio else (),
+                _one(b.synced_grad_bytes))
     raw += (_one(step.module_buffer_bytes), buckets(step.ddp_bucket_bytes, bucket_cap_bytes),
             _one(step.batch_bytes), _one(step.extra_forward_bytes), _one(step.workspace_bytes),
             split(step.optimizer_state_bytes, state_sizes), split(step.optimizer_temporary_bytes, temp_sizes),
             _one(step.outputs_fp32_bytes))
     return raw  # no size is <= 0: `_one` and `split` make none, BlockTensors and the optimizer's hold none
+
+
+def _synced(step: timeline.StepMemory) -> bool:
+    """FSDP1's no_sync() accumulation (timeline.BlockMemory.synced_grad_bytes): the last micro-step's
+    reduce-scatters replace the whole gradients by their shards before the optimizer step."""
+    return step.grads_resident and any(b.synced_grad_bytes >= 0 for b in step.blocks)
 
 
 def _record(step: timeline.StepMemory, first_step: bool) -> _Program:
@@ -627,9 +634,13 @@ def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: boo
     top = len(step.blocks) * BLOCK_SLOTS
     batch = alloc("batch", top + S_BATCH)
     extra = alloc("dataparallel gpu0 extra", top + S_EXTRA)
-    if step.grads_resident and marks and first:  # steady-state only trace: earlier micro-steps' gradients
+    synced = _synced(step)
+    resident: Refs = []
+    # steady-state only trace: earlier micro-steps' gradients; after a synced step (the shards freed by
+    # zero_grad) the micro-steps before this one's last made whole gradients again
+    if step.grads_resident and marks and (first or synced):
         for i, b in enumerate(step.blocks):
-            alloc(b.name, i * BLOCK_SLOTS + B_GRADS, ".grad")
+            resident += alloc(b.name, i * BLOCK_SLOTS + B_GRADS, ".grad")
     if first:
         alloc("cublas workspace", top + S_WORKSPACE)
 
@@ -641,6 +652,11 @@ def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: boo
     shift = t.emit(blocks_part, marks, insert_at=at, frees=carried)
     grad_ids, retained = [shift(j) for j in grads], [shift(j) for j in kept]
     free(extra)
+    shards: Refs = []
+    if synced:  # the last micro-step's reduce-scatters: each whole gradient gives way to its fp32 shard
+        for i, b in enumerate(step.blocks):
+            shards += alloc(b.name, i * BLOCK_SLOTS + B_SYNCED_GRAD, ".grad shard")
+        free(grad_ids if new_grads else resident)
 
     if not marks:  # the first step: Adam's _init_group allocates the states before the update
         alloc("optimizer state", top + S_STATES)
@@ -654,6 +670,7 @@ def _one_step(t: _Program, step: timeline.StepMemory, *, first: bool, marks: boo
         out += retained  # rebound when the next forward returns
     else:
         free(retained)
+    free(shards)  # zero_grad(set_to_none=True); the next micro-steps make whole gradients again
     if not marks and not step.grads_resident:
         if step.grads_die == "next-backward":
             out += grad_ids  # zeroed after the next forward, before its backward

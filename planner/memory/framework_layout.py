@@ -107,6 +107,23 @@ class StateLayout:
         return resident_p, resident_g, gathered, transient
 
 
+    def synced_grad_bytes(self, share_grads: float, n_params: int, n_trainable: int, full_grad_bytes: int) -> int:
+        """A block's gradient at the optimizer step when FSDP1's no_sync() accumulation kept it whole until the
+        last micro-step (-1: the same as during backward). On that micro-step each unit's post-backward hook
+        takes the whole 16-bit gradient off the flat parameter (`flat_param.grad = None`), reduce-scatters it,
+        casts the shard to the parameter dtype (`_cast_grad_to_param_dtype`: fp32 under MixedPrecision unless
+        keep_low_precision_grads) and keeps it as `_saved_grad_shard`, which `prepare_gradient_for_optim` makes
+        the `.grad` the optimizer steps: the fp32 shard, as without accumulation. torch v2.0.0
+        torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`; today's `_reduce_grad` and
+        `_accumulate_sharded_grad` (the same steps; tests/test_fsdp1_sync.py runs them on two CPU ranks)."""
+        if not (self.accumulate_unsharded and share_grads < 1):
+            return -1
+        grads_n = n_params if (self.frozen_grads and n_trainable) else n_trainable
+        if grads_n != n_trainable or self.kind in ("megatron", "deepspeed"):
+            return int(grads_n * self.grad_bytes * share_grads)
+        return int(full_grad_bytes * share_grads)
+
+
 def _deepspeed(cfg: TrainConfig) -> DeepSpeedSettings:
     return cfg.deepspeed or DeepSpeedSettings()
 
@@ -197,7 +214,7 @@ def describe(lay: StateLayout) -> str:
     line = _describe(lay)
     if lay.accumulate_unsharded:
         line += ("; gradient accumulation inside FSDP's no_sync(): every unit's gradient is kept whole (unsharded) "
-                 "until the last micro-step")
+                 "until the last micro-step, whose reduce-scatter leaves the shards the optimizer steps")
     return line
 
 

@@ -51,6 +51,10 @@ class BlockMemory(NamedTuple):
     # unit stays gathered from its forward to the end of its backward; `gathered_param_bytes` is then that one
     # unit (the next unit's prefetch in forward is not counted: it is held from its own forward on anyway)
     gathered_until_backward: bool = False
+    # FSDP1's no_sync() accumulation (framework_layout.StateLayout.synced_grad_bytes): the gradient the block
+    # holds at the optimizer step, its fp32 shard after the last micro-step's reduce-scatter, where `grad_bytes`
+    # is the whole 16-bit gradient kept through the micro-steps' backward (-1: `grad_bytes` at the step too)
+    synced_grad_bytes: int = -1
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,8 @@ def _rows(step: StepMemory) -> list[Row]:
         grads += new_grads
         if b.gathered_until_backward:
             held -= b.gathered_param_bytes
-    rows.append(("optimizer", "optimizer step", params, grads_total, states, kept, batch,
+    step_grads = sum(b.grad_bytes if b.synced_grad_bytes < 0 else b.synced_grad_bytes for b in blocks)
+    rows.append(("optimizer", "optimizer step", params, step_grads, states, kept, batch,
                  static_buffers + step.workspace_bytes + step.optimizer_temporary_bytes))
     return rows
 

@@ -200,11 +200,15 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
                 sized = [(n_p - e_n, n_t - e_t, full_p - e_p, full_g - e_g, share),
                          (e_n // ep_etp, e_t // ep_etp, e_p // ep_etp, e_g // ep_etp,
                           expert_sharding(share, ep_etp, tp_cp))]
-        laid_parts = []
+        laid_parts, synced_parts = [], []
         for n_p, n_t, full_p, full_g, sh in sized:
             laid = lay.block_bytes(sh.parameters, sh.gradients, n_p, full_p, n_t, full_g) if lay else None
             laid_parts.append(laid or sh.block_bytes(full_p, full_g))
+            synced_parts.append(lay.synced_grad_bytes(sh.gradients, n_p, n_t, full_g) if laid else -1)
         resident_p, resident_g, gathered, transient_g = (sum(x) for x in zip(*laid_parts, strict=True))
+        # FSDP1 no_sync() accumulation: the block's gradient at the optimizer step (timeline.BlockMemory)
+        synced = -1 if max(synced_parts) < 0 else sum(
+            s if s >= 0 else lp[1] for s, lp in zip(synced_parts, laid_parts, strict=True))
         in_root = act.block in root and n_params > 0
         if in_root and lay is not None and gathered and lay.units_in_flight > 1 and not lay.legacy:
             gathered //= lay.units_in_flight  # the root is one unit, gathered once (not a prefetch window)
@@ -228,7 +232,7 @@ def _resident_blocks(model: ModelSpec, activations: tuple, p_bytes: int, g_bytes
             checkpointed=act.checkpointed,
             forward_cache_bytes=cache,
             retained_bytes=act.retained_output_bytes,
-            root_unit=in_root, gathered_until_backward=held,
+            root_unit=in_root, gathered_until_backward=held, synced_grad_bytes=synced,
         ))
     return tuple(out)
 
@@ -641,13 +645,14 @@ def _prepare_traced(ref: str, config: TrainConfig, instance: Instance | str, run
         full_p, full_g = b.parameters * p_bytes, trained * (ADAPTER_BYTES if full.block_trainable else g_bytes)
         laid = lay.block_bytes(share.parameters, share.gradients, b.parameters, full_p, trained, full_g)
         resident_p, resident_g, gathered, transient_g = laid or share.block_bytes(full_p, full_g)
+        synced = lay.synced_grad_bytes(share.gradients, b.parameters, trained, full_g) if laid else -1
         keep = kept_by.get(b.name, b.saved_bytes + b.retained_bytes) - b.retained_bytes
         blocks.append(timeline.BlockMemory(
             name=b.name, param_bytes=resident_p, grad_bytes=resident_g,
             gathered_param_bytes=gathered, transient_grad_bytes=transient_g,
             kept_bytes=keep, saved_bytes=b.saved_bytes, forward_transient_bytes=b.forward_transient_bytes,
             backward_transient_bytes=b.backward_transient_bytes, checkpointed=keep < b.saved_bytes,
-            retained_bytes=b.retained_bytes))
+            retained_bytes=b.retained_bytes, synced_grad_bytes=synced))
     total = full.parameters["total"]
     shapes = list(full.gradient_shapes)
     opt_bytes = ADAPTER_BYTES if full.block_trainable else lay.state_param_bytes  # adapters are fp32 whatever the precision

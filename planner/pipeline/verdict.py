@@ -207,18 +207,29 @@ def _timeline_peaks(step: timeline.StepMemory) -> tuple[dict[str, timeline.Point
 def _band_terms(prep: _Prepared, allocated: int, reserved: int, nccl: int, replayed: bool = False) -> tuple:
     """The whole-device peak term by term, each with its band (planner.memory.band)."""
     workspace = prep.step.workspace_bytes
+    torch = sw.parse_version("torch", prep.stack.torch) if prep.stack else None
+    unchecked = band.replay_unchecked(torch, bool(prep.stack and prep.stack.given), prep.world,
+                                      _alloc_keys(prep.stack)) if replayed else None
     terms = (
         band.exact("tensors", allocated - workspace, "exact: parameters, gradients, optimizer states, "
                    "activations, batch and temporaries, checked against real modules"),
         band.workspace_term(workspace, "cublas_workspace_bytes" in prep.given),
         band.reserved_pool_term(allocated, reserved, given="fragmentation" in prep.given, replayed=replayed,
-                                calibrated_range=prep.fragmentation_range or None),
+                                calibrated_range=prep.fragmentation_range or None, unchecked=unchecked),
         band.context_term(*prep.context),
         band.nccl_term(nccl, "nccl_bytes_per_peer" in prep.given),
     )
-    torch = sw.parse_version("torch", prep.stack.torch) if prep.stack else None
     _, point, _ = band.totals(terms)
     return (*terms, band.legacy_gap_term(point, torch, calibrated=bool(prep.fragmentation_range)))
+
+
+def _alloc_keys(stack) -> tuple[str, ...]:
+    """The PYTORCH_CUDA_ALLOC_CONF keys the stack sets (checked when the stack was resolved)."""
+    if stack is None or not stack.alloc_conf:
+        return ()
+    from planner.alloc_conf import parse_alloc_conf
+
+    return tuple(parse_alloc_conf(stack.alloc_conf, stack.torch))
 
 
 def _speed_and_cost(spec: ModelSpec | None, cfg: TrainConfig, inst: Instance, dataset_size: int | None, spot: bool,
