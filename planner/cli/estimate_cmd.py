@@ -52,7 +52,9 @@ from planner.cli.parallel_opts import (
     CpOpt,
     DistOptOpt,
     DpReplicasOpt,
+    FirstStageOpt,
     GradReduceOpt,
+    LastStageOpt,
     PpOpt,
     PpScheduleOpt,
     RecomputeModulesOpt,
@@ -142,7 +144,9 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                                          distributed_optimizer=f["distributed_optimizer"],
                                          grad_reduce_in_fp32=f["grad_reduce_in_fp32"], recompute=f["recompute"],
                                          recompute_modules=f["recompute_modules"],
-                                         checkpointing=f["checkpointing"]))
+                                         checkpointing=f["checkpointing"],
+                                         first_stage_layers=f.get("first_stage_layers"),
+                                         last_stage_layers=f.get("last_stage_layers")))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -345,6 +349,8 @@ def register(app: typer.Typer) -> None:
         pp: PpOpt = 1,
         pp_schedule: PpScheduleOpt = None,
         vp: VpOpt = 1,
+        first_stage_layers: FirstStageOpt = None,
+        last_stage_layers: LastStageOpt = None,
         dp_replicas: DpReplicasOpt = None,
         distributed_optimizer: DistOptOpt = False,
         grad_reduce_in_fp32: GradReduceOpt = None,

@@ -55,7 +55,7 @@ def chunk_layers(rule: str, layers: int, pp: int, vp: int = 1, *, first: int | N
         raise PlannerError(FIRST_FLAG if first is not None else LAST_FLAG, first if first is not None else last,
                            "only with --framework megatron (Megatron-LM's --decoder-first/last-pipeline-num-"
                            "layers; this framework splits the layers by its own rule)")
-    if chunks > layers and rule != "megatron":
+    if chunks > layers and rule not in ("megatron", "torchtitan"):
         raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
     if rule == "megatron":
         return _megatron(layers, pp, vp, first, last)
