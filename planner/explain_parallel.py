@@ -41,9 +41,12 @@ def parallel_lines(est: Estimate, gpus_per_instance: int) -> list[str]:
                      "ring in attention. Activations shrink by the degree; parameters do not.")
     if p.pp > 1:
         chunks = f" in {p.vp} virtual chunks per rank" if p.vp > 1 else ""
-        lines.append(f"Pipeline parallelism {p.pp}, schedule {p.schedule}{chunks}: each stage holds "
-                     f"{len(p.stages[0].layers)} layers; the embedding sits on the first stage, the final norm, "
-                     "the LM head and the loss on the last.")
+        counts = [len(s.layers) for s in p.stages]
+        held_layers = (f"each stage holds {counts[0]} layers" if len(set(counts)) == 1 else
+                       "the layers are split unevenly, as the framework splits them: the stages hold "
+                       + ", ".join(str(n) for n in counts))
+        lines.append(f"Pipeline parallelism {p.pp}, schedule {p.schedule}{chunks}: {held_layers}; the embedding "
+                     "sits on the first stage, the final norm, the LM head and the loss on the last.")
         held = ", ".join(f"stage {s.stage}: {s.in_flight_micro_batches:g}" for s in p.stages)
         lines.append(f"{p.micro_batches} micro-batches per step; a stage keeps the activations of the micro-batches "
                      f"it has run forward but not yet backward: {held}. "

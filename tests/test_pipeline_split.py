@@ -278,3 +278,16 @@ def test_bad_split_is_one_line_exit_2(args, needle):
     res = _estimate(*args)
     assert res.exit_code == 2, res.output
     assert needle in res.output and len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_explain_names_each_stages_layers():
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+
+    res = CliRunner().invoke(app, ["explain", "--model", "deepseek-v3", "--instance", "ml.p5.48xlarge", "--instances",
+                                   "32", "--batch-size", "1", "--grad-accum", "8", "--seq-len", "4096", "--precision",
+                                   "bf16", "--parallelism", "fsdp", "--framework", "nemo-automodel", "--pp", "4",
+                                   "--vp", "8", "--ep", "64", "--checkpointing"])
+    assert res.exit_code == 0, res.output
+    assert "stages hold 16, 15, 15, 15" in " ".join(res.output.split())
