@@ -100,10 +100,11 @@ def fix_tries(est: Estimate, gpus_per_instance: int) -> list[tuple[str, dict[str
     tp, pp, vp = p.tp, p.pp, p.vp
     if tp * 2 <= gpus_per_instance:
         tries.append((f"tensor parallelism --tp {tp * 2}", {"tp": tp * 2}))
-    tries.append((f"pipeline parallelism --pp {pp * 2}", {"pp": pp * 2}))
+    even = {"first_stage_layers": None, "last_stage_layers": None}  # a doubled pipeline: the framework's split
+    tries.append((f"pipeline parallelism --pp {pp * 2}", {"pp": pp * 2, **even}))
     if vp > 1:
         tries.append((f"--pp {pp * 2} --vp {max(vp // 2, 1)}", {"pp": pp * 2, "vp": max(vp // 2, 1),
-                                                                 "pp_schedule": None}))
+                                                                 "pp_schedule": None, **even}))
     if cfg.recompute_mode == "none":
         tries.append(("selective recomputation of attention (--recompute selective --recompute-modules "
                       "core_attn)", {"recompute": "selective", "recompute_modules": ("core_attn",)}))
