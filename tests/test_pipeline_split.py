@@ -291,3 +291,20 @@ def test_explain_names_each_stages_layers():
                                    "--vp", "8", "--ep", "64", "--checkpointing"])
     assert res.exit_code == 0, res.output
     assert "stages hold 16, 15, 15, 15" in " ".join(res.output.split())
+
+
+def test_published_deepseek_v3_rows_are_expressible():
+    """results/public/moe's two NeMo AutoModel DeepSeek-V3 rows (issue 35: refused before uneven stages) now
+    estimate, each rank holding the layers NeMo's splitter gives it (the benchmark prints their figures)."""
+    from pathlib import Path
+
+    from planner.estimate import estimate
+    from planner.probes.public_moe_fp8 import load_published
+
+    root = Path(__file__).resolve().parents[1]
+    rows = [r for r in load_published("moe") if r.model == "deepseek-v3"]
+    assert len(rows) == 2
+    for r in rows:
+        est = estimate(r.model_ref(root), r.train_config(), r.instance, with_throughput=False, calibration={})
+        assert [len(s.layers) for s in est.parallel.stages] == [16, 15, 15, 15]
+        assert "embeddings" in " ".join(est.parallel.stages[0].blocks)
