@@ -308,3 +308,21 @@ def test_published_deepseek_v3_rows_are_expressible():
         est = estimate(r.model_ref(root), r.train_config(), r.instance, with_throughput=False, calibration={})
         assert [len(s.layers) for s in est.parallel.stages] == [16, 15, 15, 15]
         assert "embeddings" in " ".join(est.parallel.stages[0].blocks)
+
+
+def test_the_slowest_stage_sets_the_pipelines_pace():
+    """Llama-3-8B's 32 layers over 4 Megatron ranks: moving layers off the first and last ranks (2, 14, 14, 2)
+    or onto them (11, 5, 5, 11) makes the heaviest rank slower than the even split's (8 + the embedding or
+    the head), and the step with it."""
+    from planner.estimate import estimate
+    from planner.spec import TrainConfig
+
+    base = TrainConfig(batch_size=1, grad_accum=8, seq_len=4096, precision="bf16", parallelism="ddp",
+                       framework="megatron", pp=4)
+    steps = {}
+    for first, last in ((None, None), (2, 2), (11, 11)):
+        cfg = base.model_copy(update={"first_stage_layers": first, "last_stage_layers": last})
+        est = estimate("llama-3-8b", cfg, "ml.p5.48xlarge", calibration={})
+        steps[first] = est.throughput.breakdown_s["compute_s"]
+    assert steps[2] > steps[None] and steps[11] > steps[None]
+    assert steps[2] > steps[11]  # 14 layers outweigh 11 layers and the LM head
