@@ -319,6 +319,9 @@ class TrainConfig(Frozen):
     # planner.parallel.layer_split): the layers the first / last rank holds; None: the framework's own split.
     first_stage_layers: int | None = Field(None, ge=0, le=100_000)
     last_stage_layers: int | None = Field(None, ge=0, le=100_000)
+    # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss counted as a layer
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
     dp_replicas: int | None = Field(None, ge=1, le=MAX_INSTANCES * 8)
     distributed_optimizer: bool = False
     # Megatron-Core DDP's grad_reduce_in_fp32 (DistributedDataParallelConfig): the main-gradient buffer (and its

@@ -95,10 +95,11 @@ def _titan_fqns(num_stages: int, num_layers: int, input_weight: int = 1, output_
     return module_names_per_stage
 
 
-def _megatron_build(num_layers, pp, vp, first, last, pp_rank) -> int:
-    """get_num_layers_to_build (no custom layout, no embedding/loss accounting); vp None without VP."""
+def _megatron_build(num_layers, pp, vp, first, last, pp_rank, vp_stage=0, embedding=False, loss=False) -> int:
+    """get_num_layers_to_build (no custom layout); vp None without VP."""
     is_first_pp_stage, is_last_pp_stage = pp_rank == 0, pp_rank == pp - 1
     if first is not None or last is not None:
+        assert not (embedding or loss)
         layers_to_distribute, pipeline_stages_left = num_layers, pp
         if first is not None:
             layers_to_distribute -= first
@@ -116,16 +117,28 @@ def _megatron_build(num_layers, pp, vp, first, last, pp_rank) -> int:
         if is_last_pp_stage and last is not None:
             num_layers_per_pipeline_rank = last
     else:
+        if embedding:
+            num_layers += 1
+        if loss:
+            num_layers += 1
         assert num_layers % pp == 0
         num_layers_per_pipeline_rank = num_layers // pp
     if vp is not None and pp > 1:
         assert num_layers_per_pipeline_rank % vp == 0
-        return num_layers_per_pipeline_rank // vp
-    return num_layers_per_pipeline_rank
+        num_layers_to_build = num_layers_per_pipeline_rank // vp
+    else:
+        num_layers_to_build = num_layers_per_pipeline_rank
+    if embedding and (vp is None or vp_stage == 0) and is_first_pp_stage:  # is_vp_first_stage
+        num_layers_to_build -= 1
+        assert num_layers_to_build >= 0
+    if loss and (vp is None or vp_stage == vp - 1) and is_last_pp_stage:  # is_vp_last_stage
+        num_layers_to_build -= 1
+        assert num_layers_to_build >= 0
+    return num_layers_to_build
 
 
-def _megatron_offset(num_layers, pp, vp, first, last, pp_rank, vp_stage) -> int:
-    """get_transformer_layer_offset (pp > 1, no custom layout, no embedding/loss accounting)."""
+def _megatron_offset(num_layers, pp, vp, first, last, pp_rank, vp_stage, embedding=False, loss=False) -> int:
+    """get_transformer_layer_offset (pp > 1, no custom layout)."""
     if first is not None or last is not None:
         middle_pipeline_stages = pp - sum(1 if x is not None else 0 for x in (first, last))
         n_first, n_last = first or 0, last or 0
@@ -141,10 +154,15 @@ def _megatron_offset(num_layers, pp, vp, first, last, pp_rank, vp_stage) -> int:
             return vp_stage * total_virtual_chunks + v_first + middle_pipeline_rank * (v_middle // middle_pipeline_stages)
         per_rank = middle_num_layers // middle_pipeline_stages if middle_pipeline_stages > 0 else 0
         return 0 if pp_rank == 0 else middle_pipeline_rank * per_rank + n_first
+    num_layers += int(embedding) + int(loss)
     per_rank = num_layers // pp
     if vp is not None:
-        return vp_stage * (num_layers // vp) + pp_rank * (per_rank // vp)
-    return pp_rank * per_rank
+        offset = vp_stage * (num_layers // vp) + pp_rank * (per_rank // vp)
+    else:
+        offset = pp_rank * per_rank
+    if embedding and not ((vp is None or vp_stage == 0) and pp_rank == 0):
+        offset -= 1
+    return offset
 
 
 def _layer_counts(fqns: list[list[str]]) -> tuple[int, ...]:
@@ -198,6 +216,28 @@ def test_megatron_split_is_get_num_layers_to_build(pp, vp):
                 starts = [sum(ours[:c]) for c in range(pp * v)]
                 assert starts == [_megatron_offset(layers, pp, vp, first, last, c % pp, c // pp)
                                   for c in range(pp * v)], (layers, first, last)
+
+
+@pytest.mark.parametrize("pp,vp", [(2, None), (4, None), (4, 2), (8, None), (3, 3)])
+@pytest.mark.parametrize("embedding,loss", [(True, False), (False, True), (True, True)])
+def test_megatron_embedding_and_loss_accounting(pp, vp, embedding, loss):
+    """--account-for-embedding / --account-for-loss against get_num_layers_to_build's accounting branch (the
+    embedding / loss counted as a layer of the first / last chunk) and get_transformer_layer_offset."""
+    v = vp or 1
+    for layers in range(2, 70):
+        try:
+            theirs = [_megatron_build(layers, pp, vp, None, None, c % pp, c // pp, embedding, loss)
+                      for c in range(pp * v)]
+        except AssertionError:
+            with pytest.raises(PlannerError):
+                chunk_layers("megatron", layers, pp, v, embedding=embedding, loss=loss)
+            continue
+        ours = chunk_layers("megatron", layers, pp, v, embedding=embedding, loss=loss)
+        assert list(ours) == theirs and sum(ours) == layers, layers
+        assert [sum(ours[:c]) for c in range(pp * v)] == [
+            _megatron_offset(layers, pp, vp, None, None, c % pp, c // pp, embedding, loss) for c in range(pp * v)]
+    with pytest.raises(PlannerError, match="not with"):  # transformer_config.py refuses both at once
+        chunk_layers("megatron", 62, pp, v, first=2 * v, embedding=embedding, loss=loss)
 
 
 def test_deepseek_v3_rows_split():
@@ -259,6 +299,10 @@ def test_megatron_first_and_last_stage_flags():
     stages = json.loads(res.output)["parallel"]["stages"]
     assert [len(s["layers"]) for s in stages] == [13, 16, 16, 16]
     assert stages[0]["layers"][:3] == [0, 1, 2]  # the three dense layers on the first rank
+    res = _estimate("--parallelism", "ddp", "--framework", "megatron", "--pp", "9", "--instances", "72",
+                    "--account-for-embedding", "--account-for-loss", "--json")
+    assert res.exit_code == 0, res.output
+    assert [len(s["layers"]) for s in json.loads(res.output)["parallel"]["stages"]] == [6, *[7] * 7, 6]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -273,6 +317,10 @@ def test_megatron_first_and_last_stage_flags():
     (("--parallelism", "ddp", "--framework", "megatron", "--pp", "4", "--last-stage-layers", "-1"),
      "--last-stage-layers"),
     (("--parallelism", "ddp", "--pp", "4"), "splits layers evenly"),
+    (("--parallelism", "fsdp", "--framework", "torchtitan", "--pp", "4", "--account-for-loss"),
+     "only with --framework megatron"),
+    (("--parallelism", "ddp", "--framework", "megatron", "--pp", "4", "--account-for-embedding"),
+     "the embedding and the loss counted as layers"),
 ])
 def test_bad_split_is_one_line_exit_2(args, needle):
     res = _estimate(*args)

@@ -49,6 +49,8 @@ from planner.cli.lora_opts import (
 from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields, moe_flags
 from planner.cli.options import build_config
 from planner.cli.parallel_opts import (
+    AccountEmbeddingOpt,
+    AccountLossOpt,
     CpOpt,
     DistOptOpt,
     DpReplicasOpt,
@@ -146,7 +148,9 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                                          recompute_modules=f["recompute_modules"],
                                          checkpointing=f["checkpointing"],
                                          first_stage_layers=f.get("first_stage_layers"),
-                                         last_stage_layers=f.get("last_stage_layers")))
+                                         last_stage_layers=f.get("last_stage_layers"),
+                                         account_for_embedding=f.get("account_for_embedding", False),
+                                         account_for_loss=f.get("account_for_loss", False)))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -351,6 +355,8 @@ def register(app: typer.Typer) -> None:
         vp: VpOpt = 1,
         first_stage_layers: FirstStageOpt = None,
         last_stage_layers: LastStageOpt = None,
+        account_for_embedding: AccountEmbeddingOpt = False,
+        account_for_loss: AccountLossOpt = False,
         dp_replicas: DpReplicasOpt = None,
         distributed_optimizer: DistOptOpt = False,
         grad_reduce_in_fp32: GradReduceOpt = None,

@@ -13,8 +13,11 @@ the LM head count as layers. Each rule below is the framework's own function tra
   / `--decoder-last-pipeline-num-layers` the layers must divide pp (asserted), then vp; with them (the planner's
   `--first-stage-layers` / `--last-stage-layers`) the first (last) rank holds that many, split over its vp
   chunks, and the rest divide evenly over the middle ranks ("With uneven pipelineing the left over layers must
-  be divisible by left over stages"); each rank's count must divide by vp. The offsets put round v's chunks
-  in rank order, so layers stay contiguous in chunk order.
+  be divisible by left over stages"); each rank's count must divide by vp. With
+  `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split` (the planner's
+  `--account-for-embedding` / `--account-for-loss`) the embedding / the loss count as one layer: layers + 1
+  (+ 1) divide pp, then vp, and the first chunk of rank 0 (the last chunk of the last rank) builds one fewer.
+  The offsets put round v's chunks in rank order, so layers stay contiguous in chunk order.
 - "torchtitan": pytorch/torchtitan torchtitan/distributed/pipeline_parallel.py generate_llm_fqn_per_model_part
   (@fb3b230e): the embedding and the norm + output count as `input_weight` and `output_weight` layers
   (job config `pipeline_parallel_first_stage_less_layers` / `_last_stage_less_layers`, both 1 by default);
@@ -44,20 +47,29 @@ TORCHTITAN_INPUT_WEIGHT = 1
 TORCHTITAN_OUTPUT_WEIGHT = 1
 
 FIRST_FLAG, LAST_FLAG = "--first-stage-layers", "--last-stage-layers"
+EMBEDDING_FLAG, LOSS_FLAG = "--account-for-embedding", "--account-for-loss"
 
 
 def chunk_layers(rule: str, layers: int, pp: int, vp: int = 1, *, first: int | None = None,
-                 last: int | None = None) -> tuple[int, ...]:
+                 last: int | None = None, embedding: bool = False, loss: bool = False) -> tuple[int, ...]:
     """Layers in each of the pp · vp model chunks, in chunk order (module docstring), or a PlannerError naming
-    the flag and what the framework allows. `first` / `last`: Megatron's layers on the first / last rank."""
+    the flag and what the framework allows. `first` / `last`: Megatron's layers on the first / last rank;
+    `embedding` / `loss`: Megatron's --account-for-embedding/loss-in-pipeline-split (the embedding / the loss
+    counted as one layer of the first / last chunk)."""
     chunks = pp * vp
     if (first is not None or last is not None) and rule != "megatron":
         raise PlannerError(FIRST_FLAG if first is not None else LAST_FLAG, first if first is not None else last,
                            "only with --framework megatron (Megatron-LM's --decoder-first/last-pipeline-num-"
                            "layers; this framework splits the layers by its own rule)")
+    if (embedding or loss) and rule != "megatron":
+        raise PlannerError(EMBEDDING_FLAG if embedding else LOSS_FLAG, True,
+                           "only with --framework megatron (Megatron-LM's --account-for-embedding/loss-in-"
+                           "pipeline-split)")
     if chunks > layers and rule not in ("megatron", "torchtitan"):
         raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
     if rule == "megatron":
+        if embedding or loss:
+            return _megatron_accounted(layers, pp, vp, first, last, embedding, loss)
         return _megatron(layers, pp, vp, first, last)
     if rule == "torchtitan":
         return _torchtitan(layers, chunks)
@@ -97,6 +109,29 @@ def _megatron(layers: int, pp: int, vp: int, first: int | None, last: int | None
         if bad is not None:
             raise PlannerError("--vp", vp, f"a divisor of the {per_rank[bad]} layers of each middle rank")
     return tuple(per_rank[c % pp] // vp for c in range(pp * vp))
+
+
+def _megatron_accounted(layers: int, pp: int, vp: int, first: int | None, last: int | None, embedding: bool,
+                        loss: bool) -> tuple[int, ...]:
+    """get_num_layers_to_build with account_for_embedding/loss_in_pipeline_split: layers + 1 (+ 1) divide pp,
+    then vp; the first chunk of rank 0 builds one layer fewer for the embedding, the last chunk of the last
+    rank one fewer for the loss (transformer_config.py refuses them with the uneven first/last stages)."""
+    if first is not None or last is not None:
+        raise PlannerError(EMBEDDING_FLAG if embedding else LOSS_FLAG, True,
+                           f"not with {FIRST_FLAG} / {LAST_FLAG} (Megatron refuses both at once)")
+    if pp < 2:
+        raise PlannerError(EMBEDDING_FLAG if embedding else LOSS_FLAG, True, "only with --pp above 1")
+    n = layers + embedding + loss
+    if n % pp or (n // pp) % vp:
+        raise PlannerError("--pp/--vp", f"{pp}×{vp}", f"a product that divides the model's {layers} layers + "
+                           f"{int(embedding) + int(loss)} (the embedding and the loss counted as layers)")
+    out = [n // pp // vp] * (pp * vp)
+    out[0] -= embedding
+    out[-1] -= loss
+    if min(out) < 0:
+        raise PlannerError("--pp/--vp", f"{pp}×{vp}", "fewer chunks: the first or last chunk holds no layer for "
+                           "the embedding or the loss to replace")
+    return tuple(out)
 
 
 def _torchtitan(layers: int, stages: int) -> tuple[int, ...]:
