@@ -322,6 +322,8 @@ class TrainConfig(Frozen):
     # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss counted as a layer
     account_for_embedding: bool = False
     account_for_loss: bool = False
+    # Megatron's --pipeline-model-parallel-layout, e.g. "Et*3|(tt|)*29|L" (planner.parallel.layer_split)
+    pp_layout: str | None = Field(None, min_length=1, max_length=2000)
     dp_replicas: int | None = Field(None, ge=1, le=MAX_INSTANCES * 8)
     distributed_optimizer: bool = False
     # Megatron-Core DDP's grad_reduce_in_fp32 (DistributedDataParallelConfig): the main-gradient buffer (and its

@@ -9,18 +9,20 @@ flags' bad input.
 - torchtitan: torchtitan/distributed/pipeline_parallel.py generate_llm_fqn_per_model_part (pytorch/torchtitan
   @fb3b230e2a050885057a1a02f167658b0cb6c5ac);
 - Megatron-Core: megatron/core/transformer/transformer_block.py get_num_layers_to_build and
-  transformer_layer.py get_transformer_layer_offset (NVIDIA/Megatron-LM @d98e8a64dd), the uneven first/last
-  branches (the embedding / loss accounting is not exposed by the planner).
+  transformer_layer.py get_transformer_layer_offset (NVIDIA/Megatron-LM @d98e8a64dd): the uneven first/last
+  and the embedding / loss accounting branches; pipeline_parallel_layer_layout.py PipelineParallelLayerLayout
+  (parse_str_to_list, the 1-D to 2-D layout, get_num_layers_to_build, get_layer_offset).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from planner.errors import PlannerError
-from planner.parallel.layer_split import chunk_layers, rank_layers
+from planner.parallel.layer_split import chunk_layers, parse_layout, rank_layers
 
 
 def _nemo_fqns(num_stages: int, num_layers: int) -> list[list[str]]:
@@ -165,6 +167,67 @@ def _megatron_offset(num_layers, pp, vp, first, last, pp_rank, vp_stage, embeddi
     return offset
 
 
+def _megatron_parse(layout_str: str) -> list[list[str]]:
+    """PipelineParallelLayerLayout.parse_str_to_list (layer characters kept as characters)."""
+    import re
+
+    layout_str = layout_str.replace(",", "")
+    for pattern in (r'\(([^)]+)\)\*(\d+)', r'(.)\*(\d+)'):
+        layout_str = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), layout_str)
+    layout_list = []
+    for stage in layout_str.split('|'):
+        layout_list.append([])
+        for layer_char in stage:
+            assert layer_char in "ELtm"
+            layout_list[-1].append(layer_char)
+    return layout_list
+
+
+def _megatron_layout_counts(layout_str: str, pp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """PipelineParallelLayerLayout.__init__'s 2-D layout (layout[pp_rank][vpp_rank] = stage vpp_rank · pp +
+    pp_rank), then get_num_layers_to_build and get_layer_offset of the decoder layers for every rank and
+    virtual stage."""
+    flat = _megatron_parse(layout_str)
+    assert len(flat) % pp == 0
+    vpp = len(flat) // pp
+    layout = [[flat[v * pp + r] for v in range(vpp)] for r in range(pp)]
+    build = [[layout[r][v].count("t") for v in range(vpp)] for r in range(pp)]
+    offsets = [[sum(layout[_r][_v].count("t") for _v in range(v + 1)
+                    for _r in range(pp if _v < v else r)) for v in range(vpp)] for r in range(pp)]
+    return build, offsets
+
+
+LAYOUTS = [("Et*3|(tt|)*29|L", 16, 61),  # DeepSeek-V3 at PP 16 × VP 2 (Megatron's docs, without the MTP layer)
+           ("Et|(tt|)*30L", 8, 61),  # PP 8 × VP 4, the loss with the last two layers
+           ("Et|(tt|)*6L", 2, 13), ("Ett|tt|t|ttL", 2, 7), ("E|t*4|t*4|L", 4, 8), ("Et,t|t,tL", 2, 4)]
+
+
+@pytest.mark.parametrize("layout,pp,layers", LAYOUTS)
+def test_megatron_layout_is_theirs(layout, pp, layers):
+    """--pp-layout: the chunks parse as parse_str_to_list does, each (rank, virtual stage) builds as many decoder
+    layers as PipelineParallelLayerLayout.get_num_layers_to_build says, and the chunks start at its
+    get_layer_offset."""
+    assert [list(st) for st in parse_layout(layout)] == _megatron_parse(layout)
+    build, offsets = _megatron_layout_counts(layout, pp)
+    vp = len(build[0])
+    ours = chunk_layers("megatron", layers, pp, vp, layout=layout)
+    assert [[ours[v * pp + r] for v in range(vp)] for r in range(pp)] == build
+    assert [[sum(ours[:v * pp + r]) for v in range(vp)] for r in range(pp)] == offsets
+
+
+@pytest.mark.parametrize("layout,pp,vp,needle", [
+    ("Et*3|(tt|)*29|L", 16, 1, "give --vp 2"),
+    ("Et*3|(tt|)*29,m|L", 16, 2, "multi-token prediction"),
+    ("Et*3|(tt|)*29|X", 16, 2, "'X' is not one"),
+    ("Et*2|(tt|)*29|L", 16, 2, "61 decoder layers"),
+    ("Ett|L|tt|tt", 2, 2, "'E' first and the loss 'L' last"),
+    ("Ett|tt|ttL|", 2, 2, "the loss in one of the last rank"),
+])
+def test_bad_megatron_layouts(layout, pp, vp, needle):
+    with pytest.raises(PlannerError, match=re.escape(needle)):
+        chunk_layers("megatron", 61 if "29" in layout else 6, pp, vp, layout=layout)
+
+
 def _layer_counts(fqns: list[list[str]]) -> tuple[int, ...]:
     return tuple(sum(1 for n in stage if ".layers." in f".{n}" or n.startswith("layers.")) for stage in fqns)
 
@@ -303,6 +366,10 @@ def test_megatron_first_and_last_stage_flags():
                     "--account-for-embedding", "--account-for-loss", "--json")
     assert res.exit_code == 0, res.output
     assert [len(s["layers"]) for s in json.loads(res.output)["parallel"]["stages"]] == [6, *[7] * 7, 6]
+    res = _estimate("--parallelism", "ddp", "--framework", "megatron", "--pp", "4", "--pp-layout",
+                    "Et*13|t*16|t*16|t*16L", "--json")
+    assert res.exit_code == 0, res.output
+    assert [len(s["layers"]) for s in json.loads(res.output)["parallel"]["stages"]] == [13, 16, 16, 16]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -321,6 +388,11 @@ def test_megatron_first_and_last_stage_flags():
      "only with --framework megatron"),
     (("--parallelism", "ddp", "--framework", "megatron", "--pp", "4", "--account-for-embedding"),
      "the embedding and the loss counted as layers"),
+    (("--parallelism", "fsdp", "--framework", "nemo-automodel", "--pp", "4", "--pp-layout", "Et*61|||L"),
+     "only with --framework megatron"),
+    (("--parallelism", "ddp", "--framework", "megatron", "--pp", "4", "--pp-layout", "Et*13|t*16|t*16|t*16L",
+      "--first-stage-layers", "13"), "alone: not with"),
+    (("--parallelism", "ddp", "--framework", "megatron", "--pp-layout", "Et*61L"), "only with --pp above 1"),
 ])
 def test_bad_split_is_one_line_exit_2(args, needle):
     res = _estimate(*args)

@@ -57,6 +57,7 @@ from planner.cli.parallel_opts import (
     FirstStageOpt,
     GradReduceOpt,
     LastStageOpt,
+    PpLayoutOpt,
     PpOpt,
     PpScheduleOpt,
     RecomputeModulesOpt,
@@ -150,7 +151,8 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                                          first_stage_layers=f.get("first_stage_layers"),
                                          last_stage_layers=f.get("last_stage_layers"),
                                          account_for_embedding=f.get("account_for_embedding", False),
-                                         account_for_loss=f.get("account_for_loss", False)))
+                                         account_for_loss=f.get("account_for_loss", False),
+                                         pp_layout=f.get("pp_layout")))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -357,6 +359,7 @@ def register(app: typer.Typer) -> None:
         last_stage_layers: LastStageOpt = None,
         account_for_embedding: AccountEmbeddingOpt = False,
         account_for_loss: AccountLossOpt = False,
+        pp_layout: PpLayoutOpt = None,
         dp_replicas: DpReplicasOpt = None,
         distributed_optimizer: DistOptOpt = False,
         grad_reduce_in_fp32: GradReduceOpt = None,

@@ -1,6 +1,6 @@
 """The model-parallel flags of estimate, explain, probe and search (issue 34): --tp, --sp, --cp, --pp,
---pp-schedule, --vp, --first-stage-layers / --last-stage-layers and --account-for-embedding / --account-for-loss
-(estimate and explain; issue 35), --dp-replicas, --distributed-optimizer, --grad-reduce-in-fp32, --recompute, --recompute-modules, and the
+--pp-schedule, --vp, --first-stage-layers / --last-stage-layers, --account-for-embedding / --account-for-loss and
+--pp-layout (estimate and explain; issue 35), --dp-replicas, --distributed-optimizer, --grad-reduce-in-fp32, --recompute, --recompute-modules, and the
 TrainConfig fields they set. How the degrees combine is checked once, when the estimate resolves the
 configuration (planner.parallel.dims)."""
 
@@ -30,6 +30,8 @@ AccountEmbeddingOpt = Annotated[bool, typer.Option(
     "--account-for-embedding", help="Megatron: the embedding counts as a layer of the first stage.")]
 AccountLossOpt = Annotated[bool, typer.Option(
     "--account-for-loss", help="Megatron: the loss counts as a layer of the last stage.")]
+PpLayoutOpt = Annotated[str | None, typer.Option(
+    "--pp-layout", help="Megatron: layers per pipeline stage as a layout, e.g. 'Et*3|(tt|)*29|L'.")]
 DpReplicasOpt = Annotated[int | None, typer.Option(
     "--dp-replicas", help="HSDP: replica groups; states are sharded inside each group.")]
 DistOptOpt = Annotated[bool, typer.Option(
@@ -50,7 +52,7 @@ def parallel_fields(*, tp: int = 1, sp: bool | None = None, cp: int = 1, pp: int
                     recompute: str | None = None, recompute_modules: str | None = None,
                     checkpointing: bool = False, first_stage_layers: int | None = None,
                     last_stage_layers: int | None = None, account_for_embedding: bool = False,
-                    account_for_loss: bool = False) -> dict[str, Any]:
+                    account_for_loss: bool = False, pp_layout: str | None = None) -> dict[str, Any]:
     """The TrainConfig fields of the flags (empty at their defaults). --checkpointing is --recompute full: the
     two may both be given only when they agree (TrainConfig keeps one answer, `recompute_mode`)."""
     for flag, value in (("--tp", tp), ("--cp", cp), ("--pp", pp), ("--vp", vp), ("--dp-replicas", dp_replicas)):
@@ -73,11 +75,11 @@ def parallel_fields(*, tp: int = 1, sp: bool | None = None, cp: int = 1, pp: int
              "distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": grad_reduce_in_fp32,
              "recompute": recompute, "recompute_modules": modules, "first_stage_layers": first_stage_layers,
              "last_stage_layers": last_stage_layers, "account_for_embedding": account_for_embedding,
-             "account_for_loss": account_for_loss}
+             "account_for_loss": account_for_loss, "pp_layout": pp_layout}
     defaults = {"tp": 1, "sp": None, "cp": 1, "pp": 1, "pp_schedule": None, "vp": 1, "dp_replicas": None,
                 "distributed_optimizer": False, "grad_reduce_in_fp32": None, "recompute": None,
                 "recompute_modules": (), "first_stage_layers": None, "last_stage_layers": None,
-                "account_for_embedding": False, "account_for_loss": False}
+                "account_for_embedding": False, "account_for_loss": False, "pp_layout": None}
     return {k: v for k, v in given.items() if v != defaults[k]}
 
 
@@ -94,6 +96,8 @@ def parallel_flags(config: Any) -> list[str]:
     for name in ("account_for_embedding", "account_for_loss"):
         if getattr(config, name, False):
             parts.append(f"--{name.replace('_', '-')}")
+    if getattr(config, "pp_layout", None):
+        parts.append(f"--pp-layout '{config.pp_layout}'")
     if config.dp_replicas:
         parts.append(f"--dp-replicas {config.dp_replicas}")
     if config.distributed_optimizer:

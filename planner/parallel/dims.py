@@ -114,7 +114,7 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
     chunks: tuple[int, ...] = ()
     uneven = {"--first-stage-layers": cfg.first_stage_layers, "--last-stage-layers": cfg.last_stage_layers,
               "--account-for-embedding": cfg.account_for_embedding or None,
-              "--account-for-loss": cfg.account_for_loss or None}
+              "--account-for-loss": cfg.account_for_loss or None, "--pp-layout": cfg.pp_layout}
     given = next(((flag, v) for flag, v in uneven.items() if v is not None), None)
     if given is not None and pp == 1:
         raise PlannerError(given[0], given[1], "only with --pp above 1")
@@ -124,7 +124,8 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
 
         chunks = chunk_layers(framework(cfg.framework).pipeline_split, layers, pp, vp,
                               first=cfg.first_stage_layers, last=cfg.last_stage_layers,
-                              embedding=cfg.account_for_embedding, loss=cfg.account_for_loss)
+                              embedding=cfg.account_for_embedding, loss=cfg.account_for_loss,
+                              layout=cfg.pp_layout)
     elif layers is not None and pp * vp > layers:
         raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
     if seq_len is not None:

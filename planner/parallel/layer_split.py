@@ -17,7 +17,10 @@ the LM head count as layers. Each rule below is the framework's own function tra
   `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split` (the planner's
   `--account-for-embedding` / `--account-for-loss`) the embedding / the loss count as one layer: layers + 1
   (+ 1) divide pp, then vp, and the first chunk of rank 0 (the last chunk of the last rank) builds one fewer.
-  The offsets put round v's chunks in rank order, so layers stay contiguous in chunk order.
+  With `--pipeline-model-parallel-layout` (the planner's `--pp-layout`, e.g. DeepSeek-V3's
+  "Et*3|(tt|)*29|L" at pp 16 × vp 2) each chunk holds the decoder layers its stage string names
+  (transformer/pipeline_parallel_layer_layout.py). The offsets put round v's chunks in rank order, so layers
+  stay contiguous in chunk order.
 - "torchtitan": pytorch/torchtitan torchtitan/distributed/pipeline_parallel.py generate_llm_fqn_per_model_part
   (@fb3b230e): the embedding and the norm + output count as `input_weight` and `output_weight` layers
   (job config `pipeline_parallel_first_stage_less_layers` / `_last_stage_less_layers`, both 1 by default);
@@ -34,6 +37,7 @@ to its chunk and rank from it.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from planner.errors import PlannerError
@@ -48,19 +52,29 @@ TORCHTITAN_OUTPUT_WEIGHT = 1
 
 FIRST_FLAG, LAST_FLAG = "--first-stage-layers", "--last-stage-layers"
 EMBEDDING_FLAG, LOSS_FLAG = "--account-for-embedding", "--account-for-loss"
+LAYOUT_FLAG = "--pp-layout"
 
 
 def chunk_layers(rule: str, layers: int, pp: int, vp: int = 1, *, first: int | None = None,
-                 last: int | None = None, embedding: bool = False, loss: bool = False) -> tuple[int, ...]:
+                 last: int | None = None, embedding: bool = False, loss: bool = False,
+                 layout: str | None = None) -> tuple[int, ...]:
     """Layers in each of the pp · vp model chunks, in chunk order (module docstring), or a PlannerError naming
     the flag and what the framework allows. `first` / `last`: Megatron's layers on the first / last rank;
     `embedding` / `loss`: Megatron's --account-for-embedding/loss-in-pipeline-split (the embedding / the loss
-    counted as one layer of the first / last chunk)."""
+    counted as one layer of the first / last chunk); `layout`: Megatron's --pipeline-model-parallel-layout."""
     chunks = pp * vp
     if (first is not None or last is not None) and rule != "megatron":
         raise PlannerError(FIRST_FLAG if first is not None else LAST_FLAG, first if first is not None else last,
                            "only with --framework megatron (Megatron-LM's --decoder-first/last-pipeline-num-"
                            "layers; this framework splits the layers by its own rule)")
+    if layout is not None:
+        if rule != "megatron":
+            raise PlannerError(LAYOUT_FLAG, layout, "only with --framework megatron (Megatron-LM's "
+                               "--pipeline-model-parallel-layout)")
+        if first is not None or last is not None or embedding or loss:
+            raise PlannerError(LAYOUT_FLAG, layout, f"alone: not with {FIRST_FLAG}, {LAST_FLAG}, {EMBEDDING_FLAG} "
+                               f"or {LOSS_FLAG} (Megatron refuses them together)")
+        return layout_chunks(layout, layers, pp, vp)
     if (embedding or loss) and rule != "megatron":
         raise PlannerError(EMBEDDING_FLAG if embedding else LOSS_FLAG, True,
                            "only with --framework megatron (Megatron-LM's --account-for-embedding/loss-in-"
@@ -132,6 +146,47 @@ def _megatron_accounted(layers: int, pp: int, vp: int, first: int | None, last: 
         raise PlannerError("--pp/--vp", f"{pp}×{vp}", "fewer chunks: the first or last chunk holds no layer for "
                            "the embedding or the loss to replace")
     return tuple(out)
+
+
+def parse_layout(layout: str) -> list[str]:
+    """Megatron's layout string as one string of layer characters per model chunk, in chunk order
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py PipelineParallelLayerLayout.parse_str_to_list
+    @d98e8a64dd: commas dropped, `(...)*n` then `x*n` unrolled, stages split at '|'; E embedding, t decoder
+    layer, m multi-token prediction, L loss)."""
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), text)
+    stages = text.split("|")
+    bad = next((c for stage in stages for c in stage if c not in "EtmL"), None)
+    if bad is not None:
+        raise PlannerError(LAYOUT_FLAG, layout, f"layer characters E, t, m and L with '|', '*n' and '(...)*n' "
+                           f"(Megatron's layout syntax); {bad!r} is not one")
+    return stages
+
+
+def layout_chunks(layout: str, layers: int, pp: int, vp: int) -> tuple[int, ...]:
+    """Decoder layers per chunk of a Megatron layout, with PipelineParallelLayerLayout's checks (the stages a
+    multiple of pp, giving vp; the embedding first and the loss last, once each; as many decoder layers as
+    the model has) and the planner's own: no multi-token prediction layer (not modelled), the embedding on
+    rank 0 and the loss on the last rank (where the planner keeps the embedding and the head)."""
+    stages = parse_layout(layout)
+    if len(stages) % pp or len(stages) // pp != vp:
+        raise PlannerError(LAYOUT_FLAG, layout, f"pp × vp = {pp} × {vp} stages separated by '|' (it has "
+                           f"{len(stages)}; Megatron reads vp from the layout: give --vp {len(stages) // pp or 1})")
+    flat = "".join(stages)
+    if "m" in flat:
+        raise PlannerError(LAYOUT_FLAG, layout, "no 'm': multi-token prediction layers are not modelled")
+    if flat.count("E") != 1 or flat.count("L") != 1 or not flat.startswith("E") or not flat.endswith("L"):
+        raise PlannerError(LAYOUT_FLAG, layout, "the embedding 'E' first and the loss 'L' last, once each")
+    if flat.count("t") != layers:
+        raise PlannerError(LAYOUT_FLAG, layout, f"{layers} decoder layers 't', as the model has "
+                           f"(the layout has {flat.count('t')})")
+    first_e = next(c for c, st in enumerate(stages) if "E" in st)
+    last_l = next(c for c, st in enumerate(stages) if "L" in st)
+    if first_e % pp != 0 or last_l % pp != pp - 1:
+        raise PlannerError(LAYOUT_FLAG, layout, "the embedding in a chunk of the first rank and the loss in one "
+                           "of the last rank (chunk c runs on rank c mod pp)")
+    return tuple(st.count("t") for st in stages)
 
 
 def _torchtitan(layers: int, stages: int) -> tuple[int, ...]:
