@@ -41,9 +41,12 @@ def parallel_lines(est: Estimate, gpus_per_instance: int) -> list[str]:
                      "ring in attention. Activations shrink by the degree; parameters do not.")
     if p.pp > 1:
         chunks = f" in {p.vp} virtual chunks per rank" if p.vp > 1 else ""
-        lines.append(f"Pipeline parallelism {p.pp}, schedule {p.schedule}{chunks}: each stage holds "
-                     f"{len(p.stages[0].layers)} layers; the embedding sits on the first stage, the final norm, "
-                     "the LM head and the loss on the last.")
+        counts = [len(s.layers) for s in p.stages]
+        held_layers = (f"each stage holds {counts[0]} layers" if len(set(counts)) == 1 else
+                       "the layers are split unevenly, as the framework splits them: the stages hold "
+                       + ", ".join(str(n) for n in counts))
+        lines.append(f"Pipeline parallelism {p.pp}, schedule {p.schedule}{chunks}: {held_layers}; the embedding "
+                     "sits on the first stage, the final norm, the LM head and the loss on the last.")
         held = ", ".join(f"stage {s.stage}: {s.in_flight_micro_batches:g}" for s in p.stages)
         lines.append(f"{p.micro_batches} micro-batches per step; a stage keeps the activations of the micro-batches "
                      f"it has run forward but not yet backward: {held}. "
@@ -97,10 +100,12 @@ def fix_tries(est: Estimate, gpus_per_instance: int) -> list[tuple[str, dict[str
     tp, pp, vp = p.tp, p.pp, p.vp
     if tp * 2 <= gpus_per_instance:
         tries.append((f"tensor parallelism --tp {tp * 2}", {"tp": tp * 2}))
-    tries.append((f"pipeline parallelism --pp {pp * 2}", {"pp": pp * 2}))
+    even = {"first_stage_layers": None, "last_stage_layers": None,  # a doubled pipeline: the framework's split
+            "account_for_embedding": False, "account_for_loss": False, "pp_layout": None}
+    tries.append((f"pipeline parallelism --pp {pp * 2}", {"pp": pp * 2, **even}))
     if vp > 1:
         tries.append((f"--pp {pp * 2} --vp {max(vp // 2, 1)}", {"pp": pp * 2, "vp": max(vp // 2, 1),
-                                                                 "pp_schedule": None}))
+                                                                 "pp_schedule": None, **even}))
     if cfg.recompute_mode == "none":
         tries.append(("selective recomputation of attention (--recompute selective --recompute-modules "
                       "core_attn)", {"recompute": "selective", "recompute_modules": ("core_attn",)}))

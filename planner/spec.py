@@ -315,6 +315,15 @@ class TrainConfig(Frozen):
     pp: int = Field(1, ge=1, le=MAX_INSTANCES * 8)
     vp: int = Field(1, ge=1, le=1024)
     pp_schedule: PipelineSchedule | None = None
+    # Megatron's uneven first / last pipeline stage (--decoder-first/last-pipeline-num-layers; issue 35,
+    # planner.parallel.layer_split): the layers the first / last rank holds; None: the framework's own split.
+    first_stage_layers: int | None = Field(None, ge=0, le=100_000)
+    last_stage_layers: int | None = Field(None, ge=0, le=100_000)
+    # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss counted as a layer
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    # Megatron's --pipeline-model-parallel-layout, e.g. "Et*3|(tt|)*29|L" (planner.parallel.layer_split)
+    pp_layout: str | None = Field(None, min_length=1, max_length=2000)
     dp_replicas: int | None = Field(None, ge=1, le=MAX_INSTANCES * 8)
     distributed_optimizer: bool = False
     # Megatron-Core DDP's grad_reduce_in_fp32 (DistributedDataParallelConfig): the main-gradient buffer (and its

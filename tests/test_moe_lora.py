@@ -266,3 +266,49 @@ def test_probe_job_passes_experts_as_target_parameters():
     assert _split_lora_targets(("q_proj", "v_proj", "experts")) == (
         ["q_proj", "v_proj"], ["experts.gate_up_proj", "experts.down_proj"])
     assert _split_lora_targets(("all-linear", "mlp.experts.down_proj")) == (["all-linear"], ["mlp.experts.down_proj"])
+
+
+def _baddbmm_calls(module, cfg: TrainConfig) -> int:
+    """aten.baddbmm calls in one real training step (forward, recompute, backward): peft 0.21 merges each
+    adapted expert weight with a baddbmm (_LoraFactorsProxy) twice per forward (registering the
+    parametrization computes it once to check it), and backward runs none (its gradients are autograd's
+    bmm's and mm's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.baddbmm.default:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    module.train()
+    ids = torch.randint(3, 100, (cfg.batch_size, cfg.seq_len))
+    with Count():
+        module(input_ids=ids).logits.float().sum().backward()
+    return len(calls)
+
+
+def test_checkpointing_recomputes_the_expert_merges():
+    """Under non-reentrant activation checkpointing the recomputed forward merges each adapted expert stack
+    again (issue 35: `program_kernels` had skipped them): the LoRA kernel list's merges, forward and
+    recompute, equal the baddbmm calls of the real checkpointed peft model, and a step without checkpointing
+    runs half as many."""
+    from planner.perf.micro_step import micro_kernels
+
+    spec = hf_config.spec_from_hf_config(TINY["mixtral"], name="mixtral")
+    counts = {}
+    for ckpt in (False, True):
+        cfg = _config("mixtral", True, checkpointing=ckpt, attention="sdpa")
+        torch.manual_seed(0)
+        module = _real("mixtral")
+        if ckpt:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            module.enable_input_require_grads()
+        real = _baddbmm_calls(_inject(module, ATTENTION["mixtral"], True), cfg)
+        merges = {ph: sum(k.count for k in micro_kernels(spec, cfg) if ".lora_merge" in k.name
+                          and k.phase == ph) for ph in ("forward", "recompute")}
+        assert merges["forward"] + merges["recompute"] == real
+        counts[ckpt] = merges
+    assert counts[False]["recompute"] == 0 < counts[True]["recompute"] == counts[True]["forward"]

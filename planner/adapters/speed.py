@@ -9,7 +9,8 @@ with what a frozen base does not run taken out and what the adapters and a 4-bit
   (both gradients of each GEMM: the adapters train).
 - Fused experts with an adapter (peft ParamWrapper, `--lora-targets ... experts`): each forward merges the
   local expert stack, W' = baddbmm(W, lhs, rhs) (one batched GEMM of rank r per expert, reading W and writing
-  W' whole); the backward computes W''s gradient (the grouped GEMM's weight gradient over the token-expert
+  W' whole), twice (the parametrization's registration computes it once more to check it: see
+  `expert_merge_kernels`); the backward computes W''s gradient (the grouped GEMM's weight gradient over the token-expert
   pairs, which a frozen expert skips) and the factors' two gradients from it (two batched GEMMs of rank r).
 - A 4-bit weight (bitsandbytes gemm_4bit's dequantize + F.linear path for training-sized inputs) is
   dequantized in the forward and again in the backward: a memory-bound pass reading the packed weight and its
@@ -25,7 +26,8 @@ with what a frozen base does not run taken out and what the adapters and a 4-bit
   autocast the input is fp32, so each 4-bit Linear adds a 16-bit -> fp32 cast of its output, and in backward
   the fp32 -> 16-bit cast of that gradient.
 - Under activation checkpointing, what the checkpointed layer recomputes includes the adapters' forward and
-  each 4-bit Linear's dequantization and output cast (peft's and bitsandbytes' forward simply run again),
+  each 4-bit Linear's dequantization and output cast, and each adapted expert stack's merge (peft's and
+  bitsandbytes' forward simply run again: ParamWrapper.forward merges W' on every call),
   up to the last op of the layer that saves a tensor (non-reentrant checkpoint's early stop,
   torch/utils/checkpoint.py `_StopRecomputationError`); which ops save one is the saved interpreter's
   (planner.memory.op_saved), the rule the memory model reads.
@@ -88,7 +90,11 @@ def program_kernels(model: ModelSpec, config: TrainConfig, sh: Shapes, lora: Lor
                 fwd = apply("kernels", op, sh)
                 bwd = [b for k in reversed(fwd) for b in backward_of(k)]
             elif op.kind == "expert_gemm" and op.attrs.get("merged") and grad:
-                out += expert_merge_kernels(op, config.lora_r or 1)  # its forward and backward both
+                merge = expert_merge_kernels(op, config.lora_r or 1)  # its forward and backward both
+                out += merge
+                if i <= last_saving:  # the recomputed forward merges the stack again (peft's ParamWrapper)
+                    out += [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in merge
+                            if k.phase == "forward"]
                 continue
             elif op.kind == "linear" and quantized:
                 quantized = False
@@ -112,9 +118,15 @@ def expert_merge_kernels(op, r: int) -> list[Kernel]:
     e, stack = nbytes(dtype), experts * n_in * n_out
     merge = gemm(f"{op.name}.lora_merge", n_out, n_in, r, dtype, experts)
     merge = _with(merge, bytes_read=merge.bytes_read + stack * e)  # baddbmm also reads W
+    # peft 0.21.2 registers the parametrization anew on every forward (tuners/lora/layer.py ParamWrapper.
+    # _activate_lora, l. 2594: nn.utils.parametrize.register_parametrization), and torch's registration
+    # computes it once to check its shape and dtype (torch 2.13 torch/nn/utils/parametrize.py
+    # ParametrizationList.__init__, l. 237: `Z = self()` unless `unsafe`): two baddbmm per forward, the
+    # first one's W' discarded (tests/test_moe_lora.py counts them on the real module).
+    check = _with(merge, name=f"{op.name}.lora_merge_check")
     grad_w = _with(gemm(f"{op.name}.grad_merged_weight", n_in, n_out, rows, dtype), bytes_written=stack * e,
                    phase="backward")
-    return [merge, grad_w] + backward_of(merge)
+    return [check, merge, grad_w] + backward_of(merge)
 
 
 def _output_cast(op: Op, sh: Shapes, reads: Op | None) -> list[Kernel]:

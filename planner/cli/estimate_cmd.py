@@ -49,10 +49,15 @@ from planner.cli.lora_opts import (
 from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields, moe_flags
 from planner.cli.options import build_config
 from planner.cli.parallel_opts import (
+    AccountEmbeddingOpt,
+    AccountLossOpt,
     CpOpt,
     DistOptOpt,
     DpReplicasOpt,
+    FirstStageOpt,
     GradReduceOpt,
+    LastStageOpt,
+    PpLayoutOpt,
     PpOpt,
     PpScheduleOpt,
     RecomputeModulesOpt,
@@ -142,7 +147,12 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                                          distributed_optimizer=f["distributed_optimizer"],
                                          grad_reduce_in_fp32=f["grad_reduce_in_fp32"], recompute=f["recompute"],
                                          recompute_modules=f["recompute_modules"],
-                                         checkpointing=f["checkpointing"]))
+                                         checkpointing=f["checkpointing"],
+                                         first_stage_layers=f.get("first_stage_layers"),
+                                         last_stage_layers=f.get("last_stage_layers"),
+                                         account_for_embedding=f.get("account_for_embedding", False),
+                                         account_for_loss=f.get("account_for_loss", False),
+                                         pp_layout=f.get("pp_layout")))
     if f["plot"]:
         from planner.report.timeline_plot import write_timeline
 
@@ -345,6 +355,11 @@ def register(app: typer.Typer) -> None:
         pp: PpOpt = 1,
         pp_schedule: PpScheduleOpt = None,
         vp: VpOpt = 1,
+        first_stage_layers: FirstStageOpt = None,
+        last_stage_layers: LastStageOpt = None,
+        account_for_embedding: AccountEmbeddingOpt = False,
+        account_for_loss: AccountLossOpt = False,
+        pp_layout: PpLayoutOpt = None,
         dp_replicas: DpReplicasOpt = None,
         distributed_optimizer: DistOptOpt = False,
         grad_reduce_in_fp32: GradReduceOpt = None,

@@ -25,7 +25,8 @@ torchtitan/models/llama3/infra/parallelize.py apply_tp):
   _allreduce_layernorm_grads), and torchtitan's SequenceParallel style shards activations only.
 
 Pipeline parallelism (Megatron-Core megatron/core/transformer/transformer_block.py get_num_layers_to_build,
-megatron/core/pipeline_parallel/schedules.py): pp · vp model chunks of layers / (pp · vp) layers each; chunk c
+megatron/core/pipeline_parallel/schedules.py): pp · vp model chunks of layers / (pp · vp) layers each, or as
+the framework splits layers that do not divide (planner.parallel.layer_split, `ParallelDims.chunks`); chunk c
 runs on rank c mod pp, so rank i holds chunks i, i + pp, ... (vp of them). The embedding is on the first chunk
 (rank 0), the final norm, the LM head and the loss on the last (rank pp - 1).
 """
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from planner.models.blocks import Block
 from planner.models.params import block_tensor_shapes
 from planner.parallel.dims import ParallelDims
+from planner.parallel.layer_split import chunk_of_layer
 from planner.spec import TransformerSpec
 
 Shape = tuple[int, ...]
@@ -88,14 +90,13 @@ def rank_parameters(block: Block, tp: int, *, megatron: bool = False) -> int:
 def stage_of(names: Sequence[str], layer_index: dict[str, int], layers: int, dims: ParallelDims) -> list[int]:
     """The pipeline rank of each block name (in forward order; "loss" and anything after the last layer on the
     last rank, anything before the first layer on the first)."""
-    chunks = dims.pp * dims.vp
-    per_chunk = layers // chunks
+    chunk = chunk_of_layer(dims.chunks or (layers // (dims.pp * dims.vp),) * (dims.pp * dims.vp))
     out, seen_layer = [], False
     for name in names:
         i = layer_index.get(name)
         if i is not None:
             seen_layer = True
-            out.append((i // per_chunk) % dims.pp)
+            out.append(chunk[i] % dims.pp)
         else:
             out.append(dims.pp - 1 if seen_layer else 0)
     return out

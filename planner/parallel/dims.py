@@ -33,6 +33,17 @@ class ParallelDims:
     schedule: str  # "none" without pipeline parallelism
     ep: int = 1
     etp: int = 1
+    # layers in each of the pp · vp model chunks, in chunk order (planner.parallel.layer_split); () where the
+    # model's layers are unknown (a traced model), read as an even split
+    chunks: tuple[int, ...] = ()
+
+    def rank_layers(self, layers: int) -> tuple[float, ...]:
+        """Transformer layers each pipeline rank holds (an even split of `layers` without `chunks`)."""
+        if not self.chunks:
+            return (layers / self.pp,) * self.pp
+        from planner.parallel.layer_split import rank_layers
+
+        return rank_layers(self.chunks, self.pp)
 
     @property
     def dp(self) -> int:
@@ -100,11 +111,23 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
         raise PlannerError("--tp", tp, f"a divisor or a multiple of the model's {kv_heads} key/value heads")
     if ffn is not None and ffn % tp:
         raise PlannerError("--tp", tp, f"a divisor of the model's intermediate (MLP) size {ffn}")
-    if layers is not None:
-        if pp * vp > layers:
-            raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
-        if layers % (pp * vp):
-            raise PlannerError("--pp/--vp", f"{pp}×{vp}", f"a product that divides the model's {layers} layers")
+    chunks: tuple[int, ...] = ()
+    uneven = {"--first-stage-layers": cfg.first_stage_layers, "--last-stage-layers": cfg.last_stage_layers,
+              "--account-for-embedding": cfg.account_for_embedding or None,
+              "--account-for-loss": cfg.account_for_loss or None, "--pp-layout": cfg.pp_layout}
+    given = next(((flag, v) for flag, v in uneven.items() if v is not None), None)
+    if given is not None and pp == 1:
+        raise PlannerError(given[0], given[1], "only with --pp above 1")
+    if layers is not None and pp > 1:
+        from planner.parallel.frameworks import get as framework
+        from planner.parallel.layer_split import chunk_layers
+
+        chunks = chunk_layers(framework(cfg.framework).pipeline_split, layers, pp, vp,
+                              first=cfg.first_stage_layers, last=cfg.last_stage_layers,
+                              embedding=cfg.account_for_embedding, loss=cfg.account_for_loss,
+                              layout=cfg.pp_layout)
+    elif layers is not None and pp * vp > layers:
+        raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
     if seq_len is not None:
         split = tp * cp * 2 if cp > 1 else (tp if sp else 1)
         if seq_len % split:
@@ -129,7 +152,7 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
     if cfg.recompute_modules and cfg.recompute_mode != "selective":
         raise PlannerError("--recompute-modules", ",".join(cfg.recompute_modules), "only with --recompute selective")
     return ParallelDims(world=world, dp_replicate=replicas, dp_shard=dp // replicas, tp=tp, cp=cp, pp=pp, vp=vp,
-                        sp=sp, schedule=schedule, ep=ep, etp=etp)
+                        sp=sp, schedule=schedule, ep=ep, etp=etp, chunks=chunks)
 
 
 # The SDPA kernels torch's context parallelism shards (torch/distributed/tensor/experimental/_context_parallel/

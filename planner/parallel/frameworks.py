@@ -96,6 +96,9 @@ class Framework:
     # log_softmax saves (and its backward writes) fp32 n·V tensors. False: cross-entropy on the logits as they
     # are (16-bit in pure bf16; autocast still runs it in fp32 under amp-*). planner.ir.context.Ctx.loss_fp32.
     loss_fp32: bool = True
+    # How the framework splits the transformer layers over pipeline model chunks when they do not divide
+    # (issue 35; planner.parallel.layer_split has each rule and its source): "even" refuses them.
+    pipeline_split: str = "even"
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -147,7 +150,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                     "fsdp": "FSDP2 fully_shard with MixedPrecisionPolicy(param bf16, reduce fp32)",
                     "hsdp": "FSDP2 fully_shard on the (dp_replicate, dp_shard) mesh, the same policy"},
         fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, sp_saves_gathered_input=True,
-        experts_16bit=True, fused_attention=True,
+        experts_16bit=True, fused_attention=True, pipeline_split="torchtitan",
         sources=(*_FSDP2_SOURCES,
                  "pytorch/torchtitan torchtitan/models/gpt_oss/model/model.py (@6404b932): attention through "
                  "FlexAttention, the sinks applied by renormalising with its logsumexp (fused_attention)",
@@ -169,7 +172,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
         engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
-        fused_attention=True, fused_moe=True, fused_norms=True,
+        fused_attention=True, fused_moe=True, fused_norms=True, pipeline_split="megatron",
         loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
@@ -300,6 +303,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                             "reshard_after_forward=False"},
         fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, reshard_after_forward=False,
         experts_16bit=True, fused_attention=True, fused_norms=True, loss_fp32=False,
+        pipeline_split="nemo-automodel",
         loss="masked cross-entropy on the 16-bit logits (MaskedCrossEntropy, fp32_upcast false in the "
              "benchmark recipes)",
         sources=(*_FSDP2_SOURCES,

@@ -381,10 +381,13 @@ _FIRST = ("embeddings",)  # blocks on the first pipeline stage besides its layer
 _LAST = ("final_norm", "pooler", "head", "dense", "batchnorm", "")  # the last stage's ("": the loss)
 
 
-def stage_table(table: KernelTable, dims: ParallelDims, stage: str, layers: int) -> KernelTable:
-    """The kernels one rank of a `stage` ("first", "last" or "only" without PP) runs per micro-batch, from
-    the whole model's table on one GPU:
-    - layers: 1/pp of them (count x 1/pp); FLOPs and bytes of GEMMs and attention / (tp·cp) (column/row-
+def stage_table(table: KernelTable, dims: ParallelDims, stage: str, layers: int,
+                stage_layers: float | None = None) -> KernelTable:
+    """The kernels one rank of a `stage` ("first", "last", "middle" or "only" without PP) runs per micro-batch,
+    from the whole model's table on one GPU:
+    - layers: the rank's `stage_layers` of the model's `layers` (count x stage_layers / layers; None: 1/pp of
+      them; an uneven split, planner.parallel.layer_split, gives each rank its own count; ASSUMPTION: every
+      layer of the table costs the mean, so a stage of DeepSeek-V3's dense layers is timed as the others); FLOPs and bytes of GEMMs and attention / (tp·cp) (column/row-
       parallel linears and heads split by TP, the sequence by CP), the GEMM's row dimension / (tp·cp) for
       the wave rule (ASSUMPTION: which GEMM dimension TP splits hardly moves the tile count at these sizes);
       memory-bound kernels / cp, and / tp too under sequence parallelism (norms, dropouts, residuals on
@@ -393,19 +396,20 @@ def stage_table(table: KernelTable, dims: ParallelDims, stage: str, layers: int)
     - the first stage: the embedding (/ cp: every TP rank produces the full [s, b, h] lookup);
     - the last stage: final norm (/ tp under SP), the LM head and the loss, vocabulary-parallel (/ tp·cp).
     A table without block roles (a traced model) is treated as all layers."""
-    key = ("stage", stage, dims.tp, dims.cp, dims.pp, dims.sp, layers)
+    share = 1 / dims.pp if stage_layers is None or stage_layers * dims.pp == layers else stage_layers / layers
+    key = ("stage", stage, dims.tp, dims.cp, dims.pp, dims.sp, layers, share)
     hit = table.peaks_cache.get(key)
     if hit is not None:
         return hit
     roles = table.roles or ("layer",) * len(table.names)
-    tp, cp, pp = dims.tp, dims.cp, dims.pp
+    tp, cp = dims.tp, dims.cp
     heavy = (table.kind == KINDS.index("gemm")) | (table.kind == KINDS.index("attention"))
     split = np.where(heavy, tp * cp, cp * (tp if dims.sp else 1)).astype(float)
     keep = np.ones(len(roles))
     count = table.count.astype(float).copy()
     for i, role in enumerate(roles):
         if role == "layer":
-            count[i] = count[i] / pp
+            count[i] = count[i] * share
         elif role in _FIRST:
             keep[i] = 1.0 if stage in ("first", "only") else 0.0
             split[i] = cp

@@ -416,13 +416,15 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
                            "ddp, zero1-3 or fsdp with --tp/--cp/--pp (one process per GPU)")
     gpu, b, s, m, p = instance.gpu, config.batch_size, config.seq_len, config.grad_accum, c.host_overlap_power
     per_stage = {}
-    for stage in (("only",) if dims.pp == 1 else ("first", "last")):
-        st = mp.stage_table(table, dims, stage, shape.layers)
+    ranks = dims.rank_layers(shape.layers)  # layers per pipeline rank (uneven where the framework splits so)
+    kinds_of = (("only", ranks[0]),) if dims.pp == 1 else (
+        ("first", ranks[0]), ("last", ranks[-1]), *((("middle", max(ranks[1:-1])),) if dims.pp > 2 else ()))
+    for stage, n_layers in kinds_of:
+        st = mp.stage_table(table, dims, stage, shape.layers, n_layers)
         sums = _micro_sums(st, b, gpu, c)
         host = host_seconds(sums.launches, c.cpu_dispatch_s, instance)
-        per_stage[stage] = (overlapped(sums.gpu_s, host, p), sums, st, host)
-    micro, sums, st, host = max(per_stage.values(), key=lambda v: v[0])
-    layers_here = shape.layers / dims.pp
+        per_stage[stage] = (overlapped(sums.gpu_s, host, p), sums, st, host, n_layers)
+    micro, sums, st, host, layers_here = max(per_stage.values(), key=lambda v: v[0])
     net = network_gbs(instance, c)
     recomputed = config.checkpointing or config.recompute == "full"
     tp_fwd = mp.tp_seconds_per_layer(b, s, shape, dims.tp, dims.cp, dims.sp, instance, c)
@@ -437,7 +439,8 @@ def _model_parallel_throughput(table: KernelTable, n_params: int, n_tensors: int
         p2p_total = mp.p2p_seconds_per_micro_batch(mp.p2p_bytes(b, s, shape, dims.tp, dims.cp, dims.sp),
                                                    mp.p2p_link_gbs(instance, dims, net), dims.vp, c, across)
         p2p_s = 0.0 if dims.schedule == "interleaved-1f1b" else p2p_total
-    ex_s = expert_exchange_s / dims.pp  # the stage's share of the sparse layers' all-to-alls (issue 35)
+    # the slowest stage's share of the sparse layers' all-to-alls (issue 35), by its share of the layers
+    ex_s = expert_exchange_s * layers_here / shape.layers if shape.layers else expert_exchange_s / dims.pp
     per_micro = micro + tp_s + cp_s + p2p_s + ex_s
     bubble = mp.bubble_fraction(dims.schedule, dims.pp, m, dims.vp) * m if dims.pp > 1 else 0.0
     pipeline = (m + bubble) * per_micro
