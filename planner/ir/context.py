@@ -89,9 +89,11 @@ class Ctx:
     # passes `is_first_microbatch`; planner.parallel.frameworks.Framework.te_weight_cache): the FP8 weight and
     # its transpose are one persistent copy per Linear, not one saved per micro-batch
     fp8_weight_cache: bool = False
-    # the framework's fused MoE kernels (planner.parallel.frameworks.Framework.fused_moe: Megatron-Core's fused
-    # router, permutation and weighted SwiGLU): what the router, permutation and expert activation save
+    # the framework's fused MoE kernels (planner.parallel.frameworks.Framework.fused_moe: Megatron-Core's and NeMo
+    # AutoModel's permutation and weighted SwiGLU): what the permutation and expert activation save
     fused_moe: bool = False
+    # TE's fused top-k router (Framework.fused_router, Megatron-Core's moe_router_fusion): what the router saves
+    fused_router: bool = False
     # Transformer Engine's fused RMSNorm (Framework.fused_norms, Megatron): its input and the fp32 rstd saved
     fused_norms: bool = False
     # the causal LM's logits upcast to fp32 before cross-entropy (transformers' ForCausalLMLoss `logits.float()`;
