@@ -87,11 +87,11 @@ def test_megatron_bf16_main_gradients_without_grad_reduce_in_fp32():
 
 def test_nemo_automodel_record_follows_its_moe_parallelizer():
     """NeMo AutoModel (Automodel@cb976544): FSDP2 with MixedPrecisionPolicy(bf16, reduce fp32), no reshard after
-    forward, bf16 grouped experts, TE RMSNorm, TE or Flex attention; its own MoE activation is not Megatron's
-    fused one for every model (fused_moe off)."""
+    forward, bf16 grouped experts, TE RMSNorm, TE or Flex attention; its DeepEP experts run TE's fused
+    permutation and a weighted activation (fused_moe), its own router in eager ops (no fused_router)."""
     fw = FRAMEWORKS["nemo-automodel"]
     assert (fw.fsdp, fw.fsdp_precision, fw.reduce_fp32, fw.reshard_after_forward) == ("fsdp2", "policy", True, False)
-    assert fw.experts_16bit and fw.fused_attention and fw.fused_norms and not fw.fused_moe
+    assert fw.experts_16bit and fw.fused_attention and fw.fused_norms and fw.fused_moe and not fw.fused_router
     assert fw.runs("fsdp") and fw.runs("zero1") is None
     # the policy's layout under amp-bf16 is torchtitan's (16-bit units in flight, an fp32 reduce copy)
     assert framework_layout.layout(TrainConfig(batch_size=1, seq_len=8, precision="amp-bf16", parallelism="fsdp",

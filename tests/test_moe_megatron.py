@@ -38,7 +38,7 @@ NBYTES = {"bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "bool": 1, "float
 def _layer(model_type: str, fused: bool, precision: str = "bf16", ep: int = 1):
     spec = hf_config.spec_from_hf_config(TINY[model_type], name=model_type)
     ctx = Ctx(2, 24, precision, "flash", "cuda", False, True, experts_16bit=True,
-              fused_moe=fused, ep=ep)
+              fused_moe=fused, fused_router=fused, ep=ep)
     program = model_program(spec, ctx)
     layer = next(b for b in program.blocks if b.role == "layer")
     return spec.transformers[0], ctx, program, layer
@@ -51,8 +51,10 @@ def _bytes(ops, ctx) -> int:
 
 
 def test_only_megatron_runs_fused_moe_and_cites_its_source():
-    assert FRAMEWORKS["megatron"].fused_moe
-    assert not any(f.fused_moe for n, f in FRAMEWORKS.items() if n != "megatron")
+    """Megatron and NeMo AutoModel (whose DeepEP experts call Megatron's permutation and weighted SwiGLU) run the
+    fused permutation and activation; only Megatron runs TE's fused router."""
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_moe} == {"megatron", "nemo-automodel"}
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_router} == {"megatron"}
     text = " ".join(FRAMEWORKS["megatron"].sources)
     for quote in ("save_for_backward(input_for_backward, weights)", "num_experts * 2 + 1",
                   "save_for_backward(routing_map, intermediate_output)"):
@@ -64,10 +66,12 @@ def test_resolve_carries_fused_moe_from_the_framework():
     from planner.pipeline.resolve import resolve
 
     spec = get_model("qwen3-30b-a3b")
-    for fw, parallelism in (("megatron", "ddp"), ("pytorch", "fsdp"), ("torchtitan", "fsdp")):
+    for fw, parallelism in (("megatron", "ddp"), ("pytorch", "fsdp"), ("torchtitan", "fsdp"),
+                            ("nemo-automodel", "fsdp")):
         cfg = TrainConfig(batch_size=1, seq_len=512, precision="bf16", parallelism=parallelism, framework=fw, ep=8)
         ctx = resolve(spec, cfg, "ml.p5.48xlarge", None, None, {}, "cuda").ctx
-        assert ctx.fused_moe is (fw == "megatron")
+        assert ctx.fused_moe is (fw in ("megatron", "nemo-automodel"))
+        assert ctx.fused_router is (fw == "megatron")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
