@@ -261,3 +261,80 @@ def test_program_report_and_memory_model_agree_under_megatron_moe_recompute(mode
     est = planner.estimate(model, cfg, "ml.p5.48xlarge")
     saved = sum(o["saved_bytes"] for b in program(model, est)["blocks"] for o in b["ops"])
     assert saved == est.memory_bytes.activations
+
+
+class _TeCrossEntropy:
+    """Transformer Engine's fused cross-entropy as its source writes it (transformer_engine/pytorch/
+    cross_entropy.py CrossEntropyFunction and triton/cross_entropy.py @02965d2e), with torch ops for the Triton
+    kernels: the forward fills `m_d_X_y` (n_rows * 3 fp32: row max, sum of exponentials, target logit) and
+    saves the logits as they are with it; the backward writes the gradient into the logits in place
+    (`tl.store(X_ptr + X_offsets, grad_input.to(input_dtype))`)."""
+
+    @staticmethod
+    def build():
+        import torch
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, target):
+                b, s, v = x.shape
+                rows = x.detach().reshape(b * s, v).float()
+                m = rows.max(-1).values
+                d = torch.exp(rows - m[:, None]).sum(-1)
+                x_y = rows.gather(1, target.reshape(-1, 1)).squeeze(1)
+                m_d_x_y = torch.stack((m, d, x_y)).reshape(-1)  # n_rows * 3 fp32, as the kernel's buffer
+                ctx.save_for_backward(x.detach(), target, m_d_x_y)
+                return (-(x_y - m - torch.log(d))).mean()
+
+            @staticmethod
+            def backward(ctx, grad):
+                x, target, m_d_x_y = ctx.saved_tensors
+                b, s, v = x.shape
+                m, d, _ = m_d_x_y.reshape(3, -1)
+                rows = x.view(b * s, v)
+                p = torch.exp(rows.float() - m[:, None]) / d[:, None]
+                p[torch.arange(b * s), target.reshape(-1)] -= 1
+                rows.copy_((p * grad / (b * s)).to(x.dtype))  # in place, as the Triton kernel stores it
+                return x, None
+
+        return Fn
+
+
+def test_te_fused_cross_entropy_saves_only_its_row_statistics_beyond_the_logits():
+    """Megatron (Megatron-Bridge's `cross_entropy_fusion_impl = "te"`): the loss keeps the logits the model
+    returned (no new storage) and 3 fp32 a row; its gradient is the logits' own storage. The planner's loss
+    under Megatron's context saves those 3n fp32 only, where transformers' loss saves an fp32 n·V log-softmax."""
+    torch = pytest.importorskip("torch")
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from planner.memory.activations import loss_saved
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    t = spec.transformers[-1]
+    ctx = Ctx(2, 24, "bf16", "flash", "cuda", False, True, fused_loss=True)
+    logits = torch.randn(ctx.b, ctx.chunk, t.vocab_size, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, t.vocab_size, (ctx.b, ctx.chunk))
+    model_output = logits * 1.0  # the logits the model returns (a non-leaf, as the LM head's output)
+    saved: dict[int, int] = {}
+
+    def pack(x):
+        saved[StorageWeakRef(x.untyped_storage()).cdata] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss = _TeCrossEntropy.build().apply(model_output, target)
+    new = {k: n for k, n in saved.items() if k != StorageWeakRef(model_output.untyped_storage()).cdata}
+    got = sum(new.values()) - target.untyped_storage().nbytes()  # the labels are the batch's own tensor
+    assert got == sum(x.numel * NBYTES[x.dtype] for x in loss_saved(t, ctx)) == 3 * ctx.n * 4
+    loss.backward()
+    assert logits.grad is not None
+    eager = loss_saved(t, Ctx(2, 24, "bf16", "flash", "cuda", False, True))
+    assert max(x.numel for x in eager) == ctx.n * t.vocab_size
+
+
+def test_only_megatron_runs_te_fused_cross_entropy_and_cites_it():
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_loss} == {"megatron"}
+    text = " ".join(FRAMEWORKS["megatron"].sources)
+    for quote in ("cross_entropy_fusion_impl = \\\"te\\\"", "ctx.save_for_backward(_input.detach())",
+                  "n_rows * 3"):
+        assert quote.replace("\\", "") in text.replace("\\", "")

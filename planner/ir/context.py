@@ -99,6 +99,9 @@ class Ctx:
     # the causal LM's logits upcast to fp32 before cross-entropy (transformers' ForCausalLMLoss `logits.float()`;
     # Framework.loss_fp32): log_softmax's saved output in fp32; False: in the logits' dtype (pure 16-bit)
     loss_fp32: bool = True
+    # Transformer Engine's fused cross-entropy (Framework.fused_loss, Megatron): the logits kept as they are (the
+    # model's output) and three fp32 statistics a row saved; the gradient written into the logits in place
+    fused_loss: bool = False
 
     @property
     def n(self) -> int:

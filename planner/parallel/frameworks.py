@@ -100,6 +100,11 @@ class Framework:
     # log_softmax saves (and its backward writes) fp32 n·V tensors. False: cross-entropy on the logits as they
     # are (16-bit in pure bf16; autocast still runs it in fp32 under amp-*). planner.ir.context.Ctx.loss_fp32.
     loss_fp32: bool = True
+    # The causal LM loss is Transformer Engine's fused cross-entropy (Megatron-Core `cross_entropy_loss_fusion`
+    # with `cross_entropy_fusion_impl='te'`, as Megatron-Bridge sets them): its Triton kernels keep the logits
+    # (the model's own output, no new storage) and three fp32 statistics a row, and write the gradient into the
+    # logits in place: no n·V softmax saved, no n·V gradient allocated. planner.ir.context.Ctx.fused_loss.
+    fused_loss: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -173,8 +178,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
         engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
-        fused_attention=True, fused_moe=True, fused_router=True, fused_norms=True,
-        loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
+        fused_attention=True, fused_moe=True, fused_router=True, fused_norms=True, fused_loss=True,
+        loss="Transformer Engine's fused cross-entropy on the 16-bit logits, its gradient written into them",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
                  "(param 2 + grad 4 + fp32 master 4 + Adam 4 + 4)",
@@ -224,6 +229,16 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "Megatron-Core's moe_router_fusion (router.py `fused=self.config.moe_router_fusion`), which "
                  "Megatron-Bridge's performance recipes set (scripts/performance/configs/*/…_llm_pretrain.py "
                  "`cfg.model.moe_router_fusion = True`, @00b7660b)",
+                 "NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gpt_provider.py (@00b7660b) "
+                 "`cross_entropy_loss_fusion: bool = True` and scripts/performance/utils/overrides.py "
+                 "`recipe.model.cross_entropy_fusion_impl = \"te\"` (the qwen3_moe recipes set it too); "
+                 "NVIDIA/Megatron-LM megatron/core/models/common/language_module/language_module.py "
+                 "compute_language_model_loss: `if self.config.cross_entropy_fusion_impl == 'te': loss = "
+                 "te_parallel_cross_entropy(logits, labels, ...)`; NVIDIA/TransformerEngine "
+                 "transformer_engine/pytorch/cross_entropy.py CrossEntropyFunction.forward "
+                 "`ctx.save_for_backward(_input.detach())` and triton/cross_entropy.py (@02965d2e): "
+                 "`m_d_X_y = torch.zeros(n_rows * 3, dtype=torch.float32)`, the backward kernel `tl.store(X_ptr "
+                 "+ X_offsets, grad_input.to(input_dtype))` into the logits (fused_loss)",
                  "NVIDIA/Megatron-LM megatron/core/models/gpt/gpt_layer_specs.py (@d98e8a64) "
                  "get_gpt_layer_with_transformer_engine_spec: linear_qkv TELayerNormColumnParallelLinear, "
                  "q_layernorm/k_layernorm and an MoE layer's pre_mlp_layernorm TENorm; NVIDIA/TransformerEngine "
