@@ -338,3 +338,33 @@ def test_only_megatron_runs_te_fused_cross_entropy_and_cites_it():
     for quote in ("cross_entropy_fusion_impl = \\\"te\\\"", "ctx.save_for_backward(_input.detach())",
                   "n_rows * 3"):
         assert quote.replace("\\", "") in text.replace("\\", "")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama"])
+def test_megatron_fp8_saves_one_fp8_copy_for_linear_qkv_and_linear_fc1(model_type):
+    """Megatron-Core's TE layer spec (gpt_layer_specs.py get_gpt_layer_with_transformer_engine_spec @d98e8a64:
+    `linear_qkv=TELayerNormColumnParallelLinear`, the dense MLP's `linear_fc1` the same) runs q, k, v as one
+    GEMM and gate, up as one: TE's LayerNormLinear quantizes its normalised input once and saves that FP8 copy
+    (`ln_out`) for the weight gradient. transformers' q/k/v and gate/up are separate Linears, each casting and
+    saving its own FP8 copy under Transformer Engine or torchao."""
+    from planner.memory.activations import layer_saved
+
+    if model_type == "llama":
+        from planner.models.catalog import get_model
+
+        t = get_model("llama-3-8b").transformers[0]
+    else:
+        t = hf_config.spec_from_hf_config(TINY[model_type], name=model_type).transformers[0]
+    counts = {}
+    for fused in (False, True):
+        ctx = Ctx(2, 24, "bf16", "flash", "cuda", False, True, experts_16bit=True, fused_moe=True,
+                  fused_router=True, fused_norms=True, fp8="current", fp8_weight_cache=True, fused_linears=fused)
+        saved = layer_saved(t, ctx, 0)
+        counts[fused] = {p: [x for x in saved if x.name.startswith(p) and ".fp8" in x.name]
+                         for p in ("self_attn.input", "mlp.input")}
+    n, h = 2 * 24, t.hidden_size
+    assert [(x.numel, x.dtype) for x in counts[True]["self_attn.input"]] == [(n * h, "float8_e4m3fn")]
+    assert len(counts[False]["self_attn.input"]) == 3
+    if model_type == "llama":  # a dense gated MLP: gate and up read one input
+        assert [(x.numel, x.dtype) for x in counts[True]["mlp.input"]] == [(n * h, "float8_e4m3fn")]
+        assert len(counts[False]["mlp.input"]) == 2

@@ -102,6 +102,9 @@ class Ctx:
     # Transformer Engine's fused cross-entropy (Framework.fused_loss, Megatron): the logits kept as they are (the
     # model's output) and three fp32 statistics a row saved; the gradient written into the logits in place
     fused_loss: bool = False
+    # Megatron-Core's TE layer spec (Framework.kernels "megatron"): q, k, v are one linear_qkv and a gated MLP's
+    # gate and up one linear_fc1, each one GEMM on one copy of its input (under FP8, one FP8 copy saved)
+    fused_linears: bool = False
 
     @property
     def n(self) -> int:
