@@ -51,7 +51,7 @@ def _inductor_partitioned(fn):
 
     backend = aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is, decompositions=select_decomp_table(),
                            partition_fn=min_cut_rematerialization_partition)
-    return torch.compile(fn, backend=backend, fullgraph=True)
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
 def _saved_bytes(fn, *args) -> int:
@@ -132,3 +132,46 @@ def test_published_gpt_oss_rows_run_the_recipes_that_produced_them():
     cfg = big.train_config()
     assert (cfg.batch_size, cfg.grad_accum, cfg.ep, cfg.checkpointing) == (2, 4, 64, False)
     assert "2c236e081" in big.where
+
+
+def test_compiled_quick_geglu_is_one_pointwise_region_and_the_planner_times_one_kernel():
+    """Inductor fuses a region of pointwise ops over one iteration space into one kernel: the partitioned
+    forward of quick_geglu_deepep holds only pointwise ops and views (no reduction, no matmul), so NeMo's
+    activation is one pass each way, reading the gate_up output and the probabilities and writing the product;
+    the planner's kernel rule for the weighted activation says so (and the fused unpermutation is one
+    reduction pass, TE RMSNorm one pass), where transformers' clamped SwiGLU is seven."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch._inductor.decomposition")
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    from planner.ir.interpret import apply, load_rules
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: make_boxed_func(gm), decompositions=select_decomp_table(),
+                           partition_fn=min_cut_rematerialization_partition)
+    x = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(quick_geglu_deepep, backend=backend, fullgraph=True, dynamic=False)(x, torch.rand(16, 1)).float().sum().backward()
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    views = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.alias.default}
+    assert ops and all(t in views or torch.Tag.pointwise in t.tags for t in ops), ops
+
+    load_rules()
+    t, ctx, layer = _nemo_layer("gpt_oss")
+    act = layer["mlp.experts.act"]
+    s, n = act.attrs["weighted"], act.shapes["input"][0]
+    (k,) = apply("kernels", act, ctx)
+    assert (k.bytes_read, k.bytes_written) == (2 * n * 2 + 4 * s, n * 2)
+    (unperm,) = apply("kernels", layer["mlp.experts.unpermute"], ctx)
+    assert unperm.kind == "memory_bound"
+    norm = layer["post_attention_layernorm"]
+    rows, width = norm.shapes["input"]
+    (te,) = apply("kernels", norm, ctx)
+    assert (te.bytes_read, te.bytes_written) == (rows * width * 2, rows * width * 2 + 4 * rows)
