@@ -126,7 +126,7 @@ def megatron_kernels(kernels: list[Kernel], model: ModelSpec, tokens: int) -> li
     # a mixture-of-experts layer's router, permutation, expert activation and combine are not in the dense
     # layer's fused list: their own kernels stay (planner.perf.op_rules: TE's fused permutation and
     # unpermutation, the weighted SwiGLU under Megatron's fused MoE), and only dense layers run the fused SwiGLU
-    moe = (f"layer.{family(t.family).router_name}.", "layer.mlp.experts.")
+    moe = (f"layer.{family(t.family).router_name}.", "layer.mlp.experts.") if t.num_experts else ()
     sparse = sum(t.sparse_layer(i) for i in range(t.num_layers)) if t.num_experts else 0
     mlp_count = round(layer_count * (t.num_layers - sparse) / t.num_layers)
     out: list[Kernel] = []
