@@ -148,6 +148,9 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
 
         prep = _prepare_traced(str(model), est.config, est.instance, None, backend, model_options, inputs, loss)
         return traced_report(prep.traced, prep.step.blocks, prep.traced.backend)
+    from dataclasses import replace
+
+    from planner.memory import framework_layout
     from planner.memory.parallel import sharding
     from planner.pipeline.program_report import program_report
     from planner.pipeline.resolve import FP8_COMPUTE, context, parallel_dims
@@ -158,5 +161,9 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
         cfg = cfg.model_copy(update={"precision": FP8_COMPUTE})
     dims = parallel_dims(spec, cfg, est.world_size) if est.parallel is not None else None
     ctx = context(spec, cfg, _resolve_instance(est.instance), backend, dims)
+    sixteen = framework_layout.layout(cfg).activation_precision
+    if sixteen != cfg.precision:  # a 16-bit model without autocast saves what pure 16-bit training does, as the
+        # memory model reads it (pipeline/step.py: Megatron, DeepSpeed, an FSDP mixed-precision policy)
+        cfg, ctx = cfg.model_copy(update={"precision": sixteen}), replace(ctx, precision=sixteen)
     degree = est.parallel.dp_shard if est.parallel is not None else None  # model parallel: the DP shard group
     return program_report(spec, cfg, sharding(cfg, est.world_size, degree), ctx)

@@ -87,11 +87,11 @@ def test_megatron_bf16_main_gradients_without_grad_reduce_in_fp32():
 
 def test_nemo_automodel_record_follows_its_moe_parallelizer():
     """NeMo AutoModel (Automodel@cb976544): FSDP2 with MixedPrecisionPolicy(bf16, reduce fp32), no reshard after
-    forward, bf16 grouped experts, TE RMSNorm, TE or Flex attention; its own MoE activation is not Megatron's
-    fused one for every model (fused_moe off)."""
+    forward, bf16 grouped experts, TE RMSNorm, TE or Flex attention; its DeepEP experts run TE's fused
+    permutation and a weighted activation (fused_moe), its own router in eager ops (no fused_router)."""
     fw = FRAMEWORKS["nemo-automodel"]
     assert (fw.fsdp, fw.fsdp_precision, fw.reduce_fp32, fw.reshard_after_forward) == ("fsdp2", "policy", True, False)
-    assert fw.experts_16bit and fw.fused_attention and fw.fused_norms and not fw.fused_moe
+    assert fw.experts_16bit and fw.fused_attention and fw.fused_norms and fw.fused_moe and not fw.fused_router
     assert fw.runs("fsdp") and fw.runs("zero1") is None
     # the policy's layout under amp-bf16 is torchtitan's (16-bit units in flight, an fp32 reduce copy)
     assert framework_layout.layout(TrainConfig(batch_size=1, seq_len=8, precision="amp-bf16", parallelism="fsdp",
@@ -583,3 +583,20 @@ def test_no_reshard_after_forward_keeps_every_unit_gathered_until_its_backward(m
     head = 128_256 * 4_096  # the LM head's unit, where the backward (and the peak) starts: resharding's window
     extra = peak(False) - peak(True)  # there is it and its prefetch, both held anyway without resharding
     assert held - 2 * 2 * head * 63 / 64 - 2**30 < extra <= held
+
+
+@pytest.mark.parametrize("framework,parallelism,precision", [
+    ("megatron", "ddp", "fp8"), ("nemo-automodel", "fsdp", "amp-bf16"), ("torchtitan", "fsdp", "amp-bf16"),
+    ("pytorch", "fsdp", "amp-bf16")])
+def test_program_saved_bytes_sum_to_the_activations_under_every_framework(framework, parallelism, precision):
+    """`estimate --json`'s program reads the same context as the memory model: under a framework that computes in
+    16 bits without autocast (Megatron, an FSDP mixed-precision policy) its ops save 16-bit tensors (they had
+    been reported at autocast's fp32 residual stream while memory_bytes.activations counted 16 bits)."""
+    import planner
+    from planner.estimate import program
+
+    cfg = TrainConfig(batch_size=1, seq_len=512, precision=precision, parallelism=parallelism, framework=framework,
+                      ep=8, fp8_recipe="current" if precision == "fp8" else None)
+    est = planner.estimate("qwen3-30b-a3b", cfg, "ml.p5.48xlarge")
+    blocks = program("qwen3-30b-a3b", est)["blocks"]
+    assert sum(op["saved_bytes"] or 0 for b in blocks for op in b["ops"]) == est.memory_bytes.activations

@@ -89,3 +89,27 @@ def test_a_classifier_keeps_its_own_loss():
     mega = [k for k in micro_kernels(model, _config("megatron")) if k.block_role == "" and k.kind == "memory_bound"]
     assert mega == eager and mega
     assert not [k for k in micro_kernels(model, _config("megatron")) if "cross_entropy" in k.name]
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_moe_layers_keep_their_router_permutation_and_expert_kernels(name):
+    """Megatron-Core's dense fused list has no router, permutation, expert activation or combine: a
+    mixture-of-experts layer keeps those kernels (the fused ones where Megatron fuses them: one weighted-SwiGLU
+    pass, one unpermutation pass), in bf16 (Float16Module), and no dense fused SwiGLU runs where every layer is
+    sparse (before, the dense layer's SwiGLU over intermediate_size stood in for the experts and their routing)."""
+    cfg = TrainConfig(batch_size=B, seq_len=S, precision="fp8", fp8_recipe="current", attention="flash",
+                      framework="megatron", parallelism="ddp")  # FP8 computes as amp-bf16: an fp32 eager stream
+    from planner.models.catalog import get_model
+    from planner.pipeline.resolve import resolve
+
+    model = get_model(name)
+    r = resolve(model, cfg, "ml.p5.48xlarge", None, None, {}, "cuda")
+    ks = [k for k in micro_kernels(model, r.cfg, ctx=r.ctx) if k.kind == "memory_bound" and k.block_role == "layer"]
+    names = {k.name for k in ks}
+    assert {"layer.mlp.experts.act", "layer.mlp.experts.unpermute", "layer.mlp.experts.permute.gather"} <= names
+    assert not any("fused_bias_swiglu" in n for n in names)
+    assert not [k.name for k in ks if k.name.startswith("layer.mlp.experts.") and k.dtype == "float32"]
+    act = next(k for k in ks if k.name == "layer.mlp.experts.act")
+    t = model.transformers[0]
+    pairs = B * S * t.experts_per_token
+    assert act.bytes_written == pairs * t.moe_intermediate_size * 2  # one pass writing the weighted product

@@ -38,7 +38,7 @@ NBYTES = {"bfloat16": 2, "float32": 4, "int32": 4, "int64": 8, "bool": 1, "float
 def _layer(model_type: str, fused: bool, precision: str = "bf16", ep: int = 1):
     spec = hf_config.spec_from_hf_config(TINY[model_type], name=model_type)
     ctx = Ctx(2, 24, precision, "flash", "cuda", False, True, experts_16bit=True,
-              fused_moe=fused, ep=ep)
+              fused_moe=fused, fused_router=fused, ep=ep)
     program = model_program(spec, ctx)
     layer = next(b for b in program.blocks if b.role == "layer")
     return spec.transformers[0], ctx, program, layer
@@ -51,8 +51,10 @@ def _bytes(ops, ctx) -> int:
 
 
 def test_only_megatron_runs_fused_moe_and_cites_its_source():
-    assert FRAMEWORKS["megatron"].fused_moe
-    assert not any(f.fused_moe for n, f in FRAMEWORKS.items() if n != "megatron")
+    """Megatron and NeMo AutoModel (whose DeepEP experts call Megatron's permutation and weighted SwiGLU) run the
+    fused permutation and activation; only Megatron runs TE's fused router."""
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_moe} == {"megatron", "nemo-automodel"}
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_router} == {"megatron"}
     text = " ".join(FRAMEWORKS["megatron"].sources)
     for quote in ("save_for_backward(input_for_backward, weights)", "num_experts * 2 + 1",
                   "save_for_backward(routing_map, intermediate_output)"):
@@ -64,10 +66,12 @@ def test_resolve_carries_fused_moe_from_the_framework():
     from planner.pipeline.resolve import resolve
 
     spec = get_model("qwen3-30b-a3b")
-    for fw, parallelism in (("megatron", "ddp"), ("pytorch", "fsdp"), ("torchtitan", "fsdp")):
+    for fw, parallelism in (("megatron", "ddp"), ("pytorch", "fsdp"), ("torchtitan", "fsdp"),
+                            ("nemo-automodel", "fsdp")):
         cfg = TrainConfig(batch_size=1, seq_len=512, precision="bf16", parallelism=parallelism, framework=fw, ep=8)
         ctx = resolve(spec, cfg, "ml.p5.48xlarge", None, None, {}, "cuda").ctx
-        assert ctx.fused_moe is (fw == "megatron")
+        assert ctx.fused_moe is (fw in ("megatron", "nemo-automodel"))
+        assert ctx.fused_router is (fw == "megatron")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
@@ -257,3 +261,110 @@ def test_program_report_and_memory_model_agree_under_megatron_moe_recompute(mode
     est = planner.estimate(model, cfg, "ml.p5.48xlarge")
     saved = sum(o["saved_bytes"] for b in program(model, est)["blocks"] for o in b["ops"])
     assert saved == est.memory_bytes.activations
+
+
+class _TeCrossEntropy:
+    """Transformer Engine's fused cross-entropy as its source writes it (transformer_engine/pytorch/
+    cross_entropy.py CrossEntropyFunction and triton/cross_entropy.py @02965d2e), with torch ops for the Triton
+    kernels: the forward fills `m_d_X_y` (n_rows * 3 fp32: row max, sum of exponentials, target logit) and
+    saves the logits as they are with it; the backward writes the gradient into the logits in place
+    (`tl.store(X_ptr + X_offsets, grad_input.to(input_dtype))`)."""
+
+    @staticmethod
+    def build():
+        import torch
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, target):
+                b, s, v = x.shape
+                rows = x.detach().reshape(b * s, v).float()
+                m = rows.max(-1).values
+                d = torch.exp(rows - m[:, None]).sum(-1)
+                x_y = rows.gather(1, target.reshape(-1, 1)).squeeze(1)
+                m_d_x_y = torch.stack((m, d, x_y)).reshape(-1)  # n_rows * 3 fp32, as the kernel's buffer
+                ctx.save_for_backward(x.detach(), target, m_d_x_y)
+                return (-(x_y - m - torch.log(d))).mean()
+
+            @staticmethod
+            def backward(ctx, grad):
+                x, target, m_d_x_y = ctx.saved_tensors
+                b, s, v = x.shape
+                m, d, _ = m_d_x_y.reshape(3, -1)
+                rows = x.view(b * s, v)
+                p = torch.exp(rows.float() - m[:, None]) / d[:, None]
+                p[torch.arange(b * s), target.reshape(-1)] -= 1
+                rows.copy_((p * grad / (b * s)).to(x.dtype))  # in place, as the Triton kernel stores it
+                return x, None
+
+        return Fn
+
+
+def test_te_fused_cross_entropy_saves_only_its_row_statistics_beyond_the_logits():
+    """Megatron (Megatron-Bridge's `cross_entropy_fusion_impl = "te"`): the loss keeps the logits the model
+    returned (no new storage) and 3 fp32 a row; its gradient is the logits' own storage. The planner's loss
+    under Megatron's context saves those 3n fp32 only, where transformers' loss saves an fp32 n·V log-softmax."""
+    torch = pytest.importorskip("torch")
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from planner.memory.activations import loss_saved
+
+    spec = hf_config.spec_from_hf_config(TINY["qwen3_moe"], name="qwen3_moe")
+    t = spec.transformers[-1]
+    ctx = Ctx(2, 24, "bf16", "flash", "cuda", False, True, fused_loss=True)
+    logits = torch.randn(ctx.b, ctx.chunk, t.vocab_size, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, t.vocab_size, (ctx.b, ctx.chunk))
+    model_output = logits * 1.0  # the logits the model returns (a non-leaf, as the LM head's output)
+    saved: dict[int, int] = {}
+
+    def pack(x):
+        saved[StorageWeakRef(x.untyped_storage()).cdata] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss = _TeCrossEntropy.build().apply(model_output, target)
+    new = {k: n for k, n in saved.items() if k != StorageWeakRef(model_output.untyped_storage()).cdata}
+    got = sum(new.values()) - target.untyped_storage().nbytes()  # the labels are the batch's own tensor
+    assert got == sum(x.numel * NBYTES[x.dtype] for x in loss_saved(t, ctx)) == 3 * ctx.n * 4
+    loss.backward()
+    assert logits.grad is not None
+    eager = loss_saved(t, Ctx(2, 24, "bf16", "flash", "cuda", False, True))
+    assert max(x.numel for x in eager) == ctx.n * t.vocab_size
+
+
+def test_only_megatron_runs_te_fused_cross_entropy_and_cites_it():
+    assert {n for n, f in FRAMEWORKS.items() if f.fused_loss} == {"megatron"}
+    text = " ".join(FRAMEWORKS["megatron"].sources)
+    for quote in ("cross_entropy_fusion_impl = \\\"te\\\"", "ctx.save_for_backward(_input.detach())",
+                  "n_rows * 3"):
+        assert quote.replace("\\", "") in text.replace("\\", "")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "llama"])
+def test_megatron_fp8_saves_one_fp8_copy_for_linear_qkv_and_linear_fc1(model_type):
+    """Megatron-Core's TE layer spec (gpt_layer_specs.py get_gpt_layer_with_transformer_engine_spec @d98e8a64:
+    `linear_qkv=TELayerNormColumnParallelLinear`, the dense MLP's `linear_fc1` the same) runs q, k, v as one
+    GEMM and gate, up as one: TE's LayerNormLinear quantizes its normalised input once and saves that FP8 copy
+    (`ln_out`) for the weight gradient. transformers' q/k/v and gate/up are separate Linears, each casting and
+    saving its own FP8 copy under Transformer Engine or torchao."""
+    from planner.memory.activations import layer_saved
+
+    if model_type == "llama":
+        from planner.models.catalog import get_model
+
+        t = get_model("llama-3-8b").transformers[0]
+    else:
+        t = hf_config.spec_from_hf_config(TINY[model_type], name=model_type).transformers[0]
+    counts = {}
+    for fused in (False, True):
+        ctx = Ctx(2, 24, "bf16", "flash", "cuda", False, True, experts_16bit=True, fused_moe=True,
+                  fused_router=True, fused_norms=True, fp8="current", fp8_weight_cache=True, fused_linears=fused)
+        saved = layer_saved(t, ctx, 0)
+        counts[fused] = {p: [x for x in saved if x.name.startswith(p) and ".fp8" in x.name]
+                         for p in ("self_attn.input", "mlp.input")}
+    n, h = 2 * 24, t.hidden_size
+    assert [(x.numel, x.dtype) for x in counts[True]["self_attn.input"]] == [(n * h, "float8_e4m3fn")]
+    assert len(counts[False]["self_attn.input"]) == 3
+    if model_type == "llama":  # a dense gated MLP: gate and up read one input
+        assert [(x.numel, x.dtype) for x in counts[True]["mlp.input"]] == [(n * h, "float8_e4m3fn")]
+        assert len(counts[False]["mlp.input"]) == 2

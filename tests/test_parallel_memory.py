@@ -119,13 +119,13 @@ def test_done_when_in_flight_and_worst_rank(done_when):
 
 def test_the_stage_with_the_highest_device_peak_decides_the_verdict():
     """The worst rank is the one whose replayed device peak is highest, not the one whose allocated peak is:
-    on gpt-oss-120b under Megatron (pp 4, ep 8) the first stage allocates most, but the last one (the
-    head and the loss) reserves most; the verdict and `memory_bytes` are that stage's."""
-    config = TrainConfig(batch_size=1, grad_accum=32, seq_len=4096, precision="bf16", attention="flash",
-                         parallelism="ddp", framework="megatron", instances=8, pp=4, ep=8, recompute="selective",
-                         recompute_modules="layernorm,moe_act", distributed_optimizer=True,
-                         grad_reduce_in_fp32=False)
-    est = estimate("gpt-oss-120b", config, "ml.p5.48xlarge", with_throughput=False, calibration={})
+    on llama-3-8b under DDP with pp 2 (a plain PyTorch loop) the first stage allocates most (two micro-batches
+    in flight), but the last one reserves most (the head and the loss, whose backward allocates transformers'
+    fp32 n·V logits gradient in new segments); the verdict and `memory_bytes` are that stage's. (Until
+    Megatron's loss became TE's fused cross-entropy, gpt-oss-120b under Megatron at pp 4 was this case.)"""
+    config = TrainConfig(batch_size=1, grad_accum=8, seq_len=2048, precision="amp-bf16", attention="flash",
+                         parallelism="ddp", pp=2)
+    est = estimate("llama-3-8b", config, "ml.p5.48xlarge", with_throughput=False, calibration={})
     p = est.parallel
     worst = p.stages[p.worst_stage]
     assert all(s.replayed for s in p.stages)

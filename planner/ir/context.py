@@ -89,14 +89,22 @@ class Ctx:
     # passes `is_first_microbatch`; planner.parallel.frameworks.Framework.te_weight_cache): the FP8 weight and
     # its transpose are one persistent copy per Linear, not one saved per micro-batch
     fp8_weight_cache: bool = False
-    # the framework's fused MoE kernels (planner.parallel.frameworks.Framework.fused_moe: Megatron-Core's fused
-    # router, permutation and weighted SwiGLU): what the router, permutation and expert activation save
+    # the framework's fused MoE kernels (planner.parallel.frameworks.Framework.fused_moe: Megatron-Core's and NeMo
+    # AutoModel's permutation and weighted SwiGLU): what the permutation and expert activation save
     fused_moe: bool = False
+    # TE's fused top-k router (Framework.fused_router, Megatron-Core's moe_router_fusion): what the router saves
+    fused_router: bool = False
     # Transformer Engine's fused RMSNorm (Framework.fused_norms, Megatron): its input and the fp32 rstd saved
     fused_norms: bool = False
     # the causal LM's logits upcast to fp32 before cross-entropy (transformers' ForCausalLMLoss `logits.float()`;
     # Framework.loss_fp32): log_softmax's saved output in fp32; False: in the logits' dtype (pure 16-bit)
     loss_fp32: bool = True
+    # Transformer Engine's fused cross-entropy (Framework.fused_loss, Megatron): the logits kept as they are (the
+    # model's output) and three fp32 statistics a row saved; the gradient written into the logits in place
+    fused_loss: bool = False
+    # Megatron-Core's TE layer spec (Framework.kernels "megatron"): q, k, v are one linear_qkv and a gated MLP's
+    # gate and up one linear_fc1, each one GEMM on one copy of its input (under FP8, one FP8 copy saved)
+    fused_linears: bool = False
 
     @property
     def n(self) -> int:

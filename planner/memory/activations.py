@@ -425,6 +425,10 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     """
     n, b = ctx.n, ctx.b
     cls_dtype = F32 if ctx.amp or ctx.low == F32 else ctx.low
+    if spec.head == "causal-lm" and ctx.fused_loss:
+        # Transformer Engine's fused cross-entropy (Megatron, Framework.fused_loss): the logits themselves (the
+        # model's output, counted there) and the m / d / x_y statistics, three fp32 a row; labels come shifted
+        return [Saved("loss.row_statistics", 3 * n, F32)]
     if spec.head == "causal-lm":
         # pad(labels, (0, 1))[..., 1:].contiguous(): a copy, except for b == 1 where the slice already is
         # contiguous and the padded b·(s+1) tensor is what nll_loss saves

@@ -38,7 +38,12 @@ def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
         numel //= ctx.tp  # Megatron saves the local sequence shard and all-gathers it again in backward
     saved_fp8 = fp8.input_saved(a["fp8"]) if a.get("fp8") else None
     if saved_fp8 is not None:  # Transformer Engine: each Linear saves its own FP8 copy of its input
-        name = f"{a['input']}.fp8{a['consumer']}" if a["consumers"] > 1 else f"{a['input']}.fp8"
+        # Megatron-Core's TE layer spec runs q/k/v as one linear_qkv and gate/up as one linear_fc1
+        # (ctx.fused_linears): one FP8 copy of their shared input, kept by the first of them
+        fused = ctx.fused_linears and a["consumers"] > 1 and (a.get("attention_input") or a.get("fc1"))
+        if fused and a["consumer"] > 0:
+            return []
+        name = f"{a['input']}.fp8{a['consumer']}" if a["consumers"] > 1 and not fused else f"{a['input']}.fp8"
         out = [Saved(name, numel, fp8.F8)]
         if a["fp8"] == "mxfp8":
             out.append(Saved(f"{name}.scale", -(-numel // fp8.MX_BLOCK), "uint8"))

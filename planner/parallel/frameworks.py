@@ -79,14 +79,18 @@ class Framework:
     # whose class has no SDPA path, runs eager in transformers): `--attention auto` resolves to the fused
     # kernel ("flash": q, k, v, output and the row statistics saved) on a GPU that runs it.
     fused_attention: bool = False
-    # Mixture-of-experts: the framework's own fused MoE kernels (Megatron-Core with moe_router_fusion,
-    # moe_permute_fusion, moe_grouped_gemm and bias_activation_fusion, as Megatron-Bridge's providers and
-    # performance recipes set them): TE's fused top-k router saves its routing map (E bools a token) and one fp32
-    # E-wide intermediate; TE's mask-map permutation saves only its int32 row-id map, the unpermutation nothing
-    # more (the probabilities are applied inside the experts' activation, not at the combine); the fused
-    # weighted SwiGLU / quick-GeGLU saves its input and the pairs' probabilities only. False: transformers' (and
-    # torchtitan's) eager ops, each saving what its derivative needs. planner.ir.context.Ctx.fused_moe carries it.
+    # Mixture-of-experts: the framework's own fused MoE kernels (Megatron-Core with moe_permute_fusion,
+    # moe_grouped_gemm and bias_activation_fusion, as Megatron-Bridge's providers and performance recipes set
+    # them; NeMo AutoModel's DeepEP experts): TE's mask-map permutation saves only its int32 row-id map, the
+    # unpermutation nothing more (the probabilities are applied inside the experts' activation, not at the
+    # combine); the weighted SwiGLU / quick-GeGLU (Megatron's fused kernels, or NeMo's torch.compile'd one)
+    # saves its input and the pairs' probabilities only. False: transformers' (and torchtitan's) eager ops,
+    # each saving what its derivative needs. planner.ir.context.Ctx.fused_moe carries it.
     fused_moe: bool = False
+    # With fused_moe: the router is TE's fused top-k (Megatron-Core's moe_router_fusion), which saves its routing
+    # map (E bools a token) and one fp32 E-wide intermediate. False: the framework's own router in eager ops
+    # (NeMo AutoModel's Gate), saving what transformers' router saves. planner.ir.context.Ctx.fused_router.
+    fused_router: bool = False
     # Transformer Engine's fused RMSNorm (Megatron-Core's TE layer spec: the input norm inside
     # TELayerNormColumnParallelLinear, TENorm for the pre-MLP norm of an MoE layer and the q/k layernorms): it saves
     # its 16-bit input and the fp32 rstd per row, not transformers' fp32 copy of the input and normalised tensor.
@@ -99,6 +103,11 @@ class Framework:
     # How the framework splits the transformer layers over pipeline model chunks when they do not divide
     # (issue 35; planner.parallel.layer_split has each rule and its source): "even" refuses them.
     pipeline_split: str = "even"
+    # The causal LM loss is Transformer Engine's fused cross-entropy (Megatron-Core `cross_entropy_loss_fusion`
+    # with `cross_entropy_fusion_impl='te'`, as Megatron-Bridge sets them): its Triton kernels keep the logits
+    # (the model's own output, no new storage) and three fp32 statistics a row, and write the gradient into the
+    # logits in place: no n·V softmax saved, no n·V gradient allocated. planner.ir.context.Ctx.fused_loss.
+    fused_loss: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -172,8 +181,9 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
         strategies={"single": "one GPU, Float16Module", "ddp": "Megatron DDP, fp32 main-gradient buffer",
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
         engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
-        fused_attention=True, fused_moe=True, fused_norms=True, pipeline_split="megatron",
-        loss="vocab-parallel cross-entropy on the 16-bit logits, computed in fp32 chunks",
+        fused_attention=True, fused_moe=True, fused_router=True, fused_norms=True, fused_loss=True,
+        pipeline_split="megatron",
+        loss="Transformer Engine's fused cross-entropy on the 16-bit logits, its gradient written into them",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
                  "(param 2 + grad 4 + fp32 master 4 + Adam 4 + 4)",
@@ -223,6 +233,16 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "Megatron-Core's moe_router_fusion (router.py `fused=self.config.moe_router_fusion`), which "
                  "Megatron-Bridge's performance recipes set (scripts/performance/configs/*/…_llm_pretrain.py "
                  "`cfg.model.moe_router_fusion = True`, @00b7660b)",
+                 "NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/gpt_provider.py (@00b7660b) "
+                 "`cross_entropy_loss_fusion: bool = True` and scripts/performance/utils/overrides.py "
+                 "`recipe.model.cross_entropy_fusion_impl = \"te\"` (the qwen3_moe recipes set it too); "
+                 "NVIDIA/Megatron-LM megatron/core/models/common/language_module/language_module.py "
+                 "compute_language_model_loss: `if self.config.cross_entropy_fusion_impl == 'te': loss = "
+                 "te_parallel_cross_entropy(logits, labels, ...)`; NVIDIA/TransformerEngine "
+                 "transformer_engine/pytorch/cross_entropy.py CrossEntropyFunction.forward "
+                 "`ctx.save_for_backward(_input.detach())` and triton/cross_entropy.py (@02965d2e): "
+                 "`m_d_X_y = torch.zeros(n_rows * 3, dtype=torch.float32)`, the backward kernel `tl.store(X_ptr "
+                 "+ X_offsets, grad_input.to(input_dtype))` into the logits (fused_loss)",
                  "NVIDIA/Megatron-LM megatron/core/models/gpt/gpt_layer_specs.py (@d98e8a64) "
                  "get_gpt_layer_with_transformer_engine_spec: linear_qkv TELayerNormColumnParallelLinear, "
                  "q_layernorm/k_layernorm and an MoE layer's pre_mlp_layernorm TENorm; NVIDIA/TransformerEngine "
@@ -302,7 +322,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                     "fsdp": "FSDP2 fully_shard, MixedPrecisionPolicy(param bf16, reduce fp32), "
                             "reshard_after_forward=False"},
         fsdp="fsdp2", fsdp_precision="policy", reduce_fp32=True, reshard_after_forward=False,
-        experts_16bit=True, fused_attention=True, fused_norms=True, loss_fp32=False,
+        experts_16bit=True, fused_attention=True, fused_moe=True, fused_norms=True, loss_fp32=False,
         pipeline_split="nemo-automodel",
         loss="masked cross-entropy on the 16-bit logits (MaskedCrossEntropy, fp32_upcast false in the "
              "benchmark recipes)",
@@ -329,12 +349,25 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "rms_norm 'te': `transformer_engine.pytorch.module.rmsnorm.RMSNorm`; NVIDIA/TransformerEngine "
                  "transformer_engine/pytorch/ops/basic/rmsnorm.py `ctx.save_for_backward(x, rstdevs)` "
                  "(fused_norms)",
+                 "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py (@cb976544; layers.py "
+                 "@2c236e08, the code of the published runs) get_expert_activation_for_deepep: 'swiglu' "
+                 "(Qwen3-MoE) is Megatron's fused weighted_bias_swiglu_impl (`ctx.save_for_backward(input, "
+                 "weights)`); 'quick_geglu' (gpt-oss, models/gpt_oss/model.py `expert_activation="
+                 "\"quick_geglu\"`) is `@torch.compile(fullgraph=True, ...) def quick_geglu_deepep(x, "
+                 "permuted_probs, ...)`: clamp, sigmoid, products and `(inter * permuted_probs)` in one "
+                 "compiled region, whose min-cut partition saves x and permuted_probs only (checked with "
+                 "torch's inductor partitioner, tests/test_moe_nemo.py): both save their input and the "
+                 "probabilities (fused_moe)",
                  "NVIDIA-NeMo/Automodel nemo_automodel/components/moe/experts.py (@cb976544) "
-                 "get_expert_activation_for_deepep: 'quick_geglu' (gpt-oss, models/gpt_oss/model.py) runs "
-                 "eager ops (clamp, sigmoid, products, the probabilities' product), as transformers' clamped "
-                 "SwiGLU saves; 'swiglu' (Qwen3-MoE) runs Megatron's fused weighted_bias_swiglu_impl "
-                 "(input and probabilities saved): fused_moe False, an over-estimate for Qwen3-MoE's "
-                 "activation, and DeepEP's dispatch buffers are not modelled",
+                 "GroupedExpertsDeepEP.init_token_dispatcher: `MegatronMoEConfig(..., moe_permute_fusion=True, "
+                 "moe_enable_deepep=True)`; moe/megatron/token_dispatcher.py _DeepepManager: `permute("
+                 "hidden_states, self.dispatched_routing_map, probs=self.dispatched_probs, ..., fused=True)` "
+                 "('DeepEP only supports float32 probs') and `unpermute(..., fused=True)` without probs: TE's "
+                 "row-id-map permutation, the probabilities applied in the activation (fused_moe). The router "
+                 "is NeMo's own Gate in eager ops (fused_router False; the benchmark recipes' "
+                 "fake_balanced_gate has no weights and saves nothing: the planner's router input is then an "
+                 "over-count of tokens x hidden per layer). DeepEP's communication buffers (deep_ep.Buffer, "
+                 "cudaMalloc'd outside PyTorch's allocator) are not modelled",
                  "NVIDIA-NeMo/Automodel nemo_automodel/components/loss/masked_ce.py (@cb976544) "
                  "MaskedCrossEntropy.forward: `if self.fp32_upcast: logits = logits.float()`, then "
                  "`F.cross_entropy(logits, labels)`; the benchmark recipes set `fp32_upcast: false`: the loss "

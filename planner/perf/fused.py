@@ -55,7 +55,9 @@ def _norm(name: str, rows: int, width: int, phase: str, count: int) -> list[Kern
     return [_with(k, phase=phase, count=count, bytes_written=k.bytes_written + 8 * rows)]
 
 
-def _layer(model: TransformerSpec, n: int, phase: str, count: int) -> list[Kernel]:
+def _layer(model: TransformerSpec, n: int, phase: str, count: int, mlp_count: int | None = None) -> list[Kernel]:
+    """One layer's fused memory-bound kernels; the dense MLP's activation on `mlp_count` of the `count` layers
+    (a mixture-of-experts layer runs its experts' own activation instead, kept from the program's ops)."""
     h, i = model.hidden_size, model.intermediate_size
     d = model.head_dim
     q, kv = model.num_heads * d, model.num_kv_heads * d
@@ -86,7 +88,9 @@ def _layer(model: TransformerSpec, n: int, phase: str, count: int) -> list[Kerne
     else:  # bias-GELU: x -> gelu(x + bias); backward: (dy, x) -> dx
         k = (elementwise("layer.mlp.fused_bias_gelu.backward", n * i, (BF16, BF16), (BF16,), BF16)
              if bwd else elementwise("layer.mlp.fused_bias_gelu", n * i, (BF16,), (BF16,), BF16))
-    out.append(_with(k, phase=phase, count=count))
+    mlp = count if mlp_count is None else mlp_count
+    if mlp:
+        out.append(_with(k, phase=phase, count=mlp))
     return [_with(k, block_role="layer") for k in out]
 
 
@@ -97,7 +101,8 @@ def _loss(n: int, vocab: int) -> list[Kernel]:
 
 
 def _bf16_stream(k: Kernel) -> Kernel:
-    """An embedding kernel with the bf16 residual stream: its fp32 traffic halves."""
+    """An embedding or MoE kernel with the bf16 residual stream (Float16Module: no autocast, so the tensors the
+    eager list carries in fp32 under `amp-*` are bf16): its fp32 traffic halves."""
     if k.dtype != F32:
         return k
     return _with(k, dtype=BF16, bytes_read=k.bytes_read // 2, bytes_written=k.bytes_written // 2)
@@ -118,15 +123,22 @@ def megatron_kernels(kernels: list[Kernel], model: ModelSpec, tokens: int) -> li
     lm_loss = t.head in ("causal-lm", "masked-lm") and any(
         k.block_role == "" and k.kind == "memory_bound" for k in kernels)
     fused_roles = _FUSED_ROLES if lm_loss else _FUSED_ROLES - {""}
+    # a mixture-of-experts layer's router, permutation, expert activation and combine are not in the dense
+    # layer's fused list: their own kernels stay (planner.perf.op_rules: TE's fused permutation and
+    # unpermutation, the weighted SwiGLU under Megatron's fused MoE), and only dense layers run the fused SwiGLU
+    moe = (f"layer.{family(t.family).router_name}.", "layer.mlp.experts.") if t.num_experts else ()
+    sparse = sum(t.sparse_layer(i) for i in range(t.num_layers)) if t.num_experts else 0
+    mlp_count = round(layer_count * (t.num_layers - sparse) / t.num_layers)
     out: list[Kernel] = []
     for k in kernels:
         if k.param_work in _DROPPED_WORK or k.name.endswith((".input_cast", ".input_cast.backward")):
             continue
-        if k.kind == "memory_bound" and k.block_role in fused_roles:
+        if k.kind == "memory_bound" and k.block_role in fused_roles and not k.name.startswith(moe):
             continue
-        out.append(_bf16_stream(k) if k.kind == "memory_bound" and k.block_role == "embeddings" else k)
+        bf16 = k.kind == "memory_bound" and (k.block_role == "embeddings" or k.name.startswith(moe))
+        out.append(_bf16_stream(k) if bf16 else k)
     for phase in layer_phases:
-        out += _layer(t, tokens, phase, layer_count)
+        out += _layer(t, tokens, phase, layer_count, mlp_count)
     if has_final_norm:
         out += [_with(k, block_role="final_norm")
                 for ph in ("forward", "backward") for k in _norm("final_norm", tokens, t.hidden_size, ph, 1)]

@@ -95,7 +95,14 @@ def layer_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "rms_norm")
 def rms_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    """transformers' RMSNorm in Python (K.rmsnorm); Transformer Engine's RMSNorm (ctx.fused_norms: NeMo
+    AutoModel's `rms_norm: te`, Megatron's TENorm) is one kernel reading x and writing y and the fp32 rstd
+    per row (its backward one pass too: kernels.backward_of)."""
     rows, width = op.shapes["input"]
+    if ctx.fused_norms and not op.attrs.get("fused"):
+        d = op.dtypes["input"]
+        k = K.elementwise(f"{op.name}.te_rmsnorm", rows * width, (d,), (d,), d)
+        return [K._with(k, bytes_written=k.bytes_written + 4 * rows)]
     return K.rmsnorm(op.name, rows, width, op.dtypes["input"])
 
 
@@ -106,6 +113,12 @@ def dropout_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "activation")
 def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
+    if op.attrs.get("weighted"):  # the fused weighted SwiGLU / quick-GeGLU (Megatron's kernel, NeMo's compiled
+        # one; planner.memory.op_saved.fused_moe_act_saved): one pass reading the gate and up halves and the
+        # pairs' fp32 probabilities, writing the weighted product
+        n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+        k = K.elementwise(op.name, n, (d, d), (d,), d)
+        return [K._with(k, bytes_read=k.bytes_read + 4 * op.attrs["weighted"])]
     if op.attrs["act"] == "clamped_swiglu":  # gpt-oss: two clamps, α·, sigmoid, ·, +1, ·: seven passes
         n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
         return [K.elementwise(f"{op.name}.{k}", n, (d,) * (2 if k.startswith("mul") else 1), (d,), d)
@@ -115,7 +128,9 @@ def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "gated_mul", "residual_add", "tanh")
 def elementwise_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
-    """One pass: reads its input(s), writes its output."""
+    """One pass: reads its input(s), writes its output (none when fused into the weighted activation's)."""
+    if op.attrs.get("fused_into_act"):
+        return []
     reads = (op.dtypes["input"],) + ((op.dtypes["other"],) if "other" in op.dtypes else ())
     return [K.elementwise(op.name, math.prod(op.shapes["input"]), reads, (op.dtypes["output"],), op.dtypes["output"])]
 
@@ -232,10 +247,14 @@ def expert_gemm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 
 @register("kernels", "unpermute")
 def unpermute_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
-    """Expert outputs times their weights, the scatter back to token order, the sum over top-k."""
+    """Expert outputs times their weights, the scatter back to token order, the sum over top-k. Fused (TE's
+    unpermutation without merging probabilities, Megatron-Core's and NeMo's `moe_permute_fusion`; the weights
+    were applied in the activation): one kernel reading the S expert rows and writing each token's sum."""
     pairs, h = op.shapes["input"]
     rows = op.shapes["output"][0]
     d, w, out = op.dtypes["input"], op.dtypes["weights"], op.dtypes["output"]
+    if op.attrs.get("fused_moe"):
+        return [K._with(K.reduction(op.name, pairs * h, rows * h, out), bytes_read=pairs * h * K.nbytes(d))]
     return [K.elementwise(f"{op.name}.weight", pairs * h, (d,), (out,), out),
             K.elementwise(f"{op.name}.scatter", pairs * h, (out,), (out,), out),
             K._with(K.reduction(f"{op.name}.sum", pairs * h, rows * h, out), bytes_read=pairs * h * K.nbytes(out)

@@ -240,8 +240,9 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
                fp8=cfg.fp8_recipe if cfg.precision == FP8_COMPUTE else None, fp8_gather=cfg.fp8_param_gather,
                compile=cfg.compile, sp_saves_gathered=fw.sp_saves_gathered_input,
                ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp, experts_16bit=experts_16bit,
-               fp8_weight_cache=fw.te_weight_cache, fused_moe=fw.fused_moe,
-               fused_norms=fw.fused_norms, loss_fp32=fw.loss_fp32)
+               fp8_weight_cache=fw.te_weight_cache, fused_moe=fw.fused_moe, fused_router=fw.fused_router,
+               fused_norms=fw.fused_norms, loss_fp32=fw.loss_fp32, fused_loss=fw.fused_loss,
+               fused_linears=fw.kernels == "megatron")
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:

@@ -202,8 +202,8 @@ def mlp_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, prefix: str, in_dty
     """Feed-forward: up (gate and up for SwiGLU, both reading the same input) -> act -> (· up) -> down."""
     n, i = ctx.n, width(spec, "i", ctx)
     gated = len(up) == 2
-    ops = [module_linear(spec, lin, prefix, n, in_dtype, ctx, input="mlp.input", consumers=len(up), consumer=k)
-           for k, lin in enumerate(up)]
+    ops = [module_linear(spec, lin, prefix, n, in_dtype, ctx, input="mlp.input", consumers=len(up), consumer=k,
+                         fc1=True) for k, lin in enumerate(up)]
     act, act_out = activation("mlp.act", spec.hidden_act, n * i, ctx.low, ctx)
     ops.insert(1 if gated else len(ops), act)  # SwiGLU: act(gate(x)) runs before up(x)
     if gated:

@@ -266,8 +266,9 @@ def _expert_ops(a: LayerArgs, s: int, x_dtype: str, wd: str) -> list[Op]:
     ops.append(Op("expert_gemm", "mlp.experts.gate_up", {"input": (rows, h), "output": (rows, 2 * i),
                                                           "experts": (local,)},
                   up_params, {"input": x_dtype, "compute": wd, "output": wd}, {}))
-    # Megatron-Core's fused weighted SwiGLU / quick-GeGLU (ctx.fused_moe) saves the fc1 output and the pairs'
-    # probabilities only: `weighted` (the pairs) on the activation, `fused_into_act` on the product
+    # Megatron-Core's fused weighted SwiGLU / quick-GeGLU and NeMo AutoModel's compiled one (ctx.fused_moe) save
+    # the fc1 output and the pairs' probabilities only: `weighted` (the pairs) on the activation,
+    # `fused_into_act` on the product
     fused = {"weighted": rows} if ctx.fused_moe else {}
     if a.traits.clamped_swiglu:  # gpt-oss: clamp, sigmoid(α·gate), (up + 1)·glu on interleaved halves
         ops.append(Op("activation", "mlp.experts.act", {"input": (rows * i,), "output": (rows * i,)}, (),
@@ -317,7 +318,8 @@ def moe_ops(a: LayerArgs, x_dtype: str) -> list[Op]:
     shared_ops = len(ops)
     fused = {"fused_moe": True} if ctx.fused_moe else {}  # not `fused`: torch.compile's pointwise fusion
     router = router_op(spec, a, x_dtype, readers, 0)
-    ops.append(Op(router.kind, router.name, router.shapes, router.params, router.dtypes, router.attrs | fused))
+    routed = fused if ctx.fused_router else {}  # TE's fused top-k (Megatron) or the framework's eager router
+    ops.append(Op(router.kind, router.name, router.shapes, router.params, router.dtypes, router.attrs | routed))
     ops.append(Op("permute", "mlp.experts.permute", {"input": (n, h), "output": (s, h)}, (),
                   {"input": x_dtype, "output": x_dtype},
                   {"experts": local, "ep": ep, "bias_index": a.traits.expert_bias, "all_experts": e} | fused))
