@@ -315,6 +315,11 @@ def measure(spec: ModelSpec, config: TrainConfig, *, fake: bool = True, padded: 
         excluded = params | {_key(b) for b in module.buffers()}
         excluded |= {_key(v) for v in batch.values() if isinstance(v, torch.Tensor)}
         seen: set[int] = set()
+        # The storages counted stay referenced until the measurement ends: a key is a storage's address, and a
+        # saved tensor whose graph branch dies in the forward (an MoE router's discarded scores, say) would free
+        # its storage, and a later storage at the same address would be skipped as seen (a nondeterministic
+        # miss of a few bytes, seen on DeepSeek-V2's final norm).
+        counted: list[Any] = []
         recorder = _CastRecorder(params)
 
         with _module_tracker(module) as (stack, finished):
@@ -323,6 +328,7 @@ def measure(spec: ModelSpec, config: TrainConfig, *, fake: bool = True, padded: 
                 if k in excluded or k in seen:
                     return t
                 seen.add(k)
+                counted.append(t.untyped_storage())
                 qual = stack[-1] if stack else ""
                 blk = block_of(spec, qual, bool(finished & set(LOSS_AFTER)))
                 n = t.untyped_storage().nbytes()
