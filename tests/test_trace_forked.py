@@ -110,3 +110,17 @@ def test_a_large_answer_comes_back_whole():
     """More than a pipe holds (64 KiB): the parent reads while the child writes."""
     assert forked.start("large", lambda: list(range(200_000)))
     assert forked.collect("large") == list(range(200_000))
+
+
+def test_nothing_is_forked_while_another_thread_runs():
+    import threading
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not forked.available() and not forked.start("threaded", lambda: 1)
+    finally:
+        stop.set()
+        other.join()
+    assert forked.available()

@@ -34,8 +34,12 @@ _PENDING: dict[Hashable, tuple[int, int]] = {}  # key -> (child pid, read end of
 
 def available() -> bool:
     """Forking helps only where a second CPU runs the child (Linux's fork; macOS forks unsafely with threads
-    its frameworks started)."""
-    if not (ENABLED and hasattr(os, "fork") and sys.platform.startswith("linux")):
+    its frameworks started), and is safe only with no other Python thread running (a lock one holds at the
+    fork stays held in the child: `planner search`'s progress bar refreshes from a thread)."""
+    import threading
+
+    if not (ENABLED and hasattr(os, "fork") and sys.platform.startswith("linux")
+            and threading.active_count() == 1):
         return False
     try:
         return len(os.sched_getaffinity(0)) > 1
