@@ -27,7 +27,7 @@ from typing import Any
 ENABLED = True
 # Seconds the parent waits for a child's answer before computing it itself (the optimizer step of an 8B
 # model traces in a few seconds; a child that hangs must not hang the estimate).
-TIMEOUT_S = 120.0
+TIMEOUT_S = 60.0
 
 _PENDING: dict[Hashable, tuple[int, int]] = {}  # key -> (child pid, read end of its pipe)
 
