@@ -285,8 +285,9 @@ def breakdown(repeat: int = 3) -> None:
         print(f"  {name:26s} {figures[name]:5.2f}  {what}")
     print(f"  {'the command, timed whole':26s} {total_cpu:5.2f}  CPU, the child's included; "
           f"wall {median(w for w, _ in whole):.2f} s")
-    print("'exit': the whole command's CPU less the stages; the optimizer step's child runs beside the\n"
-          "forward and backward (wall < CPU where a second core is free); answers identical across runs: "
+    print("'exit': the whole command's CPU less the stages. The optimizer step's child runs\n"
+          "beside the forward and backward: wall < CPU where a second core is free.\n"
+          "Answers identical across runs: "
           f"{'yes' if len({r['answer_sha256'] for r in rows}) == 1 else 'NO'}")
 
 
