@@ -17,7 +17,13 @@ from planner.program.trace import trace_step
 from planner.spec import TrainConfig
 from tests.test_trace_periodic import _tiny
 
-pytestmark = pytest.mark.skipif(not forked.available(), reason="no fork or a single CPU: nothing is forked")
+
+@pytest.fixture(autouse=True)
+def _whatever_the_load(monkeypatch):
+    """The tests fork on a busy machine too (`forked.LOAD_AWARE` leaves it out there)."""
+    monkeypatch.setattr(forked, "LOAD_AWARE", False)
+    if not forked.available():
+        pytest.skip("no fork or a single CPU: nothing is forked")
 
 
 def _equal(a, b) -> None:
@@ -123,4 +129,12 @@ def test_nothing_is_forked_while_another_thread_runs():
     finally:
         stop.set()
         other.join()
+    assert forked.available()
+
+
+def test_a_busy_machine_forks_nothing(monkeypatch):
+    monkeypatch.setattr(forked, "LOAD_AWARE", True)
+    monkeypatch.setattr(os, "getloadavg", lambda: (len(os.sched_getaffinity(0)) - 0.5, 0.0, 0.0))
+    assert not forked.available()
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
     assert forked.available()
