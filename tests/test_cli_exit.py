@@ -73,3 +73,14 @@ def test_a_library_process_is_not_ended():
 
     leave_now(0)  # pytest is not the command: returns, and this test goes on
     leave_now("a message")
+
+
+def test_a_profiled_command_writes_its_profile(tmp_path):
+    """`python -m cProfile -o FILE -m planner ...` (as the tracer's cost was found): cProfile writes after
+    the command returns, so a command with a profiler attached exits as the interpreter does."""
+    out = tmp_path / "planner.prof"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "planner", "models", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 0

@@ -128,8 +128,10 @@ def leave_now(code: object) -> None:
     matters is done here first: the exit functions (`atexit`: logging's flush, temporary files,
     multiprocessing) and stdout and stderr flushed. Only in the process the command owns
     (`_startup.started_as_command`: never a library user's or a test's), with no other thread running
-    (they would be cut short), for an integer exit status; anything else (a flush that fails: a reader that
-    left) returns, and the interpreter exits as it always did."""
+    (they would be cut short), for an integer exit status, and with no profiler or tracer attached
+    (`python -m cProfile -m planner ...` writes its profile after the command returns; coverage too);
+    anything else (a flush that fails: a reader that left) returns, and the interpreter exits as it always
+    did."""
     import atexit
     import os
     import threading
@@ -137,7 +139,8 @@ def leave_now(code: object) -> None:
     from planner._startup import started_as_command
 
     if not (started_as_command(sys.argv) and (code is None or isinstance(code, int))
-            and threading.active_count() == 1 and hasattr(atexit, "_run_exitfuncs")):
+            and threading.active_count() == 1 and hasattr(atexit, "_run_exitfuncs")
+            and sys.getprofile() is None and sys.gettrace() is None):
         return
     try:
         atexit._run_exitfuncs()
