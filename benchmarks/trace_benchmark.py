@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         breakdown(args.repeat if args.repeat > 1 else 3)
         return 0
     if args.search_case:
-        print(json.dumps(search(SEARCH_TRIALS)))
-        return 0
+        print(json.dumps(search(SEARCH_TRIALS)), flush=True)
+        os._exit(0)  # as the `planner` command ends (planner.cli.main.leave_now): no interpreter teardown
     if args.search_only:
         search_timed(args.baseline)
         return 0
