@@ -15,7 +15,11 @@ Then examples/multimodal_bert.py (traced) against the catalog's multimodal-bert 
 30-trial `planner search` over it (issue 12: a traced model is traced once per shape class, so a search over
 it stays interactive).
 Usage: python benchmarks/trace_benchmark.py [--quick] [--repeat N] [--search-only] [--baseline DIR] [--layers]
+[--breakdown]
 (--quick: the estimates of issue 38 only; --repeat: medians of N runs; --search-only: the search only;
+--breakdown: T5-base's first estimate stage by stage, CPU seconds (interpreter, the planner's modules, torch,
+torch._dynamo, transformers, T5's modeling module, the trace's forward and backward, the optimizer step in its
+forked child, the rest of the estimate, the exit), medians of N (default 3) new processes;
 --baseline: another checkout, e.g. `git archive main | tar -x -C DIR`, timed alongside each first estimate;
 --layers: only the trace of each config.json model with its identical layers written out
 (planner.program.periodic) against the whole model's, in this process: CPU seconds and whether they are equal)
@@ -172,6 +176,143 @@ def layers() -> None:
     periodic.expand = real
 
 
+# T5-base's first estimate, stage by stage (`--breakdown`): what each stage imports or does, in the order the
+# command meets them; each stage's CPU seconds are measured in one new process (`breakdown_case`).
+BREAKDOWN_ARGS = ["estimate", *ESTIMATES["t5-base 16x512"], "--json"]
+STAGES = (
+    ("interpreter start", "python -c pass, timed apart"),
+    ("planner command", "import planner.cli.main (typer, pydantic)"),
+    ("torch", "import torch"),
+    ("torch._dynamo", "for masking_utils, the tracer's dispatch"),
+    ("transformers", "the package (scans models/) and AutoConfig"),
+    ("T5's modeling module", "modeling_utils, hub kernels, scipy, ..."),
+    ("trace: forward, backward", "build, FakeTensorMode, the recorder"),
+    ("trace: optimizer step", "AdamW foreach, in a child where forked"),
+    ("the rest of the estimate", "layers written out, pipeline, JSON"),
+    ("exit", "os._exit after atexit: no teardown"),
+)
+
+
+def breakdown_case() -> dict:
+    """In this (new) process: CPU seconds of each stage of STAGES but the first and the last, by importing
+    the modules in the command's order, then running the command's `main` with the timers on the tracer."""
+    import io
+    from contextlib import redirect_stdout
+
+    lap = [time.process_time()]
+    out: dict[str, float] = {}
+
+    def stage(name: str) -> None:
+        now = time.process_time()
+        out[name] = now - lap[0]
+        lap[0] = now
+
+    import planner.cli.main as cli
+
+    cli.claim_process()  # as the command does (the collector's threshold)
+    stage("planner command")
+    import torch  # noqa: F401
+
+    stage("torch")
+    import torch._dynamo  # noqa: F401
+
+    stage("torch._dynamo")
+    import transformers
+    from transformers import AutoConfig  # noqa: F401
+
+    transformers.T5Config  # noqa: B018 - the config class, as hf_config_object makes it
+    stage("transformers")
+    import transformers.models.t5.modeling_t5  # noqa: F401
+
+    stage("T5's modeling module")
+    from planner.program import trace
+
+    spent = {"trace": 0.0}
+    real = trace._trace_step
+
+    def timed_trace(*args, **kwargs):
+        t0 = time.process_time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent["trace"] += time.process_time() - t0
+
+    trace._trace_step = timed_trace
+    real_step = trace._traced_optimizer_step
+
+    def timed_step(*args, **kwargs):  # the step traced here: no child (the load, one CPU) or a wrong guess
+        t0 = time.process_time()
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            spent["step"] = spent.get("step", 0.0) + time.process_time() - t0
+
+    trace._traced_optimizer_step = timed_step
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    sys.argv = ["planner", *BREAKDOWN_ARGS]
+    with redirect_stdout(io.StringIO()) as answer:
+        try:
+            cli.app()
+        except SystemExit:
+            pass
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() - lap[0]
+    here = spent.get("step", 0.0)
+    out["trace: forward, backward"] = spent["trace"] - here
+    out["trace: optimizer step"] = here + (child.ru_utime - children.ru_utime) + (child.ru_stime - children.ru_stime)
+    out["forked"] = here == 0.0
+    out["the rest of the estimate"] = total - spent["trace"]
+    out["answer_sha256"] = __import__("hashlib").sha256(answer.getvalue().encode()).hexdigest()[:16]
+    return out
+
+
+def breakdown(repeat: int = 3) -> None:
+    """T5-base's first estimate, stage by stage (STAGES), medians of `repeat` new processes each with an
+    empty trace cache; and the command itself timed the same way, for the total the stages must add up to."""
+    from statistics import median
+
+    env_of = {}
+    rows: list[dict] = []
+    whole: list[tuple[float, float]] = []
+    start: list[float] = []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "PLANNER_CACHE_DIR": cache}
+            env.pop("PLANNER_TRACE_CACHE", None)
+            env_of = env
+            _, cpu, _ = timed([sys.executable, "-c", "pass"], env)
+            start.append(cpu)
+            rows.append(json.loads(_last_line(_run_case(env))))
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**env_of, "PLANNER_CACHE_DIR": cache}
+            wall, cpu, _ = timed([sys.executable, "-m", "planner", *BREAKDOWN_ARGS], env)
+            whole.append((wall, cpu))
+    figures = {name: median(r[name] for r in rows) for name, _ in STAGES[1:-1]}
+    figures["interpreter start"] = median(start)
+    total_cpu = median(c for _, c in whole)
+    figures["exit"] = max(0.0, total_cpu - sum(figures.values()))
+    print(f"T5-base 16 x 512, first estimate (empty trace cache): CPU seconds by stage,\n"
+          f"median of {repeat} new processes, load average {os.getloadavg()[0]:.1f}")
+    for name, what in STAGES:
+        print(f"  {name:26s} {figures[name]:5.2f}  {what}")
+    print(f"  {'the command, timed whole':26s} {total_cpu:5.2f}  CPU, the child's included; "
+          f"wall {median(w for w, _ in whole):.2f} s")
+    forks = sum(r["forked"] for r in rows)
+    print("'exit': the whole command's CPU less the stages. The optimizer step was traced\n"
+          f"in a forked child in {forks} of {repeat} runs (only while the load leaves a CPU free;\n"
+          "then it runs beside the forward and backward, and wall < CPU).\nAnswers identical across runs: "
+          f"{'yes' if len({r['answer_sha256'] for r in rows}) == 1 else 'NO'}")
+
+
+def _run_case(env: dict[str, str]) -> str:
+    return subprocess.run([sys.executable, __file__, "--breakdown-case"], capture_output=True, text=True,
+                          check=True, cwd=ROOT, env=env).stdout
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
 def timed(cmd: list[str], env: dict[str, str], cwd: str | Path = ROOT) -> tuple[float, float, str]:
     """Run `cmd` in a new process: (wall seconds, CPU seconds user + sys, stdout)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -261,15 +402,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--search-only", action="store_true", help="the 100-trial search of issue 38 only")
     parser.add_argument("--baseline", help="a folder with another checkout's planner package, timed alongside")
     parser.add_argument("--layers", action="store_true", help="traces with identical layers cut, against whole")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="T5-base's first estimate, CPU seconds stage by stage")
+    parser.add_argument("--breakdown-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--search-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         print(json.dumps(one(args.case)))
         return 0
-    if args.search_case:
-        print(json.dumps(search(SEARCH_TRIALS)))
+    if args.breakdown_case:
+        print(json.dumps(breakdown_case()))
         return 0
+    if args.breakdown:
+        breakdown(args.repeat if args.repeat > 1 else 3)
+        return 0
+    if args.search_case:
+        print(json.dumps(search(SEARCH_TRIALS)), flush=True)
+        os._exit(0)  # as the `planner` command ends (planner.cli.main.leave_now): no interpreter teardown
     if args.search_only:
         search_timed(args.baseline)
         return 0

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner import caches
 from planner.errors import PlannerError
-from planner.program import cuda
+from planner.program import cuda, forked
 from planner.program.records import (  # noqa: F401 - the records are read from here too
     LOSS_BLOCK,
     ROOT_BLOCK,
@@ -673,6 +673,8 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                         for pname, p in layer.named_parameters() if p.requires_grad]
             for run in runs:
                 periodic_layers.truncate(run)
+            forked_key = _fork_optimizer_step(named, config, backend) if SPLICE_OPTIMIZER and not scan_frees \
+                else None
 
             saved: dict[int, SavedRecord] = {}
             saved_op: dict[int, int] = {}
@@ -750,6 +752,9 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                 raise _remember(PlannerError("--model", source or name, f"the training step raised "
                                              f"{last_line(exc)} (in {where}); check --inputs matches the model"),
                                 before_key, periodic, rec) from None
+            finally:
+                if forked_key is not None:  # not collected: the guess was wrong, or the step raised first
+                    forked.discard(forked_key)
 
         for run in runs:
             periodic_layers.restore(run)
@@ -953,12 +958,46 @@ def optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -> Optim
     touches a parameter's or gradient's storage (then the trace runs the step itself)."""
     key = (config.optimizer, config.optimizer_impl, backend, metas)
     if key not in _OPTIMIZER_STEPS:
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():  # the trace's FakeTensorMode and recorder do not see this one
-            _OPTIMIZER_STEPS[key] = _trace_optimizer_step(metas, config, backend)
+        step = forked.collect(key)  # traced in a child meanwhile (`_fork_optimizer_step`), else here
+        _OPTIMIZER_STEPS[key] = step if step is not None else _traced_optimizer_step(metas, config, backend)
     step = _OPTIMIZER_STEPS[key]
     return step if step.spliceable else None
+
+
+def _traced_optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -> OptimizerStep:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # the trace's FakeTensorMode and recorder do not see this one
+        return _trace_optimizer_step(metas, config, backend)
+
+
+def _grad_key_guess(p: torch.Tensor) -> tuple | None:
+    """The gradient's metadata as autograd makes it for a dense parameter (torch/csrc/autograd/functions/
+    accumulate_grad.h: a new gradient follows the parameter's strides, in a storage of its own), None where
+    the parameter is not dense; a guess, checked against the real gradient before its step is used."""
+    if not p.is_contiguous() and not p.is_contiguous(memory_format=torch.channels_last):
+        return None
+    return (tuple(p.shape), p.stride(), 0, p.dtype, p.numel() * p.element_size())
+
+
+def _fork_optimizer_step(named: list[tuple[str, torch.nn.Parameter]], config: TrainConfig,
+                         backend: Backend) -> tuple | None:
+    """Start tracing the optimizer step in a forked child (`planner.program.forked`) on the metadata the
+    gradients will have (`_grad_key_guess`: every trained parameter gets a gradient laid out as itself),
+    while this process traces the forward and backward; `optimizer_step` takes the child's answer when the
+    real metadata are the guessed ones. Returns the key started under, None where nothing was started."""
+    trained = [p for _, p in named if p.requires_grad]
+    guess = []
+    for p in trained:
+        g = _grad_key_guess(p)
+        if g is None:
+            return None
+        guess.append((_tensor_key(p), g))
+    key = (config.optimizer, config.optimizer_impl, backend, tuple(guess))
+    if key in _OPTIMIZER_STEPS or not trained:
+        return None
+    metas = key[3]
+    return key if forked.start(key, lambda: _traced_optimizer_step(metas, config, backend)) else None
 
 
 def _trace_optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -> OptimizerStep:
