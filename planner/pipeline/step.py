@@ -14,7 +14,7 @@ from planner.errors import PlannerError
 from planner.identity_cache import per_object
 from planner.ir.context import Ctx
 from planner.memory import batch as batch_mem
-from planner.memory import framework_layout, model_states, optimizer, parallel, timeline
+from planner.memory import events, framework_layout, model_states, optimizer, parallel, timeline
 from planner.memory import stack as sw
 from planner.memory.experts import expert_sharding, local_parameters, split_shapes
 from planner.parallel import get as strategy_of
@@ -302,7 +302,7 @@ class StageStep:
         return timeline.peaks(self.step)[1].total
 
 
-IN_FLIGHT = "in-flight micro-batches"  # the pseudo-block holding the other micro-batches' saved activations
+IN_FLIGHT = events.IN_FLIGHT  # the pseudo-block holding the other micro-batches' saved activations
 
 
 def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.Sharding,
