@@ -105,10 +105,8 @@ def in_flight_tensors(step: timeline.StepMemory, tensors: dict[str, BlockTensors
         d = tensors.get(b.name)
         if d is None or b.name == IN_FLIGHT or b.kept_bytes <= 0:
             continue
-        kept = d.kept if b.checkpointed else d.saved
-        if sum(kept) != b.kept_bytes:  # the block's tensors do not split its total: left whole, as the step does
-            kept = (b.kept_bytes,)
-        one += kept
+        # as the step splits the block itself (`_slot_values`): its saved (or, checkpointed, kept) tensors
+        one += split(b.kept_bytes, d.kept if b.checkpointed else d.saved)
     per = sum(one)
     if per <= 0:
         return None
