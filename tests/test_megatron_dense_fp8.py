@@ -135,3 +135,37 @@ def test_in_flight_micro_batches_are_replayed_as_their_tensors():
     got = events.in_flight_tensors(step, tensors)  # type: ignore[arg-type]
     assert got is not None and got.saved == kept * 2 + (5, 7)
     assert sum(events.split(blocks[0].kept_bytes, got.saved)) == blocks[0].kept_bytes
+
+
+def test_megatron_pipeline_rank_replays_its_optimizer_tensors_per_parameter():
+    """A Megatron pipeline rank's optimizer states and fp32 gradient copies reach the replay per parameter shard
+    (distrib_optimizer.py `shard_model_param.clone().float()`, `shard_model_grad.float()`), their sum within the
+    step's totals; another framework's are left to the trace's own split."""
+    import planner
+    from planner.pipeline import step as pipeline_step
+    from planner.probes.public_moe_fp8 import load_published
+
+    row = next(r for r in load_published("fp8") if r.id == "mb-2511-h100-l3-70b-fp8cs")
+    seen = []
+    real = pipeline_step._megatron_optimizer_tensors
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    pipeline_step._megatron_optimizer_tensors = spy
+    try:
+        est = planner.estimate(row.model_ref(Path(__file__).resolve().parents[1]), row.train_config(), row.instance)
+    finally:
+        pipeline_step._megatron_optimizer_tensors = real
+    assert seen and all(s is not None for s in seen)
+    states, temps = seen[0]
+    stage = est.parallel.stages[0]
+    assert 0 < sum(states) <= stage.optimizer_bytes
+    # bf16 main gradients (grad_reduce_in_fp32 false): one fp32 copy of each parameter's shard at the step
+    assert len(temps) * 3 == len(states) and sum(temps) * 3 == pytest.approx(sum(states), rel=1e-6)
+    from types import SimpleNamespace
+
+    deepspeed = SimpleNamespace(kind="deepspeed", master_bytes=4, state_param_bytes=4, step_grad_bytes=4)
+    assert real([(8, 4)], row.train_config(), deepspeed, 0.5, 1.0, 1) is None
