@@ -169,3 +169,31 @@ def test_megatron_pipeline_rank_replays_its_optimizer_tensors_per_parameter():
 
     deepspeed = SimpleNamespace(kind="deepspeed", master_bytes=4, state_param_bytes=4, step_grad_bytes=4)
     assert real([(8, 4)], row.train_config(), deepspeed, 0.5, 1.0, 1) is None
+
+
+def test_llama_70b_fp8_layer_saves_the_hand_count_from_the_sources():
+    """One Llama-3-70B layer of the Megatron-Bridge FP8 row (TP 4, SP, 8,192 tokens) saves what the TE / Megatron
+    sources listed in docs/fp8-and-compile.md add up to: the two norms' bf16 inputs (local rows) and fp32 rstd,
+    `linear_qkv`'s and `linear_fc1`'s local FP8 `ln_out`, the fused attention's q, k, v, output (bf16) and fp32
+    softmax statistics, `linear_proj`'s FP8 input, the fused SwiGLU's bf16 fc1 output, `linear_fc2`'s FP8 input."""
+    import json
+
+    import planner
+    from planner.probes.public_moe_fp8 import load_published
+
+    root = Path(__file__).resolve().parents[1]
+    row = next(r for r in load_published("fp8") if r.id == "mb-2511-h100-l3-70b-fp8cs")
+    cfg = json.loads((root / row.model).read_text())
+    est = planner.estimate(row.model_ref(root), row.train_config(), row.instance)
+    s, h, i, tp = row.seq_len * row.micro_batch, cfg["hidden_size"], cfg["intermediate_size"], row.tp
+    d = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] // tp * d, cfg["num_key_value_heads"] // tp * d
+    rows = s // tp  # sequence parallel: the residual stream's local rows
+    norms = 2 * (rows * h * 2 + rows * 4)
+    fp8_ln_out = 2 * rows * h * 1
+    attention = (2 * s * q + 2 * s * kv) * 2 + cfg["num_attention_heads"] // tp * s * 4
+    proj, swiglu, fc2 = s * q * 1, s * 2 * (i // tp) * 2, s * (i // tp) * 1
+    from planner.estimate import program
+
+    layer = next(b for b in program(row.model_ref(root), est)["blocks"] if b["name"] == "model.layer.1")
+    assert sum(op["saved_bytes"] for op in layer["ops"]) == norms + fp8_ln_out + attention + proj + swiglu + fc2
