@@ -320,8 +320,11 @@ def _phase_lines(est: Estimate) -> list[str]:
     if note:
         lines.append(note)
     lines += loop_lines(est)
+    # the allocator replay's own ratio where it ran (the runtime record's is the flat default it replaces)
+    frag = m.peak_reserved / m.peak_allocated - 1 if est.allocator is not None and m.peak_allocated else \
+        est.runtime.fragmentation
     lines.append(f"Peak allocated {fmt_bytes(m.peak_allocated)} in {est.peak_phase}; the caching allocator reserves "
-                 f"{fmt_bytes(m.peak_reserved)} (fragmentation {est.runtime.fragmentation:.0%}); plus CUDA context "
+                 f"{fmt_bytes(m.peak_reserved)} (fragmentation {frag:.0%}); plus CUDA context "
                  f"{fmt_bytes(m.cuda_context)} and NCCL {fmt_bytes(m.nccl)} = {fmt_bytes(m.peak_device)} on the device.")
     return lines
 

@@ -105,6 +105,9 @@ class Ctx:
     # Megatron-Core's TE layer spec (Framework.kernels "megatron"): q, k, v are one linear_qkv and a gated MLP's
     # gate and up one linear_fc1, each one GEMM on one copy of its input (under FP8, one FP8 copy saved)
     fused_linears: bool = False
+    # Megatron-Core's fused SwiGLU of a dense MLP (Framework.fused_glu, `bias_swiglu_impl`): the fc1 output saved,
+    # nothing for silu(gate) or the product
+    fused_glu: bool = False
 
     @property
     def n(self) -> int:

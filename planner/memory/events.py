@@ -84,6 +84,42 @@ class BlockTensors:
                 object.__setattr__(self, f, _positive(getattr(self, f)))
 
 
+# The pseudo-block of a pipeline rank holding the saved activations of its other micro-batches in flight
+# (planner.pipeline.step; planner.memory.stages.in_flight counts them)
+IN_FLIGHT = "in-flight micro-batches"
+
+
+def in_flight_tensors(step: timeline.StepMemory, tensors: dict[str, BlockTensors]) -> BlockTensors | None:
+    """The in-flight pseudo-block's bytes as the tensors they are: the rank's own blocks' kept tensors of one
+    micro-batch, once per other micro-batch in flight (the last one in part), or None without that block.
+
+    Why: the micro-batches a pipeline schedule keeps (Megatron-Core's interleaved 1F1B warm-up) each saved the
+    same per-op tensors as the one running; as one tensor of their total (tens of GiB) the replay would need
+    one segment that large, which a freed one cut by the optimizer's first allocations can never hold again
+    (a second whole segment, a pool the real allocator, carving many ~100 MiB tensors, does not build)."""
+    block = next((b for b in step.blocks if b.name == IN_FLIGHT), None)
+    if block is None or block.kept_bytes <= 0:
+        return None
+    one: list[int] = []
+    for b in step.blocks:
+        d = tensors.get(b.name)
+        if d is None or b.name == IN_FLIGHT or b.kept_bytes <= 0:
+            continue
+        # as the step splits the block itself (`_slot_values`): its saved (or, checkpointed, kept) tensors
+        one += split(b.kept_bytes, d.kept if b.checkpointed else d.saved)
+    per = sum(one)
+    if per <= 0:
+        return None
+    copies, rest = divmod(block.kept_bytes, per)
+    out = one * copies
+    for n in one:  # the last micro-batch in part: its first tensors up to the remainder (`split` adds the rest)
+        if n > rest:
+            break
+        out.append(n)
+        rest -= n
+    return BlockTensors(IN_FLIGHT, saved=tuple(out), kept=tuple(out))
+
+
 class Mark(NamedTuple):
     """After `index` events the live bytes equal the timeline point `label` of `phase` (a named tuple: a trace
     of a new step makes ~40, at a third of a frozen dataclass's cost)."""

@@ -25,11 +25,14 @@ from planner.memory.activations import Saved
 def linear_saved(op: Op, ctx: Ctx) -> list[Saved]:
     """A Linear saves its input (one storage shared by the Linears reading it; under autocast each its own
     16-bit cast: `activations.linear_inputs`). The multimodal model's dense blocks keep their own rule
-    (`activations.dense_block_saved`: what precedes them decides)."""
+    (`activations.dense_block_saved`: what precedes them decides). `saves_input` False (another op saves that
+    16-bit tensor: the attention output the projection reads) still saves its own FP8 copy under Transformer
+    Engine, which quantizes the input inside the module and saves the quantized copy (linear.py _Linear.forward)."""
     a = op.attrs
     if "block" in a:
         return act.dense_block_saved(a["block"], a["model"], ctx)
-    if not a["saves_input"] or a.get("frozen"):
+    te_fp8 = bool(a.get("fp8")) and fp8.input_saved(a["fp8"]) is not None
+    if (not a["saves_input"] and not te_fp8) or a.get("frozen"):
         return []  # a frozen weight needs no input for its gradient (LoRA: planner.ir.transforms.lora_layers)
     if a.get("input_discarded") and not (ctx.amp and op.dtypes["input"] != ctx.low):
         return []  # the norm output it saved is freed and rebuilt in backward (selective "layernorm")
@@ -90,6 +93,8 @@ def rms_norm_saved(op: Op, ctx: Ctx) -> list[Saved]:
 def activation_saved(op: Op, ctx: Ctx) -> list[Saved]:
     if op.attrs.get("weighted"):  # Megatron's fused weighted SwiGLU / quick-GeGLU: its input and the probs
         return fused_moe_act_saved(op)
+    if op.attrs.get("fused_glu"):  # Megatron's fused SwiGLU of a dense MLP: the fc1 output (gate and up)
+        return fused_glu_saved(op)
     if op.attrs["act"] == "clamped_swiglu":
         return clamped_swiglu_saved(op)
     return act.activation_saved(op.name, op.attrs["act"], math.prod(op.shapes["input"]), op.dtypes["input"], ctx)[0]
@@ -303,6 +308,15 @@ def clamped_swiglu_saved(op: Op) -> list[Saved]:
     n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
     return [Saved(f"{op.name}.gate_up", 2 * n, d), Saved(f"{op.name}.gate_clamped", n, d),
             Saved(f"{op.name}.sigmoid", n, d), Saved(f"{op.name}.up_plus_one", n, d), Saved(f"{op.name}.glu", n, d)]
+
+
+def fused_glu_saved(op: Op) -> list[Saved]:
+    """Megatron-Core's fused SwiGLU of a dense MLP (MLP.forward under bias_activation_fusion: `bias_swiglu_impl`,
+    megatron/core/fusions/fused_bias_swiglu.py SwiGLUFunction.forward `ctx.save_for_backward(input_for_backward)`
+    with fp8_input_store off, the default): the fc1 output, gate and up halves (2n) in its own dtype; silu(gate)
+    and the product are rebuilt in backward (the product op adds nothing: `fused_into_act`)."""
+    n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+    return [Saved(f"{op.name}.input", 2 * n, d)]
 
 
 def fused_moe_act_saved(op: Op) -> list[Saved]:

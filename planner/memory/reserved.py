@@ -74,8 +74,12 @@ def _trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activat
 def _build_trace(spec: ModelSpec, cfg: TrainConfig, step: timeline.StepMemory, activations: tuple,
                  parameter_share: float, gradient_share: float, state_share: float, backend: str) -> events.Trace:
     tensors = events.model_block_tensors(spec, activations, cfg, parameter_share, gradient_share, backend)
+    in_flight = events.in_flight_tensors(step, tensors)
+    if in_flight is not None:  # a pipeline rank's other micro-batches, tensor by tensor
+        tensors = {**tensors, events.IN_FLIGHT: in_flight}
     p_bytes = model_states.parameter_dtype_bytes(cfg.precision)
-    states, temps = _optimizer_tensors(spec, cfg, p_bytes, state_share)
+    states, temps = (step.optimizer_tensors if step.optimizer_tensors is not None
+                     else _optimizer_tensors(spec, cfg, p_bytes, state_share))
     return events.step_events(step, tensors, state_sizes=states, temp_sizes=temps,
                               bucket_cap_bytes=int(cfg.bucket_cap_mb * events.MiB), first_step=REPLAY_FIRST_STEP)
 

@@ -77,6 +77,10 @@ class StepMemory:
     # Accelerate's mixed precision returns the model's 16-bit outputs converted to fp32 (loops.LoopRule): a copy
     # alive at the end of the forward only.
     outputs_fp32_bytes: int = 0
+    # The optimizer's state and step-temporary tensors, bytes each, where the step's builder knows the rank's
+    # own (planner.pipeline.step: a Megatron pipeline rank's per-parameter shards); None: the allocator trace
+    # splits the totals by its own rule (planner.memory.events.optimizer_tensor_sizes). Read by the trace only.
+    optimizer_tensors: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)

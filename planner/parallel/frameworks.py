@@ -108,6 +108,13 @@ class Framework:
     # (the model's own output, no new storage) and three fp32 statistics a row, and write the gradient into the
     # logits in place: no n·V softmax saved, no n·V gradient allocated. planner.ir.context.Ctx.fused_loss.
     fused_loss: bool = False
+    # A dense layer's SwiGLU is Megatron-Core's fused `bias_swiglu_impl` (MLP.forward under
+    # bias_activation_fusion, which Megatron-Bridge's Llama/Qwen providers set True): one autograd function that
+    # saves its input (the fc1 output, gate and up halves, in its own 16-bit dtype; FP8 only with
+    # activation_func_fp8_input_store, default False) and rebuilds silu(gate), the product and both in
+    # backward. False: the eager silu and product, each saving what its derivative needs.
+    # planner.ir.context.Ctx.fused_glu carries it.
+    fused_glu: bool = False
     sources: tuple[str, ...] = field(default_factory=tuple)
     notes: str = ""
 
@@ -182,7 +189,7 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                     "zero1": "Megatron DDP + distributed optimizer (--use-distributed-optimizer)"},
         engine="megatron", kernels="megatron", experts_16bit=True, te_weight_cache=True,
         fused_attention=True, fused_moe=True, fused_router=True, fused_norms=True, fused_loss=True,
-        pipeline_split="megatron",
+        fused_glu=True, pipeline_split="megatron",
         loss="Transformer Engine's fused cross-entropy on the 16-bit logits, its gradient written into them",
         sources=("NVIDIA/Megatron-LM docs/source/api-guide/dist_optimizer.md: bytes per parameter 'non-distributed "
                  "optim: 18; distributed optim: 6 + 12/d' for bf16 params with fp32 main grads "
@@ -247,7 +254,21 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "get_gpt_layer_with_transformer_engine_spec: linear_qkv TELayerNormColumnParallelLinear, "
                  "q_layernorm/k_layernorm and an MoE layer's pre_mlp_layernorm TENorm; NVIDIA/TransformerEngine "
                  "transformer_engine/pytorch/ops/basic/rmsnorm.py RMSNorm.op_forward `ctx.save_for_backward(x, "
-                 "rstdevs)` (fused_norms)"),
+                 "rstdevs)` (fused_norms)",
+                 "NVIDIA/Megatron-LM megatron/core/transformer/mlp.py (@d98e8a64) MLP.forward: `elif "
+                 "self.config.bias_activation_fusion: ... elif self.activation_func == F.silu and "
+                 "self.config.gated_linear_unit: intermediate_parallel = bias_swiglu_impl(intermediate_parallel, "
+                 "bias_parallel, self.config.activation_func_fp8_input_store, ...)`; megatron/core/fusions/"
+                 "fused_bias_swiglu.py SwiGLUFunction.forward `input_for_backward = input.to(torch.float8_e4m3fn) "
+                 "if fp8_input_store else input; ctx.save_for_backward(input_for_backward)`; transformer_config.py "
+                 "`activation_func_fp8_input_store: bool = False`; NVIDIA-NeMo/Megatron-Bridge "
+                 "src/megatron/bridge/models/llama/llama_provider.py (@00b7660b) `bias_activation_fusion: bool = "
+                 "True` (gpt_provider.py's Qwen/Llama providers the same) (fused_glu)",
+                 "NVIDIA/TransformerEngine transformer_engine/pytorch/module/linear.py _Linear.forward (2.x): the "
+                 "input is quantized by the module's input quantizer and the quantized copy, column-wise usage "
+                 "only, is what it saves (`inputmat.update_usage(rowwise_usage=False)`), whatever another op "
+                 "saves of the 16-bit tensor: the attention output projection (linear_proj, TERowParallelLinear) "
+                 "keeps an FP8 copy besides the attention's own bf16 output (planner.memory.op_saved.linear_saved)"),
         notes="bf16 parameters (2 B), fp32 main gradients (4 B) in a buffer that lives for the run, fp32 master "
               "weights and Adam states (12 B) in the optimizer: 18 B per parameter, 6 + 12/DP with the "
               "distributed optimizer. No FSDP1/FSDP2 (Megatron's own FSDP is not modelled)."),

@@ -119,6 +119,10 @@ def activation_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
         n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
         k = K.elementwise(op.name, n, (d, d), (d,), d)
         return [K._with(k, bytes_read=k.bytes_read + 4 * op.attrs["weighted"])]
+    if op.attrs.get("fused_glu"):  # Megatron's fused SwiGLU (op_saved.fused_glu_saved): one pass reading the
+        # gate and up halves, writing the product (the product op itself runs no kernel: `fused_into_act`)
+        n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
+        return [K.elementwise(op.name, n, (d, d), (d,), d)]
     if op.attrs["act"] == "clamped_swiglu":  # gpt-oss: two clamps, α·, sigmoid, ·, +1, ·: seven passes
         n, d = math.prod(op.shapes["input"]), op.dtypes["input"]
         return [K.elementwise(f"{op.name}.{k}", n, (d,) * (2 if k.startswith("mul") else 1), (d,), d)

@@ -242,7 +242,7 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
                ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp, experts_16bit=experts_16bit,
                fp8_weight_cache=fw.te_weight_cache, fused_moe=fw.fused_moe, fused_router=fw.fused_router,
                fused_norms=fw.fused_norms, loss_fp32=fw.loss_fp32, fused_loss=fw.fused_loss,
-               fused_linears=fw.kernels == "megatron")
+               fused_linears=fw.kernels == "megatron", fused_glu=fw.fused_glu)
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:

@@ -14,7 +14,7 @@ from planner.errors import PlannerError
 from planner.identity_cache import per_object
 from planner.ir.context import Ctx
 from planner.memory import batch as batch_mem
-from planner.memory import framework_layout, model_states, optimizer, parallel, timeline
+from planner.memory import events, framework_layout, model_states, optimizer, parallel, timeline
 from planner.memory import stack as sw
 from planner.memory.experts import expert_sharding, local_parameters, split_shapes
 from planner.parallel import get as strategy_of
@@ -302,7 +302,7 @@ class StageStep:
         return timeline.peaks(self.step)[1].total
 
 
-IN_FLIGHT = "in-flight micro-batches"  # the pseudo-block holding the other micro-batches' saved activations
+IN_FLIGHT = events.IN_FLIGHT  # the pseudo-block holding the other micro-batches' saved activations
 
 
 def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.Sharding,
@@ -372,11 +372,42 @@ def _stage_steps(spec: ModelSpec, cfg: TrainConfig, dims: Any, share: parallel.S
         step = replace(template, blocks=block_mem, optimizer_state_bytes=states + extra_states,
                        module_buffer_bytes=buffers,
                        optimizer_temporary_bytes=temps + extra_temp,
+                       optimizer_tensors=_megatron_optimizer_tensors(
+                           rank_shapes, ocfg, lay, share.optimizer_states, e_share.optimizer_states,
+                           ep_etp if experts else 1),
                        ddp_bucket_bytes=_gradient_buffer_bytes(lay, cfg, model_states.gradient_bytes(n_trained, cfg)),
                        grads_resident=template.grads_resident or cfg.grad_accum > 1,
                        **_loop_fields(cfg, sum(b.retained_bytes for b in block_mem)))
         out.append(StageStep(sb.stage, sb.blocks, sb.layers, sum(local.get(n, 0) for n in sb.blocks), k, step))
     return tuple(out)
+
+
+def _megatron_optimizer_tensors(shapes: list, cfg: TrainConfig, lay: framework_layout.StateLayout, share: float,
+                                expert_share: float, ep_etp: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A Megatron pipeline rank's optimizer tensors for the allocator replay, bytes each: per parameter tensor its
+    fp32 master shard and Adam's two states, and (bf16 main gradients) the fp32 copy of its gradient shard made
+    for the step; None for other frameworks and optimizers (the trace's own split).
+
+    Megatron-Core (NVIDIA/Megatron-LM @d98e8a64) keeps them per parameter: megatron/core/optimizer/
+    distrib_optimizer.py `shard_main_param = shard_model_param.clone().float()` for each parameter's range of
+    the rank's shard, `shard_main_param.grad = shard_model_grad.float()` in `_copy_model_grads_to_main_grads`;
+    Adam (optimizer/__init__.py: TE's or apex's FusedAdam) keeps its states per main parameter. As one tensor of
+    each total, the replay could place none of them in the activation segments step 1 freed. ASSUMPTION: each
+    parameter's shard is its share of it (the distributed optimizer cuts the flat buffer into contiguous ranges,
+    so most parameters sit whole on one rank: same totals, pieces up to 1 / share larger). A mixture-of-experts
+    rank's routed experts (`ep_etp` > 1: the 3-D shapes, E / ep_etp of them here) are one weight per local expert
+    (TEGroupedMLP's GroupedLinear `weight{i}`), their states sharded over the expert data-parallel group
+    (`expert_share`)."""
+    if lay.kind != "megatron" or cfg.optimizer not in ("adam", "adamw"):
+        return None
+    dense, experts = split_shapes(tuple(shapes), ep_etp) if ep_etp > 1 else (list(shapes), [])
+    pieces = [(math.prod(s), share) for s in dense] + [(math.prod(s[1:]), expert_share) for s in experts
+                                                       for _ in range(s[0])]
+    per = (lay.master_bytes, lay.state_param_bytes, lay.state_param_bytes)
+    states = tuple(int(n * b * f) for n, f in pieces for b in per if b and int(n * b * f) > 0)
+    temps = tuple(int(n * lay.step_grad_bytes * f) for n, f in pieces
+                  if lay.step_grad_bytes and int(n * lay.step_grad_bytes * f) > 0)
+    return states, temps
 
 
 def _rank_optimizer_bytes(shapes: list, cfg: TrainConfig, p_bytes: int, share: parallel.Sharding,

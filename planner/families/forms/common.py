@@ -205,10 +205,15 @@ def mlp_ops(spec: TransformerSpec, traits: Family, ctx: Ctx, prefix: str, in_dty
     ops = [module_linear(spec, lin, prefix, n, in_dtype, ctx, input="mlp.input", consumers=len(up), consumer=k,
                          fc1=True) for k, lin in enumerate(up)]
     act, act_out = activation("mlp.act", spec.hidden_act, n * i, ctx.low, ctx)
+    # Megatron-Core's fused SwiGLU (ctx.fused_glu, `bias_swiglu_impl`): one function saving the fc1 output only
+    fused_glu = gated and ctx.fused_glu and spec.hidden_act == "silu"
+    if fused_glu:
+        act = Op(act.kind, act.name, act.shapes, act.params, act.dtypes, act.attrs | {"fused_glu": True})
     ops.insert(1 if gated else len(ops), act)  # SwiGLU: act(gate(x)) runs before up(x)
     if gated:
         ops.append(Op("gated_mul", "mlp.gate_mul_up", {"input": (n * i,), "output": (n * i,)}, (),
-                      {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)}))
+                      {"input": act_out, "other": ctx.low, "output": promote(act_out, ctx.low)},
+                      {"fused_into_act": True} if fused_glu else {}))
         ops.append(module_linear(spec, down, prefix, n, promote(act_out, ctx.low), ctx, input="mlp.product",
                                  as_is=True))
     else:
