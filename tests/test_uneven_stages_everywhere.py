@@ -102,3 +102,100 @@ def test_a_sweep_file_takes_them_under_fixed(tmp_path):
     assert point.config is not None and point.config.pp_layout == "Et*14|t*22|t*22|t*22L", point.reason
     est = estimate(LLAMA_70B, point.config, P5.name, with_throughput=False, calibration={})
     assert [len(s.layers) for s in est.parallel.stages] == [14, 22, 22, 22]
+
+
+# ---- probe -----------------------------------------------------------------------------------------------
+
+MEGATRON_ARGS = ["--framework", "megatron", "--parallelism", "ddp", "--pp", "4"]
+
+
+@pytest.mark.parametrize("command", ["run", "launch"])
+@pytest.mark.parametrize("args,flag", [
+    (["--first-stage-layers", "14", "--last-stage-layers", "22"], "--first-stage-layers"),
+    (["--last-stage-layers", "20"], "--last-stage-layers"),
+    (["--account-for-embedding", "--account-for-loss"], "--account-for-embedding"),
+    (["--account-for-loss"], "--account-for-loss"),
+    (["--pp-layout", "Et*14|t*22|t*22|t*22L"], "--pp-layout"),
+])
+def test_probe_refuses_megatrons_split_in_one_line(command, args, flag, tmp_path, monkeypatch):
+    """The probe job runs torch.distributed.pipelining stages, not Megatron-Core: a probe asked for Megatron's
+    split says so, naming the flag, exit 2, and writes nothing (rather than measuring an even split)."""
+    from typer.testing import CliRunner
+
+    from planner.cli.main import app
+
+    monkeypatch.setenv("PLANNER_RESULTS_DIR", str(tmp_path / "results"))
+    res = CliRunner().invoke(app, ["probe", command, "--model", LLAMA_70B, "--instance", "ml.p5.48xlarge",
+                                   "--instances", "4", "--batch-size", "1", "--seq-len", "4096", *MEGATRON_ARGS,
+                                   *args, *(["--dry-run"] if command == "launch" else [])])
+    assert res.exit_code == 2, res.output
+    assert flag in res.output and "Megatron-Core" in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("*.json"))
+
+
+def _tiny(tmp_path, layers: int):
+    import json
+
+    from planner.models.catalog import get_model
+
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(cfg))
+    return get_model(str(path))
+
+
+@pytest.mark.parametrize("framework,layers,pp,vp,expected", [
+    # NeMo AutoModel: layers // stages each, the first layers % stages one more
+    ("nemo-automodel", 3, 2, 1, (2, 1)),
+    # torchtitan: (layers + 2) // stages, the first (layers + 2) % stages one more, less the embedding and head
+    ("torchtitan", 3, 2, 1, (2, 1)),
+    ("torchtitan", 4, 2, 2, (1, 2, 1, 0)),  # the last chunk holds only the norm and the head
+    ("pytorch", 4, 2, 1, ()),  # an even split travels as nothing: the request's id stays what it was
+])
+def test_a_probe_request_carries_the_frameworks_split(framework, layers, pp, vp, expected, tmp_path):
+    from planner.parallel.frameworks import get as framework_record
+    from planner.parallel.layer_split import chunk_layers
+    from planner.probes.spec import make_request
+    from planner.spec import TrainConfig
+
+    spec = _tiny(tmp_path, layers)
+    cfg = TrainConfig(batch_size=2, seq_len=16, pp=pp, vp=vp, grad_accum=2, parallelism="fsdp", framework=framework,
+                      pp_schedule="interleaved-1f1b" if vp > 1 else None)
+    req = make_request(spec, cfg, "ml.g5.12xlarge", with_estimate=False)
+    assert req.stage_layers == expected
+    if expected:  # the same split the estimate's layout record uses
+        assert expected == chunk_layers(framework_record(framework).pipeline_split, layers, pp, vp)
+
+
+def test_the_job_builds_its_stages_from_the_requests_split():
+    from tests.module_files import load_module
+
+    layout_mod = load_module("parallel_layout_uneven", ROOT / "jobs" / "parallel_layout.py")
+    lay = layout_mod.layout_of({"pp": 2, "parallelism": "ddp"}, 2, [1, 3])
+    assert layout_mod.stage_layers(4, lay) == [[0], [1, 2, 3]]
+    lay = layout_mod.layout_of({"pp": 2, "vp": 2, "parallelism": "fsdp"}, 2, [1, 2, 1, 0])
+    assert layout_mod.stage_layers(4, lay) == [[0], [1, 2], [3], []]
+    assert layout_mod.stage_layers(4, layout_mod.layout_of({"pp": 2, "parallelism": "ddp"}, 2)) == [[0, 1], [2, 3]]
+    with pytest.raises(layout_mod.LayoutError, match="pp × vp = 2"):
+        layout_mod.layout_of({"pp": 2, "parallelism": "ddp"}, 2, [1, 1, 2])
+    with pytest.raises(layout_mod.LayoutError, match="the model has 4"):
+        layout_mod.stage_layers(4, layout_mod.layout_of({"pp": 2, "parallelism": "ddp"}, 2, [1, 2]))
+
+
+@pytest.mark.slow
+def test_an_uneven_pipeline_runs_and_matches_the_plain_model(tmp_path):
+    """Two gloo processes on CPU, stages of 1 and 3 layers of the 4-layer tiny Llama: each rank holds its
+    layers, and the last stage's loss is the plain model's (the split moves work, not the maths)."""
+    from tests.test_probe_parallel import expected_local_count, reference_losses, request, run_probe
+
+    spec = _tiny(tmp_path, 4)
+    req = {**request(spec, 2, pp=2, grad_accum=2, parallelism="ddp"), "stage_layers": [1, 3]}
+    result = run_probe(req, tmp_path, 29561)
+    first, last = sorted(result["ranks"], key=lambda r: r["coordinates"]["pp"])
+    assert first["stage_layers"] == [[0]] and last["stage_layers"] == [[1, 2, 3]]
+    assert first["local_parameter_count"] == expected_local_count([0], True, False, 1, 0, 1, 0)
+    assert last["local_parameter_count"] == expected_local_count([1, 2, 3], False, True, 1, 0, 1, 0)
+    assert last["losses"] == pytest.approx(reference_losses(spec, rows=4), rel=1e-5)
