@@ -502,8 +502,8 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance |
     fixed = dict(fixed or {})
     values: dict[str, tuple[Any, ...]] = {"instance_types": tuple(i.name for i in types)}
     dropped: dict[str, tuple[Any, ...]] = {}
-    frameworks = (spec.frameworks if spec.frameworks is not None else
-                  (fixed["framework"],) if "framework" in fixed else DEFAULTS["frameworks"])
+    frameworks = ((fixed["framework"],) if "framework" in fixed else  # as the loop below: fixed wins
+                  spec.frameworks if spec.frameworks is not None else DEFAULTS["frameworks"])
     wide = model_parallel_defaults(model, types, tuple(frameworks), fixed)
     for dim, field in DIMENSIONS.items():
         if dim == "instance":
