@@ -70,6 +70,10 @@ class Layout:
     dp_shard: int = 1
     sp: bool = False
     schedule: str = "none"
+    # decoder layers in each of the pp × vp stages, in stage order, as the planner's layout record split them
+    # (planner/parallel/layer_split.py: Megatron's --first/--last-stage-layers, --account-for-*, --pp-layout;
+    # torchtitan's and NeMo AutoModel's leftover layers); () = an even split
+    chunks: tuple[int, ...] = ()
 
     @property
     def world(self) -> int:
@@ -92,9 +96,10 @@ def requested(config: dict[str, Any]) -> bool:
     return any(int(config.get(k) or 1) > 1 for k in ("tp", "cp", "pp")) or config.get("parallelism") == "hsdp"
 
 
-def layout_of(config: dict[str, Any], world: int) -> Layout:
+def layout_of(config: dict[str, Any], world: int, chunks: Any = ()) -> Layout:
     """The layout of a request's config over `world` processes; a LayoutError names the rule it breaks
-    (the same rules as planner/parallel/dims.build, which already refused bad input before the job)."""
+    (the same rules as planner/parallel/dims.build, which already refused bad input before the job).
+    `chunks`: the request's `stage_layers`, the planner's uneven split (empty: an even one)."""
     tp, cp, pp, vp = (int(config.get(k) or 1) for k in ("tp", "cp", "pp", "vp"))
     parallelism = config.get("parallelism") or "ddp"
     if parallelism == "auto":  # as probe.make_plan resolves it for several processes
@@ -124,8 +129,12 @@ def layout_of(config: dict[str, Any], world: int) -> Layout:
     if cp > 1:
         raise LayoutError(f"cp={cp}: context parallelism (torch context_parallel) needs CUDA SDPA kernels; the "
                           "probe does not run it")
+    chunks = tuple(int(c) for c in (chunks or ()))
+    if chunks and (len(chunks) != pp * vp or min(chunks) < 0):
+        raise LayoutError(f"stage_layers {list(chunks)}: one count of 0 or more layers per stage, pp × vp = "
+                          f"{pp * vp} of them")
     return Layout(parallelism=parallelism, tp=tp, cp=cp, pp=pp, vp=vp, dp_replicate=dp_replicate,
-                  dp_shard=dp_shard, sp=sp, schedule=schedule)
+                  dp_shard=dp_shard, sp=sp, schedule=schedule, chunks=chunks)
 
 
 def build_mesh(layout: Layout, device_type: str) -> Any:
@@ -163,9 +172,15 @@ def llama_parts(model: Any) -> tuple[Any, Any]:
 
 
 def stage_layers(n_layers: int, layout: Layout) -> list[list[int]]:
-    """Decoder layer indices of each of the pp × vp stages, consecutive and equal (dims.build checked that
-    pp × vp divides the layers)."""
+    """Decoder layer indices of each of the pp × vp stages, consecutive: as many as `layout.chunks` says (the
+    planner's uneven split), else equal (dims.build checked that pp × vp divides the layers)."""
     stages = layout.pp * layout.vp
+    if layout.chunks:
+        if sum(layout.chunks) != n_layers:
+            raise LayoutError(f"stage_layers {list(layout.chunks)} hold {sum(layout.chunks)} layers; the model "
+                              f"has {n_layers}")
+        starts = [sum(layout.chunks[:s]) for s in range(stages)]
+        return [list(range(a, a + n)) for a, n in zip(starts, layout.chunks, strict=True)]
     if n_layers % stages:
         raise LayoutError(f"pp × vp = {stages} stages do not divide the model's {n_layers} layers")
     per = n_layers // stages

@@ -1115,7 +1115,7 @@ def _train_layout(ctx: Ctx, request: dict[str, Any], modeling: Any) -> None:
     plan, dev, rec, result = ctx.plan, ctx.device, ctx.rec, ctx.result
     cfg, spec = request["config"], request["model"]
     try:
-        layout = pl.layout_of(cfg, plan.world_size)
+        layout = pl.layout_of(cfg, plan.world_size, request.get("stage_layers") or ())
     except pl.LayoutError as exc:
         raise Unsupported(str(exc)) from exc
     if plan.precision in ("fp16", "amp-fp16"):

@@ -88,7 +88,9 @@ def test_every_estimate_flag_is_taken_by_explain_search_and_sweeps():
     from planner.search.sweep import parse_sweep
 
     flags = job_flags()
-    assert {f.name for f in flags} >= {"lora_r", "base_dtype", "lengths", "padding", "tf32", "fragmentation"}
+    assert {f.name for f in flags} >= {"lora_r", "base_dtype", "lengths", "padding", "tf32", "fragmentation",
+                                       "first_stage_layers", "last_stage_layers", "account_for_embedding",
+                                       "account_for_loss", "pp_layout"}  # issue 35's uneven stages
     explain, search = _options("explain"), _options("search")
     for f in flags:
         assert f.search, f"{f.flag}: no place in the search or sweeps; add it to job_flags.PLACES"

@@ -46,9 +46,14 @@ from planner.cli.loop_opts import LoadOpt, LoopOpt
 from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
 from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields
 from planner.cli.parallel_opts import (
+    AccountEmbeddingOpt,
+    AccountLossOpt,
     CpOpt,
     DistOptOpt,
     DpReplicasOpt,
+    FirstStageOpt,
+    LastStageOpt,
+    PpLayoutOpt,
     PpOpt,
     PpScheduleOpt,
     RecomputeModulesOpt,
@@ -74,9 +79,12 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="Measured steps after war
 # The model-parallel layout (issue 34): `planner estimate`'s own options (planner/cli/parallel_opts.py);
 # TrainConfig checks the values, planner.parallel.dims how they combine (planner.probes.spec.make_request),
 # before any job starts. The probe job refuses what it cannot run (context parallelism, the distributed
-# optimizer) with one line.
+# optimizer) with one line; Megatron's uneven-split flags (--first/--last-stage-layers, --account-for-*,
+# --pp-layout) are refused before it (planner.probes.spec.check_split), and an uneven split the job can run
+# (torchtitan's, NeMo AutoModel's) travels in the request as `stage_layers`.
 LAYOUT_FLAGS = ("tp", "sp", "cp", "pp", "vp", "pp_schedule", "dp_replicas", "distributed_optimizer", "recompute",
-                "recompute_modules")
+                "recompute_modules", "first_stage_layers", "last_stage_layers", "account_for_embedding",
+                "account_for_loss", "pp_layout")
 
 PROBE_TIMEOUT_S = 3600  # one local probe: model build + a few steps; generous for big models on slow GPUs
 run_process = subprocess.run  # a seam for tests
@@ -305,6 +313,11 @@ def register(app: typer.Typer) -> None:
         distributed_optimizer: DistOptOpt = False,
         recompute: RecomputeOpt = None,
         recompute_modules: RecomputeModulesOpt = None,
+        first_stage_layers: FirstStageOpt = None,
+        last_stage_layers: LastStageOpt = None,
+        account_for_embedding: AccountEmbeddingOpt = False,
+        account_for_loss: AccountLossOpt = False,
+        pp_layout: PpLayoutOpt = None,
         fp8_recipe: Fp8RecipeOpt = None,
         fp8_param_gather: Fp8GatherOpt = False,
         ep: EpOpt = 1,
@@ -397,6 +410,11 @@ def register(app: typer.Typer) -> None:
         distributed_optimizer: DistOptOpt = False,
         recompute: RecomputeOpt = None,
         recompute_modules: RecomputeModulesOpt = None,
+        first_stage_layers: FirstStageOpt = None,
+        last_stage_layers: LastStageOpt = None,
+        account_for_embedding: AccountEmbeddingOpt = False,
+        account_for_loss: AccountLossOpt = False,
+        pp_layout: PpLayoutOpt = None,
         fp8_recipe: Fp8RecipeOpt = None,
         fp8_param_gather: Fp8GatherOpt = False,
         ep: EpOpt = 1,

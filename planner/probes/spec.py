@@ -50,6 +50,10 @@ class ProbeRequest(BaseModel):
     # A run of varying lengths (planner.run): each step's padded length, replayed in order by the job (the
     # same sequence the planner's run replays: `planner.run.simulate.plan`). Empty: every step at seq_len.
     step_lengths: tuple[Annotated[int, Field(ge=1)], ...] = Field((), max_length=MAX_PROBE_STEPS)
+    # Decoder layers in each of the pp × vp pipeline stages where the framework's split is not an even one
+    # (planner.parallel.layer_split: torchtitan's and NeMo AutoModel's leftover layers); the job builds its
+    # stages from it (jobs/parallel_layout.py stage_layers). Empty: an even split.
+    stage_layers: tuple[Annotated[int, Field(ge=0)], ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -59,6 +63,8 @@ class ProbeRequest(BaseModel):
                  "measure_steps": self.measure_steps, "seed": self.seed, "lr": self.lr}
         if self.step_lengths:  # only then: the ids of fixed-length requests stay what they were
             ident["step_lengths"] = list(self.step_lengths)
+        if self.stage_layers:  # only then: the ids of evenly split requests stay what they were
+            ident["stage_layers"] = list(self.stage_layers)
         blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -145,6 +151,7 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
     `model`, `inputs` and `loss` name (planner.models.user_module.probe_model), and the estimate traces it."""
     from planner.models.user_module import is_reference, probe_model
 
+    check_split(config)
     user = is_reference(model)
     spec_json = (probe_model(str(model), inputs=inputs, loss=loss, options=model_options) if user
                  else resolve_model(model, model_options).model_dump(mode="json"))
@@ -169,27 +176,49 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
     if est_json and est_json.get("world_size") and not strategy_of(resolved.parallelism).uses_one_gpu:
         world = int(est_json["world_size"])
         per_instance = max(1, world // resolved.instances)
-    check_layout(resolved, world, spec_json)
+    chunks = check_layout(resolved, world, spec_json)
     gpu = getattr(getattr(inst, "gpu", None), "name", None)
     return ProbeRequest(model=spec_json, config=resolved.model_dump(mode="json"),
                         instance=getattr(inst, "name", inst if isinstance(inst, str) else None), gpu=gpu,
                         gpus_per_instance=per_instance, world_size=world, warmup_steps=warmup_steps,
                         measure_steps=measure_steps, seed=seed, estimate=est_json, estimate_error=estimate_error,
                         study=study, trial=trial,
-                        model_options=dict(model_options or {}), step_lengths=tuple(step_lengths))
+                        model_options=dict(model_options or {}), step_lengths=tuple(step_lengths),
+                        stage_layers=chunks if len(set(chunks)) > 1 else ())
 
 
-def check_layout(config: TrainConfig, world: int, spec_json: dict[str, Any]) -> None:
+def check_layout(config: TrainConfig, world: int, spec_json: dict[str, Any]) -> tuple[int, ...]:
     """A model-parallel layout that cannot exist is refused here, before any job (planner.parallel.dims names
     the rule), with the model's facts as the estimate reads them (`dims.for_model`: layers, heads, MLP width,
     and a mixture-of-experts model's experts, so `--ep` reaches the job); the user's own module: the degrees
-    alone. A data-parallel config passes unchanged (every degree 1)."""
+    alone. A data-parallel config passes unchanged (every degree 1). Returns the layers of each pipeline
+    stage as the framework splits them (() without a pipeline or a known layer count). Only a first or last
+    stage can be left without a decoder layer (torchtitan's split: it still holds the embedding or the head),
+    so every stage the job builds has parameters."""
     from planner.parallel.dims import build, for_model
 
     if isinstance(spec_json.get("user_code"), dict):
         build(config, world, seq_len=config.seq_len)
-        return
-    for_model(ModelSpec.model_validate(spec_json), config, world)
+        return ()
+    return tuple(for_model(ModelSpec.model_validate(spec_json), config, world).chunks)
+
+
+# Megatron-LM's uneven-split flags (planner.parallel.layer_split), as TrainConfig fields.
+MEGATRON_SPLIT = {"first_stage_layers": "--first-stage-layers", "last_stage_layers": "--last-stage-layers",
+                  "account_for_embedding": "--account-for-embedding", "account_for_loss": "--account-for-loss",
+                  "pp_layout": "--pp-layout"}
+
+
+def check_split(config: TrainConfig) -> None:
+    """Megatron's uneven first/last stages, embedding/loss accounting and layouts are refused with one line
+    naming the flag: they exist only under --framework megatron, and the probe job runs pipelines with
+    torch.distributed.pipelining, not Megatron-Core (jobs/probe.py refuses the megatron framework's
+    model-parallel layouts), so a probe would measure an even split instead of the one asked for."""
+    for field, flag in MEGATRON_SPLIT.items():
+        value = getattr(config, field)
+        if value not in (None, False):
+            raise PlannerError(flag, value, "not in a probe: Megatron-LM's split; the probe job runs "
+                               "torch.distributed.pipelining stages, not Megatron-Core (estimate it instead)")
 
 
 # ------------------------------------------------------------------------ candidates from a study

@@ -435,11 +435,13 @@ def model_sizes(model: ModelSpec | str) -> dict[str, int]:
             "kv_heads": getattr(t, "num_kv_heads", None) or t.num_heads}
 
 
-def model_parallel_defaults(model: ModelSpec | str, types: list[Instance]) -> dict[str, tuple[int, ...]]:
+def model_parallel_defaults(model: ModelSpec | str, types: list[Instance], frameworks: tuple[str, ...] = ("pytorch",),
+                            split: dict[str, Any] | None = None) -> dict[str, tuple[int, ...]]:
     """Default tensor and pipeline degrees of a search: (1,) below MODEL_PARALLEL_MIN_PARAMS parameters;
     above it, TP from the divisors of the largest GPUs-per-instance that divide the heads (and divide or are
-    divided by the key/value heads: planner.parallel.dims.build's rule), PP from the divisors of the layers
-    up to MAX_DEFAULT_PP. Which of them fit a given type and instance count is `SearchSpace.point`'s check."""
+    divided by the key/value heads: planner.parallel.dims.build's rule), PP up to MAX_DEFAULT_PP where at least
+    one searched framework's own split places the layers (`pipeline_degrees`). Which of them fit a given type
+    and instance count is `SearchSpace.point`'s check."""
     sizes = model_sizes(model)
     if not sizes or not isinstance(model, ModelSpec):
         return {}
@@ -450,8 +452,38 @@ def model_parallel_defaults(model: ModelSpec | str, types: list[Instance]) -> di
     g = max(i.gpus for i in types)
     heads, kv = sizes["heads"], sizes["kv_heads"]
     tp = tuple(d for d in range(1, g + 1) if g % d == 0 and heads % d == 0 and (kv % d == 0 or d % kv == 0))
-    pp = tuple(d for d in range(1, min(sizes["layers"], MAX_DEFAULT_PP) + 1) if sizes["layers"] % d == 0)
-    return {"tp_sizes": tp, "pp_sizes": pp}
+    return {"tp_sizes": tp, "pp_sizes": pipeline_degrees(sizes["layers"], frameworks, split or {})}
+
+
+# The TrainConfig fields of the uneven pipeline split (issue 35), as planner.parallel.layer_split takes them.
+SPLIT_FIELDS: dict[str, str] = {"first_stage_layers": "first", "last_stage_layers": "last",
+                                "account_for_embedding": "embedding", "account_for_loss": "loss",
+                                "pp_layout": "layout"}
+
+
+def pipeline_degrees(layers: int, frameworks: tuple[str, ...], split: dict[str, Any]) -> tuple[int, ...]:
+    """The pipeline degrees 1..MAX_DEFAULT_PP whose split of `layers` at least one of `frameworks` accepts, by
+    its own rule (planner.parallel.layer_split.chunk_layers, with the search's fixed uneven-split fields and
+    `vp`): the divisors of the layers under an even split (plain PyTorch, Accelerate, DeepSpeed, and Megatron
+    without --first/--last-stage-layers), every degree up to the layers under torchtitan and NeMo AutoModel,
+    whose splitters give the first stages one layer more, and under Megatron with the uneven flags the degrees
+    that leave the middle ranks an equal share."""
+    from planner.parallel.frameworks import get as framework
+    from planner.parallel.layer_split import chunk_layers
+
+    vp = int(split.get("vp") or 1)
+    kwargs = {SPLIT_FIELDS[k]: v for k, v in split.items() if k in SPLIT_FIELDS and v not in (None, False)}
+    rules = {framework(f).pipeline_split for f in frameworks}
+    out = [1]
+    for pp in range(2, min(layers, MAX_DEFAULT_PP) + 1):
+        for rule in sorted(rules):
+            try:
+                chunk_layers(rule, layers, pp, vp, **kwargs)
+            except PlannerError:
+                continue
+            out.append(pp)
+            break
+    return tuple(out)
 
 
 def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance | list[Instance], *,
@@ -470,7 +502,9 @@ def resolve_space(spec: SpaceSpec, model: ModelSpec | str, instances: Instance |
     fixed = dict(fixed or {})
     values: dict[str, tuple[Any, ...]] = {"instance_types": tuple(i.name for i in types)}
     dropped: dict[str, tuple[Any, ...]] = {}
-    wide = model_parallel_defaults(model, types)
+    frameworks = ((fixed["framework"],) if "framework" in fixed else  # as the loop below: fixed wins
+                  spec.frameworks if spec.frameworks is not None else DEFAULTS["frameworks"])
+    wide = model_parallel_defaults(model, types, tuple(frameworks), fixed)
     for dim, field in DIMENSIONS.items():
         if dim == "instance":
             continue
