@@ -330,6 +330,11 @@ class TrainConfig(Frozen):
     # reduce-scatter / all-reduce) in fp32 (True) or in the parameters' 16-bit dtype (False). None: the
     # framework's default (fp32 under Megatron-LM's and Megatron-Bridge's bf16 defaults). Megatron only.
     grad_reduce_in_fp32: bool | None = None
+    # FSDP's reshard after forward (FSDP2 `fully_shard(reshard_after_forward=...)`, torchtitan's
+    # reshard_after_forward_policy always / never, NeMo AutoModel's `parallelizer.reshard_after_forward`, FSDP1
+    # FULL_SHARD (True) vs SHARD_GRAD_OP (False)). None: the framework's default
+    # (planner.parallel.frameworks.Framework.reshard_after_forward). FSDP strategies only.
+    reshard_after_forward: bool | None = None
     # None: what --checkpointing says (full when on, none when off)
     recompute: Recompute | None = None
     recompute_modules: tuple[str, ...] = ()
