@@ -82,6 +82,8 @@ def cli_flags(r: Any) -> str:
         f.append("--distributed-optimizer")
     if c.grad_reduce_in_fp32 is not None:
         f.append("--grad-reduce-in-fp32" if c.grad_reduce_in_fp32 else "--no-grad-reduce-in-fp32")
+    if c.reshard_after_forward is not None:
+        f.append("--reshard-after-forward" if c.reshard_after_forward else "--no-reshard-after-forward")
     if c.fp8_recipe:
         f.append(f"--fp8-recipe {c.fp8_recipe}")
     if c.fp8_param_gather:
