@@ -161,6 +161,11 @@ class TransformerSpec(Frozen):
     # it (model option `use_cache=true`; planner/memory/kv_cache.py). Off by default, as the probe job builds
     # its models and as transformers' gradient_checkpointing_enable sets it in training.
     use_cache: bool = False
+    # NeMo AutoModel's benchmark gate (model option `fake_balanced_gate=true`, its recipes' `model.backend.
+    # fake_balanced_gate: true`): the MoE router is nemo_automodel/components/moe/layers.py FakeBalancedGate, which
+    # has no parameters and spreads tokens round-robin over the experts without autograd: no router weight (nor
+    # its gradient and optimizer states), no router GEMM, nothing saved for backward. MoE models only.
+    fake_balanced_gate: bool = False
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @property

@@ -45,6 +45,9 @@ class PublishedRun(BaseModel):
     # FSDP's reshard_after_forward as the row's recipe sets it (NeMo AutoModel's `parallelizer.reshard_after_forward`;
     # blank: the framework's default)
     reshard_after_forward: bool | None = None
+    # NeMo AutoModel's benchmark router (the recipe's `model.backend.fake_balanced_gate`): the model option
+    # fake_balanced_gate=true (TransformerSpec.fake_balanced_gate)
+    fake_balanced_gate: bool = False
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     vp: int = Field(1, ge=1)
@@ -75,6 +78,10 @@ class PublishedRun(BaseModel):
     def model_ref(self, root: Path) -> str:
         """What `planner.estimate` takes: the catalog name, or the config.json's path under `root` (the repo)."""
         return str(root / self.model) if self.model.endswith(".json") else self.model
+
+    def model_options(self) -> dict[str, bool]:
+        """The model options of the row (`planner estimate -o ...`)."""
+        return {"fake_balanced_gate": True} if self.fake_balanced_gate else {}
 
     @property
     def instance(self) -> str:
