@@ -23,3 +23,19 @@ def test_deepseek_v3_moe_layers_save_their_own_tensors():
         own = sum(t.nbytes for t in block_saved(b, spec, ctx))
         assert acts[b.name].saved_bytes == own, b.name
     assert acts[sparse.name].saved_bytes > acts[dense.name].saved_bytes
+
+
+def test_deepseek_v3_speed_counts_its_dense_and_moe_layers_apart():
+    """The kernel table counts the 3 dense layers' MLP GEMMs 3 times and the routed experts' 58 times (the first
+    layer's kernels had stood for all 61: no router, no experts)."""
+    from planner.perf.kernels import training_kernels
+
+    cfg = TrainConfig(batch_size=1, seq_len=256, precision="bf16")
+    spec = cached_model("deepseek-v3")
+    t = next(b.layer for b in model_blocks(spec) if b.role == "layer")
+    sparse = sum(t.sparse_layer(i) for i in range(t.num_layers))
+    assert (sparse, t.num_layers - sparse) == (58, 3)
+    ks = {k.name: k for k in training_kernels(spec, cfg)}
+    assert ks["layer.mlp.experts.down"].count == sparse and ks["layer.mlp.gate_proj"].count == t.num_layers - sparse
+    attention = [k for name, k in ks.items() if name.startswith("layer.self_attn.") and k.phase == "forward"]
+    assert attention and all(k.count == t.num_layers for k in attention)

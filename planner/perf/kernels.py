@@ -656,12 +656,18 @@ def training_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: 
     pipeline's context record (`shapes_for`)."""
     sh = shapes_for(model, config, ctx, padded, flash_ok)
     out: list[Kernel] = []
+    done: set[tuple[int, bool]] = set()
     for block in model_blocks(model):
         layer = block.layer
         if block.role == "layer" and isinstance(layer, TransformerSpec):
-            if block.index == 0:  # every layer of a stack is the same: one record, counted num_layers times
-                out += [_with(k, count=k.count * layer.num_layers)
-                        for k in block_kernels(block, model, sh, config, causal_fraction)]
+            # the layers of a stack are alike but for a mixture-of-experts model's dense ones (DeepSeek-V3's
+            # first_k_dense_replace, Qwen2-MoE's mlp_only_layers): one record per kind, counted as many times as
+            # the stack has layers of that kind (the first layer's alone had stood for all of DeepSeek-V3's 61)
+            sparse = layer.sparse_layer(block.index)
+            if (id(layer), sparse) not in done:
+                done.add((id(layer), sparse))
+                n = sum(1 for i in range(layer.num_layers) if layer.sparse_layer(i) == sparse)
+                out += [_with(k, count=k.count * n) for k in block_kernels(block, model, sh, config, causal_fraction)]
             continue
         out += block_kernels(block, model, sh, config, causal_fraction)
     if model.loss != "none" and model.transformers and model.loss != "multimodal":
