@@ -590,7 +590,8 @@ DP_COALESCE_BYTES = 10485760
 
 def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
                           bucket_cap_mb: float, units: int = 1, dp_io_bytes: int = 0,
-                          param_bytes: int | None = None, reduce_once: bool = False) -> tuple[Kernel, ...]:
+                          param_bytes: int | None = None, reduce_once: bool = False,
+                          gather_backward: bool = True) -> tuple[Kernel, ...]:
     """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
     bytes each GPU sends (`bytes_read`) per occurrence, `count` occurrences per optimizer step and `launches`
     NCCL calls per occurrence (each pays NCCL's latency: planner.perf.collectives.nccl_latency_s).
@@ -608,6 +609,11 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     likewise), and a reduce-scatter of the gradients instead of an all-reduce: 3 halves of an all-reduce, 1.5x
     DDP's traffic (Rajbhandari et al. 2020, §7.2.2), with no all-gather after the step (parameters stay
     sharded). Each is issued per unit (`units`: FSDP's wrapped modules, ZeRO-3's fetched sub-modules).
+    `gather_backward` False: FSDP with reshard_after_forward off (TrainConfig.reshard_after_forward, the
+    framework's default) keeps each unit unsharded from its forward to its backward, so the backward all-gather
+    is not issued (pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fully_shard.py fully_shard docstring:
+    "If False, then this keeps the unsharded parameters in memory after forward and avoids the all-gather in
+    backward"; FSDP1 SHARD_GRAD_OP likewise).
     `reduce_once`: FSDP1 under `no_sync()` for gradient accumulation (frameworks.Framework.
     no_sync_accumulation: Accelerate): the gradients accumulate unsharded and are reduce-scattered once, at
     the last micro-step ("FSDP will accumulate the full model gradients (instead of gradient shards) until the
@@ -636,7 +642,8 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
                                                                      "fsdp_reduce_scatter") else 1,
                         launches=calls[c.launches],
                         collective=c.collective)
-                 for c in strategy.communication)
+                 for c in strategy.communication
+                 if gather_backward or c.collective != "fsdp_all_gather_backward")
 
 
 def _fold(kernels: list[Kernel]) -> list[Kernel]:
