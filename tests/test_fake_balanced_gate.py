@@ -63,3 +63,14 @@ def test_the_option_drops_the_routers_parameters_and_saved_input(model):
 def test_a_dense_model_refuses_the_option():
     r = CliRunner().invoke(app, ["estimate", "--model", "llama-3-8b", "-o", "fake_balanced_gate=true"])
     assert r.exit_code == 2 and "fake_balanced_gate" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_the_probe_refuses_the_fake_gate():
+    """The probe job builds the model's real router, so a probe of the fake gate would measure another model."""
+    from planner.errors import PlannerError
+    from planner.probes.spec import make_request
+
+    cfg = TrainConfig(batch_size=1, seq_len=64, precision="bf16")
+    with pytest.raises(PlannerError, match="fake_balanced_gate"):
+        make_request("qwen3-30b-a3b", cfg, "ml.p5.48xlarge", model_options={"fake_balanced_gate": True},
+                     with_estimate=False)
