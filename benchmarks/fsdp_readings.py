@@ -5,7 +5,8 @@ on ONE GPU in a one-process group: plain + autocast, FSDP2 with and without Mixe
 resharding, LoRA on a bf16 base, FSDP1 with MixedPrecision. World size 1 shards nothing, but the 16-bit unit
 copies, the autocast cache and their lifetimes show. This script predicts each variant's phase peaks
 (allocated) under the framework whose layout it is and prints predicted / measured - 1. Nothing is fitted.
-On the 2026-11-27 readings: median |error| 4 % over 18 phase peaks (docs/frameworks.md).
+On the 2026-11-27 readings: median |error| 3 % over 18 phase peaks (docs/frameworks.md; 4 % before
+variant d ran with --no-reshard-after-forward as the run did).
 
 Usage: python benchmarks/fsdp_readings.py [results/validation/h200/measured-2026-11-27/fsdp.jsonl]
 """
@@ -27,7 +28,7 @@ VARIANTS = {
     "a-plain-autocast": ("pytorch", "single", {}, ""),
     "b-fsdp2-policy": ("torchtitan", "fsdp", {}, ""),
     "c-fsdp2-autocast": ("pytorch", "fsdp", {}, ""),
-    "d-fsdp2-policy-no-reshard": ("torchtitan", "fsdp", {}, "reshard_after_forward=False is not modelled"),
+    "d-fsdp2-policy-no-reshard": ("torchtitan", "fsdp", {"reshard_after_forward": False}, ""),
     "e-fsdp2-policy-lora-bf16-base": ("torchtitan", "fsdp", {
         "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "base_dtype": "bf16",
         "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")}, ""),

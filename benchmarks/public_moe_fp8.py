@@ -31,7 +31,8 @@ def predict(row: Any) -> dict[str, Any]:
     from planner.errors import PlannerError
 
     try:
-        est = planner.estimate(row.model_ref(ROOT), row.train_config(), row.instance).model_dump(mode="json")
+        est = planner.estimate(row.model_ref(ROOT), row.train_config(), row.instance,
+                               model_options=row.model_options()).model_dump(mode="json")
     except PlannerError as exc:
         return {"error": str(exc)}
     t, m = est["throughput"], est["memory_bytes"]
@@ -72,6 +73,7 @@ def cli_flags(r: Any) -> str:
          f"--grad-accum {c.grad_accum}", f"--seq-len {c.seq_len}", f"--precision {c.precision}",
          f"--optimizer {c.optimizer}", f"--attention {c.attention}", f"--parallelism {c.parallelism}",
          f"--framework {c.framework}"]
+    f += [f"-o {k}={str(v).lower()}" for k, v in r.model_options().items()]
     f += [f"--{k} {getattr(c, k)}" for k in ("tp", "pp", "vp", "ep") if getattr(c, k) > 1]
     if c.checkpointing:
         f.append("--checkpointing")
@@ -82,6 +84,8 @@ def cli_flags(r: Any) -> str:
         f.append("--distributed-optimizer")
     if c.grad_reduce_in_fp32 is not None:
         f.append("--grad-reduce-in-fp32" if c.grad_reduce_in_fp32 else "--no-grad-reduce-in-fp32")
+    if c.reshard_after_forward is not None:
+        f.append("--reshard-after-forward" if c.reshard_after_forward else "--no-reshard-after-forward")
     if c.fp8_recipe:
         f.append(f"--fp8-recipe {c.fp8_recipe}")
     if c.fp8_param_gather:

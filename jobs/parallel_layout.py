@@ -74,6 +74,15 @@ class Layout:
     # (planner/parallel/layer_split.py: Megatron's --first/--last-stage-layers, --account-for-*, --pp-layout;
     # torchtitan's and NeMo AutoModel's leftover layers); () = an even split
     chunks: tuple[int, ...] = ()
+    # FSDP's reshard after forward as the job sets it (--reshard-after-forward); None: torchtitan's "default"
+    # policy (off under PP, on otherwise; off for ZeRO-2)
+    reshard_after_forward: bool | None = None
+
+    @property
+    def reshard(self) -> bool:
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.parallelism != "zero2" and self.pp == 1
 
     @property
     def world(self) -> int:
@@ -134,7 +143,9 @@ def layout_of(config: dict[str, Any], world: int, chunks: Any = ()) -> Layout:
         raise LayoutError(f"stage_layers {list(chunks)}: one count of 0 or more layers per stage, pp × vp = "
                           f"{pp * vp} of them")
     return Layout(parallelism=parallelism, tp=tp, cp=cp, pp=pp, vp=vp, dp_replicate=dp_replicate,
-                  dp_shard=dp_shard, sp=sp, schedule=schedule, chunks=chunks)
+                  dp_shard=dp_shard, sp=sp, schedule=schedule, chunks=chunks,
+                  reshard_after_forward=(None if config.get("reshard_after_forward") is None
+                                         else bool(config["reshard_after_forward"])))
 
 
 def build_mesh(layout: Layout, device_type: str) -> Any:
@@ -355,7 +366,7 @@ def parallelize(model: Any, layout: Layout, device: Any, *, attention: str, n_mi
     if layout.parallelism in SHARDED and layout.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.parallelism == "hsdp" else mesh["dp_shard"]
         for stage in stages:
-            apply_fsdp(stage, dp_mesh, reshard=layout.parallelism != "zero2" and layout.pp == 1)
+            apply_fsdp(stage, dp_mesh, reshard=layout.reshard)
     elif layout.dp > 1:
         dp_group = mesh["dp_replicate"].get_group()
     schedule = None

@@ -233,6 +233,9 @@ class Plan:
     # precision fp8 (issue 35): the recipe (its library: fp8_linears.py) and FSDP2's FP8 all-gather (torchao)
     fp8_recipe: str | None = None
     fp8_param_gather: bool = False
+    # FSDP's reshard after forward as the job sets it (the planner's --reshard-after-forward); None: FULL_SHARD /
+    # fully_shard's default (True), False for ZeRO-2
+    reshard_after_forward: bool | None = None
     # expert parallelism (issue 35): the probe runs every expert on each rank, ep = etp = 1
     ep: int = 1
     etp: int = 1
@@ -291,6 +294,8 @@ def make_plan(request: dict[str, Any]) -> Plan:
         # the planner resolves the recipe (its default: tensorwise, delayed under megatron) into the config
         fp8_recipe=(cfg.get("fp8_recipe") or "tensorwise") if cfg.get("precision") == "fp8" else None,
         fp8_param_gather=bool(cfg.get("fp8_param_gather", False)),
+        reshard_after_forward=(None if cfg.get("reshard_after_forward") is None
+                               else bool(cfg["reshard_after_forward"])),
         ep=int(cfg.get("ep") or 1),
         etp=int(cfg.get("etp") or 1),
     )
@@ -781,8 +786,9 @@ def wrap_parallel(model: Any, plan: Plan, device: Any) -> tuple[Any, dict[str, A
         if device.type == "cuda":
             kwargs["device_ids"] = [device.index]
         return DDP(model, **kwargs), info
-    # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3/FSDP reshards after forward.
-    reshard = p != "zero2"
+    # ZeRO-2 keeps parameters gathered between forward and backward; ZeRO-3/FSDP reshards after forward unless
+    # the job says otherwise (fully_shard(reshard_after_forward=False); FSDP1 SHARD_GRAD_OP below).
+    reshard = p != "zero2" if plan.reshard_after_forward is None else plan.reshard_after_forward
     layer_names: set[str] = set()
     for m in _hf_models(model):
         layer_names |= set(getattr(m, "_no_split_modules", None) or [])

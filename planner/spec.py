@@ -161,6 +161,11 @@ class TransformerSpec(Frozen):
     # it (model option `use_cache=true`; planner/memory/kv_cache.py). Off by default, as the probe job builds
     # its models and as transformers' gradient_checkpointing_enable sets it in training.
     use_cache: bool = False
+    # NeMo AutoModel's benchmark gate (model option `fake_balanced_gate=true`, its recipes' `model.backend.
+    # fake_balanced_gate: true`): the MoE router is nemo_automodel/components/moe/layers.py FakeBalancedGate, which
+    # has no parameters and spreads tokens round-robin over the experts without autograd: no router weight (nor
+    # its gradient and optimizer states), no router GEMM, nothing saved for backward. MoE models only.
+    fake_balanced_gate: bool = False
     hf_config: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @property
@@ -330,6 +335,11 @@ class TrainConfig(Frozen):
     # reduce-scatter / all-reduce) in fp32 (True) or in the parameters' 16-bit dtype (False). None: the
     # framework's default (fp32 under Megatron-LM's and Megatron-Bridge's bf16 defaults). Megatron only.
     grad_reduce_in_fp32: bool | None = None
+    # FSDP's reshard after forward (FSDP2 `fully_shard(reshard_after_forward=...)`, torchtitan's
+    # reshard_after_forward_policy always / never, NeMo AutoModel's `parallelizer.reshard_after_forward`, FSDP1
+    # FULL_SHARD (True) vs SHARD_GRAD_OP (False)). None: the framework's default
+    # (planner.parallel.frameworks.Framework.reshard_after_forward). FSDP strategies only.
+    reshard_after_forward: bool | None = None
     # None: what --checkpointing says (full when on, none when off)
     recompute: Recompute | None = None
     recompute_modules: tuple[str, ...] = ()

@@ -18,7 +18,7 @@ OTHER = {"optimizer": "sgd", "optimizer_impl": "for-loop", "parallelism": "zero3
          "framework": "torchtitan", "deepspeed": DeepSpeedSettings(reduce_bucket_size=1000),
          "loop": "lightning", "load": "cast", "pp": 2, "vp": 2, "pp_schedule": "gpipe", "dp_replicas": 2,
          "distributed_optimizer": True, "ep": 2, "etp": 2, "moe_imbalance": 1.5,
-         "grad_reduce_in_fp32": False, "first_stage_layers": 1, "last_stage_layers": 1,
+         "grad_reduce_in_fp32": False, "reshard_after_forward": False, "first_stage_layers": 1, "last_stage_layers": 1,
          "account_for_embedding": True, "account_for_loss": True, "pp_layout": "Et|tL"}
 
 

@@ -172,6 +172,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     (("--framework", "deepspeed", "--ds-config", "STAGE3", "--parallelism", "zero1"), "--parallelism"),
     (("--ds-config", "STAGE3"), "--ds-config"),
     (("--no-grad-reduce-in-fp32",), "--grad-reduce-in-fp32"),
+    (("--no-reshard-after-forward",), "--reshard-after-forward"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, flag):
     (tmp_path / "bad.json").write_text("{not json")

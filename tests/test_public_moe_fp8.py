@@ -88,3 +88,20 @@ def test_rows_take_their_recipes_framework_settings():
     nemo = [r for r in rows.values() if r.repo == "NVIDIA-NeMo/Automodel"]
     assert nemo and all(r.train_config().framework == "nemo-automodel" for r in nemo)
     assert all(r.train_config().grad_reduce_in_fp32 is None for r in nemo)
+
+
+def test_rows_take_their_recipes_reshard_after_forward():
+    """NeMo AutoModel's gpt-oss-120b row ran the recipe that sets `parallelizer.reshard_after_forward: true`
+    (cited with its lines in the row); a blank is the framework's default (False for nemo-automodel), and the
+    planner's estimate of the row holds fewer gathered units with True."""
+    from planner.memory.framework_layout import reshard_after_forward
+
+    rows = {r.id: r for r in load_published("moe")}
+    oss = rows["nemo-am-gpt-oss-120b"]
+    assert oss.reshard_after_forward is True and "reshard_after_forward: true" in oss.where
+    assert reshard_after_forward(oss.train_config()) is True
+    assert rows["nemo-am-dsv3-1024"].reshard_after_forward is False
+    assert "reshard_after_forward: false" in rows["nemo-am-dsv3-1024"].where
+    assert rows["nemo-am-qwen3-30b"].reshard_after_forward is None
+    assert reshard_after_forward(rows["nemo-am-qwen3-30b"].train_config()) is False
+    assert all(r.reshard_after_forward is None for r in load_published("fp8"))

@@ -34,7 +34,14 @@ from planner.cli.common import (
     parse_model_options,
     stack_from_flags,
 )
-from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt, framework_fields, framework_flags
+from planner.cli.framework_opts import (
+    DsConfigOpt,
+    FrameworkOpt,
+    ReshardOpt,
+    framework_fields,
+    framework_flags,
+    reshard_fields,
+)
 from planner.cli.job_flags import declare, same_flags
 from planner.cli.loop_opts import LoadOpt, LoopOpt, loop_fields, loop_flags
 from planner.cli.lora_opts import (
@@ -140,7 +147,7 @@ def estimate_from_flags(flags: dict[str, Any]) -> tuple[Estimate, Any]:
                        f["loss"], stack_from_flags(f["torch_version"], f["cuda_version"], f["transformers_version"],
                                                    f["alloc_conf"]), f["tf32"], f["region"], run,
                        lora_fields(f["lora_r"], f["lora_alpha"], f["lora_targets"], f["lora_dropout"],
-                                   f["base_dtype"]) | fw | loop_fields(f["loop"], f["load"]) | fp8_compile_fields(f)
+                                   f["base_dtype"]) | fw | reshard_fields(f.get("reshard_after_forward")) | loop_fields(f["loop"], f["load"]) | fp8_compile_fields(f)
                        | moe_fields(f.get("ep", 1), f.get("etp", 1), f.get("moe_imbalance", 1.0))
                        | parallel_fields(tp=f["tp"], sp=f["sp"], cp=f["cp"], pp=f["pp"], pp_schedule=f["pp_schedule"],
                                          vp=f["vp"], dp_replicas=f["dp_replicas"],
@@ -349,6 +356,7 @@ def register(app: typer.Typer) -> None:
         load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
+        reshard_after_forward: ReshardOpt = None,
         tp: TpOpt = 1,
         sp: SpOpt = None,
         cp: CpOpt = 1,

@@ -1,5 +1,5 @@
-"""The --framework and --ds-config flags shared by estimate, explain, probe and search, and the TrainConfig
-fields they set (`framework`, `deepspeed`)."""
+"""The --framework, --ds-config and --reshard-after-forward flags shared by estimate, explain, probe and search,
+and the TrainConfig fields they set (`framework`, `deepspeed`, `reshard_after_forward`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ FrameworkOpt = Annotated[str, typer.Option(
                         "plain loop with autocast).")]
 DsConfigOpt = Annotated[str | None, typer.Option(
     "--ds-config", help="DeepSpeed JSON config of the job (stage, bf16/fp16, bucket and prefetch sizes).")]
+
+ReshardOpt = Annotated[bool | None, typer.Option(
+    "--reshard-after-forward/--no-reshard-after-forward",
+    help="FSDP: free each unit's gathered parameters after its forward (FULL_SHARD) or keep them until its "
+         "backward (SHARD_GRAD_OP; torchtitan 'never'). Default: the framework's.", show_default=False)]
+
+
+def reshard_fields(reshard_after_forward: bool | None) -> dict[str, Any]:
+    """The TrainConfig field of --reshard-after-forward / --no-reshard-after-forward (empty when not given: the
+    framework's default). Whether the job's strategy has it is checked once the parallelism is resolved
+    (planner.memory.framework_layout.reshard_after_forward)."""
+    return {} if reshard_after_forward is None else {"reshard_after_forward": bool(reshard_after_forward)}
 
 
 def framework_fields(framework: str, ds_config: str | None, parallelism: str = "auto",
@@ -52,4 +64,6 @@ def framework_flags(config: Any) -> list[str]:
     parts = [] if config.framework == "pytorch" else [f"--framework {config.framework}"]
     if config.deepspeed is not None and config.deepspeed.source:
         parts.append(f"--ds-config {config.deepspeed.source}")
+    if getattr(config, "reshard_after_forward", None) is not None:
+        parts.append("--reshard-after-forward" if config.reshard_after_forward else "--no-reshard-after-forward")
     return parts

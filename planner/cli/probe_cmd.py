@@ -41,7 +41,7 @@ from planner.cli.common import (
     parse_model_options,
 )
 from planner.cli.estimate_cmd import Fp8GatherOpt, Fp8RecipeOpt, fp8_compile_fields
-from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt
+from planner.cli.framework_opts import DsConfigOpt, FrameworkOpt, ReshardOpt
 from planner.cli.loop_opts import LoadOpt, LoopOpt
 from planner.cli.lora_opts import BaseDtypeOpt, LoraAlphaOpt, LoraDropoutOpt, LoraROpt, LoraTargetsOpt
 from planner.cli.moe_opts import EpOpt, EtpOpt, MoeImbalanceOpt, moe_fields
@@ -129,7 +129,7 @@ CONFIG_FLAGS = ("batch_size", "seq_len", "precision", "optimizer", "optimizer_im
 
 def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     """The configuration flags of a command's arguments (`locals()` at its start), LoRA's included."""
-    from planner.cli.framework_opts import framework_fields
+    from planner.cli.framework_opts import framework_fields, reshard_fields
     from planner.cli.loop_opts import loop_fields
     from planner.cli.lora_opts import lora_fields
 
@@ -140,7 +140,8 @@ def _config_args(flags: dict[str, Any]) -> dict[str, Any]:
     return args | lora_fields(
         flags.get("lora_r"), flags.get("lora_alpha"), flags.get("lora_targets"), flags.get("lora_dropout") or 0.0,
         flags.get("base_dtype") or "auto") | fw | loop_fields(
-        flags.get("loop") or "plain", flags.get("load") or "direct") | _fp8_and_expert_fields(flags)
+        flags.get("loop") or "plain", flags.get("load") or "direct") | _fp8_and_expert_fields(flags) | reshard_fields(
+        flags.get("reshard_after_forward"))
 
 
 def _fp8_and_expert_fields(flags: dict[str, Any]) -> dict[str, Any]:
@@ -333,6 +334,7 @@ def register(app: typer.Typer) -> None:
         load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
+        reshard_after_forward: ReshardOpt = None,
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,
@@ -430,6 +432,7 @@ def register(app: typer.Typer) -> None:
         load: LoadOpt = "direct",
         framework: FrameworkOpt = "pytorch",
         ds_config: DsConfigOpt = None,
+        reshard_after_forward: ReshardOpt = None,
         model_option: ModelOptionOpt = None,
         inputs: InputsOpt = None,
         loss: LossOpt = None,

@@ -744,12 +744,14 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
     mode, modules = recompute_of(config)
     out: list[BlockActivations] = []
     # A model's transformer layers share one spec, and a layer's tensors depend on its index only through
-    # "is it the first" (Llama's first layer, the checkpointed mask): compute two, copy the rest.
-    same_layer: dict[tuple[int, bool], BlockActivations] = {}
+    # "is it the first" (Llama's first layer, the checkpointed mask) and, in a mixture-of-experts model, "is its
+    # MLP sparse" (DeepSeek-V3's first_k_dense_replace dense layers, Qwen2-MoE's mlp_only_layers): compute one
+    # of each, copy the rest. (Keyed on "first" alone, every DeepSeek-V3 MoE layer had copied dense layer 1.)
+    same_layer: dict[tuple[int, bool, bool], BlockActivations] = {}
     for block in model_blocks(model):
         is_layer = block.role == "layer" and isinstance(block.layer, TransformerSpec)
         if is_layer:
-            key = (id(block.layer), block.index == 0)
+            key = (id(block.layer), block.index == 0, block.layer.sparse_layer(block.index))  # type: ignore[union-attr]
             hit = same_layer.get(key)
             if hit is not None:
                 out.append(hit.renamed(block.name))

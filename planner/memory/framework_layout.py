@@ -143,6 +143,28 @@ def layout(cfg: TrainConfig) -> StateLayout:
     return lay
 
 
+def reshard_after_forward(cfg: TrainConfig) -> bool:
+    """Whether FSDP frees each unit's unsharded parameters after its forward: the job's setting
+    (TrainConfig.reshard_after_forward, --reshard-after-forward / --no-reshard-after-forward) or the framework's
+    default. The setting is FSDP's alone, so it is refused (one line, exit 2) under any other strategy or
+    engine: FSDP2 `fully_shard(reshard_after_forward=...)`; FSDP1's ShardingStrategy FULL_SHARD (True) and
+    SHARD_GRAD_OP (False: pytorch/pytorch torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`
+    reshards only `handle._sharding_strategy in RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES` (FULL_SHARD,
+    HYBRID_SHARD), and `_should_free_in_backward` frees the unit after its backward on a syncing step, as FSDP2
+    does). DeepSpeed's ZeRO-3 has no such switch (its stage3_max_live_parameters / stage3_max_reuse_distance
+    decide what stays fetched) and the planner's generic ZeRO-3 is not FSDP."""
+    fw = frameworks.get(cfg.framework)
+    given = cfg.reshard_after_forward
+    if given is None:
+        return fw.reshard_after_forward
+    if not strategy_of(cfg.parallelism).fsdp or fw.fsdp is None:
+        runs_fsdp = ", ".join(f.name for f in frameworks.FRAMEWORKS.values() if f.fsdp)
+        raise PlannerError("--reshard-after-forward", given,
+                           f"only with --parallelism fsdp or hsdp under a framework that runs FSDP ({runs_fsdp}); "
+                           f"this job runs {cfg.parallelism} under {cfg.framework}")
+    return given
+
+
 def _layout(cfg: TrainConfig) -> StateLayout:
     fw = frameworks.get(cfg.framework)
     strategy = cfg.parallelism
@@ -157,6 +179,7 @@ def _layout(cfg: TrainConfig) -> StateLayout:
                 frozen_grads=False, grads_resident=False, replace_ddp_buckets=False, bucket_elements=0,
                 reduce_comm_bytes=g, gather_comm_bytes=p)
     engine = fw.engine_for(strategy)
+    reshard = reshard_after_forward(cfg)
     if cfg.grad_reduce_in_fp32 is not None and engine != "megatron":
         raise PlannerError("--grad-reduce-in-fp32", cfg.grad_reduce_in_fp32,
                            "only with --framework megatron (Megatron-Core DDP's main-gradient buffer)")
@@ -188,7 +211,7 @@ def _layout(cfg: TrainConfig) -> StateLayout:
         base["accumulate_unsharded"] = True
     if fsdp and fw.fsdp == "fsdp1":
         base["fsdp1_root"] = True
-    if fsdp and fw.fsdp == "fsdp2" and not fw.reshard_after_forward:
+    if fsdp and not reshard:
         base["reshard_after_forward"] = False
     if fsdp and fw.fsdp_precision != "autocast" and amp:
         reduce = 4 if fw.reduce_fp32 else 2
@@ -215,6 +238,10 @@ def describe(lay: StateLayout) -> str:
     if lay.accumulate_unsharded:
         line += ("; gradient accumulation inside FSDP's no_sync(): every unit's gradient is kept whole (unsharded) "
                  "until the last micro-step, whose reduce-scatter leaves the shards the optimizer steps")
+    if not lay.reshard_after_forward:
+        line += ("; " if line else "FSDP: ") + (
+            "no reshard after forward: each unit stays unsharded from its forward until its backward has run, so "
+            "at the end of the forward every unit is held unsharded at once")
     return line
 
 

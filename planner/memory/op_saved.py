@@ -351,6 +351,8 @@ def router_saved(op: Op, ctx: Ctx) -> list[Saved]:
         out = [tensors[a["consumer"]]]
     else:
         out = tensors if a["consumer"] == 0 else []
+    if a.get("fake"):  # FakeBalancedGate reads only x.size(0): none of its own; x kept once for the other readers
+        return out if a["consumers"] > 1 and len(tensors) != a["consumers"] else []
     rows, k = op.shapes["topk"]
     if a.get("fused_moe"):  # TE's FusedTopkScoreFunction: `ctx.save_for_backward(routing_map, intermediate_output)`
         e = op.shapes["logits"][1]  # (transformer_engine/pytorch/router.py; Megatron's moe_router_fusion)
@@ -446,7 +448,7 @@ def weight_cast(op: Op, ctx: Ctx) -> list[Saved]:
         return []
     if op.kind == "linear":
         return [Saved(f"{op.name}.weight.cast", op.shapes["input"][1] * op.shapes["output"][1], ctx.low)]
-    if op.kind == "router":  # an MoE router's F.linear(x, gate.weight): the same cast, E × h
+    if op.kind == "router" and op.params:  # an MoE router's F.linear(x, gate.weight): the same cast, E × h
         return [Saved(f"{op.name}.weight.cast", math.prod(op.params[0].shape), ctx.low)]
     return []
 

@@ -23,7 +23,7 @@ MULTIMODAL = "multimodal-bert"
 # Options of multimodal-bert and their defaults (its TabAE / TextBertBase / merge network).
 MULTIMODAL_DEFAULTS: dict[str, Any] = {"text_model": "bert-base-uncased", "tab_in": 100, "tab_out": 128,
                                        "text_out": 128, "num_classes": 2, "binary": True}
-TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels", "use_cache")
+TRANSFORMER_OPTIONS: tuple[str, ...] = ("head", "num_labels", "use_cache", "fake_balanced_gate")
 # Listing order: by family, small to large; a config file added later is listed after these.
 ORDER: tuple[str, ...] = ("bert-base-uncased", "bert-large-uncased", "roberta-base", "roberta-large",
                           "distilroberta-base", "distilbert-base-uncased", "gpt2", "gpt2-medium", "gpt2-large",

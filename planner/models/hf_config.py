@@ -534,7 +534,20 @@ def transformer_with_options(config: dict[str, Any], options: dict[str, Any]) ->
     t = _transformer(applied, family)
     if "use_cache" in options:
         t = t.model_copy(update={"use_cache": use_cache_option(options["use_cache"], t)})
+    if "fake_balanced_gate" in options:
+        t = t.model_copy(update={"fake_balanced_gate": fake_gate_option(options["fake_balanced_gate"], t)})
     return t, applied
+
+
+def fake_gate_option(value: Any, t: TransformerSpec) -> bool:
+    """The model option `fake_balanced_gate`: NeMo AutoModel's FakeBalancedGate in place of the router
+    (TransformerSpec.fake_balanced_gate). Its BackendConfig defaults it False (nemo_automodel/components/models/
+    common/utils.py @cb976544 `fake_balanced_gate: bool = False`); its benchmark recipes set it true."""
+    if not isinstance(value, bool):
+        raise PlannerError("fake_balanced_gate", value, "true or false")
+    if value and not t.num_experts:
+        raise PlannerError("fake_balanced_gate", value, "false for this model (it has no mixture-of-experts router)")
+    return value
 
 
 def use_cache_option(value: Any, t: TransformerSpec) -> bool:

@@ -386,8 +386,8 @@ FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (
                  "('DeepEP only supports float32 probs') and `unpermute(..., fused=True)` without probs: TE's "
                  "row-id-map permutation, the probabilities applied in the activation (fused_moe). The router "
                  "is NeMo's own Gate in eager ops (fused_router False; the benchmark recipes' "
-                 "fake_balanced_gate has no weights and saves nothing: the planner's router input is then an "
-                 "over-count of tokens x hidden per layer). DeepEP's communication buffers (deep_ep.Buffer, "
+                 "fake_balanced_gate has no weights and saves nothing: the model option fake_balanced_gate=true, "
+                 "TransformerSpec.fake_balanced_gate). DeepEP's communication buffers (deep_ep.Buffer, "
                  "cudaMalloc'd outside PyTorch's allocator) are not modelled",
                  "NVIDIA-NeMo/Automodel nemo_automodel/components/loss/masked_ce.py (@cb976544) "
                  "MaskedCrossEntropy.forward: `if self.fp32_upcast: logits = logits.float()`, then "

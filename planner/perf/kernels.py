@@ -590,7 +590,8 @@ DP_COALESCE_BYTES = 10485760
 
 def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_accum: int,
                           bucket_cap_mb: float, units: int = 1, dp_io_bytes: int = 0,
-                          param_bytes: int | None = None, reduce_once: bool = False) -> tuple[Kernel, ...]:
+                          param_bytes: int | None = None, reduce_once: bool = False,
+                          gather_backward: bool = True) -> tuple[Kernel, ...]:
     """The gradient / parameter exchange of one optimizer step as kernels of kind communication, with the
     bytes each GPU sends (`bytes_read`) per occurrence, `count` occurrences per optimizer step and `launches`
     NCCL calls per occurrence (each pays NCCL's latency: planner.perf.collectives.nccl_latency_s).
@@ -608,6 +609,11 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
     likewise), and a reduce-scatter of the gradients instead of an all-reduce: 3 halves of an all-reduce, 1.5x
     DDP's traffic (Rajbhandari et al. 2020, §7.2.2), with no all-gather after the step (parameters stay
     sharded). Each is issued per unit (`units`: FSDP's wrapped modules, ZeRO-3's fetched sub-modules).
+    `gather_backward` False: FSDP with reshard_after_forward off (TrainConfig.reshard_after_forward, the
+    framework's default) keeps each unit unsharded from its forward to its backward, so the backward all-gather
+    is not issued (pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fully_shard.py fully_shard docstring:
+    "If False, then this keeps the unsharded parameters in memory after forward and avoids the all-gather in
+    backward"; FSDP1 SHARD_GRAD_OP likewise).
     `reduce_once`: FSDP1 under `no_sync()` for gradient accumulation (frameworks.Framework.
     no_sync_accumulation: Accelerate): the gradients accumulate unsharded and are reduce-scattered once, at
     the last micro-step ("FSDP will accumulate the full model gradients (instead of gradient shards) until the
@@ -636,7 +642,8 @@ def communication_kernels(parallelism: str, world: int, grad_bytes: int, grad_ac
                                                                      "fsdp_reduce_scatter") else 1,
                         launches=calls[c.launches],
                         collective=c.collective)
-                 for c in strategy.communication)
+                 for c in strategy.communication
+                 if gather_backward or c.collective != "fsdp_all_gather_backward")
 
 
 def _fold(kernels: list[Kernel]) -> list[Kernel]:
@@ -656,12 +663,18 @@ def training_kernels(model: ModelSpec, config: TrainConfig, *, causal_fraction: 
     pipeline's context record (`shapes_for`)."""
     sh = shapes_for(model, config, ctx, padded, flash_ok)
     out: list[Kernel] = []
+    done: set[tuple[int, bool]] = set()
     for block in model_blocks(model):
         layer = block.layer
         if block.role == "layer" and isinstance(layer, TransformerSpec):
-            if block.index == 0:  # every layer of a stack is the same: one record, counted num_layers times
-                out += [_with(k, count=k.count * layer.num_layers)
-                        for k in block_kernels(block, model, sh, config, causal_fraction)]
+            # the layers of a stack are alike but for a mixture-of-experts model's dense ones (DeepSeek-V3's
+            # first_k_dense_replace, Qwen2-MoE's mlp_only_layers): one record per kind, counted as many times as
+            # the stack has layers of that kind (the first layer's alone had stood for all of DeepSeek-V3's 61)
+            sparse = layer.sparse_layer(block.index)
+            if (id(layer), sparse) not in done:
+                done.add((id(layer), sparse))
+                n = sum(1 for i in range(layer.num_layers) if layer.sparse_layer(i) == sparse)
+                out += [_with(k, count=k.count * n) for k in block_kernels(block, model, sh, config, causal_fraction)]
             continue
         out += block_kernels(block, model, sh, config, causal_fraction)
     if model.loss != "none" and model.transformers and model.loss != "multimodal":

@@ -28,7 +28,9 @@ def linear_flops(op: Op, ctx: Ctx) -> int:
 
 @register("flops", "router")
 def router_flops(op: Op, ctx: Ctx) -> int:
-    """The gate's logits: (n × h)·(h × E)."""
+    """The gate's logits: (n × h)·(h × E); none for NeMo's FakeBalancedGate (no weight)."""
+    if op.attrs.get("fake"):
+        return 0
     rows, h = op.shapes["input"]
     return matmul_flops(rows, op.shapes["logits"][1], h)
 
@@ -203,8 +205,13 @@ def batch_norm_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
 @register("kernels", "router")
 def router_kernels(op: Op, ctx: Ctx) -> list[Kernel]:
     """The gate GEMM (no bias; the autocast input cast), softmax to fp32 over E, top-k, and the
-    renormalising sum and division."""
+    renormalising sum and division. NeMo's FakeBalancedGate: its uniform weights and round-robin indices
+    (`torch.ones`, `torch.arange(...) % E`), two writes of rows × k."""
     rows, h = op.shapes["input"]
+    if op.attrs.get("fake"):
+        k = op.shapes["topk"][1]
+        return [K.elementwise(f"{op.name}.weights", rows * k, (), (ctx.low,), ctx.low),
+                K.elementwise(f"{op.name}.indices", rows * k, (), ("int64",), "int64")]
     e = op.shapes["logits"][1]
     k = op.shapes["topk"][1]
     ks = K.linear(op.name, rows, e, h, op.dtypes["input"], ctx, op.attrs.get("bias", False))

@@ -343,7 +343,7 @@ def table_throughput(table: KernelTable, n_params: int, n_tensors: int, tokens: 
         comm_total, exposed = _communication_times(
             (parallelism, world, grad_bytes, config.grad_accum, config.bucket_cap_mb,
              shard_units(parallelism, n_tensors, layers), dp_io_bytes,
-             None if param_bytes == grad_bytes else param_bytes, lay.accumulate_unsharded),
+             None if param_bytes == grad_bytes else param_bytes, lay.accumulate_unsharded, lay.reshard_after_forward),
             backward, forward, instance, n_inst, c)
 
     local_params = n_params // world if sharded else n_params
@@ -603,7 +603,9 @@ def _sharded_dp_times(config: TrainConfig, dims: mp.ParallelDims, instance: Inst
         grp = instance.model_copy(update={"gpus": s_in, "network_gbps": s_gbps})
     kernels = communication_kernels("fsdp" if config.parallelism == "hsdp" else config.parallelism, ranks, grad_bytes, 1 if once else m,
                                     config.bucket_cap_mb, units, 0, None if param_bytes == grad_bytes else param_bytes)
-    if once:
+    from planner.memory.framework_layout import layout as state_layout
+
+    if once or not state_layout(config).reshard_after_forward:  # kept unsharded: no backward all-gather
         kernels = tuple(k for k in kernels if k.collective != "fsdp_all_gather_backward")
     total, exposed = communication_seconds(kernels, backward, grp, outs, c, forward_s=forward) if ranks > 1 else (0, 0)
     if hsdp:

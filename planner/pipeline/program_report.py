@@ -59,7 +59,7 @@ def op_kernels(op: Op, ctx: Ctx) -> list[K.Kernel]:
         bwd.append(K.Kernel(f"{op.name}.backward", "memory_bound", 0, ctx.b * h * e, rows * h * e, ctx.act,
                             "backward", launches=2))
     casts: list[K.Kernel] = []
-    if ctx.amp and op.kind in ("linear", "router"):
+    if ctx.amp and op.kind in ("linear", "router") and (op.kind == "linear" or op.params):
         rows, n_in = op.shapes["input"]
         n_out = op.shapes["output" if op.kind == "linear" else "logits"][1]
         for name, numel in (("weight", n_in * n_out), ("bias", n_out if op.attrs.get("bias") else 0)):

@@ -42,6 +42,12 @@ class PublishedRun(BaseModel):
     recompute_modules: str = ""
     # Megatron-Core DDP's grad_reduce_in_fp32 as the row's recipe sets it (blank: the framework's default)
     grad_reduce_in_fp32: bool | None = None
+    # FSDP's reshard_after_forward as the row's recipe sets it (NeMo AutoModel's `parallelizer.reshard_after_forward`;
+    # blank: the framework's default)
+    reshard_after_forward: bool | None = None
+    # NeMo AutoModel's benchmark router (the recipe's `model.backend.fake_balanced_gate`): the model option
+    # fake_balanced_gate=true (TransformerSpec.fake_balanced_gate)
+    fake_balanced_gate: bool = False
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     vp: int = Field(1, ge=1)
@@ -64,7 +70,7 @@ class PublishedRun(BaseModel):
     where: str = Field(min_length=10)
 
     @field_validator("fp8_recipe", "tflops_per_gpu", "peak_gib", "peak_kind", "baseline", "grad_reduce_in_fp32",
-                     mode="before")
+                     "reshard_after_forward", mode="before")
     @classmethod
     def _blank(cls, value: object) -> object:
         return None if value == "" else value
@@ -72,6 +78,10 @@ class PublishedRun(BaseModel):
     def model_ref(self, root: Path) -> str:
         """What `planner.estimate` takes: the catalog name, or the config.json's path under `root` (the repo)."""
         return str(root / self.model) if self.model.endswith(".json") else self.model
+
+    def model_options(self) -> dict[str, bool]:
+        """The model options of the row (`planner estimate -o ...`)."""
+        return {"fake_balanced_gate": True} if self.fake_balanced_gate else {}
 
     @property
     def instance(self) -> str:
@@ -97,7 +107,7 @@ class PublishedRun(BaseModel):
             recompute_modules=self._recompute_modules(),
             compile=self.compile, fp8_recipe=self.fp8_recipe, fp8_param_gather=self.fp8_param_gather,
             distributed_optimizer=self.framework == "megatron" and self.parallelism == "ddp",
-            grad_reduce_in_fp32=self.grad_reduce_in_fp32)
+            grad_reduce_in_fp32=self.grad_reduce_in_fp32, reshard_after_forward=self.reshard_after_forward)
 
 
 def load_published(kind: str, root: Path | None = None) -> list[PublishedRun]:

@@ -155,6 +155,9 @@ def make_request(model: ModelSpec | str | dict, config: TrainConfig, instance: A
     user = is_reference(model)
     spec_json = (probe_model(str(model), inputs=inputs, loss=loss, options=model_options) if user
                  else resolve_model(model, model_options).model_dump(mode="json"))
+    if any(layer.get("fake_balanced_gate") for c in spec_json.get("components") or () for layer in c.get("layers") or ()):
+        raise PlannerError("fake_balanced_gate", True, "false for a probe: the probe job builds the model's real "
+                           "router (NeMo's FakeBalancedGate is a benchmark of NeMo AutoModel's own MoE layer)")
     inst = resolve_instance(instance)
     estimate_error = None
     if estimate is None and with_estimate:

@@ -207,7 +207,7 @@ def block_matmuls(block: Block, tp: int = 1) -> BlockMatmuls:
                      bool(op.attrs["bias"])) for op in ops if op.kind == "linear")
     casts = []
     for op in ops:
-        if op.kind in ("linear", "router"):
+        if op.kind == "linear" or (op.kind == "router" and op.params):
             n_in, n_out = op.shapes["input"][1], op.shapes["output" if op.kind == "linear" else "logits"][1]
             casts.append((n_in * n_out, n_out if op.attrs["bias"] else 0))
     out = BlockMatmuls(linears, any(op.kind.startswith("attention_") for op in ops), tuple(casts))

@@ -198,14 +198,15 @@ def router_op(spec: TransformerSpec, a: LayerArgs, x_dtype: str, consumers: int,
     ctx = a.ctx
     e, k, rows = spec.num_experts, spec.experts_per_token, ctx.rows
     name = a.traits.router_name
-    params = (Param(f"{a.prefix}{name}.weight", (e, spec.hidden_size)),)
-    if a.traits.router_bias:
+    fake = spec.fake_balanced_gate  # NeMo's FakeBalancedGate: no parameters, no graph (TransformerSpec)
+    params = () if fake else (Param(f"{a.prefix}{name}.weight", (e, spec.hidden_size)),)
+    if a.traits.router_bias and not fake:
         params += (Param(f"{a.prefix}{name}.bias", (e,)),)
     return Op("router", name, {"input": (rows, spec.hidden_size), "logits": (rows, e), "topk": (rows, k)},
               params, {"input": x_dtype, "compute": ctx.low, "probs": F32},
               {"renormalise": spec.norm_topk_prob, "consumers": consumers, "consumer": consumer,
                "input_name": "mlp.input", "topk_then_softmax": a.traits.topk_then_softmax,
-               "bias": a.traits.router_bias})
+               "bias": a.traits.router_bias and not fake, "fake": fake})
 
 
 def shared_expert_ops(a: LayerArgs, x_dtype: str, readers: int, gathered_input: bool) -> list[Op]:
