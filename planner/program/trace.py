@@ -524,6 +524,21 @@ def _optimizer(params: list[torch.nn.Parameter], config: TrainConfig) -> torch.o
     return None
 
 
+def _step_optimizer(params: list[torch.nn.Parameter], config: TrainConfig, rec: _Recorder) -> bool:
+    """Run `config`'s optimizer step once and register the states it made with `rec`; False where torch has no
+    such optimizer. One piece for the trace and for the optimizer step traced alone (`optimizer_step`), so the
+    step spliced into a trace is made exactly as the step run inside it."""
+    opt = _optimizer(params, config)
+    if opt is None:
+        return False
+    opt.step()
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                rec.register(v, "optimizer_state").category = "optimizer_state"
+    return True
+
+
 def _fake_error(exc: Exception, stack: list[str], source: str, root: str) -> PlannerError:
     op = getattr(exc, "func", None)
     where = (stack[-1] or f"(root {root})") if stack else f"(after the forward of {root})"
@@ -730,14 +745,7 @@ def _trace_step(build: Callable[[], torch.nn.Module], make_batch: Callable[[int,
                     step = optimizer_step(metas, config, backend) if pending is not None else None
                     if step is None:  # run the step here (the reference; or it cannot be spliced)
                         pending = None
-                        opt = _optimizer(trained, config)
-                        if opt is not None:
-                            opt.step()
-                            for state in opt.state.values():
-                                for v in state.values():
-                                    if isinstance(v, torch.Tensor) and v.numel() > 1:
-                                        rec.register(v, "optimizer_state").category = "optimizer_state"
-                        else:
+                        if not _step_optimizer(trained, config, rec):
                             notes.append(f"optimizer {config.optimizer}: not run in the trace (no torch class)")
             except fake_errors as exc:
                 raise _remember(_fake_error(exc, rec.failed_in if rec.failed_in is not None else stack, source,
@@ -1018,13 +1026,7 @@ def _trace_optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -
                 rec.register(q.grad, "gradient")
         own, first_event = len(rec.storages), len(rec.raw_events)
         with rec:
-            opt = _optimizer(standins, config)  # made under the recorder, as in the trace
-            if opt is not None:
-                opt.step()
-                for state in opt.state.values():
-                    for v in state.values():
-                        if isinstance(v, torch.Tensor) and v.numel() > 1:
-                            rec.register(v, "optimizer_state").category = "optimizer_state"
+            stepped = _step_optimizer(standins, config, rec)  # made under the recorder, as in the trace
     events = tuple((op, action, sid - own, stage, late) for (op, action, sid), stage, late in
                    zip(rec.raw_events[first_event:], rec.event_stage[first_event:], rec.event_late[first_event:],
                        strict=True))
@@ -1032,7 +1034,7 @@ def _trace_optimizer_step(metas: tuple, config: TrainConfig, backend: Backend) -
         return OptimizerStep(False, False, (), (), ())  # touches the model's storages: not spliced (see optimizer_step)
     storages = tuple((i.numel, i.dtype, i.device, i.category) for sid, i in sorted(rec.storages.items())
                      if sid >= own)
-    return OptimizerStep(opt is not None, True, tuple(rec.ops), events, storages)
+    return OptimizerStep(stepped, True, tuple(rec.ops), events, storages)
 
 
 def _give_standins(rec: _Recorder, standins: list[tuple[torch.nn.Parameter, torch.Tensor, str, torch.nn.Parameter]]
