@@ -227,17 +227,6 @@ def test_public_sharded_rows_load_and_cite():
 # ---- the PyTorch behaviour the rules follow, on real torch (CPU, one process, world size 1) ----------------
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed unavailable")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _unsharded_weights(policy) -> list[tuple[str, bool, torch.dtype]]:
     """(type, is_leaf, dtype) of each layer's weight as its forward sees it, under fully_shard."""
     from torch import nn

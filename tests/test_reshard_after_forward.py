@@ -23,17 +23,6 @@ N_LLAMA3_8B = 8_030_261_248
 runner = CliRunner()
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed unavailable")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _held_after_forward(reshard: bool) -> list[tuple[str, torch.dtype]]:
     """(type, dtype) of each unit's weight between the forward and the backward, under fully_shard with a bf16
     MixedPrecisionPolicy (torchtitan's): a sharded fp32 DTensor once resharded, a bf16 Parameter while held."""

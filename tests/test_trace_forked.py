@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import fields
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from planner.program import forked, hf, sources, trace
 from planner.program.trace import trace_step
 from planner.spec import TrainConfig
-from tests.test_trace_periodic import _tiny
+from tests.test_trace_periodic import _equal, _tiny
 
 
 @pytest.fixture(autouse=True)
@@ -24,11 +23,6 @@ def _whatever_the_load(monkeypatch):
     monkeypatch.setattr(forked, "LOAD_AWARE", False)
     if not forked.available():
         pytest.skip("no fork or a single CPU: nothing is forked")
-
-
-def _equal(a, b) -> None:
-    for f in fields(a):
-        assert getattr(a, f.name) == getattr(b, f.name), f.name
 
 
 def _counting(monkeypatch) -> list[int]:

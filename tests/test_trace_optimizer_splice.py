@@ -6,7 +6,6 @@ byte for byte."""
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 
 import pytest
 import torch
@@ -15,12 +14,7 @@ from planner import caches
 from planner.program import hf, sources, trace
 from planner.program.trace import trace_step
 from planner.spec import TrainConfig
-from tests.test_trace_periodic import _tiny
-
-
-def _equal(a, b) -> None:
-    for f in fields(a):
-        assert getattr(a, f.name) == getattr(b, f.name), f.name
+from tests.test_trace_periodic import _equal, _tiny
 
 
 def _traces(monkeypatch, config_dict: dict, cfg: TrainConfig, backend: str = "cuda"):
