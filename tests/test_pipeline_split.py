@@ -232,28 +232,19 @@ def _layer_counts(fqns: list[list[str]]) -> tuple[int, ...]:
     return tuple(sum(1 for n in stage if ".layers." in f".{n}" or n.startswith("layers.")) for stage in fqns)
 
 
+@pytest.mark.parametrize("framework,their_fqns", [("nemo-automodel", _nemo_fqns), ("torchtitan", _titan_fqns)])
 @pytest.mark.parametrize("pp,vp", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (4, 8), (8, 1)])
-def test_nemo_automodel_split_is_theirs(pp, vp):
+def test_the_split_is_theirs(framework, their_fqns, pp, vp):
+    """NeMo AutoModel's and torchtitan's own split functions (transcribed above), layer for layer; where
+    theirs refuses a count, so does the planner."""
     for layers in range(1, 70):
         try:
-            theirs = _layer_counts(_nemo_fqns(pp * vp, layers))
+            theirs = _layer_counts(their_fqns(pp * vp, layers))
         except ValueError:
             with pytest.raises(PlannerError):
-                chunk_layers("nemo-automodel", layers, pp, vp)
+                chunk_layers(framework, layers, pp, vp)
             continue
-        assert chunk_layers("nemo-automodel", layers, pp, vp) == theirs, layers
-
-
-@pytest.mark.parametrize("pp,vp", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (4, 8), (8, 1)])
-def test_torchtitan_split_is_theirs(pp, vp):
-    for layers in range(1, 70):
-        try:
-            theirs = _layer_counts(_titan_fqns(pp * vp, layers))
-        except ValueError:
-            with pytest.raises(PlannerError):
-                chunk_layers("torchtitan", layers, pp, vp)
-            continue
-        assert chunk_layers("torchtitan", layers, pp, vp) == theirs, layers
+        assert chunk_layers(framework, layers, pp, vp) == theirs, layers
 
 
 @pytest.mark.parametrize("pp,vp", [(2, None), (4, None), (4, 2), (8, None), (3, 3)])
