@@ -573,12 +573,17 @@ def quantize_nf4(torch: Any, model: Any, device: Any) -> int:
     return count
 
 
-def section_lora(ctx: dict) -> None:
-    for row in LORA_ROWS:
+def _fork_lora_rows(ctx: dict, rows: list[dict], out: str, label: Any) -> None:
+    """Each row through `lora_row` in a fresh process (LoRA, QLoRA and the load path all run it), written to
+    `out`; a tiny run shrinks the batch to 1 x 16 before the row is labelled."""
+    for row in rows:
         if ctx["tiny"]:
             row = {**row, "b": 1, "s": 16}
-        ctx["fork"](f"{row['name']} r{row['r']} b{row['b']}", "lora.jsonl", row,
-                    lambda c, r=row: lora_row(c, r), "")
+        ctx["fork"](label(row), out, row, lambda c, r=row: lora_row(c, r), "")
+
+
+def section_lora(ctx: dict) -> None:
+    _fork_lora_rows(ctx, LORA_ROWS, "lora.jsonl", lambda r: f"{r['name']} r{r['r']} b{r['b']}")
 
 
 # ----------------------------------------------------------------------------------------- issue 36 and 32
@@ -687,26 +692,16 @@ def section_vocab(ctx: dict) -> None:
 
 
 def section_qlora_nockpt(ctx: dict) -> None:
-    for row in QLORA_NOCKPT_ROWS:
-        if ctx["tiny"]:
-            row = {**row, "b": 1, "s": 16}
-        ctx["fork"](f"qlora_nockpt ckpt={row['ckpt']} b{row['b']}x{row['s']}", "qlora_nockpt.jsonl", row,
-                    lambda c, r=row: lora_row(c, r), "")
+    _fork_lora_rows(ctx, QLORA_NOCKPT_ROWS, "qlora_nockpt.jsonl",
+                    lambda r: f"qlora_nockpt ckpt={r['ckpt']} b{r['b']}x{r['s']}")
 
 
 def section_qlora_profile(ctx: dict) -> None:
-    for row in QLORA_PROFILE_ROWS:
-        if ctx["tiny"]:
-            row = {**row, "b": 1, "s": 16}
-        ctx["fork"](f"qlora_profile {row['base']} b{row['b']}", "qlora_profile.jsonl", row,
-                    lambda c, r=row: lora_row(c, r), "")
+    _fork_lora_rows(ctx, QLORA_PROFILE_ROWS, "qlora_profile.jsonl", lambda r: f"qlora_profile {r['base']} b{r['b']}")
 
 
 def section_load(ctx: dict) -> None:
-    for row in LOAD_ROWS:
-        if ctx["tiny"]:
-            row = {**row, "b": 1, "s": 16}
-        ctx["fork"](f"load {row['load_path']}", "load.jsonl", row, lambda c, r=row: lora_row(c, r), "")
+    _fork_lora_rows(ctx, LOAD_ROWS, "load.jsonl", lambda r: f"load {r['load_path']}")
 
 
 # ---- loops
