@@ -10,17 +10,12 @@ Each row is replayed with the SAME per-step lengths (`--padding exact`: the file
 order) and the same configuration: ml.p5e.48xlarge (one H200), `--parallelism single`, optimizer foreach,
 attention sdpa, `--seq-len` the run's longest length. Nothing here is fitted: the readings are held out.
 
-One difference of loop, replayed as measured: the readings' loop holds only the loss
-(`jobs/modeling.loss_of` returns `out.loss`, so the logits are freed when the forward returns), while the
-planner's step keeps the model's output (logits) until the step ends, as a loop holding `out` does (the
-shared readings, `results/validation/h200/shared-2026-11-26/`). `loop_keeps_logits(False)` sets the kept
-logits to none for the replay (`activations.head_output_bytes`); without it every prediction here is higher
-by the logits (BERT 0.93 GiB, GPT-2 3.07 GiB). The readings' own lifetimes, `--loop loss-only` (the logits
-allocated at the head and freed when the forward returns: planner/memory/loops.py), give the same allocated
-peaks but BERT's reserved 6.6 % under on its fixed run (13.56 GiB vs 14.51; growth +39 % vs +23 %), where the
-real runs reserve the same 14.51 GiB under either loop (steps.jsonl of this folder and of shared-2026-11-26):
-the replay reuses the logits' freed 1 GiB block where the real allocator's peak does not depend on it. Until
-that is understood this replay keeps the logits out rather than freeing them early.
+The loop, replayed as measured: the readings' loop holds only the loss (`jobs/modeling.loss_of` returns
+`out.loss`), so the logits are freed when the forward returns: `--loop loss-only` (planner/memory/loops.py).
+(Until issue 36's cross-entropy rule this replay had to drop the logits altogether to come near: with the loss
+modelled as one fp32 log-softmax, `--loop loss-only` put BERT's fixed run 6.6 % under and its growth at +39 %
+against +23 %. With log_softmax in the logits' 16-bit dtype and nll_loss's fp32 copy, as CUDA autocast runs
+ATen's composite, the readings' own loop gives -0.1 % and +22 %: activations.cross_entropy_saved.)
 
 Columns: measured and predicted run peak reserved and allocated (GiB) with the error in %; for a varied
 row also its growth: its reserved peak over the fixed run's of the same model and allocator, measured and
@@ -32,7 +27,6 @@ Usage: python benchmarks/run_readings.py [--readings results/validation/h200/mea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -76,27 +70,8 @@ def load(path: Path = READINGS) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-@contextlib.contextmanager
-def loop_keeps_logits(keep: bool):
-    """The planner's step with (`keep`) or without the logits held until the step ends (see the doc)."""
-    import importlib
-
-    from planner.memory import activations
-
-    est_mod = importlib.import_module("planner.estimate")
-    real = activations.head_output_bytes
-    if not keep:
-        activations.head_output_bytes = lambda spec, ctx: 0
-    est_mod.clear_caches()
-    try:
-        yield
-    finally:
-        activations.head_output_bytes = real
-        est_mod.clear_caches()
-
-
-def predict(row: dict) -> Compared:
-    """The planner's run of `row`'s lengths, configured as the row was measured."""
+def predict(row: dict, loop: str = "loss-only") -> Compared:
+    """The planner's run of `row`'s lengths, configured as the row was measured (`loop`: the readings')."""
     import importlib
 
     est_mod = importlib.import_module("planner.estimate")
@@ -105,7 +80,7 @@ def predict(row: dict) -> Compared:
 
     lengths = row["lengths"]
     cfg = TrainConfig(batch_size=row["b"], seq_len=max(lengths), precision=row["precision"], attention="sdpa",
-                      parallelism="single", optimizer="adamw", optimizer_impl="foreach")
+                      parallelism="single", optimizer="adamw", optimizer_impl="foreach", loop=loop)
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "lengths.txt"
         f.write_text("\n".join(map(str, lengths)) + "\n")
@@ -116,9 +91,8 @@ def predict(row: dict) -> Compared:
     return Compared(row, r.peak_reserved_bytes, r.peak_allocated_bytes, r.fixed_peak_reserved_bytes)
 
 
-def compare(path: Path = READINGS, keep_logits: bool = False) -> list[Compared]:
-    with loop_keeps_logits(keep_logits):
-        return [predict(r) for r in load(path)]
+def compare(path: Path = READINGS, loop: str = "loss-only") -> list[Compared]:
+    return [predict(r, loop) for r in load(path)]
 
 
 def _fixed_of(rows: list[Compared], c: Compared) -> Compared | None:
@@ -148,9 +122,10 @@ def table(rows: list[Compared]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--readings", type=Path, default=READINGS)
-    ap.add_argument("--keep-logits", action="store_true", help="the planner's own loop (logits kept)")
+    ap.add_argument("--loop", default="loss-only", help="the loop whose lifetimes to replay (default: the "
+                    "readings' own, loss-only; plain keeps the logits to the step's end)")
     args = ap.parse_args()
-    rows = compare(args.readings, args.keep_logits)
+    rows = compare(args.readings, args.loop)
     print(f"{args.readings} on {INSTANCE}, predicted vs measured run peaks")
     print("\n".join(table(rows)))
     worst = max(abs(c.reserved_error) for c in rows)

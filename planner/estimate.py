@@ -160,7 +160,8 @@ def program(model: ModelSpec | str, est: Estimate, *, model_options: dict[str, A
     if cfg.precision == "fp8":
         cfg = cfg.model_copy(update={"precision": FP8_COMPUTE})
     dims = parallel_dims(spec, cfg, est.world_size) if est.parallel is not None else None
-    ctx = context(spec, cfg, _resolve_instance(est.instance), backend, dims)
+    ctx = context(spec, cfg, _resolve_instance(est.instance), backend, dims,
+                  est.stack.torch if est.stack is not None else None)
     sixteen = framework_layout.layout(cfg).activation_precision
     if sixteen != cfg.precision:  # a 16-bit model without autocast saves what pure 16-bit training does, as the
         # memory model reads it (pipeline/step.py: Megatron, DeepSpeed, an FSDP mixed-precision policy)

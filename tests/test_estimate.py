@@ -75,7 +75,13 @@ def test_amp_keeps_fp32_states_and_pure_half_halves_them():
     half = planner.estimate("bert-base-uncased", cfg(precision="bf16"), "ml.g5.xlarge").memory_bytes
     assert amp.parameters == fp32.parameters and amp.optimizer_states == fp32.optimizer_states
     assert half.parameters * 2 == fp32.parameters
-    assert amp.activations < fp32.activations
+    # BERT's 30,522-way loss under CUDA autocast keeps a 16-bit log-softmax and nll_loss's fp32 copy (6 bytes a
+    # logit against fp32's 4), which at 8 x 128 outweighs what the 16-bit layers save: the shared H200
+    # readings measured 817.6 MB saved under AMP and 771.5 MB in fp32 (tests/test_cross_entropy_autocast.py)
+    assert amp.activations > fp32.activations
+    big = {"batch_size": 32, "seq_len": 512}
+    assert (planner.estimate("bert-base-uncased", cfg(precision="amp-bf16", **big), "ml.g5.xlarge").memory_bytes
+            .activations < planner.estimate("bert-base-uncased", cfg(**big), "ml.g5.xlarge").memory_bytes.activations)
 
 
 @pytest.mark.parametrize("change, field", [

@@ -531,15 +531,16 @@ def test_for_loop_adam_temporaries_follow_fsdp_shards():
 
 def test_a_loss_on_the_16bit_logits_saves_them_in_16_bits():
     """NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False) runs cross_entropy on the bf16 logits: log_softmax
-    saves n·V in bf16 (checked on CPU below); transformers' ForCausalLMLoss upcasts first (fp32). Under autocast
-    cross_entropy runs in fp32 whatever the framework."""
+    saves n·V in bf16 (checked on CPU below); transformers' ForCausalLMLoss upcasts first (fp32). Under CUDA
+    autocast too the log-softmax stays bf16 (ATen's composite), and nll_loss saves an fp32 copy of it
+    (tests/test_cross_entropy_autocast.py)."""
     from planner.ir.context import Ctx
     from planner.memory.activations import loss_saved
     from planner.models.catalog import get_model
 
     spec = get_model("llama-3-8b").transformers[-1]
     for precision, loss_fp32, dtype in (("bf16", True, "float32"), ("bf16", False, "bfloat16"),
-                                        ("amp-bf16", False, "float32")):
+                                        ("amp-bf16", False, "bfloat16")):
         ctx = Ctx(2, 64, precision, "flash", "cuda", False, True, loss_fp32=loss_fp32)
         lsm = next(s for s in loss_saved(spec, ctx) if s.name == "loss.log_softmax")
         assert (lsm.numel, lsm.dtype) == (2 * 64 * spec.vocab_size, dtype), (precision, loss_fp32)

@@ -89,14 +89,23 @@ def test_cross_step_replay_matches_an_allocator_kept_across_steps(seq, model, ex
 
 @pytest.mark.parametrize("checkpointing,grad_accum", [(False, 1), (True, 1), (False, 4)])
 def test_a_run_at_one_length_is_the_one_step_replay(checkpointing, grad_accum):
-    """Two steps at one shape are exactly the one-step trace (load, first step, steady step); more steps
-    at that shape add nothing (the same requests land in the same blocks)."""
+    """Two steps at one shape are exactly the one-step trace (load, first step, steady step). Without
+    accumulation more steps add nothing (the same requests land in the same blocks). With accumulation the
+    second steady step can take one more segment (BERT b4 x 128: one 60 MiB segment, +2.3 %, since the loss
+    keeps its 16-bit log-softmax and fp32 nll_loss input: tests/test_cross_entropy_autocast.py), after which
+    the run holds: the one-step estimate is short by at most that segment (DIFFERENCE, stated in the README's
+    accuracy section)."""
     t = step_trace("bert-base-uncased", 128, batch=4, checkpointing=checkpointing, grad_accum=grad_accum)
     one = allocator.run(t.events)[0]
     two = rr.replay(run_of([t, t]), compiled_ok=False)
-    assert (two.peak_allocated, two.peak_reserved) == (one.peak_allocated, one.peak_reserved)
+    assert two.peak_allocated == one.peak_allocated
+    three = rr.replay(run_of([t] * 3), compiled_ok=False)
     ten = rr.replay(run_of([t] * 10), compiled_ok=False)
-    assert ten.peak_reserved == one.peak_reserved
+    assert ten.peak_reserved == three.peak_reserved
+    if grad_accum == 1:
+        assert two.peak_reserved == ten.peak_reserved == one.peak_reserved
+    else:
+        assert 0 <= ten.peak_reserved - one.peak_reserved <= 0.03 * one.peak_reserved
 
 
 def test_the_allocator_capacity_path_reaches_the_run():

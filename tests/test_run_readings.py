@@ -2,13 +2,16 @@
 (results/validation/h200/measured-2026-11-26/runs.jsonl, measured by benchmarks/gpu_session.py, never fitted)
 replayed with the same per-step lengths and configuration by benchmarks/run_readings.py.
 
-Tolerances, from what the model achieves on all 8 rows (not set per row; see the README's runs section):
-- run peak reserved within RESERVED_TOLERANCE of the measured (worst today: BERT's varied run, default
-  allocator, +10.1 %; every other row within 7.3 %);
+Tolerances, from what the model achieves on all 8 rows (not set per row; see the README's runs section), each
+run replayed under the readings' own loop (`--loop loss-only`):
+- run peak reserved within RESERVED_TOLERANCE of the measured (worst today: GPT-2's expandable runs, +7.3 %;
+  BERT's default-allocator runs -0.4 % and -0.1 %);
 - never under the measured by more than UNDER_MARGIN (a prediction under the real peak is a sure `fits` that
-  may OOM; worst today -0.1 %);
+  may OOM; worst today -0.4 %);
 - each varied run's growth over its fixed-length run within GROWTH_POINTS percentage points of the measured
-  growth (BERT default: +23 % measured, +35 % predicted; the others 0-3 points).
+  growth (BERT default: +23 % measured, +22 % predicted; the others 0-3 points).
+Before the cross-entropy rule (activations.cross_entropy_saved) BERT's allocated peak was +7 % and its varied
+run +10.1 % (growth +35 %), with the logits dropped from the replay to come that near.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-RESERVED_TOLERANCE = 0.12
+RESERVED_TOLERANCE = 0.08
 UNDER_MARGIN = 0.02
-GROWTH_POINTS = 0.15
-ALLOCATED_TOLERANCE = 0.08  # BERT AMP's one-step allocated peak is +7 % here (not the run's doing)
+GROWTH_POINTS = 0.05
+ALLOCATED_TOLERANCE = 0.01
 
 
 def _run_readings():

@@ -99,6 +99,12 @@ class Ctx:
     # the causal LM's logits upcast to fp32 before cross-entropy (transformers' ForCausalLMLoss `logits.float()`;
     # Framework.loss_fp32): log_softmax's saved output in fp32; False: in the logits' dtype (pure 16-bit)
     loss_fp32: bool = True
+    # F.cross_entropy is ATen's composite `cross_entropy_loss` (torch >= 1.10; aten/src/ATen/native/LossNLL.cpp):
+    # log_softmax(self, dim, self.scalar_type()) keeps the logits' own dtype (an explicit dtype, which autocast's
+    # fp32_set_opt_dtype policy leaves alone: ATen/autocast_mode.h), then nll_loss, which CUDA autocast runs in fp32
+    # (AT_FORALL_FP32) on an fp32 copy that it saves. False (older torch, or CPU autocast, whose fp32 list holds
+    # cross_entropy_loss itself): the whole loss on an fp32 copy of the logits. `activations.cross_entropy_saved`.
+    cross_entropy_composite: bool = True
     # Transformer Engine's fused cross-entropy (Framework.fused_loss, Megatron): the logits kept as they are (the
     # model's output) and three fp32 statistics a row saved; the gradient written into the logits in place
     fused_loss: bool = False
@@ -200,12 +206,12 @@ def autocast_fp32_op(op: str, backend: Backend) -> bool:
     """Whether autocast runs `op` in fp32 (casting 16-bit inputs up).
 
     CUDA: AT_FORALL_FP32 / AT_FORALL_FP32_SET_OPT_DTYPE in ATen/autocast_mode.h (softmax, log_softmax,
-    layer_norm, pow, rsqrt, sum, nll_loss, binary_cross_entropy_with_logits, ...).
+    layer_norm, pow, rsqrt, sum, nll_loss, binary_cross_entropy_with_logits, ...). cross_entropy_loss is not
+    on it: its composite runs log_softmax in the logits' dtype and nll_loss in fp32 (`Ctx.cross_entropy_composite`).
     CPU: its own, shorter fp32 list: of the ops our models use only the losses (cross_entropy_loss, nll_loss,
     binary_cross_entropy_with_logits); softmax, layer_norm, pow stay 16-bit (measured on torch 2.13).
     """
-    cuda = {"softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss", "cross_entropy",
-            "bce_with_logits"}
+    cuda = {"softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss", "bce_with_logits"}
     cpu = {"cross_entropy", "nll_loss", "bce_with_logits"}
     return op in (cuda if backend == "cuda" else cpu)
 

@@ -412,8 +412,8 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     """HF losses. cross_entropy = log_softmax (saves its output) + nll_loss (saves the target and a
     1-element total_weight). The dtype: the causal LM loss (loss_utils.ForCausalLMLoss) upcasts logits to
     fp32 first (`logits.float()`) and saves its shifted labels (a new n int64 tensor); the masked-LM and
-    classification heads call CrossEntropyLoss on the logits as they are: fp32 under autocast (the loss ops
-    are on both fp32 lists), 16-bit in pure 16-bit. Decoder classifiers first pick each row's last token
+    classification heads call CrossEntropyLoss on the logits as they are (`cross_entropy_saved`: under CUDA
+    autocast a 16-bit log-softmax and nll_loss's fp32 copy of it). Decoder classifiers first pick each row's last token
     with `logits[arange(b), last_non_pad_token]`, whose backward saves both index vectors (2·b int64).
 
     Tensor parallelism: the logits hold V / tp columns per rank and the loss is Megatron-Core's
@@ -424,7 +424,6 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
     the same local log-softmax through DTensor.
     """
     n, b = ctx.n, ctx.b
-    cls_dtype = F32 if ctx.amp or ctx.low == F32 else ctx.low
     if spec.head == "causal-lm" and ctx.fused_loss:
         # Transformer Engine's fused cross-entropy (Megatron, Framework.fused_loss): the logits themselves (the
         # model's output, counted there) and the m / d / x_y statistics, three fp32 a row; labels come shifted
@@ -436,20 +435,63 @@ def loss_saved(spec: TransformerSpec, ctx: Ctx) -> list[Saved]:
         if ctx.tp > 1:
             return [Saved("loss.softmax", n * vocab_per_rank(spec, ctx), F32), Saved("loss.target_mask", n, BOOL),
                     Saved("loss.masked_target", n, I64), Saved("loss.shift_labels", labels, I64)]
-        # a framework whose loss takes the logits as they are (Framework.loss_fp32 False): autocast's fp32 under
-        # amp-*, the logits' 16-bit dtype in pure 16-bit
-        dtype = F32 if ctx.loss_fp32 else cls_dtype
-        return [Saved("loss.log_softmax", n * spec.vocab_size, dtype), Saved("loss.total_weight", 1, dtype),
-                Saved("loss.shift_labels", labels, I64)]
+        # a framework whose loss takes the logits as they are (Framework.loss_fp32 False): cross_entropy on the
+        # logits' dtype (`cross_entropy_saved`)
+        logits = F32 if ctx.loss_fp32 else ctx.low
+        return cross_entropy_saved("loss", n * spec.vocab_size, logits, ctx) + [Saved("loss.shift_labels", labels, I64)]
     if spec.head == "masked-lm":
-        return [Saved("loss.log_softmax", n * vocab_per_rank(spec, ctx), cls_dtype),
-                Saved("loss.total_weight", 1, cls_dtype)]
+        return cross_entropy_saved("loss", n * vocab_per_rank(spec, ctx), ctx.low, ctx)
     if spec.head == "sequence-classification":
-        out = [Saved("loss.log_softmax", b * spec.num_labels, cls_dtype), Saved("loss.total_weight", 1, cls_dtype)]
+        out = cross_entropy_saved("loss", b * spec.num_labels, ctx.low, ctx)
         if family(spec.family).classifier == "score_all_tokens":
             out.append(Saved("loss.pooling_indices", 2 * b, I64))
         return out
     return []
+
+
+def cross_entropy_saved(prefix: str, numel: int, logits: str, ctx: Ctx) -> list[Saved]:
+    """What `F.cross_entropy` saves for backward on `numel` logits of dtype `logits`.
+
+    Without autocast, or on fp32 logits: log_softmax's output in the logits' dtype (nll_loss saves the same
+    storage) and nll_loss's 1-element total_weight. Under CUDA autocast on 16-bit logits (ATen's composite,
+    `Ctx.cross_entropy_composite`): log_softmax keeps the 16-bit dtype (LossNLL.cpp passes
+    `self.scalar_type()`, which autocast's fp32_set_opt_dtype leaves alone) and saves its output; nll_loss is
+    on CUDA's fp32 list, so autocast hands it an fp32 copy of those log-probabilities, which it saves. Measured
+    on an H200 (shared readings, BERT-base MLM b32 × 512 AMP): the saved bytes exceed the fp32-only count by
+    exactly the 16-bit n·V, and the forward's peak is its end (no unsaved copy). CPU autocast casts the whole
+    loss (cross_entropy_loss is on its fp32 list), as older torch's Python composite did: one fp32 log-softmax.
+    """
+    if ctx.amp and logits != F32:
+        if ctx.backend == "cuda" and ctx.cross_entropy_composite:
+            return [Saved(f"{prefix}.log_softmax", numel, logits), Saved(f"{prefix}.nll_loss.input", numel, F32),
+                    Saved(f"{prefix}.total_weight", 1, F32)]
+        logits = F32
+    return [Saved(f"{prefix}.log_softmax", numel, logits), Saved(f"{prefix}.total_weight", 1, logits)]
+
+
+def loss_transients(saved: list[Saved], ctx: Ctx, upcast: bool) -> tuple[int, tuple[int, ...]]:
+    """The loss's temporaries: (forward, backward tensors), allocator-rounded.
+
+    Forward: an fp32 copy of the logits made before log_softmax and not saved: transformers' ForCausalLMLoss
+    `logits.float()` on 16-bit logits (`upcast`), or autocast's whole-loss cast (CPU, older torch). fp32
+    logits and the composite's nll_loss copy (saved) make none. Measured on an H200 (shared readings,
+    forward peak minus its end): BERT MLM fp32 and AMP 0 (48 MiB of other temporaries), GPT-2 fp32 0, GPT-2 AMP
+    the fp32 n·V. Backward: nll_loss_backward's gradient (the size of its input) and, while it lives,
+    log_softmax's input gradient (derivatives.yaml: each allocates its output): two of the log-softmax's size,
+    as traced. Under the composite, autograd frees nll_loss's saved fp32 copy once its node has run, so the
+    peak is the saved tensors plus nll_loss's fp32 gradient alone (the 16-bit gradients that follow are
+    smaller): H200 BERT MLM AMP, backward peak minus forward end = the fp32 n·V, fp32 = twice it."""
+    if not saved:
+        return 0, ()
+    lsm = next((t for t in saved if t.name.endswith(".log_softmax")), None)
+    nll = next((t for t in saved if t.name.endswith(".nll_loss.input")), None)
+    if lsm is None:  # not a cross-entropy (BCE only): the rough rule
+        return _transients(saved, ctx)
+    if nll is not None:
+        return 0, (alloc_bytes(nll.nbytes, ctx.backend),)
+    grad = alloc_bytes(lsm.nbytes, ctx.backend)
+    fwd = grad if upcast or (ctx.amp and lsm.dtype == F32 and ctx.low != F32) else 0
+    return fwd, (grad, grad)
 
 
 def head_output_bytes(spec: TransformerSpec, ctx: Ctx) -> int:
@@ -578,7 +620,7 @@ def dense_block_saved(block: Block, model: ModelSpec, ctx: Ctx) -> list[Saved]:
 def multimodal_loss_saved(model: ModelSpec, ctx: Ctx) -> list[Saved]:
     """cross_entropy(merge logits) + BCE-with-logits(TabAE logits) (binary) or cross_entropy(TabAE logits).
 
-    Cross-entropy: log_softmax output (b·C) and total_weight, fp32 under autocast. BCE-with-logits saves its
+    Cross-entropy: `cross_entropy_saved` on the b·C logits. BCE-with-logits saves its
     input (the TabAE logits, b) and target (labels.to(logits dtype), b), as fp32 copies under autocast.
     """
     b = ctx.b
@@ -586,12 +628,12 @@ def multimodal_loss_saved(model: ModelSpec, ctx: Ctx) -> list[Saved]:
     merge = model.components[-1].layers[-1]
     tab = next(c for c in model.components if c.name == "TabAE").layers[-1]
     assert isinstance(merge, DenseSpec) and isinstance(tab, DenseSpec)
-    out = [Saved("loss.log_softmax", b * merge.out_features, dtype), Saved("loss.total_weight", 1, dtype)]
+    out = cross_entropy_saved("loss", b * merge.out_features, ctx.low, ctx)
     if tab.out_features == 1:
         # under autocast both arguments are cast to fp32 copies (BCE-with-logits is on both fp32 lists)
         out += [Saved("loss.bce.input", b, dtype), Saved("loss.bce.target", b, dtype)]
     else:
-        out += [Saved("loss.tab.log_softmax", b * tab.out_features, dtype), Saved("loss.tab.total_weight", 1, dtype)]
+        out += cross_entropy_saved("loss.tab", b * tab.out_features, ctx.low, ctx)
     return out
 
 
@@ -777,7 +819,10 @@ def activation_blocks(model: ModelSpec, config: TrainConfig, backend: Backend = 
         if is_layer:
             same_layer[key] = out[-1]
     loss = _loss(model, ctx)
-    fwd, bwd = _transients(loss, ctx)
+    last = model.transformers[-1] if model.transformers else None
+    upcast = (model.loss != "multimodal" and last is not None and last.head == "causal-lm" and ctx.loss_fp32
+              and ctx.low != F32)
+    fwd, bwd = loss_transients(loss, ctx, upcast)
     out.append(BlockActivations("loss", _total(loss, backend), _total(loss, backend), 0, fwd, sum(bwd), False, 0, 0,
                                 tuple(loss), tuple(loss), (), bwd))
     return out

@@ -218,8 +218,13 @@ class Resolved:
     reported: TrainConfig | None = None
 
 
+# torch.nn.functional.cross_entropy calls ATen's composite `cross_entropy_loss` with label_smoothing from torch
+# 1.10 (the release that added the argument; aten/src/ATen/native/LossNLL.cpp). Ctx.cross_entropy_composite.
+CROSS_ENTROPY_COMPOSITE_SINCE = "1.10"
+
+
 def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backend: str = "cuda",
-            dims: layout.ParallelDims | None = None) -> Ctx:
+            dims: layout.ParallelDims | None = None, torch_version: str | None = None) -> Ctx:
     """The context record of a resolved configuration (attention never "auto"): the batch is padded when the
     model takes an attention mask (a traced model: not, its own batch decides), flash kernels when the GPU
     runs them (sm80+), and this rank's tensor/sequence/context-parallel degrees (`dims`), with what the
@@ -242,7 +247,9 @@ def context(spec: ModelSpec | None, cfg: TrainConfig, instance: Instance, backen
                ep=cfg.ep, moe_imbalance=cfg.moe_imbalance, etp=cfg.etp, experts_16bit=experts_16bit,
                fp8_weight_cache=fw.te_weight_cache, fused_moe=fw.fused_moe, fused_router=fw.fused_router,
                fused_norms=fw.fused_norms, loss_fp32=fw.loss_fp32, fused_loss=fw.fused_loss,
-               fused_linears=fw.kernels == "megatron", fused_glu=fw.fused_glu)
+               fused_linears=fw.kernels == "megatron", fused_glu=fw.fused_glu,
+               cross_entropy_composite=torch_version is None or sw.parse_version("torch", torch_version)
+               >= sw.parse_version("torch", CROSS_ENTROPY_COMPOSITE_SINCE))
 
 
 def model_parallel_asked(cfg: TrainConfig) -> bool:
@@ -384,4 +391,4 @@ def resolve(spec: ModelSpec | None, config: TrainConfig, instance: Instance | st
     if reported is not None:  # what the stack decided (attention), as --precision fp8
         reported = cfg.model_copy(update={"precision": "fp8"})
     return Resolved(inst, cfg, world, share, rt, view, fragmentation_given, scale,
-                    context(spec, cfg, inst, backend, dims), dims, reported)
+                    context(spec, cfg, inst, backend, dims, view.stack.torch), dims, reported)

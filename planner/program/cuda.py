@@ -117,6 +117,11 @@ AUTOCAST_FP32_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# The fp32 ops whose policy is fp32_set_opt_dtype (ATen/autocast_mode.h AT_FORALL_FP32_SET_OPT_DTYPE): an
+# explicit dtype argument is kept, only a missing one becomes fp32.
+SET_OPT_DTYPE_OPS: tuple[str, ...] = ("softmax", "log_softmax")
+
+
 def autocast_fp32_op(op: str, backend: Backend) -> bool:
     """Whether autocast runs `op` in fp32 on `backend` (`rules.autocast_fp32_op`)."""
     return rules.autocast_fp32_op(op, backend)

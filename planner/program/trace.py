@@ -389,17 +389,22 @@ def _cuda_autocast_fp32() -> Iterator[None]:
     rsqrt in 16-bit where CUDA autocast runs them in fp32 (`cuda.autocast_fp32_op`). While AMP is on, these
     functions cast 16-bit floating inputs to fp32 first, as CUDA's autocast does (the cast is recorded by
     autograd, so the saved tensors are fp32). Swapped on the modules for the trace's duration, so they hold
-    in checkpoint recomputation too."""
+    in checkpoint recomputation too. softmax and log_softmax given an explicit dtype keep it (autocast's
+    fp32_set_opt_dtype policy). The reverse for cross-entropy: CPU autocast casts the whole loss to fp32,
+    CUDA runs ATen's composite (`cuda_cross_entropy`)."""
     import importlib
 
-    patched = []
+    import torch.nn.functional as F
+
+    patched = [(F, "cross_entropy", F.cross_entropy)]
+    F.cross_entropy = cuda_cross_entropy(F.cross_entropy)
     for owner_name, attr, op in cuda.AUTOCAST_FP32_FUNCTIONS:
         if not cuda.autocast_fp32_op(op, "cuda") or cuda.autocast_fp32_op(op, "cpu"):
             continue
         owner = torch.Tensor if owner_name == "torch.Tensor" else importlib.import_module(owner_name)
         original = getattr(owner, attr)
         patched.append((owner, attr, original))
-        setattr(owner, attr, _fp32_under_autocast(original))
+        setattr(owner, attr, _fp32_under_autocast(original, keeps_dtype=op in cuda.SET_OPT_DTYPE_OPS))
     try:
         yield
     finally:
@@ -407,7 +412,7 @@ def _cuda_autocast_fp32() -> Iterator[None]:
             setattr(owner, attr, original)
 
 
-def _fp32_under_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _fp32_under_autocast(fn: Callable[..., Any], keeps_dtype: bool = False) -> Callable[..., Any]:
     low = (torch.float16, torch.bfloat16)
 
     def up(x: Any) -> Any:
@@ -416,10 +421,39 @@ def _fp32_under_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_autocast_enabled("cpu"):
             return fn(*args, **kwargs)
+        if keeps_dtype and (kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)):
+            with torch.autocast("cpu", enabled=False):  # fp32_set_opt_dtype: an explicit dtype is kept
+                return fn(*args, **kwargs)
         args = tuple(up(a) for a in args)
         kwargs = {k: up(v) for k, v in kwargs.items()}
         with torch.autocast("cpu", enabled=False):
             return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def cuda_cross_entropy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`F.cross_entropy` as CUDA autocast runs it, for a trace under CPU autocast. CPU autocast has
+    cross_entropy_loss on its fp32 list (one fp32 copy of the logits, an fp32 log-softmax saved); CUDA's has
+    not, so ATen's composite runs (aten/src/ATen/native/LossNLL.cpp `cross_entropy_loss`): log_softmax in the
+    logits' own dtype (explicit, kept by fp32_set_opt_dtype) and nll_loss, on CUDA's and CPU's fp32 lists alike,
+    on an fp32 copy it saves (`activations.cross_entropy_saved`). Class-index targets without label smoothing
+    (what transformers' heads pass); anything else keeps CPU's whole-loss cast (DIFFERENCE, stated: the label
+    smoothing and probability-target composites are not emulated)."""
+    import torch.nn.functional as F
+
+    low = (torch.float16, torch.bfloat16)
+
+    def wrapper(input: torch.Tensor, target: torch.Tensor, weight: Any = None, size_average: Any = None,
+                ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                label_smoothing: float = 0.0) -> torch.Tensor:
+        if (not torch.is_autocast_enabled("cpu") or not isinstance(input, torch.Tensor) or input.dtype not in low
+                or label_smoothing != 0.0 or target.is_floating_point() or size_average is not None
+                or reduce is not None):
+            return fn(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        with torch.autocast("cpu", enabled=False):
+            log_probs = torch.log_softmax(input, 0 if input.dim() == 1 else 1, dtype=input.dtype)
+        return F.nll_loss(log_probs, target, weight, ignore_index=ignore_index, reduction=reduction)
 
     return wrapper
 
