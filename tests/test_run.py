@@ -93,8 +93,8 @@ def test_a_run_at_one_length_is_the_one_step_replay(checkpointing, grad_accum):
     accumulation more steps add nothing (the same requests land in the same blocks). With accumulation the
     second steady step can take one more segment (BERT b4 x 128: one 60 MiB segment, +2.3 %, since the loss
     keeps its 16-bit log-softmax and fp32 nll_loss input: tests/test_cross_entropy_autocast.py), after which
-    the run holds: the one-step estimate is short by at most that segment (DIFFERENCE, stated in the README's
-    accuracy section)."""
+    the run holds: the one-step estimate is short by at most that segment (DIFFERENCE, stated in
+    docs/runs.md)."""
     t = step_trace("bert-base-uncased", 128, batch=4, checkpointing=checkpointing, grad_accum=grad_accum)
     one = allocator.run(t.events)[0]
     two = rr.replay(run_of([t, t]), compiled_ok=False)

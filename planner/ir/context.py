@@ -97,7 +97,7 @@ class Ctx:
     # Transformer Engine's fused RMSNorm (Framework.fused_norms, Megatron): its input and the fp32 rstd saved
     fused_norms: bool = False
     # the causal LM's logits upcast to fp32 before cross-entropy (transformers' ForCausalLMLoss `logits.float()`;
-    # Framework.loss_fp32): log_softmax's saved output in fp32; False: in the logits' dtype (pure 16-bit)
+    # Framework.loss_fp32): log_softmax's saved output in fp32; False: in the logits' dtype (`cross_entropy_saved`)
     loss_fp32: bool = True
     # F.cross_entropy is ATen's composite `cross_entropy_loss` (torch >= 1.10; aten/src/ATen/native/LossNLL.cpp):
     # log_softmax(self, dim, self.scalar_type()) keeps the logits' own dtype (an explicit dtype, which autocast's

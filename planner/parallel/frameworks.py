@@ -98,7 +98,8 @@ class Framework:
     fused_norms: bool = False
     # The causal LM loss upcasts the logits to fp32 first (transformers' ForCausalLMLoss `logits.float()`), so
     # log_softmax saves (and its backward writes) fp32 n·V tensors. False: cross-entropy on the logits as they
-    # are (16-bit in pure bf16; autocast still runs it in fp32 under amp-*). planner.ir.context.Ctx.loss_fp32.
+    # are (16-bit in pure bf16; under CUDA autocast a 16-bit log-softmax and nll_loss's fp32 copy of it:
+    # planner.memory.activations.cross_entropy_saved). planner.ir.context.Ctx.loss_fp32.
     loss_fp32: bool = True
     # How the framework splits the transformer layers over pipeline model chunks when they do not divide
     # (issue 35; planner.parallel.layer_split has each rule and its source): "even" refuses them.
