@@ -32,6 +32,11 @@ appends JSON lines to its own file in DIR:
 * qlora_profile.jsonl (`qlora_profile`, issue 36): Llama-2-7B b1 and b4 x 512 with checkpointing, NF4 and bf16
   bases: step times over 10 steps, then a profile (kernels, GPU-busy time, ATen calls, bitsandbytes ops and
   their CPU time per step): what settles QLoRA's host cost per 4-bit Linear.
+* xent.jsonl (`xent`, issue 36): `F.cross_entropy` alone on (n, V) logits made by a Linear under autocast
+  (bf16, fp16) and in fp32, on the logits as they are and after `.float()` (transformers' causal LM): every
+  tensor saved for backward (shape, dtype, bytes), the forward's peak over its end and backward's rise over
+  its start. What settles `activations.cross_entropy_saved` on the GPU: a 16-bit log-softmax plus nll_loss's
+  fp32 copy under CUDA autocast, no unsaved copy, one fp32 gradient at the backward peak.
 * env.json, log.txt.
 
 `--device cpu` runs tiny shapes of every section on the CPU (no memory figures): a check of the script itself
@@ -683,6 +688,55 @@ def vocab_row(ctx: dict, row: dict) -> dict:
     return out
 
 
+# ---- cross-entropy under autocast (issue 36: activations.cross_entropy_saved)
+XENT_ROWS = [{"n": n, "V": v, "precision": p, "upcast": up}
+             for n, v in ((16384, 30522), (8192, 151936)) for p in ("amp-bf16", "amp-fp16", "fp32")
+             for up in (False, True) if not (up and p == "fp32")]
+XENT_TINY = {"n": 64, "V": 1000}
+
+
+def xent_row(ctx: dict, row: dict) -> dict:
+    """One cross-entropy on (n, V) logits of a Linear(64, V): saved tensors, forward and backward peaks."""
+    torch, device = ctx["torch"], ctx["device"]
+    meter = Meter(torch, device)
+    n, v = row["n"], row["V"]
+    x = torch.randn(n, 64, device=device, requires_grad=True)
+    w = torch.randn(v, 64, device=device, requires_grad=True)
+    y = torch.randint(0, v, (n,), device=device)
+    saved: list[list[Any]] = []
+
+    def pack(t: Any) -> Any:
+        saved.append([list(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()])
+        return t
+
+    with autocast(torch, device, row["precision"]):
+        logits = torch.nn.functional.linear(x, w)
+        meter.reset()
+        start = meter.read()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(logits.float() if row["upcast"] else logits, y)
+        forward = meter.read()  # the .float() copy, if any, is dropped here as a loss function's local is
+    meter.reset()
+    before = meter.read()
+    loss.backward()
+    backward = meter.read()
+    out = {**row, "logits_dtype": str(logits.dtype).removeprefix("torch."), "loss_dtype": str(loss.dtype).removeprefix("torch."),
+           "saved": [t for t in saved if t[2] >= n * v], "saved_small": [t for t in saved if t[2] < n * v]}
+    if meter.cuda:
+        out |= {"forward_peak_over_end": forward["max_alloc"] - forward["alloc"],
+                "forward_end_over_start": forward["alloc"] - start["alloc"],
+                "backward_rise": backward["max_alloc"] - before["alloc"], "nv": n * v}
+    return out
+
+
+def section_xent(ctx: dict) -> None:
+    for row in XENT_ROWS:
+        if ctx["tiny"]:
+            row = {**row, **XENT_TINY}
+        ctx["fork"](f"xent {row['n']}x{row['V']} {row['precision']} upcast={row['upcast']}", "xent.jsonl", row,
+                    lambda c, r=row: xent_row(c, r), "")
+
+
 def section_vocab(ctx: dict) -> None:
     for row in VOCAB_ROWS:
         if ctx["tiny"]:
@@ -979,7 +1033,7 @@ def guarded(torch: Any, row: dict, fn: Any) -> dict:
 
 
 SECTIONS = ("runs", "lora", "steps", "launch", "traced", "late", "vocab", "qlora_nockpt", "load", "loops", "fsdp",
-            "qlora_profile")
+            "qlora_profile", "xent")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1093,7 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "env.jsonl").unlink()
     sections = {"runs": section_runs, "lora": section_lora, "late": section_late, "vocab": section_vocab,
                 "qlora_nockpt": section_qlora_nockpt, "load": section_load, "loops": section_loops,
-                "fsdp": section_fsdp, "qlora_profile": section_qlora_profile}
+                "fsdp": section_fsdp, "qlora_profile": section_qlora_profile, "xent": section_xent}
     in_child = {"steps": ("steps.jsonl", section_steps), "launch": ("launch.jsonl", section_launch),
                 "traced": ("traced.jsonl", section_traced)}
     for name in args.sections.split(","):
