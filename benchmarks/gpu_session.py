@@ -578,13 +578,18 @@ def quantize_nf4(torch: Any, model: Any, device: Any) -> int:
     return count
 
 
-def _fork_lora_rows(ctx: dict, rows: list[dict], out: str, label: Any) -> None:
-    """Each row through `lora_row` in a fresh process (LoRA, QLoRA and the load path all run it), written to
-    `out`; a tiny run shrinks the batch to 1 x 16 before the row is labelled."""
+def _fork_rows(ctx: dict, rows: list[dict], tiny: dict, out: str, label: Any, measure: Any) -> None:
+    """Each row through `measure(ctx, row)` in a fresh process, written to `out`; a tiny run (--device cpu)
+    overrides the row's fields with `tiny` before the row is labelled."""
     for row in rows:
         if ctx["tiny"]:
-            row = {**row, "b": 1, "s": 16}
-        ctx["fork"](label(row), out, row, lambda c, r=row: lora_row(c, r), "")
+            row = {**row, **tiny}
+        ctx["fork"](label(row), out, row, lambda c, r=row: measure(c, r), "")
+
+
+def _fork_lora_rows(ctx: dict, rows: list[dict], out: str, label: Any) -> None:
+    """Each row through `lora_row` (LoRA, QLoRA and the load path all run it); a tiny run at 1 x 16."""
+    _fork_rows(ctx, rows, {"b": 1, "s": 16}, out, label, lora_row)
 
 
 def section_lora(ctx: dict) -> None:
@@ -730,19 +735,12 @@ def xent_row(ctx: dict, row: dict) -> dict:
 
 
 def section_xent(ctx: dict) -> None:
-    for row in XENT_ROWS:
-        if ctx["tiny"]:
-            row = {**row, **XENT_TINY}
-        ctx["fork"](f"xent {row['n']}x{row['V']} {row['precision']} upcast={row['upcast']}", "xent.jsonl", row,
-                    lambda c, r=row: xent_row(c, r), "")
+    _fork_rows(ctx, XENT_ROWS, XENT_TINY, "xent.jsonl",
+               lambda r: f"xent {r['n']}x{r['V']} {r['precision']} upcast={r['upcast']}", xent_row)
 
 
 def section_vocab(ctx: dict) -> None:
-    for row in VOCAB_ROWS:
-        if ctx["tiny"]:
-            row = {**row, **TINY}
-        ctx["fork"](f"vocab {row['b']}x{row['s']} {row['precision']}", "vocab.jsonl", row,
-                    lambda c, r=row: vocab_row(c, r), "")
+    _fork_rows(ctx, VOCAB_ROWS, TINY, "vocab.jsonl", lambda r: f"vocab {r['b']}x{r['s']} {r['precision']}", vocab_row)
 
 
 def section_qlora_nockpt(ctx: dict) -> None:
