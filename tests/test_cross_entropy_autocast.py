@@ -12,7 +12,6 @@ checked here against each other and against the shared H200 readings' saved byte
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,6 @@ import torch.nn.functional as F
 from planner.ir.context import Ctx
 from planner.memory.activations import cross_entropy_saved, loss_transients
 from planner.program import trace
-
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = ROOT / "results" / "validation" / "h200" / "shared-2026-11-26" / "steps.jsonl"
 
 
 def _saved_by(fn, *args):
@@ -106,26 +102,24 @@ def test_loss_temporaries_follow_what_is_copied_and_saved():
     assert fwd == 4 * n
 
 
-def _shared_rows():
-    rows = [json.loads(line) for line in STEPS.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("status") == "ok" and "saved_bytes_nonparam" in r.get("step1", {})
-            and not r["ckpt"] and r["model"] == "bert-base-uncased"]
+def _shared_bert_rows():
+    """(reading, its steps.jsonl row) for each BERT MLM step without checkpointing (`Reading.index` is the row)."""
+    from planner.probes.readings import SHARED, load_steps
+
+    rows = [json.loads(line) for line in (SHARED / "steps.jsonl").read_text().splitlines() if line.strip()]
+    return [pytest.param(r, rows[r.index], id=r.label) for r in load_steps(SHARED)
+            if r.model == "bert-base-uncased" and not r.config.checkpointing
+            and "saved_bytes_nonparam" in rows[r.index].get("step1", {})]
 
 
-@pytest.mark.parametrize("row", _shared_rows(), ids=lambda r: f"b{r['b']}-s{r['s']}-{r['precision']}-{r['attention']}"
-                         f"-{r['optimizer_impl']}")
-def test_bert_mlm_saved_bytes_and_loss_peaks_match_the_h200(row):
+@pytest.mark.parametrize(("reading", "row"), _shared_bert_rows())
+def test_bert_mlm_saved_bytes_and_loss_peaks_match_the_h200(reading, row):
     """BERT-base MLM on the shared H200 (torch 2.11): the bytes packed for backward (activations and AMP weight
     casts, not parameters), the forward's peak, and how far backward rises above it (the measured rise is
     nll_loss's fp32 gradient under AMP and twice that in fp32: the loss's temporaries). Before the composite
     rule the saved bytes were 1 GB (the 16-bit n·V) short and the forward peak 0.9 GiB high at b32 × 512."""
     from planner.estimate import estimate
-    from planner.probes.readings import SHARED, load_steps
 
-    reading = next(r for r in load_steps(SHARED) if r.model == row["model"] and r.config.batch_size == row["b"]
-                   and r.config.seq_len == row["s"] and r.config.precision == row["precision"]
-                   and r.config.attention == row["attention"] and r.config.optimizer_impl == row["optimizer_impl"]
-                   and not r.config.checkpointing)
     est = estimate(reading.model, reading.config, reading.instance, stack=reading.stack or None)
     saved = est.to_json()["memory_bytes"]["activations"]
     assert saved == pytest.approx(row["step1"]["saved_bytes_nonparam"], rel=0.005)
