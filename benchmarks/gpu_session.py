@@ -483,6 +483,23 @@ def section_runs(ctx: dict) -> None:
                             one_run(c, m, bb, p, ls, k, a), alloc_conf)
 
 
+def host_cpu() -> dict:
+    """The host's CPU: its model name, logical CPUs and the clock the kernel reports. Launch-bound steps are set
+    by it (the H100 readings of 2026-11-26 ran 1.3-2x the H200's wall time on the same small AMP steps, their
+    GPU time about equal), and the planner scales host time by the instance's CPU clock (planner.perf.host):
+    without it a reading's host is an assumption."""
+    info: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    with contextlib.suppress(OSError):
+        text = Path("/proc/cpuinfo").read_text()
+        names = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
+        mhz = [float(line.split(":", 1)[1]) for line in text.splitlines() if line.startswith("cpu MHz")]
+        if names:
+            info["cpu_model"] = names[0]
+        if mhz:
+            info["cpu_mhz_max_reported"] = max(mhz)
+    return info
+
+
 def lora_row(ctx: dict, row: dict) -> dict:
     torch, device, spec = ctx["torch"], ctx["device"], ctx["specs"][row["model"]]
     import peft
@@ -1117,6 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
         except metadata.PackageNotFoundError:
             env[mod] = "unavailable"
     env["sections"] = args.sections
+    env.update(host_cpu())
     log(f"versions: {env}")
 
     def env_section(c: dict) -> dict:
