@@ -12,6 +12,10 @@ Stas Bekman's MAMF figure (results/public/gemm/mamf.csv), not fitted.
 
 Also prints the size law's efficiency for a few GEMM shapes (BERT-base, GPT-2, Llama-3-70B).
 
+Superseded by benchmarks/fit_memory_passes.py, which fits F_1/2 and Hopper's HBM efficiency again together with
+the rate of the passes over mixed dtypes (planner.perf.roofline.ARCH_DYNAMIC_CAST); this script is kept for the
+record of the first fit (its "before" now starts from the current constants).
+
 Usage: python benchmarks/fit_gemm_size.py   (a few minutes on 2 cores)
 """
 

@@ -91,6 +91,13 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    0.4 MiB of the measured (1 GB short before at b32 x 512) and its peak allocated within -0.3 % (+6.7 %).
    The masked-LM models under amp-bf16 move (and roberta-base's LoRA/QLoRA cases, the BERT run): 88 of 347
    estimates, memory only, peak allocated 0 to -10.6 %; no verdict, no step time.
+10. GPT-2's Python gelu_new as autograd runs it (issue 36, `perf.kernels.python_gelu`): under autocast `pow`
+   casts x to fp32 in its own copy kernel, and the backward is autograd's formulas (both products of the last
+   mul, 16-bit gradients cast back, pow's three kernels, the sum of x's three gradients), not one generic
+   pass per forward op: +26 bytes an element per layer under amp-bf16 (70 + 112, was 62 + 94; fp32's total is
+   unchanged, its launches +3). The GPT-2 family moves, step time only (memory unchanged): 99 of 347
+   estimates, +0.01 % to +7.6 %. (Hopper's refit with the mixed-dtype passes' rate, ARCH_DYNAMIC_CAST, moves
+   no estimate here: the grid has no Hopper instance.)
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

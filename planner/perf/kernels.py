@@ -93,7 +93,21 @@ class Kernel:
     # parameter's matmul), "bias_grad", "table_grad" (an embedding table's gradient), "weight_cast" /
     # "bias_cast" (autocast's 16-bit copy of a parameter), "grad_cast" (its gradient cast back to fp32).
     param_work: str = ""
-    block_role: str = ""  # the role (planner.models.blocks) of the block the kernel belongs to
+    block_role: str = ""
+    # An elementwise pass's operand dtypes, (read, written), where `elementwise` built it: whether ATen's CUDA
+    # loop casts per element (`dynamic_cast`), and what its backward reads and writes.
+    dtypes_rw: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    # The backward kernels autograd runs for this op where the generic rule (backward_of) is not what runs
+    # (GPT-2's Python gelu_new under autocast); None: the generic rule.
+    grads: tuple[Kernel, ...] | None = None
+
+    @property
+    def dynamic_cast(self) -> bool:
+        """An elementwise pass over operands of different floating dtypes (bf16 and fp32 under autocast):
+        ATen's CUDA loop then casts each element as it loads and stores it (CUDALoops.cuh gpu_kernel_impl, the
+        `needs_dynamic_casting` branch: launch_unrolled_kernel with LoadWithCast/StoreWithCast, no vector
+        loads), except a float32 -> 16-bit copy (Copy.cu direct_copy_kernel_cuda: gpu_kernel_nocast)."""
+        return needs_dynamic_cast(*self.dtypes_rw)  # the role (planner.models.blocks) of the block the kernel belongs to
 
     @property
     def bytes(self) -> int:
@@ -131,7 +145,19 @@ def elementwise(name: str, numel: int, reads: Iterable[str], writes: Iterable[st
     `writes` written (e.g. add of two fp32: reads=(f32, f32), writes=(f32,))."""
     r = sum(nbytes(d) for d in reads)
     w = sum(nbytes(d) for d in writes)
-    return Kernel(name, "memory_bound", 0, numel * r, numel * w, dtype)
+    return Kernel(name, "memory_bound", 0, numel * r, numel * w, dtype, dtypes_rw=(tuple(reads), tuple(writes)))
+
+
+FLOATS = frozenset({"float32", "bfloat16", "float16"})
+
+
+def needs_dynamic_cast(reads: tuple[str, ...], writes: tuple[str, ...]) -> bool:
+    """Whether ATen's CUDA elementwise loop casts per element (mixed floating dtypes among the operands),
+    i.e. takes the unrolled, unvectorized path; a float32 -> 16-bit copy has its own vectorized kernel."""
+    floats = {d for d in (*reads, *writes) if d in FLOATS}
+    if len(floats) < 2:
+        return False
+    return not (reads == (F32,) and len(writes) == 1 and writes[0] in ("bfloat16", "float16"))
 
 
 def reduction(name: str, numel: int, out: int, dtype: str) -> Kernel:
@@ -161,9 +187,20 @@ def backward_of(k: Kernel) -> list[Kernel]:
         flops = BACKWARD_TO_FORWARD * k.flops + k.flops // 2
         return [_with(k, name=f"{k.name}.backward", flops=flops, bytes_read=k.bytes_read + 2 * k.bytes_written,
                         bytes_written=k.bytes_read, phase="backward")]
+    if k.grads is not None:  # what autograd runs for this op, listed where the op's kernels are built
+        return [_with(g, phase="backward", count=k.count) for g in k.grads]
     # elementwise: read dY and the saved input(s), write dX (the forward's output size)
     return [_with(k, name=f"{k.name}.backward", bytes_read=k.bytes_read + k.bytes_written,
-                    bytes_written=k.bytes_read, phase="backward")]
+                  bytes_written=k.bytes_read, phase="backward", dtypes_rw=backward_dtypes(k.dtypes_rw))]
+
+
+def backward_dtypes(rw: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A pass's backward operand dtypes: a cast's is the reverse cast; any other reads the output's gradient
+    and the saved inputs and writes the inputs' gradients."""
+    reads, writes = rw
+    if len(reads) == 1 and len(writes) == 1:
+        return writes, reads
+    return (*writes, *reads), reads
 
 
 # ----------------------------------------------------------------------------------------- layers
@@ -263,14 +300,40 @@ def activation(name: str, act: str, numel: int, dtype: str, sh: Shapes) -> list[
     """The MLP nonlinearity: one kernel for the C implementations; GPT-2's Python gelu_new is six
     (pow, mul, add, mul, tanh, add, mul·0.5, mul), fp32 under CUDA autocast."""
     if act in ("gelu_new", "gelu_fast"):
-        d = F32 if sh.amp else dtype
-        one = (d,)
-        return [elementwise(f"{name}.pow", numel, (dtype,), one, d), elementwise(f"{name}.mul", numel, one, one, d),
-                elementwise(f"{name}.add", numel, (d, dtype), one, d), elementwise(f"{name}.mul2", numel, one, one, d),
-                elementwise(f"{name}.tanh", numel, one, one, d), elementwise(f"{name}.add1", numel, one, one, d),
-                elementwise(f"{name}.half", numel, (dtype,), (dtype,), dtype),
-                elementwise(f"{name}.mul3", numel, (dtype, d), (d,), d)]
+        return python_gelu(name, numel, dtype, F32 if sh.amp else dtype)
     return [elementwise(name, numel, (dtype,), (dtype,), dtype)]
+
+
+def python_gelu(name: str, numel: int, low: str, d: str) -> list[Kernel]:
+    """transformers' NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), op by op: under CUDA
+    autocast (`d` fp32, x 16-bit) `pow` is on the fp32 list, so x is first cast to fp32 (its own copy kernel)
+    and everything after it is fp32; `x + …` and `0.5x · (…)` mix a 16-bit and an fp32 operand. The backward is
+    what autograd runs (its formulas in tools/autograd/derivatives.yaml): both products of the last mul, the
+    16-bit gradients cast back (the engine casts each input's gradient to that input's dtype), tanh_backward,
+    the scalar products, pow's x²·3·grad (three kernels), and two adds that sum x's three gradients; the
+    generic one-pass-per-op rule undercounted it by about a fifth under autocast."""
+    one, x, cast = (d,), (low,), low != d
+    fwd = [elementwise(f"{name}.half", numel, x, x, low)]
+    if cast:
+        fwd.append(elementwise(f"{name}.to_fp32", numel, x, one, d))
+    fwd += [elementwise(f"{name}.pow", numel, one, one, d), elementwise(f"{name}.mul", numel, one, one, d),
+            elementwise(f"{name}.add", numel, (low, d), one, d), elementwise(f"{name}.mul2", numel, one, one, d),
+            elementwise(f"{name}.tanh", numel, one, one, d), elementwise(f"{name}.add1", numel, one, one, d),
+            elementwise(f"{name}.mul3", numel, (low, d), one, d)]
+    back = [elementwise(f"{name}.mul3.grad_half", numel, (d, d), one, d)]
+    back += [elementwise(f"{name}.mul3.grad_half_cast", numel, one, x, low)] if cast else []
+    back += [elementwise(f"{name}.mul3.grad_factor", numel, (d, low), one, d),
+             elementwise(f"{name}.half.grad", numel, x, x, low),
+             elementwise(f"{name}.tanh.grad", numel, (d, d), one, d),
+             elementwise(f"{name}.mul2.grad", numel, one, one, d)]
+    back += [elementwise(f"{name}.add.grad_cast", numel, one, x, low)] if cast else []
+    back += [elementwise(f"{name}.mul.grad", numel, one, one, d),
+             elementwise(f"{name}.pow.grad_square", numel, one, one, d),
+             elementwise(f"{name}.pow.grad_times3", numel, one, one, d),
+             elementwise(f"{name}.pow.grad", numel, (d, d), one, d)]
+    back += [elementwise(f"{name}.to_fp32.grad", numel, one, x, low)] if cast else []
+    back += [elementwise(f"{name}.grad_sum{i}", numel, (low, low), x, low) for i in (1, 2)]
+    return [_with(fwd[0], grads=tuple(back)), *(_with(k, grads=()) for k in fwd[1:])]
 
 
 def attention(spec: TransformerSpec, sh: Shapes, causal_fraction: float, heads: int | None = None) -> list[Kernel]:

@@ -423,7 +423,8 @@ def stage_table(table: KernelTable, dims: ParallelDims, stage: str, layers: int,
         arr[:, 3] = np.where(table.is_gemm, arr[:, 3] / split, arr[:, 3])
     out = KernelTable(names=table.names, kind=table.kind, phase=table.phase, count=count * keep,
                       launches=table.launches, dtype=table.dtype, is_gemm=table.is_gemm,
-                      is_fused_attention=table.is_fused_attention, base=base, per_b=per_b, roles=table.roles)
+                      is_fused_attention=table.is_fused_attention, base=base, per_b=per_b, roles=table.roles,
+                      dynamic_cast=table.dynamic_cast)
     table.peaks_cache[key] = out
     return out
 

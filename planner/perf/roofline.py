@@ -88,8 +88,10 @@ HOPPER = 9
 # overlap rule. Before this fit: 15 us per launch (ASSUMPTION) and p = infinity (max(gpu, host)).
 CPU_DISPATCH_S = 20e-6
 HOST_OVERLAP_POWER = 2.0
+# Hopper's HBM efficiency (0.65) and the host's two constants were refitted with the mixed passes' rate
+# (ARCH_DYNAMIC_CAST) and F_1/2 by benchmarks/fit_memory_passes.py (see ARCH_DYNAMIC_CAST); the host's stayed.
 ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
-    (HOPPER, 0.45, 0.85, 0.50, 0.275),
+    (HOPPER, 0.45, 0.85, 0.65, 0.275),
 )
 # A 16-bit tensor-core GEMM's efficiency by its size, where an architecture has a row here (replacing that
 # architecture's constant GEMM efficiency for such GEMMs): Hockney's (r_inf, n_1/2) model of a pipelined unit
@@ -109,13 +111,30 @@ ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
 #   H200 readings (results/validation/h200/shared-2026-11-26), r_inf held at the sourced value, jointly with
 #   Hopper's HBM efficiency (fitted with the constant GEMM efficiency this replaces: 0.65 before, now 0.50, the
 #   lower bound of the grid: the fit moves time from the GEMMs into the memory-bound kernels), every other
-#   constant as benchmarks/fit_readings.py fitted it. F_1/2 = 15 GFLOP: 19 us of fixed cost on an H100/H200.
-#   The small models' GEMMs (BERT-base, GPT-2: 5-80 GFLOP) get 0.45-0.67, near the 0.45 the constant gave
-#   them; a 70B model's (0.2-2 TFLOP each) 0.75-0.79, as the MAMF search says large GEMMs reach.
+#   constant as benchmarks/fit_readings.py fitted it. F_1/2 = 15 GFLOP then; refitted to 10 GFLOP (13 us of
+#   fixed cost on an H100/H200) with the mixed passes' rate by benchmarks/fit_memory_passes.py (see
+#   ARCH_DYNAMIC_CAST). The small models' GEMMs (BERT-base b32 s512: 19-80 GFLOP) get 0.53-0.71; a 70B model's
+#   (0.2-2 TFLOP each) 0.76-0.80, as the MAMF search says large GEMMs reach.
 #   The 16-bit GEMM figure of ARCH_EFFICIENCIES (0.45) still times the step-level kernels (time_kernels).
 # Architectures without a row keep their constant efficiency (V100/A100 fitted on BERT-large: 0.625).
 ARCH_GEMM_SIZE: tuple[tuple[int, float, float], ...] = (
-    (HOPPER, 0.80, 15e9),
+    (HOPPER, 0.80, 10e9),
+)
+# Elementwise passes over mixed floating dtypes (a bf16 and an fp32 operand under autocast; a 16-bit -> fp32
+# copy): ATen's CUDA loop (CUDALoops.cuh gpu_kernel_impl, `needs_dynamic_casting`) runs them unrolled with a
+# per-element cast on load and store and no vector loads (launch_unrolled_kernel with LoadWithCast/
+# StoreWithCast; Copy.cu gives only fp32 -> 16-bit copies a vectorized kernel), so each thread keeps few bytes
+# in flight and the pass is bound by the SMs, not the HBM: bytes per SM per clock. The held-out readings agree
+# in kind: a GPT-2 AMP step, half of it such passes, is only 15 % slower on an H100 (3.35 TB/s) than on an
+# H200 (4.8 TB/s); fp32 steps 4 %.
+# FITTED by benchmarks/fit_memory_passes.py on the fit two thirds of the shared H200 readings
+# (results/validation/h200/shared-2026-11-26/steps.jsonl), jointly with Hopper's HBM efficiency, F_1/2 and the
+# host's dispatch cost and overlap (mean |log error| on the fit rows 0.058 -> 0.051): 5.0 bytes per SM-cycle,
+# 1.31 TB/s on 132 SMs at 1,980 MHz, while vectorized passes reach 0.65 of the datasheet (3.1 TB/s on an
+# H200; the fit without this rate sat at its grid's floor, 0.50, averaging the two kinds). Hopper only:
+# no other architecture has readings (elsewhere these passes are timed as any other).
+ARCH_DYNAMIC_CAST: tuple[tuple[int, float], ...] = (
+    (HOPPER, 5.0),
 )
 
 
@@ -169,6 +188,11 @@ class RooflineConstants(BaseModel):
         HOST_OVERLAP_POWER, ge=1,
         description="micro-step = (gpu^p + host^p)^(1/p): how well the GPU's work hides the host's dispatch "
                     "and back (FITTED, see HOST_OVERLAP_POWER)")
+    arch_dynamic_cast: tuple[tuple[int, float], ...] = Field(
+        ARCH_DYNAMIC_CAST,
+        description="per compute-capability major: bytes per SM per clock an elementwise pass over mixed "
+                    "floating dtypes moves at most (ATen's unrolled, per-element-cast loop; FITTED, see "
+                    "ARCH_DYNAMIC_CAST); architectures without a row time those passes as any other")
     allow_tf32: bool = Field(
         False, description="fp32 matmuls on TF32 tensor cores; PyTorch default torch.backends.cuda.matmul."
                            "allow_tf32=False (float32_matmul_precision='highest')")
@@ -214,6 +238,8 @@ class KernelTable:
     # loss); empty for a traced model's table. The model-parallel speed (planner.perf.model_parallel) splits
     # layers over pipeline stages and puts the rest on the first or last one.
     roles: tuple[str, ...] = ()
+    # elementwise passes over mixed floating dtypes (planner.perf.kernels.Kernel.dynamic_cast); empty: none
+    dynamic_cast: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), compare=False)
 
     def at(self, b: int) -> np.ndarray:
         return self.base + self.per_b * b
@@ -246,7 +272,8 @@ def build_table(model: ModelSpec, config: TrainConfig, *, causal_fraction: float
         dtype=tuple(k.dtype for k in one),
         is_gemm=np.array([k.gemm is not None for k in one]),
         is_fused_attention=np.array([is_fused_attention(k) for k in one]),
-        base=v1 - per_b, per_b=per_b, roles=tuple(k.block_role for k in one))
+        base=v1 - per_b, per_b=per_b, roles=tuple(k.block_role for k in one),
+        dynamic_cast=np.array([k.dynamic_cast for k in one], dtype=bool))
 
 
 _TABLES: OrderedDict[tuple, tuple[ModelSpec, KernelTable]] = caches.adopt(
@@ -315,7 +342,8 @@ class KernelTimes:
 
 def gpu_key(gpu: GPU) -> tuple:
     """What the timing reads of a GPU (a GPU changed with model_copy but keeping its name is another GPU)."""
-    return gpu.name, tuple(sorted(gpu.peak_tflops.items())), gpu.memory_bandwidth_gbs, gpu.sm_count
+    return (gpu.name, tuple(sorted(gpu.peak_tflops.items())), gpu.memory_bandwidth_gbs, gpu.sm_count,
+            gpu.boost_clock_mhz, tuple(gpu.compute_capability))
 
 
 def _peaks(table: KernelTable, gpu: GPU, allow_tf32: bool) -> np.ndarray:
@@ -359,6 +387,18 @@ def efficiencies(gpu: GPU, c: RooflineConstants) -> tuple[float, float, float, f
         if row[0] == major:
             return row[1], row[2], row[3], row[4]
     return c.gemm_efficiency, c.cuda_core_gemm_efficiency, c.hbm_efficiency, c.gemm_efficiency
+
+
+def mixed_pass_bandwidth(gpu: GPU, c: RooflineConstants) -> float | None:
+    """Bytes/s an elementwise pass over mixed floating dtypes reaches on this GPU at most (its SMs × clock ×
+    the architecture's bytes per SM-cycle, ARCH_DYNAMIC_CAST), or None where the architecture has no row or
+    the GPU's SM count or clock is unknown."""
+    if not (gpu.sm_count and gpu.boost_clock_mhz):
+        return None
+    for major, per_cycle in c.arch_dynamic_cast:
+        if major == gpu.compute_capability[0]:
+            return gpu.sm_count * gpu.boost_clock_mhz * 1e6 * per_cycle
+    return None
 
 
 def gemm_size_law(gpu: GPU, c: RooflineConstants) -> tuple[float, float] | None:
@@ -410,6 +450,9 @@ def _time_table(table: KernelTable, b: int, gpu: GPU, c: RooflineConstants) -> K
     if law is not None:
         compute = compute + np.where(sized, law[1] / (peaks * law[0]), 0.0)
     memory = nbytes / (gpu.memory_bandwidth_gbs * GB * hbm)
+    mixed = mixed_pass_bandwidth(gpu, c)
+    if mixed is not None and table.dynamic_cast.any():
+        memory = np.where(table.dynamic_cast, nbytes / min(gpu.memory_bandwidth_gbs * GB * hbm, mixed), memory)
     per = np.maximum(compute, memory)
     arrays = (per * table.count, c.kernel_gap_s * table.launches * table.count, memory >= compute)
     for a in arrays:  # shared through the cache: read-only
@@ -423,8 +466,10 @@ def time_kernels(kernels: tuple[Kernel, ...] | list[Kernel], gpu: GPU, c: Roofli
     launches). They are memory-bound passes: bytes / achievable bandwidth."""
     secs = gap = mem = launches = 0.0
     gemm, cuda_core, hbm, tf32 = efficiencies(gpu, c)
+    mixed = mixed_pass_bandwidth(gpu, c)
     for k in kernels:
-        t_mem = k.bytes / (gpu.memory_bandwidth_gbs * GB * hbm)
+        bandwidth = gpu.memory_bandwidth_gbs * GB * hbm
+        t_mem = k.bytes / (min(bandwidth, mixed) if mixed is not None and k.dynamic_cast else bandwidth)
         eff = (gemm, cuda_core, tf32)[unit_of(gpu, k.dtype, c.allow_tf32)]
         t_fl = k.flops / (peak_for(gpu, k.dtype, c.allow_tf32) * TFLOP * eff) if k.flops else 0.0
         t = max(t_mem, t_fl) * k.count

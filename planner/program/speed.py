@@ -131,6 +131,15 @@ def cuda_rows(ops: list[OpRecord]) -> list[tuple[OpRecord, tuple]]:
     return out
 
 
+def traced_dynamic_cast(op: OpRecord) -> bool:
+    """A traced elementwise op over mixed floating dtypes (planner.perf.kernels.needs_dynamic_cast)."""
+    from planner.perf.kernels import needs_dynamic_cast
+
+    reads = tuple(str(m.dtype).replace("torch.", "") for m in op.inputs if hasattr(m, "dtype"))
+    writes = tuple(str(m.dtype).replace("torch.", "") for m in op.outputs if hasattr(m, "dtype"))
+    return needs_dynamic_cast(reads, writes)
+
+
 def kernel_table(trace: StepTrace) -> KernelTable:
     """The micro-step's kernels (forward, backward, recompute) of a trace, at its own batch size (per_b = 0)."""
     pairs = cuda_rows([op for op in trace.ops if op.kernel and op.phase in ("forward", "backward")])
@@ -146,7 +155,9 @@ def kernel_table(trace: StepTrace) -> KernelTable:
         dtype=tuple(d for _, d, *_ in rows),
         is_gemm=np.array([g is not None for _, _, g, *_ in rows], dtype=bool),
         is_fused_attention=np.array([k == "attention" for k, *_ in rows], dtype=bool),
-        base=base, per_b=np.zeros_like(base))
+        base=base, per_b=np.zeros_like(base),
+        dynamic_cast=np.array([k == "memory_bound" and traced_dynamic_cast(op) for op, (k, *_) in pairs],
+                              dtype=bool))
 
 
 _TABLES: dict[int, tuple[StepTrace, KernelTable]] = caches.table("planner.program.speed._TABLES", scope="model",
