@@ -751,6 +751,55 @@ def xent_row(ctx: dict, row: dict) -> dict:
     return out
 
 
+# ---- elementwise passes by operand dtypes (issue 36: planner.perf.roofline ARCH_DYNAMIC_CAST, Hopper's HBM)
+# (name, operand dtypes read, dtype written): a vectorized pass of each width, the mixed passes of autocast
+# (CUDALoops.cuh `needs_dynamic_casting`), and the two casts (Copy.cu: only fp32 -> 16-bit is vectorized).
+PASSES = [("add", ("float32", "float32"), "float32"), ("add", ("bfloat16", "bfloat16"), "bfloat16"),
+          ("add", ("bfloat16", "float32"), "float32"), ("mul", ("float32", "bfloat16"), "float32"),
+          ("copy", ("float32",), "bfloat16"), ("copy", ("bfloat16",), "float32"),
+          ("tanh", ("float32",), "float32"), ("sigmoid", ("bfloat16",), "bfloat16")]
+PASS_ROWS = [{"op": op, "reads": list(reads), "writes": w, "numel": n}
+             for op, reads, w in PASSES for n in (1 << 22, 1 << 25, 1 << 28)]
+PASS_TINY = {"numel": 1 << 12}
+
+
+def pass_row(ctx: dict, row: dict) -> dict:
+    """One elementwise pass over `numel` elements, timed with CUDA events over 20 repeats after 3 warm-up
+    runs: seconds per pass and bytes moved per second (its operands read once, its output written once)."""
+    torch, device = ctx["torch"], ctx["device"]
+    dt = {name: getattr(torch, name) for name in ("float32", "bfloat16")}
+    n = row["numel"]
+    xs = [torch.randn(n, device=device).to(dt[d]) for d in row["reads"]]
+    out = torch.empty(n, device=device, dtype=dt[row["writes"]])
+    run = {"add": lambda: torch.add(xs[0], xs[1], out=out), "mul": lambda: torch.mul(xs[0], xs[1], out=out),
+           "copy": lambda: out.copy_(xs[0]), "tanh": lambda: torch.tanh(xs[0], out=out),
+           "sigmoid": lambda: torch.sigmoid(xs[0], out=out)}[row["op"]]
+    nbytes = sum(x.numel() * x.element_size() for x in xs) + out.numel() * out.element_size()
+    for _ in range(3):
+        run()
+    reps = 20
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / reps
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        seconds = (time.perf_counter() - t0) / reps
+    return {**row, "bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds}
+
+
+def section_passes(ctx: dict) -> None:
+    _fork_rows(ctx, PASS_ROWS, PASS_TINY, "passes.jsonl",
+               lambda r: f"pass {r['op']} {'+'.join(r['reads'])}->{r['writes']} n={r['numel']}", pass_row)
+
+
 def section_xent(ctx: dict) -> None:
     _fork_rows(ctx, XENT_ROWS, XENT_TINY, "xent.jsonl",
                lambda r: f"xent {r['n']}x{r['V']} {r['precision']} upcast={r['upcast']}", xent_row)
@@ -1048,7 +1097,7 @@ def guarded(torch: Any, row: dict, fn: Any) -> dict:
 
 
 SECTIONS = ("runs", "lora", "steps", "launch", "traced", "late", "vocab", "qlora_nockpt", "load", "loops", "fsdp",
-            "qlora_profile", "xent")
+            "qlora_profile", "xent", "passes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1163,7 +1212,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "env.jsonl").unlink()
     sections = {"runs": section_runs, "lora": section_lora, "late": section_late, "vocab": section_vocab,
                 "qlora_nockpt": section_qlora_nockpt, "load": section_load, "loops": section_loops,
-                "fsdp": section_fsdp, "qlora_profile": section_qlora_profile, "xent": section_xent}
+                "fsdp": section_fsdp, "qlora_profile": section_qlora_profile, "xent": section_xent,
+                "passes": section_passes}
     in_child = {"steps": ("steps.jsonl", section_steps), "launch": ("launch.jsonl", section_launch),
                 "traced": ("traced.jsonl", section_traced)}
     for name in args.sections.split(","):

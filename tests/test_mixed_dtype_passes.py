@@ -108,3 +108,28 @@ def test_mixed_passes_are_bound_by_the_sms_on_hopper():
     a100 = get_instance("ml.p4d.24xlarge").gpu
     assert mixed_pass_bandwidth(a100, c) is None
     assert seconds(mixed, a100) / seconds(plain, a100) == pytest.approx(mixed.bytes / plain.bytes)
+
+
+def test_pass_readings_compare_each_pass_with_its_kind(tmp_path):
+    """benchmarks/passes_readings.py reads gpu_session's passes.jsonl: each pass timed as the planner times
+    it, mixed passes flagged. Rows made at half and twice the planner's time must read -50 % and +100 %."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import passes_readings
+
+    h200 = get_instance("ml.p5e.48xlarge").gpu
+    rows = []
+    for op, reads, writes, factor in (("add", ["bfloat16", "float32"], "float32", 2.0),
+                                      ("copy", ["float32"], "bfloat16", 0.5)):
+        k = elementwise(op, 1 << 24, tuple(reads), (writes,), writes)
+        secs = time_kernels([k], h200, ThroughputConstants())[0] * factor
+        rows.append({"status": "ok", "op": op, "reads": reads, "writes": writes, "numel": 1 << 24,
+                     "bytes": k.bytes, "seconds": secs, "bytes_per_s": k.bytes / secs})
+    (tmp_path / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200"}))
+    (tmp_path / "passes.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = passes_readings.compare(tmp_path)
+    assert [r["mixed"] for r in out] == [True, False]
+    assert [round(r["error"], 6) for r in out] == [-0.5, 1.0]
