@@ -98,6 +98,10 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    unchanged, its launches +3). The GPT-2 family moves, step time only (memory unchanged): 99 of 347
    estimates, +0.01 % to +7.6 %. (Hopper's refit with the mixed-dtype passes' rate, ARCH_DYNAMIC_CAST, moves
    no estimate here: the grid has no Hopper instance.)
+11. A traced model's bool attention mask becomes SDPA's additive bias as one `where` into the query's dtype
+   (`program.trace.additive_mask`, what torch dispatches for attention.cpp's convert_boolean_attn_mask; the
+   tracer had a logical_not, a `where` into fp32 and a cast). Only the traced BART case moves: step time
+   -1.1 %, memory unchanged.
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

@@ -458,6 +458,15 @@ def cuda_cross_entropy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive bias SDPA makes of it (attention.cpp `convert_boolean_attn_mask`): one
+    `where` between two 0-dim tensors of the query's dtype, so one kernel writing the bias in that dtype (what
+    torch 2.13 dispatches on the CPU, whose SDPA calls the same function; tests/test_sdpa_mask.py). The tracer
+    had written it as logical_not, a `where` into fp32 and a cast: two more kernels and an fp32 b·s² transient
+    per attention call."""
+    return torch.where(mask, torch.scalar_tensor(0.0, dtype=dtype), torch.scalar_tensor(float("-inf"), dtype=dtype))
+
+
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
               attention: str, flash_ok: bool):
     """SDPA through the CUDA kernel's own op. Bool masks become an additive bias in the query dtype
@@ -486,7 +495,7 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         # the composite ATen runs on both devices (it upcasts 16-bit inputs itself: cuda.sdpa_math_dtype);
         # bool masks are converted first, as attention.cpp does before calling it
         if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+            attn_mask = additive_mask(attn_mask, query.dtype)
         return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p,
                                                                  is_causal, scale=scale)[0]
     if kernel == "flash":
@@ -495,7 +504,7 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     bias = attn_mask
     if bias is not None:
         if bias.dtype == torch.bool:
-            bias = torch.where(bias.logical_not(), float("-inf"), 0.0).to(query.dtype)
+            bias = additive_mask(bias, query.dtype)
         last = bias.shape[-1]
         if last % EFFICIENT_BIAS_ALIGN:
             pad = EFFICIENT_BIAS_ALIGN - last % EFFICIENT_BIAS_ALIGN
