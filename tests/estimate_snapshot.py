@@ -102,6 +102,11 @@ Deliberate changes since the pre-refactor fixture (each regenerated the fixture 
    (`program.trace.additive_mask`, what torch dispatches for attention.cpp's convert_boolean_attn_mask; the
    tracer had a logical_not, a `where` into fp32 and a cast). Only the traced BART case moves: step time
    -1.1 %, memory unchanged.
+12. Checkpointing under autocast casts each layer's weights to 16 bits again in the recomputation (its
+   autocast region starts with an empty cast cache: torch/utils/checkpoint.py, autocast_mode.py's __exit__),
+   timed as recompute kernels (`perf.kernels.block_kernels`). 87 estimates move (every amp-bf16 case with
+   checkpointing, and the three LoRA ones), step time only: +0.1 % (Llama on 4 A10G) to +10.3 % (RoBERTa LoRA;
+   the small models under ZeRO-3 on 8 A100s +9-10 %, their recompute launch-bound).
 
 Regenerate (from the repository root, ~1-2 minutes on 2 cores):
 

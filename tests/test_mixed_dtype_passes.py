@@ -133,3 +133,20 @@ def test_pass_readings_compare_each_pass_with_its_kind(tmp_path):
     out = passes_readings.compare(tmp_path)
     assert [r["mixed"] for r in out] == [True, False]
     assert [round(r["error"], 6) for r in out] == [-0.5, 1.0]
+
+
+@pytest.mark.parametrize(("precision", "checkpointing", "recast"), [
+    ("amp-bf16", True, True), ("amp-bf16", False, False), ("fp32", True, False)])
+def test_checkpointing_under_autocast_casts_the_weights_again(precision, checkpointing, recast):
+    """The recomputation runs in an autocast region of its own whose cast cache starts empty, so each layer
+    casts its weights to 16 bits again: as many recompute casts as forward casts of the layers, and none
+    without autocast or without recomputation."""
+    from planner.models.catalog import cached_model
+    from planner.perf.kernels import training_kernels
+
+    cfg = TrainConfig(batch_size=2, seq_len=128, precision=precision, checkpointing=checkpointing)
+    ks = training_kernels(cached_model("bert-base-uncased"), cfg)
+    casts = {ph: sum(k.count for k in ks if k.phase == ph and k.param_work in ("weight_cast", "bias_cast")
+                     and k.block_role == "layer") for ph in ("forward", "recompute")}
+    assert casts["recompute"] == (casts["forward"] if recast else 0)
+    assert casts["forward"] == (0 if precision == "fp32" else 12 * 12)  # 6 Linears, weight and bias, 12 layers

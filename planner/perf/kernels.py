@@ -548,7 +548,11 @@ def block_kernels(block: Block, model: ModelSpec, sh: Shapes, config: TrainConfi
 
     mode, modules = recompute_mode(config)
     if mode == "full" and block.role == "layer" and isinstance(layer, TransformerSpec):
-        ks += recompute_of(layer, fwd)
+        # the recomputation runs in an autocast region of its own (torch/utils/checkpoint.py restores the
+        # forward's autocast state around it), whose cast cache starts empty: the outermost region's exit
+        # cleared the forward's (torch/amp/autocast_mode.py __exit__: clear_autocast_cache), so every weight
+        # is cast to 16 bits again
+        ks += recompute_of(layer, fwd) + [_with(k, name=f"{k.name}.recompute", phase="recompute") for k in casts]
     if mode == "selective" and block.role == "layer" and isinstance(layer, TransformerSpec):
         ks += selective_recompute(block, model, sh, causal_fraction, modules)
     return [_with(k, block_role=block.role) for k in ks]

@@ -113,7 +113,8 @@ ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
 #   lower bound of the grid: the fit moves time from the GEMMs into the memory-bound kernels), every other
 #   constant as benchmarks/fit_readings.py fitted it. F_1/2 = 15 GFLOP then; refitted to 10 GFLOP (13 us of
 #   fixed cost on an H100/H200) with the mixed passes' rate by benchmarks/fit_memory_passes.py (see
-#   ARCH_DYNAMIC_CAST). The small models' GEMMs (BERT-base b32 s512: 19-80 GFLOP) get 0.53-0.71; a 70B model's
+#   ARCH_DYNAMIC_CAST; the readings barely tell 2.5-10 GFLOP apart, and the script keeps the largest of the
+#   tied values). The small models' GEMMs (BERT-base b32 s512: 19-80 GFLOP) get 0.53-0.71; a 70B model's
 #   (0.2-2 TFLOP each) 0.76-0.80, as the MAMF search says large GEMMs reach.
 #   The 16-bit GEMM figure of ARCH_EFFICIENCIES (0.45) still times the step-level kernels (time_kernels).
 # Architectures without a row keep their constant efficiency (V100/A100 fitted on BERT-large: 0.625).
@@ -129,7 +130,7 @@ ARCH_GEMM_SIZE: tuple[tuple[int, float, float], ...] = (
 # H200 (4.8 TB/s); fp32 steps 4 %.
 # FITTED by benchmarks/fit_memory_passes.py on the fit two thirds of the shared H200 readings
 # (results/validation/h200/shared-2026-11-26/steps.jsonl), jointly with Hopper's HBM efficiency, F_1/2 and the
-# host's dispatch cost and overlap (mean |log error| on the fit rows 0.058 -> 0.051): 5.0 bytes per SM-cycle,
+# host's dispatch cost and overlap (mean |log error| on the fit rows 0.058 -> 0.050): 5.0 bytes per SM-cycle,
 # 1.31 TB/s on 132 SMs at 1,980 MHz, while vectorized passes reach 0.65 of the datasheet (3.1 TB/s on an
 # H200; the fit without this rate sat at its grid's floor, 0.50, averaging the two kinds). Hopper only:
 # no other architecture has readings (elsewhere these passes are timed as any other).
