@@ -7,8 +7,9 @@ Why a rate per SM for the mixed passes: ATen's CUDA elementwise loop casts each 
 the operands' floating dtypes differ (bf16 and fp32 under autocast: CUDALoops.cuh gpu_kernel_impl, the
 `needs_dynamic_casting` branch, launch_unrolled_kernel with LoadWithCast/StoreWithCast: no vector loads), so
 few bytes are in flight per thread and the pass is bound by the SMs (their count and clock), not the HBM's
-datasheet bandwidth; the same step is only ~15 % slower on an H100 (3.35 TB/s) than on an H200 (4.8 TB/s)
-when half its time is such passes (results/validation/*/measured-2026-11-26, held out: read, never fitted).
+datasheet bandwidth; a GPT-2 AMP step is only ~15 % slower on an H100 (3.35 TB/s) than on an H200 (4.8 TB/s)
+when over 40 % of its memory-bound time is such passes (results/validation/*/measured-2026-11-26, held out:
+read, never fitted).
 
 What is fitted, and on what: on the fit two thirds of results/validation/h200/shared-2026-11-26/steps.jsonl
 (planner.probes.readings.fit_split), minimising the mean |log(predicted / measured)| as

@@ -93,7 +93,7 @@ class Kernel:
     # parameter's matmul), "bias_grad", "table_grad" (an embedding table's gradient), "weight_cast" /
     # "bias_cast" (autocast's 16-bit copy of a parameter), "grad_cast" (its gradient cast back to fp32).
     param_work: str = ""
-    block_role: str = ""
+    block_role: str = ""  # the role (planner.models.blocks) of the block the kernel belongs to
     # An elementwise pass's operand dtypes, (read, written), where `elementwise` built it: whether ATen's CUDA
     # loop casts per element (`dynamic_cast`), and what its backward reads and writes.
     dtypes_rw: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
@@ -107,7 +107,7 @@ class Kernel:
         ATen's CUDA loop then casts each element as it loads and stores it (CUDALoops.cuh gpu_kernel_impl, the
         `needs_dynamic_casting` branch: launch_unrolled_kernel with LoadWithCast/StoreWithCast, no vector
         loads), except a float32 -> 16-bit copy (Copy.cu direct_copy_kernel_cuda: gpu_kernel_nocast)."""
-        return needs_dynamic_cast(*self.dtypes_rw)  # the role (planner.models.blocks) of the block the kernel belongs to
+        return needs_dynamic_cast(*self.dtypes_rw)
 
     @property
     def bytes(self) -> int:

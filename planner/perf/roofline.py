@@ -88,8 +88,8 @@ HOPPER = 9
 # overlap rule. Before this fit: 15 us per launch (ASSUMPTION) and p = infinity (max(gpu, host)).
 CPU_DISPATCH_S = 20e-6
 HOST_OVERLAP_POWER = 2.0
-# Hopper's HBM efficiency (0.65) and the host's two constants were refitted with the mixed passes' rate
-# (ARCH_DYNAMIC_CAST) and F_1/2 by benchmarks/fit_memory_passes.py (see ARCH_DYNAMIC_CAST); the host's stayed.
+# Hopper's HBM efficiency (0.65, for vectorized passes) was refitted by benchmarks/fit_memory_passes.py together
+# with the mixed passes' rate, F_1/2 and the host's two constants, which stayed (see ARCH_DYNAMIC_CAST).
 ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
     (HOPPER, 0.45, 0.85, 0.65, 0.275),
 )
@@ -109,7 +109,7 @@ ARCH_EFFICIENCIES: tuple[tuple[int, float, float, float, float], ...] = (
 #   seconds: prologue, pipeline fill, epilogue, the tail of the last wave, the clock's ramp, and what eager
 #   PyTorch loses around each GEMM) FITTED by benchmarks/fit_gemm_size.py on the fit two thirds of the shared
 #   H200 readings (results/validation/h200/shared-2026-11-26), r_inf held at the sourced value, jointly with
-#   Hopper's HBM efficiency (fitted with the constant GEMM efficiency this replaces: 0.65 before, now 0.50, the
+#   Hopper's HBM efficiency (fitted with the constant GEMM efficiency this replaces: 0.65 before, then 0.50, the
 #   lower bound of the grid: the fit moves time from the GEMMs into the memory-bound kernels), every other
 #   constant as benchmarks/fit_readings.py fitted it. F_1/2 = 15 GFLOP then; refitted to 10 GFLOP (13 us of
 #   fixed cost on an H100/H200) with the mixed passes' rate by benchmarks/fit_memory_passes.py (see
@@ -126,8 +126,8 @@ ARCH_GEMM_SIZE: tuple[tuple[int, float, float], ...] = (
 # per-element cast on load and store and no vector loads (launch_unrolled_kernel with LoadWithCast/
 # StoreWithCast; Copy.cu gives only fp32 -> 16-bit copies a vectorized kernel), so each thread keeps few bytes
 # in flight and the pass is bound by the SMs, not the HBM: bytes per SM per clock. The held-out readings agree
-# in kind: a GPT-2 AMP step, half of it such passes, is only 15 % slower on an H100 (3.35 TB/s) than on an
-# H200 (4.8 TB/s); fp32 steps 4 %.
+# in kind: a GPT-2 AMP step (b32 x 1024: a quarter of its memory-bound bytes, over 40 % of their time, in such
+# passes) is only 15 % slower on an H100 (3.35 TB/s) than on an H200 (4.8 TB/s); its fp32 step 4 %.
 # FITTED by benchmarks/fit_memory_passes.py on the fit two thirds of the shared H200 readings
 # (results/validation/h200/shared-2026-11-26/steps.jsonl), jointly with Hopper's HBM efficiency, F_1/2 and the
 # host's dispatch cost and overlap (mean |log error| on the fit rows 0.058 -> 0.050): 5.0 bytes per SM-cycle,
