@@ -390,10 +390,11 @@ def section_traced(ctx: dict) -> None:
             torch, device, r, bld, lambda: hf_batch(h["conf"], r["b"], r["s"], device), ctx["timed_steps"])))
 
 
-def profile_steps(torch: Any, device: Any, step: Any, steps: int) -> dict[str, float]:
+def profile_steps(torch: Any, device: Any, step: Any, steps: int, top: int = 0) -> dict[str, Any]:
     """torch.profiler over `steps` steps: CUDA kernels launched, GPU-busy seconds (sum of kernel time) and
     ATen calls per step; bitsandbytes' custom ops (`bitsandbytes::*`: dequantize, gemm_4bit) per step and
-    their CPU seconds (self time plus what they call: the host cost of a 4-bit Linear beyond its kernels)."""
+    their CPU seconds (self time plus what they call: the host cost of a 4-bit Linear beyond its kernels);
+    with `top`, the `top` costliest CUDA kernels (name, launches and seconds per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -403,19 +404,25 @@ def profile_steps(torch: Any, device: Any, step: Any, steps: int) -> dict[str, f
         if device.type == "cuda":
             torch.cuda.synchronize()
     kernels = busy_us = aten = bnb = bnb_cpu_us = 0
+    costly: list[tuple[float, str, int]] = []
     for e in prof.key_averages():
         if "CUDA" in str(getattr(e, "device_type", "")):
             kernels += e.count
-            busy_us += (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-                        or 0)
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+            busy_us += us
+            costly.append((us, e.key, e.count))
         elif e.key.startswith("aten::"):
             aten += e.count
         elif e.key.startswith("bitsandbytes::"):
             bnb += e.count
             bnb_cpu_us += getattr(e, "cpu_time_total", 0) or 0
-    return {"kernels_per_step": kernels / steps, "gpu_busy_s_per_step": busy_us / 1e6 / steps,
-            "aten_calls_per_step": aten / steps, "bnb_calls_per_step": bnb / steps,
-            "bnb_cpu_s_per_step": bnb_cpu_us / 1e6 / steps}
+    out: dict[str, Any] = {"kernels_per_step": kernels / steps, "gpu_busy_s_per_step": busy_us / 1e6 / steps,
+                           "aten_calls_per_step": aten / steps, "bnb_calls_per_step": bnb / steps,
+                           "bnb_cpu_s_per_step": bnb_cpu_us / 1e6 / steps}
+    if top:
+        out["top_kernels"] = [[name[:120], count / steps, us / 1e6 / steps]
+                              for us, name, count in sorted(costly, reverse=True)[:top]]
+    return out
 
 
 def section_launch(ctx: dict) -> None:
@@ -1069,6 +1076,11 @@ def fsdp_row(ctx: dict, row: dict) -> dict:
         out["step2"] = train_step(torch, model, opt, batch, precision, device, None, meter)
         times = timed(torch, lambda: train_step(torch, model, opt, batch, precision, device, None), 3, warmup=0)
         out["step_times_s"], out["step_time_s"] = times, statistics.median(times)
+        # where FSDP's time goes (issue 36: the planner is 10-42 % fast on these rows): kernels, GPU-busy time
+        # against the wall, ATen calls, and the costliest kernels (the copy-in/copy-out and casts among them)
+        prof = profile_steps(torch, device, lambda: train_step(torch, model, opt, batch, precision, device, None), 2,
+                             top=15)
+        out.update({k: v for k, v in prof.items() if not k.startswith("bnb_")})
         return out
     finally:
         dist.destroy_process_group()
