@@ -807,6 +807,60 @@ def section_passes(ctx: dict) -> None:
                lambda r: f"pass {r['op']} {'+'.join(r['reads'])}->{r['writes']} n={r['numel']}", pass_row)
 
 
+# ---- the caching allocator's segments, phase by phase (issue 36: the reserved rows the replay misses)
+# (model, micro-batch, length, precision, attention): BERT-base fp32 b8 x 128 is one ~120 MiB segment short on
+# all four readings (step 2's forward takes a segment step 1 left none free for); GPT-2 AMP eager and the
+# multimodal BERT AMP are 3-6 % short.
+SEGMENT_ROWS = [{"model": "bert-base-uncased", "b": 8, "s": 128, "precision": "fp32", "attention": "sdpa"},
+                {"model": "gpt2", "b": 8, "s": 1024, "precision": "amp-bf16", "attention": "eager"},
+                {"model": "multimodal-bert", "b": 8, "s": 512, "precision": "amp-bf16", "attention": "sdpa"}]
+
+
+def segments_now(torch: Any) -> list[list[Any]]:
+    """Every segment the caching allocator holds: [bytes, bytes allocated in it, pool ("small"/"large"),
+    its blocks' sizes, each negative when free] (torch.cuda.memory_snapshot; [] on the CPU)."""
+    if not torch.cuda.is_available():
+        return []
+    return [[seg["total_size"], seg["allocated_size"], seg.get("segment_type", ""),
+             [b["size"] if b["state"] == "active_allocated" else -b["size"] for b in seg["blocks"]]]
+            for seg in sorted(torch.cuda.memory_snapshot(), key=lambda x: x["address"])]
+
+
+def segments_row(ctx: dict, row: dict) -> dict:
+    """Two steps of the loss-only loop (`loss_fn` returns the loss alone; as the held-out readings' steps), the
+    segments after each phase: what the planner's allocator replay (planner.memory.allocator) is compared with
+    segment by segment."""
+    torch, device, spec = ctx["torch"], ctx["device"], ctx["specs"][row["model"]]
+    model = build_catalog(spec, row["attention"], False, device)
+    batch = catalog_batch(spec, row["b"], row["s"], device)
+    opt = make_optimizer(torch, model.parameters(), "foreach")
+    scaler = torch.amp.GradScaler() if row["precision"] == "amp-fp16" else None
+    out: dict[str, Any] = {**row, "loop": "loss-only", "load": segments_now(torch)}
+    for step in (1, 2):
+        phases: dict[str, Any] = {}
+        meter = Meter(torch, device)
+        with autocast(torch, device, row["precision"]):
+            loss = loss_fn(model, batch)
+        phases["forward"] = {**meter.read(), "segments": segments_now(torch)}
+        (scaler.scale(loss) if scaler else loss).backward()
+        phases["backward"] = {**meter.read(), "segments": segments_now(torch)}
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        phases["optimizer"] = {**meter.read(), "segments": segments_now(torch)}
+        del loss
+        out[f"step{step}"] = phases
+    return out
+
+
+def section_segments(ctx: dict) -> None:
+    _fork_rows(ctx, SEGMENT_ROWS, {"b": 2, "s": 16}, "segments.jsonl",
+               lambda r: f"segments {r['model']} b{r['b']} s{r['s']} {r['precision']}", segments_row)
+
+
 def section_xent(ctx: dict) -> None:
     _fork_rows(ctx, XENT_ROWS, XENT_TINY, "xent.jsonl",
                lambda r: f"xent {r['n']}x{r['V']} {r['precision']} upcast={r['upcast']}", xent_row)
@@ -1109,7 +1163,7 @@ def guarded(torch: Any, row: dict, fn: Any) -> dict:
 
 
 SECTIONS = ("runs", "lora", "steps", "launch", "traced", "late", "vocab", "qlora_nockpt", "load", "loops", "fsdp",
-            "qlora_profile", "xent", "passes")
+            "qlora_profile", "xent", "passes", "segments")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1225,7 +1279,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {"runs": section_runs, "lora": section_lora, "late": section_late, "vocab": section_vocab,
                 "qlora_nockpt": section_qlora_nockpt, "load": section_load, "loops": section_loops,
                 "fsdp": section_fsdp, "qlora_profile": section_qlora_profile, "xent": section_xent,
-                "passes": section_passes}
+                "passes": section_passes, "segments": section_segments}
     in_child = {"steps": ("steps.jsonl", section_steps), "launch": ("launch.jsonl", section_launch),
                 "traced": ("traced.jsonl", section_traced)}
     for name in args.sections.split(","):
