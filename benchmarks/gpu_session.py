@@ -37,7 +37,11 @@ appends JSON lines to its own file in DIR:
   tensor saved for backward (shape, dtype, bytes), the forward's peak over its end and backward's rise over
   its start. What settles `activations.cross_entropy_saved` on the GPU: a 16-bit log-softmax plus nll_loss's
   fp32 copy under CUDA autocast, no unsaved copy, one fp32 gradient at the backward peak.
-* env.json, log.txt.
+* passes.jsonl (`passes`, issue 36): eight elementwise passes (fp32 and bf16, mixed bf16/fp32, both casts) at
+  4 M, 32 M and 256 M elements, timed with CUDA events: bytes per second, for benchmarks/passes_readings.py.
+* segments.jsonl (`segments`, issue 36): two steps of three configurations whose reserved pool the replay
+  misses, the caching allocator's segments after every phase (torch.cuda.memory_snapshot).
+* env.json (with the host's CPU), log.txt.
 
 `--device cpu` runs tiny shapes of every section on the CPU (no memory figures): a check of the script itself
 before it spends GPU time.
@@ -826,33 +830,26 @@ def segments_now(torch: Any) -> list[list[Any]]:
             for seg in sorted(torch.cuda.memory_snapshot(), key=lambda x: x["address"])]
 
 
+class SegmentMeter(Meter):
+    """A Meter whose every reading also lists the allocator's segments (`segments_now`)."""
+
+    def read(self) -> dict[str, Any]:
+        return {**super().read(), "segments": segments_now(self.torch)}
+
+
 def segments_row(ctx: dict, row: dict) -> dict:
-    """Two steps of the loss-only loop (`loss_fn` returns the loss alone; as the held-out readings' steps), the
-    segments after each phase: what the planner's allocator replay (planner.memory.allocator) is compared with
-    segment by segment."""
+    """Two steps of `train_step` (its loss-only loop: `loss_fn` returns the loss alone, as in the held-out
+    readings' steps), the segments after each phase: what the planner's allocator replay
+    (planner.memory.allocator) is compared with segment by segment."""
     torch, device, spec = ctx["torch"], ctx["device"], ctx["specs"][row["model"]]
     model = build_catalog(spec, row["attention"], False, device)
     batch = catalog_batch(spec, row["b"], row["s"], device)
     opt = make_optimizer(torch, model.parameters(), "foreach")
     scaler = torch.amp.GradScaler() if row["precision"] == "amp-fp16" else None
+    meter = SegmentMeter(torch, device)
     out: dict[str, Any] = {**row, "loop": "loss-only", "load": segments_now(torch)}
     for step in (1, 2):
-        phases: dict[str, Any] = {}
-        meter = Meter(torch, device)
-        with autocast(torch, device, row["precision"]):
-            loss = loss_fn(model, batch)
-        phases["forward"] = {**meter.read(), "segments": segments_now(torch)}
-        (scaler.scale(loss) if scaler else loss).backward()
-        phases["backward"] = {**meter.read(), "segments": segments_now(torch)}
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        phases["optimizer"] = {**meter.read(), "segments": segments_now(torch)}
-        del loss
-        out[f"step{step}"] = phases
+        out[f"step{step}"] = train_step(torch, model, opt, batch, row["precision"], device, scaler, meter)
     return out
 
 
