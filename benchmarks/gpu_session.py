@@ -28,7 +28,8 @@ appends JSON lines to its own file in DIR:
   step) and wall time.
 * fsdp.jsonl (`fsdp`): a Llama-style model of 0.85 B parameters on one GPU in a one-process group: plain + autocast,
   FSDP2 (fully_shard) with and without a MixedPrecisionPolicy, without resharding after forward, LoRA on a
-  bf16 base, and FSDP1 with MixedPrecision; phase peaks of steps 1 and 2 and the step time.
+  bf16 base, and FSDP1 with MixedPrecision; phase peaks of steps 1 and 2, the step time, and a profile of two
+  steps (kernels, GPU-busy time, ATen calls, the 15 costliest kernels).
 * qlora_profile.jsonl (`qlora_profile`, issue 36): Llama-2-7B b1 and b4 x 512 with checkpointing, NF4 and bf16
   bases: step times over 10 steps, then a profile (kernels, GPU-busy time, ATen calls, bitsandbytes ops and
   their CPU time per step): what settles QLoRA's host cost per 4-bit Linear.

@@ -467,10 +467,11 @@ def time_kernels(kernels: tuple[Kernel, ...] | list[Kernel], gpu: GPU, c: Roofli
     launches). They are memory-bound passes: bytes / achievable bandwidth."""
     secs = gap = mem = launches = 0.0
     gemm, cuda_core, hbm, tf32 = efficiencies(gpu, c)
+    bandwidth = gpu.memory_bandwidth_gbs * GB * hbm
     mixed = mixed_pass_bandwidth(gpu, c)
+    mixed_bandwidth = bandwidth if mixed is None else min(bandwidth, mixed)
     for k in kernels:
-        bandwidth = gpu.memory_bandwidth_gbs * GB * hbm
-        t_mem = k.bytes / (min(bandwidth, mixed) if mixed is not None and k.dynamic_cast else bandwidth)
+        t_mem = k.bytes / (mixed_bandwidth if k.dynamic_cast else bandwidth)
         eff = (gemm, cuda_core, tf32)[unit_of(gpu, k.dtype, c.allow_tf32)]
         t_fl = k.flops / (peak_for(gpu, k.dtype, c.allow_tf32) * TFLOP * eff) if k.flops else 0.0
         t = max(t_mem, t_fl) * k.count

@@ -135,9 +135,7 @@ def traced_dynamic_cast(op: OpRecord) -> bool:
     """A traced elementwise op over mixed floating dtypes (planner.perf.kernels.needs_dynamic_cast)."""
     from planner.perf.kernels import needs_dynamic_cast
 
-    reads = tuple(str(m.dtype).replace("torch.", "") for m in op.inputs if hasattr(m, "dtype"))
-    writes = tuple(str(m.dtype).replace("torch.", "") for m in op.outputs if hasattr(m, "dtype"))
-    return needs_dynamic_cast(reads, writes)
+    return needs_dynamic_cast(tuple(m.dtype for m in op.inputs), tuple(m.dtype for m in op.outputs))
 
 
 def kernel_table(trace: StepTrace) -> KernelTable:
