@@ -100,8 +100,10 @@ def fix_tries(est: Estimate, gpus_per_instance: int) -> list[tuple[str, dict[str
     tp, pp, vp = p.tp, p.pp, p.vp
     if tp * 2 <= gpus_per_instance:
         tries.append((f"tensor parallelism --tp {tp * 2}", {"tp": tp * 2}))
-    even = {"first_stage_layers": None, "last_stage_layers": None,  # a doubled pipeline: the framework's split
-            "account_for_embedding": False, "account_for_loss": False, "pp_layout": None}
+    from planner.parallel.layer_split import SPLIT_FIELDS
+    from planner.spec import TrainConfig
+
+    even = {f: TrainConfig.model_fields[f].default for f in SPLIT_FIELDS}  # a doubled pipeline: the framework's split
     tries.append((f"pipeline parallelism --pp {pp * 2}", {"pp": pp * 2, **even}))
     if vp > 1:
         tries.append((f"--pp {pp * 2} --vp {max(vp // 2, 1)}", {"pp": pp * 2, "vp": max(vp // 2, 1),

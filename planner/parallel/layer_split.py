@@ -38,7 +38,8 @@ to its chunk and rank from it.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from planner.errors import PlannerError
 
@@ -53,6 +54,24 @@ TORCHTITAN_OUTPUT_WEIGHT = 1
 FIRST_FLAG, LAST_FLAG = "--first-stage-layers", "--last-stage-layers"
 EMBEDDING_FLAG, LOSS_FLAG = "--account-for-embedding", "--account-for-loss"
 LAYOUT_FLAG = "--pp-layout"
+
+# The TrainConfig fields of an uneven split: the `chunk_layers` keyword and the flag of each. One table for
+# the layout check (planner.parallel.dims), the search's pipeline degrees (planner.search.space), the probe's
+# refusal (planner.probes.spec) and explain's doubled pipeline (planner.explain_parallel).
+SPLIT_FIELDS: dict[str, tuple[str, str]] = {
+    "first_stage_layers": ("first", FIRST_FLAG), "last_stage_layers": ("last", LAST_FLAG),
+    "account_for_embedding": ("embedding", EMBEDDING_FLAG), "account_for_loss": ("loss", LOSS_FLAG),
+    "pp_layout": ("layout", LAYOUT_FLAG)}
+
+
+def given_split(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The uneven-split fields among `values` (a config's fields, or a search's fixed ones) that are set."""
+    return {f: values[f] for f in SPLIT_FIELDS if f in values and values[f] not in (None, False)}
+
+
+def split_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`chunk_layers`' keywords for the uneven-split fields set among `values`."""
+    return {SPLIT_FIELDS[f][0]: v for f, v in given_split(values).items()}
 
 
 def chunk_layers(rule: str, layers: int, pp: int, vp: int = 1, *, first: int | None = None,

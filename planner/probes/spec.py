@@ -206,22 +206,18 @@ def check_layout(config: TrainConfig, world: int, spec_json: dict[str, Any]) -> 
     return tuple(for_model(ModelSpec.model_validate(spec_json), config, world).chunks)
 
 
-# Megatron-LM's uneven-split flags (planner.parallel.layer_split), as TrainConfig fields.
-MEGATRON_SPLIT = {"first_stage_layers": "--first-stage-layers", "last_stage_layers": "--last-stage-layers",
-                  "account_for_embedding": "--account-for-embedding", "account_for_loss": "--account-for-loss",
-                  "pp_layout": "--pp-layout"}
-
-
 def check_split(config: TrainConfig) -> None:
     """Megatron's uneven first/last stages, embedding/loss accounting and layouts are refused with one line
     naming the flag: they exist only under --framework megatron, and the probe job runs pipelines with
     torch.distributed.pipelining, not Megatron-Core (jobs/probe.py refuses the megatron framework's
     model-parallel layouts), so a probe would measure an even split instead of the one asked for."""
-    for field, flag in MEGATRON_SPLIT.items():
-        value = getattr(config, field)
-        if value not in (None, False):
-            raise PlannerError(flag, value, "not in a probe: Megatron-LM's split; the probe job runs "
-                               "torch.distributed.pipelining stages, not Megatron-Core (estimate it instead)")
+    from planner.parallel.layer_split import SPLIT_FIELDS, given_split
+
+    given = given_split(dict(config))
+    if given:
+        field, value = next(iter(given.items()))
+        raise PlannerError(SPLIT_FIELDS[field][1], value, "not in a probe: Megatron-LM's split; the probe job runs "
+                           "torch.distributed.pipelining stages, not Megatron-Core (estimate it instead)")
 
 
 # ------------------------------------------------------------------------ candidates from a study

@@ -455,12 +455,6 @@ def model_parallel_defaults(model: ModelSpec | str, types: list[Instance], frame
     return {"tp_sizes": tp, "pp_sizes": pipeline_degrees(sizes["layers"], frameworks, split or {})}
 
 
-# The TrainConfig fields of the uneven pipeline split (issue 35), as planner.parallel.layer_split takes them.
-SPLIT_FIELDS: dict[str, str] = {"first_stage_layers": "first", "last_stage_layers": "last",
-                                "account_for_embedding": "embedding", "account_for_loss": "loss",
-                                "pp_layout": "layout"}
-
-
 def pipeline_degrees(layers: int, frameworks: tuple[str, ...], split: dict[str, Any]) -> tuple[int, ...]:
     """The pipeline degrees 1..MAX_DEFAULT_PP whose split of `layers` at least one of `frameworks` accepts, by
     its own rule (planner.parallel.layer_split.chunk_layers, with the search's fixed uneven-split fields and
@@ -469,10 +463,10 @@ def pipeline_degrees(layers: int, frameworks: tuple[str, ...], split: dict[str, 
     whose splitters give the first stages one layer more, and under Megatron with the uneven flags the degrees
     that leave the middle ranks an equal share."""
     from planner.parallel.frameworks import get as framework
-    from planner.parallel.layer_split import chunk_layers
+    from planner.parallel.layer_split import chunk_layers, split_kwargs
 
     vp = int(split.get("vp") or 1)
-    kwargs = {SPLIT_FIELDS[k]: v for k, v in split.items() if k in SPLIT_FIELDS and v not in (None, False)}
+    kwargs = split_kwargs(split)
     rules = {framework(f).pipeline_split for f in frameworks}
     out = [1]
     for pp in range(2, min(layers, MAX_DEFAULT_PP) + 1):
