@@ -56,6 +56,19 @@ def test_megatron_degrees_follow_the_fixed_uneven_flags():
     assert space.pp_sizes == (1, *(p for p in range(2, 17) if 82 % p == 0))
 
 
+def test_a_first_stage_of_no_layers_is_a_given_split():
+    """--first-stage-layers 0 (a first rank without a decoder layer) is a split the search places and a probe
+    refuses, though `0 in (None, False)` holds in Python: the 80 layers divide over the other pp - 1 ranks."""
+    from planner.errors import PlannerError
+    from planner.probes.spec import check_split
+    from planner.spec import TrainConfig
+
+    assert _space(("megatron",), {"first_stage_layers": 0}).pp_sizes == (
+        1, *(p for p in range(2, 17) if 80 % (p - 1) == 0))
+    with pytest.raises(PlannerError, match="--first-stage-layers"):
+        check_split(TrainConfig(batch_size=1, seq_len=128, framework="megatron", pp=5, first_stage_layers=0))
+
+
 def test_a_search_holds_the_flags_for_every_trial(tmp_path):
     """`search --framework megatron --pp 4 --first-stage-layers 14 --last-stage-layers 22`: the flags land in
     the sweep's fixed fields, and the trial's TrainConfig carries them (its estimate splits 14, 22, 22, 22)."""

@@ -112,20 +112,17 @@ def build(cfg: TrainConfig, world: int, *, layers: int | None = None, heads: int
     if ffn is not None and ffn % tp:
         raise PlannerError("--tp", tp, f"a divisor of the model's intermediate (MLP) size {ffn}")
     chunks: tuple[int, ...] = ()
-    uneven = {"--first-stage-layers": cfg.first_stage_layers, "--last-stage-layers": cfg.last_stage_layers,
-              "--account-for-embedding": cfg.account_for_embedding or None,
-              "--account-for-loss": cfg.account_for_loss or None, "--pp-layout": cfg.pp_layout}
-    given = next(((flag, v) for flag, v in uneven.items() if v is not None), None)
-    if given is not None and pp == 1:
-        raise PlannerError(given[0], given[1], "only with --pp above 1")
+    from planner.parallel.layer_split import SPLIT_FIELDS, chunk_layers, given_split, split_kwargs
+
+    uneven = {f: getattr(cfg, f) for f in SPLIT_FIELDS}
+    given = given_split(uneven)
+    if given and pp == 1:
+        field, value = next(iter(given.items()))
+        raise PlannerError(SPLIT_FIELDS[field][1], value, "only with --pp above 1")
     if layers is not None and pp > 1:
         from planner.parallel.frameworks import get as framework
-        from planner.parallel.layer_split import chunk_layers
 
-        chunks = chunk_layers(framework(cfg.framework).pipeline_split, layers, pp, vp,
-                              first=cfg.first_stage_layers, last=cfg.last_stage_layers,
-                              embedding=cfg.account_for_embedding, loss=cfg.account_for_loss,
-                              layout=cfg.pp_layout)
+        chunks = chunk_layers(framework(cfg.framework).pipeline_split, layers, pp, vp, **split_kwargs(uneven))
     elif layers is not None and pp * vp > layers:
         raise PlannerError("--pp", pp, f"at most {layers} stages × virtual stages: the model has {layers} layers")
     if seq_len is not None:

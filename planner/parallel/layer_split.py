@@ -65,8 +65,10 @@ SPLIT_FIELDS: dict[str, tuple[str, str]] = {
 
 
 def given_split(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The uneven-split fields among `values` (a config's fields, or a search's fixed ones) that are set."""
-    return {f: values[f] for f in SPLIT_FIELDS if f in values and values[f] not in (None, False)}
+    """The uneven-split fields among `values` (a config's fields, or a search's fixed ones) that are set: not
+    None and not False. 0 layers is set (Megatron's first or last stage without a decoder layer), though
+    `0 in (None, False)` holds in Python."""
+    return {f: v for f in SPLIT_FIELDS if f in values and (v := values[f]) is not None and v is not False}
 
 
 def split_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:

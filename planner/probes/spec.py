@@ -213,7 +213,7 @@ def check_split(config: TrainConfig) -> None:
     model-parallel layouts), so a probe would measure an even split instead of the one asked for."""
     from planner.parallel.layer_split import SPLIT_FIELDS, given_split
 
-    given = given_split(dict(config))
+    given = given_split({f: getattr(config, f) for f in SPLIT_FIELDS})
     if given:
         field, value = next(iter(given.items()))
         raise PlannerError(SPLIT_FIELDS[field][1], value, "not in a probe: Megatron-LM's split; the probe job runs "
