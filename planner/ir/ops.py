@@ -89,6 +89,17 @@ class Op:
             raise ValueError(f"op {self.name!r}: unknown kind {self.kind!r}")
 
 
+def weight_matmul(op: Op) -> tuple[int, int] | None:
+    """(in, out) features of an op that multiplies by a weight autocast casts to 16 bits: a Linear, or an MoE
+    router's F.linear(x, gate.weight) (NeMo's FakeBalancedGate has no weight); None for any other op. What the
+    cast's kernels (the speed), its saved copy (the memory) and the block's matmul record read."""
+    if op.kind == "linear":
+        return op.shapes["input"][1], op.shapes["output"][1]
+    if op.kind == "router" and op.params:
+        return op.shapes["input"][1], op.shapes["logits"][1]
+    return None
+
+
 @dataclass(frozen=True)
 class ProgramBlock:
     """One block of planner.models.blocks (same name, same order), as the ops its forward runs."""

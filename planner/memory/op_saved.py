@@ -16,7 +16,7 @@ import math
 from planner.ir import fp8
 from planner.ir.context import F32, I64, Ctx
 from planner.ir.interpret import register
-from planner.ir.ops import Op
+from planner.ir.ops import Op, weight_matmul
 from planner.memory import activations as act
 from planner.memory.activations import Saved
 
@@ -446,10 +446,7 @@ def weight_cast(op: Op, ctx: Ctx) -> list[Saved]:
     the input needs no gradient or the weight is not cast (a 4-bit or 16-bit base: `casts_weight` False)."""
     if not ctx.amp or op.attrs.get("no_grad") or not op.attrs.get("casts_weight", True):
         return []
-    if op.kind == "linear":
-        return [Saved(f"{op.name}.weight.cast", op.shapes["input"][1] * op.shapes["output"][1], ctx.low)]
-    if op.kind == "router" and op.params:  # an MoE router's F.linear(x, gate.weight): the same cast, E × h
-        return [Saved(f"{op.name}.weight.cast", math.prod(op.params[0].shape), ctx.low)]
-    return []
+    shape = weight_matmul(op)  # a Linear, or an MoE router's F.linear(x, gate.weight): E × h
+    return [] if shape is None else [Saved(f"{op.name}.weight.cast", shape[0] * shape[1], ctx.low)]
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from planner.families.forms import model_program
 from planner.ir.context import Ctx
 from planner.ir.interpret import apply, load_rules
-from planner.ir.ops import Op, Program
+from planner.ir.ops import Op, Program, weight_matmul
 from planner.ir.transforms import checkpoint_layers, recompute_of, recompute_selected
 from planner.memory.activations import Saved, alloc_bytes
 from planner.memory.model_states import parameter_dtype_bytes
@@ -59,9 +59,9 @@ def op_kernels(op: Op, ctx: Ctx) -> list[K.Kernel]:
         bwd.append(K.Kernel(f"{op.name}.backward", "memory_bound", 0, ctx.b * h * e, rows * h * e, ctx.act,
                             "backward", launches=2))
     casts: list[K.Kernel] = []
-    if ctx.amp and op.kind in ("linear", "router") and (op.kind == "linear" or op.params):
-        rows, n_in = op.shapes["input"]
-        n_out = op.shapes["output" if op.kind == "linear" else "logits"][1]
+    shape = weight_matmul(op) if ctx.amp else None
+    if shape is not None:
+        n_in, n_out = shape
         for name, numel in (("weight", n_in * n_out), ("bias", n_out if op.attrs.get("bias") else 0)):
             if numel:
                 casts.append(K.elementwise(f"{op.name}.{name}.cast", numel, ("float32",), (ctx.low,), ctx.low))

@@ -24,7 +24,7 @@ from planner.families import family
 from planner.families.traits import Family
 from planner.identity_cache import per_object
 from planner.ir.context import Ctx
-from planner.ir.ops import Op, Program, ProgramBlock
+from planner.ir.ops import Op, Program, ProgramBlock, weight_matmul
 from planner.models.blocks import Block, model_blocks
 from planner.spec import ModelSpec, TransformerSpec
 
@@ -207,8 +207,9 @@ def block_matmuls(block: Block, tp: int = 1) -> BlockMatmuls:
                      bool(op.attrs["bias"])) for op in ops if op.kind == "linear")
     casts = []
     for op in ops:
-        if op.kind == "linear" or (op.kind == "router" and op.params):
-            n_in, n_out = op.shapes["input"][1], op.shapes["output" if op.kind == "linear" else "logits"][1]
+        shape = weight_matmul(op)
+        if shape is not None:
+            n_in, n_out = shape
             casts.append((n_in * n_out, n_out if op.attrs["bias"] else 0))
     out = BlockMatmuls(linears, any(op.kind.startswith("attention_") for op in ops), tuple(casts))
     _MATMULS[key] = (layer, out)
