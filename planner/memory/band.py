@@ -30,12 +30,14 @@ FLAT_POOL_HIGH_FRACTION = 0.30
 # With the allocator replay: its pool, minus/plus a margin of the allocated peak. Where GPU readings check the
 # replay (replay_unchecked says None) the margin is the largest miss each way over the H200 step readings in
 # results/validation (benchmarks/replay_band.py: 99 readings, torch 2.11, one process, the default allocator
-# and expandable segments; (measured reserved - replay's reserved) / allocated from -11.3 %, BART-base traced,
-# to +14.2 %, QLoRA Llama-2-7B with checkpointing), rounded up to the next percent: a bound every one of them
-# lies inside, not a fitted point (nothing in the replay is tuned to them). The H100 folder's 26 readings are
-# held out of it and all lie inside. The shared H200 folder alone gives -10 % / +6 % and leaves 17 of the
-# other 86 readings outside, so it would be no bound. tests/test_band_replay.py re-estimates both ends.
-REPLAY_POOL_MARGIN = (0.12, 0.15)
+# and expandable segments; (measured reserved - replay's reserved) / allocated from -9.3 %, the multimodal
+# BERT at 32 x 512 in AMP bf16 with checkpointing, to +14.2 %, QLoRA Llama-2-7B with checkpointing), rounded up
+# to the next percent: a bound every one of them lies inside, not a fitted point (nothing in the replay is
+# tuned to them). The H100 folder's 26 readings are held out of it and all lie inside. The shared H200 folder
+# alone gives -10 % / +6 % and leaves 7 of the other 86 readings outside, so it would be no bound.
+# tests/test_band_replay.py re-estimates both ends. (The low end was -11.3 %, BART-base traced, until traced
+# models replayed a first step before the steady one: planner.program.replay.)
+REPLAY_POOL_MARGIN = (0.10, 0.15)
 # What the readings check, so where the margin holds. Elsewhere the replay moves the point, and the high end is
 # never under the flat bound:
 # - torch: every reading ran torch 2.11. ASSUMPTION: the torch 2 releases allocate as 2.11 does (the rules

@@ -76,7 +76,8 @@ def _finish(prep: _Prepared, dataset_size: int | None, spot: bool, with_throughp
         alloc = replay_trace(prep.traced, ddp_bucket_bytes=step.ddp_bucket_bytes,
                              bucket_cap_bytes=int(cfg.bucket_cap_mb * 2**20), workspace_bytes=step.workspace_bytes,
                              capacity_bytes=gpu_memory - rt.cuda_context_bytes - nccl,
-                             expandable_segments=expandable_segments or prep.stack.expandable_segments)
+                             expandable_segments=expandable_segments or prep.stack.expandable_segments,
+                             loop=cfg.loop)
         peak_reserved = max(alloc.peak_reserved, peak_allocated)
     else:
         alloc = replay_of(step)
