@@ -42,6 +42,10 @@ appends JSON lines to its own file in DIR:
   4 M, 32 M and 256 M elements, timed with CUDA events: bytes per second, for benchmarks/passes_readings.py.
 * segments.jsonl (`segments`, issue 36): two steps of three configurations whose reserved pool the replay
   misses, the caching allocator's segments after every phase (torch.cuda.memory_snapshot).
+* memtrace.jsonl (`memtrace`, issue 36): the model's build and two steps from an empty cache with the
+  allocator's own record of every request, free and new segment (torch.cuda.memory._record_memory_history),
+  for benchmarks/memtrace_replay.py: the planner's allocator model against the real allocator, segment for
+  segment and block for block, on the same requests.
 * env.json (with the host's CPU), log.txt.
 
 `--device cpu` runs tiny shapes of every section on the CPU (no memory figures): a check of the script itself
@@ -859,6 +863,60 @@ def section_segments(ctx: dict) -> None:
                lambda r: f"segments {r['model']} b{r['b']} s{r['s']} {r['precision']}", segments_row)
 
 
+# The allocator's own record of two steps, for the check of the planner's allocator model against it
+# (planner.memory.allocator_trace; benchmarks/memtrace_replay.py): the rows whose reserved the replays miss
+# (BERT-base fp32 8 x 128: the per-block replay -4.7 %; Qwen2-0.5B 8 x 512: the traced replay -7.7 % fp32).
+MEMTRACE_ROWS = [{"model": "bert-base-uncased", "b": 8, "s": 128, "precision": "fp32", "attention": "sdpa"},
+                 {"model": "gpt2", "b": 8, "s": 1024, "precision": "amp-bf16", "attention": "eager"},
+                 {"model": "multimodal-bert", "b": 8, "s": 512, "precision": "amp-bf16", "attention": "sdpa"},
+                 {"model": "qwen2-0.5b", "b": 8, "s": 512, "precision": "fp32", "attention": "sdpa", "hf": True},
+                 {"model": "qwen2-0.5b", "b": 8, "s": 512, "precision": "amp-bf16", "attention": "sdpa",
+                  "hf": True}]
+# torch's TraceEntry actions, one letter each in memtrace.jsonl (benchmarks/memtrace_replay.py reads them back)
+TRACE_CODES = {"alloc": "a", "free_requested": "r", "free_completed": "c", "segment_alloc": "s",
+               "segment_free": "f", "oom": "o", "snapshot": "n", "segment_map": "m", "segment_unmap": "u"}
+
+
+def memtrace_row(ctx: dict, row: dict) -> dict:
+    """The model built and two steps of `train_step` (its loss-only loop) from an empty cache, with the
+    caching allocator recording every action (`torch.cuda.memory._record_memory_history`, no stacks): each
+    request's size and address, each free, each new segment, in order (`trace`: [letter, address, size]).
+    On the CPU the rows run with no trace (a check of the section only)."""
+    torch, device = ctx["torch"], ctx["device"]
+    cuda = torch.cuda.is_available() and str(device).startswith("cuda")
+    clear(torch)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=5_000_000)
+    try:
+        if row.get("hf"):
+            config = {**HF_CONFIGS[row["model"]], **(TINY_HF[row["model"]] if ctx["tiny"] else {})}
+            model, conf = hf_build(config, row["attention"], device)
+            batch = hf_batch(conf, row["b"], row["s"], device)
+        else:
+            spec = ctx["specs"][row["model"]]
+            model = build_catalog(spec, row["attention"], False, device)
+            batch = catalog_batch(spec, row["b"], row["s"], device)
+        opt = make_optimizer(torch, model.parameters(), "foreach")
+        scaler = torch.amp.GradScaler() if row["precision"] == "amp-fp16" else None
+        for _ in (1, 2):
+            train_step(torch, model, opt, batch, row["precision"], device, scaler)
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] if cuda else []
+        peaks = ({"max_reserved": torch.cuda.max_memory_reserved(), "max_allocated": torch.cuda.max_memory_allocated()}
+                 if cuda else {})
+    finally:
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    return {**row, "loop": "loss-only", "load": "direct", **peaks,
+            "trace": [[TRACE_CODES.get(e["action"], e["action"]), e.get("addr", 0), e.get("size", 0)] for e in trace]}
+
+
+def section_memtrace(ctx: dict) -> None:
+    _fork_rows(ctx, MEMTRACE_ROWS, {"b": 2, "s": 16}, "memtrace.jsonl",
+               lambda r: f"memtrace {r['model']} b{r['b']} s{r['s']} {r['precision']}", memtrace_row)
+
+
 def section_xent(ctx: dict) -> None:
     _fork_rows(ctx, XENT_ROWS, XENT_TINY, "xent.jsonl",
                lambda r: f"xent {r['n']}x{r['V']} {r['precision']} upcast={r['upcast']}", xent_row)
@@ -1161,7 +1219,7 @@ def guarded(torch: Any, row: dict, fn: Any) -> dict:
 
 
 SECTIONS = ("runs", "lora", "steps", "launch", "traced", "late", "vocab", "qlora_nockpt", "load", "loops", "fsdp",
-            "qlora_profile", "xent", "passes", "segments")
+            "qlora_profile", "xent", "passes", "segments", "memtrace")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1277,7 +1335,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {"runs": section_runs, "lora": section_lora, "late": section_late, "vocab": section_vocab,
                 "qlora_nockpt": section_qlora_nockpt, "load": section_load, "loops": section_loops,
                 "fsdp": section_fsdp, "qlora_profile": section_qlora_profile, "xent": section_xent,
-                "passes": section_passes, "segments": section_segments}
+                "passes": section_passes, "segments": section_segments, "memtrace": section_memtrace}
     in_child = {"steps": ("steps.jsonl", section_steps), "launch": ("launch.jsonl", section_launch),
                 "traced": ("traced.jsonl", section_traced)}
     for name in args.sections.split(","):

@@ -16,7 +16,6 @@ per-block granularity (docs/allocator.md). Tracing costs seconds per shape (cach
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
