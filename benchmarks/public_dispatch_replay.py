@@ -38,28 +38,32 @@ from planner.spec import TrainConfig  # noqa: E402
 GIB = 2**30
 
 
-class _Storages(TorchDispatchMode):
+class StorageRecorder(TorchDispatchMode):
     """Every new storage an op returns is an allocation; it is freed when its weak reference expires (checked
-    after every op). Events are (id, nbytes) / (id, 0), as `planner.memory.allocator` takes them."""
+    after every op, before the op's own outputs are counted: autograd released it before the op ran). Events
+    are (id, nbytes) / (id, 0), as `planner.memory.allocator` takes them; a storage of no bytes is none (CUDA
+    allocates nothing for it). `cuda_dropout`: count CPU dropout's noise as CUDA's bool mask (see
+    `record_steps`). Also the reference of tests/test_traced_two_steps.py."""
 
-    def __init__(self, known: dict[int, StorageWeakRef]):
+    def __init__(self, known: dict[int, StorageWeakRef] | set[int], cuda_dropout: bool = True):
         super().__init__()
         self.func = None
         self.events: list[tuple[int, int]] = []
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.known = known  # storages allocated before recording (parameters, batch): never re-counted
         self.next_id = 0
+        self.cuda_dropout = cuda_dropout
 
     def add(self, s: torch.UntypedStorage) -> None:
         key = StorageWeakRef(s).cdata
-        if key in self.known or any(k == key for k in self.live):
+        nbytes = int(s.nbytes())
+        if key in self.known or key in self.live or nbytes <= 0:
             return
         self.next_id += 1
         self.live[key] = (StorageWeakRef(s), self.next_id)
-        nbytes = int(s.nbytes())
-        if self.func is torch.ops.aten.empty_like.default:  # CPU dropout noise -> CUDA bool mask (fp32 input)
-            nbytes //= 4
-        self.events.append((self.next_id, max(nbytes, 1)))
+        if self.cuda_dropout and self.func is torch.ops.aten.empty_like.default:  # CPU noise -> CUDA bool mask
+            nbytes = max(nbytes // 4, 1)
+        self.events.append((self.next_id, nbytes))
 
     def sweep(self) -> None:
         for key, (ref, tid) in list(self.live.items()):
@@ -105,7 +109,7 @@ def record_steps(model_name: str, cfg: TrainConfig, steps: int = 2, set_to_none:
             if key not in known:
                 known[key] = StorageWeakRef(t.untyped_storage())
                 pre.append((-(i + 1), int(t.untyped_storage().nbytes())))
-        rec = _Storages(known)
+        rec = StorageRecorder(known)
         with rec:
             for _ in range(steps):
                 loss = loss_of(module, batch)

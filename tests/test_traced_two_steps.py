@@ -9,17 +9,22 @@ tensors are large-pool blocks (> 1 MiB) whose placement the first step decides.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.memory import allocator
 from planner.memory.loops import LOOPS
 from planner.program.replay import run_events, steady_state_events
 from planner.program.trace import trace_step
 from planner.spec import TrainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from public_dispatch_replay import StorageRecorder  # noqa: E402  (the op-level recorder the benchmark uses)
 
 VOCAB, DIM = 4000, 256
 
@@ -46,33 +51,6 @@ def batch(b: int, s: int):
     return {"input_ids": torch.randint(0, VOCAB, (b, s)), "labels": torch.randint(0, VOCAB, (b, s))}
 
 
-class _Storages(TorchDispatchMode):
-    """A new storage an op returns is an allocation; it is freed when its weak reference expires."""
-
-    def __init__(self, known: set[int]) -> None:
-        super().__init__()
-        self.known, self.events, self.live, self.next_id = known, [], {}, 0
-
-    def sweep(self) -> None:
-        for key, (ref, tid) in list(self.live.items()):
-            if ref.expired():
-                self.events.append((tid, 0))
-                del self.live[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.sweep()
-        for o in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(o, torch.Tensor):
-                s = o.untyped_storage()
-                key = StorageWeakRef(s).cdata
-                if key not in self.known and key not in self.live and s.nbytes() > 0:
-                    self.next_id += 1
-                    self.live[key] = (StorageWeakRef(s), self.next_id)
-                    self.events.append((self.next_id, int(s.nbytes())))
-        return out
-
-
 def two_real_steps(loop: str, b: int, s: int) -> list[tuple[int, int]]:
     """Build, then two steps of `loop` (planner.memory.loops), every storage event in order."""
     rule = LOOPS[loop]
@@ -83,7 +61,7 @@ def two_real_steps(loop: str, b: int, s: int) -> list[tuple[int, int]]:
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
         pre = [(-(i + 1), p.untyped_storage().nbytes()) for i, p in enumerate(module.parameters())]
         known = {StorageWeakRef(t.untyped_storage()).cdata for t in (*module.parameters(), *data.values())}
-        rec = _Storages(known)
+        rec = StorageRecorder(known, cuda_dropout=False)
         with rec:
             out = None
             for _ in range(2):
