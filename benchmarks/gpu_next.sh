@@ -21,7 +21,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu_next}
 mkdir -p "$OUT"
-for spec in memtrace:120 segments:60 passes:60 xent:45 qlora_profile:120 fsdp:120; do
+for spec in memtrace:200 segments:50 passes:50 xent:40 qlora_profile:110 fsdp:100; do
   section=${spec%%:*}
   limit=${spec##*:}
   timeout "$limit" python3 benchmarks/gpu_session.py run --specs .gpu/specs.json --out "$OUT" --sections "$section" \

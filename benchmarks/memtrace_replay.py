@@ -44,8 +44,10 @@ def rows(folder: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise PlannerError(str(path), f"line {n}", "a JSON object per line") from None
-        if not isinstance(row, dict) or not isinstance(row.get("trace"), list):
-            raise PlannerError(str(path), f"line {n}", "an object with a trace list") from None
+        if not isinstance(row, dict):
+            raise PlannerError(str(path), f"line {n}", "a JSON object per line") from None
+        if row.get("status", "ok") == "ok" and not isinstance(row.get("trace"), list):
+            raise PlannerError(str(path), f"line {n}", "a successful row with a trace list") from None
         out.append(row)
     return out
 
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'row':<38}{'requests':>9}{'segments':>9}{'model':>6}{'diff':>5}{'moved':>7}"
               f"{'real GiB':>9}{'model':>7}")
         for row in table:
-            label = f"{row.get('model', '?')} b{row.get('b')} s{row.get('s')} {row.get('precision', '')}"
+            name = f"{row['name']} " if row.get("name") else ""
+            label = f"{name}{row.get('model', '?')} b{row.get('b')} s{row.get('s')} {row.get('precision', '')}"
             if row.get("status", "ok") != "ok":
                 print(f"{label[:37]:<38}  (no trace: the row ended {row.get('status')})")
                 continue

@@ -107,6 +107,27 @@ def test_the_allocators_documented_segment_sizes():
     assert check(entries_of(wrong)).first_misplaced == 4
 
 
+def test_empty_cache_is_replayed_and_what_it_gives_back_compared():
+    """`empty_cache` (a run of segment_free) gives back the segments that are one whole free block: a 20 MiB
+    segment with one live 3 MiB block stays, a freed 18 MiB one (too big for the 17 MiB left in the first) goes;
+    a later request may get the same address back from cudaMalloc. A trace whose allocator gave back the partly
+    used segment too differs."""
+    head = [{"action": "segment_alloc", "addr": BASE, "size": 20 * MiB},
+            {"action": "alloc", "addr": BASE, "size": 3 * MiB},
+            {"action": "segment_alloc", "addr": BASE + 64 * MiB, "size": 18 * MiB},
+            {"action": "alloc", "addr": BASE + 64 * MiB, "size": 18 * MiB},
+            {"action": "free_requested", "addr": BASE + 64 * MiB, "size": 18 * MiB},
+            {"action": "free_completed", "addr": BASE + 64 * MiB, "size": 18 * MiB}]
+    tail = [{"action": "segment_alloc", "addr": BASE + 64 * MiB, "size": 30 * MiB},
+            {"action": "alloc", "addr": BASE + 64 * MiB, "size": 30 * MiB}]
+    good = check(entries_of([*head, {"action": "segment_free", "addr": BASE + 64 * MiB, "size": 18 * MiB}, *tail]))
+    assert good.same, good
+    assert good.real_peak_reserved == good.model_peak_reserved == 50 * MiB
+    bad = check(entries_of([*head, {"action": "segment_free", "addr": BASE + 64 * MiB, "size": 18 * MiB},
+                            {"action": "segment_free", "addr": BASE, "size": 20 * MiB}, *tail]))
+    assert not bad.same and bad.first_release_difference == 2
+
+
 def test_frees_at_the_request_when_the_trace_has_no_completions():
     trace = [{"action": "segment_alloc", "addr": BASE, "size": 20 * MiB},
              {"action": "alloc", "addr": BASE, "size": 3 * MiB},
@@ -122,7 +143,7 @@ def test_frees_at_the_request_when_the_trace_has_no_completions():
     ([{"action": "free_completed", "addr": BASE, "size": 1}], "a free of a live block"),
     ([{"action": "alloc", "addr": BASE, "size": 1}, {"action": "alloc", "addr": BASE, "size": 1}],
      "freed before it is allocated again"),
-    ([{"action": "segment_free", "addr": BASE, "size": 2 * MiB}], "without segment_free"),
+    ([{"action": "oom", "addr": 0, "size": 2 * MiB}], "without an OOM"),
     ([{"action": "segment_map", "addr": BASE, "size": 20 * MiB}], "expandable segments"),
     (["alloc"], "an action among"),
 ])

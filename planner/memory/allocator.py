@@ -189,6 +189,11 @@ class CachingAllocator:
             self._remove(b)
             self.reserved -= self.segments.pop(b.seg)
 
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()` (`emptyCache` -> `release_cached_blocks`): give back every cached segment
+        that is one whole free block (the model's OOM retry does the same)."""
+        self._release_cached()
+
     def _page(self, small: bool) -> int:
         return EXPANDABLE_PAGE_SMALL if small else EXPANDABLE_PAGE_LARGE
 

@@ -11,10 +11,12 @@ for segment, with nothing about the model's own event order in between (issue 36
 against its own source). `benchmarks/gpu_session.py`'s `memtrace` section records such traces and
 `benchmarks/memtrace_replay.py` prints this check for each.
 
-An entry here is `(action, addr, size)`; the actions are torch's names. One stream, the default allocator,
-no `empty_cache` and an empty cache when recording began are assumed (what `gpu_session` records: a one-GPU
-training loop in a fresh process); a trace with a segment_free, an OOM, expandable segments' mappings or a
-free of a block it never saw allocated is refused rather than compared wrongly.
+An entry here is `(action, addr, size)`; the actions are torch's names. One stream, the default allocator
+and an empty cache when recording began are assumed (what `gpu_session` records: a one-GPU training loop in a
+fresh process); `empty_cache` (a run of "segment_free") is replayed as the allocator's release of every
+segment that is one whole free block, and the segments given back are compared too. A trace with an OOM,
+expandable segments' mappings or a free of a block it never saw allocated is refused rather than compared
+wrongly.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ class TraceCheck:
     model_peak_reserved: int
     first_difference: int  # index of the first segment that differs (-1: none)
     first_misplaced: int  # index of the first allocation the model puts at another address (-1: none)
+    # allocations before the first empty_cache at which the model gives back other segments (-1: none)
+    first_release_difference: int = -1
 
     @property
     def same(self) -> bool:
-        return self.first_difference < 0 and self.first_misplaced < 0
+        return self.first_difference < 0 and self.first_misplaced < 0 and self.first_release_difference < 0
 
 
 def entries_of(trace: Iterable[dict]) -> list[Entry]:
@@ -60,12 +64,13 @@ def entries_of(trace: Iterable[dict]) -> list[Entry]:
 
 @dataclass(frozen=True)
 class Request:
-    """One allocation or free of the trace, as the model replays it."""
+    """One allocation or free of the trace, as the model replays it; or (`released`) an `empty_cache`."""
 
     tid: int
-    nbytes: int  # 0: a free
+    nbytes: int  # 0: a free (or a release)
     addr: int  # where the real allocator put (or freed) the block
     segment: int  # the base of the segment the real allocator made for this allocation (-1: none)
+    released: tuple[int, ...] = ()  # an empty_cache: the bases of the segments the real allocator gave back
 
 
 def requests_of(entries: Sequence[Entry]) -> list[Request]:
@@ -79,7 +84,12 @@ def requests_of(entries: Sequence[Entry]) -> list[Request]:
     segment = -1
     n = 0
     for i, (action, addr, size) in enumerate(entries):
-        if action == "segment_alloc":
+        if action == "segment_free":  # consecutive ones are one release_cached_blocks (empty_cache)
+            if out and out[-1].released and entries[i - 1][0] == "segment_free":
+                out[-1] = Request(-1, 0, 0, -1, (*out[-1].released, addr))
+            else:
+                out.append(Request(-1, 0, 0, -1, (addr,)))
+        elif action == "segment_alloc":
             segment = addr
         elif action == "alloc":
             if addr in live:
@@ -93,9 +103,9 @@ def requests_of(entries: Sequence[Entry]) -> list[Request]:
             if tid is None:
                 raise PlannerError("memory trace", f"entry {i}", f"a free of a live block ({addr:#x} is not)")
             out.append(Request(tid, 0, addr, -1))
-        elif action in ("segment_free", "oom"):
-            raise PlannerError("memory trace", f"entry {i}", "a trace without segment_free or OOM (empty_cache, "
-                               "an OOM retry): the check replays one cache that only grows")
+        elif action == "oom":
+            raise PlannerError("memory trace", f"entry {i}", "a trace without an OOM (the allocator's retry "
+                               "frees cached segments mid-request, which the check does not replay)")
         elif action in ("segment_map", "segment_unmap"):
             raise PlannerError("memory trace", f"entry {i}", "a trace of the default allocator (this one maps "
                                "expandable segments, which the check does not replay)")
@@ -115,15 +125,27 @@ def check(entries: Sequence[Entry]) -> TraceCheck:
     model: list[int] = []
     misplaced = -1
     allocs = 0
+    released_differs = -1
+    peak = 0
     for r in requests:
+        if r.released:  # empty_cache: every segment that is one whole free block goes back
+            before = set(a.segments)
+            a.empty_cache()
+            if released_differs < 0 and sorted(before - set(a.segments)) != sorted(r.released):
+                released_differs = allocs
+            continue
         if not r.nbytes:
             a.free(live.pop(r.tid))
             continue
-        a.next_addr = r.segment if r.segment >= 0 else fresh
+        # the real segment's address while the caches agree (after a differing release it may be one the
+        # model still holds)
+        real_base = r.segment >= 0 and released_differs < 0
+        a.next_addr = r.segment if real_base else fresh
         block, new = a.malloc(r.nbytes)
         if new:
             model.append(new)
-            if r.segment < 0:
+            peak = max(peak, a.reserved)
+            if not real_base:
                 fresh += new
         live[r.tid] = block
         if misplaced < 0 and block.addr != r.addr:
@@ -132,4 +154,17 @@ def check(entries: Sequence[Entry]) -> TraceCheck:
     first = next((i for i, (x, y) in enumerate(zip(real, model, strict=False)) if x != y), -1)
     if first < 0 and len(real) != len(model):
         first = min(len(real), len(model))
-    return TraceCheck(allocs, tuple(real), tuple(model), sum(real), a.reserved, first, misplaced)
+    return TraceCheck(allocs, tuple(real), tuple(model), _peak_reserved(entries), peak, first, misplaced,
+                      released_differs)
+
+
+def _peak_reserved(entries: Sequence[Entry]) -> int:
+    """The real allocator's reserved peak: its segments' running total."""
+    held = peak = 0
+    for action, _, size in entries:
+        if action == "segment_alloc":
+            held += size
+            peak = max(peak, held)
+        elif action == "segment_free":
+            held -= size
+    return peak
