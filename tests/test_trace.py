@@ -250,22 +250,26 @@ def test_hf_config_outside_the_families_traces_like_the_real_module(arch):
     assert trace.saved_bytes == expected
 
 
-def test_traced_events_replay_through_the_allocator_in_steady_state_order():
+def test_traced_events_replay_through_the_allocator_permanent_storages_first():
+    """Parameters, buffers, DDP buckets and the cuBLAS workspace come before the steps; the optimizer states
+    are made inside the first step (after its backward), once (planner.program.replay.run_events)."""
     from planner.memory import allocator
-    from planner.program.replay import replay_trace, steady_state_events
+    from planner.program.replay import replay_trace, run_events
 
     trace = trace_step(TinyLM, lm_batch, TrainConfig(batch_size=2, seq_len=5), backend="cuda")
-    evs, names = steady_state_events(trace, bucket_sizes=(1000,), workspace_bytes=4096)
+    evs, names = run_events(trace, bucket_sizes=(1000,), workspace_bytes=4096)
     allocated: set[int] = set()
     seen_step = False
     for tid, nbytes in evs:
         if nbytes:
             assert tid not in allocated
             allocated.add(tid)
-            if names[tid] not in ("parameter", "buffer", "ddp_bucket", "cublas_workspace", "optimizer_state"):
+            if names[tid] not in ("parameter", "buffer", "ddp_bucket", "cublas_workspace"):
                 seen_step = True
             else:
                 assert not seen_step, "permanent storages come first"
+            if names[tid] == "optimizer_state":
+                assert seen_step, "the states are made inside the first step"
         else:
             assert tid in allocated
             allocated.discard(tid)

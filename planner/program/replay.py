@@ -12,8 +12,8 @@ What the training loop holds between steps follows `--loop` (`planner.memory.loo
 keeps (the logits, `StepTrace.retained_storages`) and the gradients die when the loop lets them; everything
 else the step made (the loss, the batch, the optimizer's scalars) dies when the step ends.
 
-A steady-state-only order (states moved before the step, `steady_state_events`) misses what the first step
-leaves in the cache: on the shared H200 reading of BERT-base (fp32, 8 × 128, its catalog config traced) it
+The steady step alone, with the states allocated before it (what this module replayed before), misses what
+the first step leaves in the cache: on the shared H200 reading of BERT-base (fp32, 8 × 128, its catalog config traced) it
 reserved 8.6 % under the GPU; the two steps, 0.7 % under (docs/allocator.md).
 Storages the device does not hold (host RNG state, 0 bytes) are skipped: the allocator reads 0 as a free.
 """
@@ -34,17 +34,6 @@ STATE = "optimizer_state"
 def _forward_end(trace: StepTrace) -> int:
     """Index of the first op after the forward (the loss's backward), len(ops) if none."""
     return next((o.index for o in trace.ops if o.phase != "forward"), len(trace.ops))
-
-
-def steady_state_events(trace: StepTrace, *, bucket_sizes: tuple[int, ...] = (), workspace_bytes: int = 0
-                        ) -> tuple[tuple[tuple[int, int], ...], dict[int, str]]:
-    """(tensor_id, nbytes) events (nbytes 0 frees) and a name per id: the permanent storages and the states
-    first, then one step in traced order (the steady state alone, without the first step's placement of the
-    states; `run_events` is what the estimate replays)."""
-    perm, extra, step, names = _parts(trace, bucket_sizes, workspace_bytes)
-    states = [(sid, n) for _, sid, n, cat in step if cat == STATE and n]
-    rest = [(sid, n) for _, sid, n, cat in step if cat != STATE]
-    return tuple(perm + extra + states + rest), names
 
 
 def _parts(trace: StepTrace, bucket_sizes: tuple[int, ...], workspace_bytes: int
@@ -111,9 +100,10 @@ def run_events(trace: StepTrace, *, bucket_sizes: tuple[int, ...] = (), workspac
             if i == cut:  # the forward ended: the previous step's carried tensors, and outputs dying now
                 out += [(t, 0) for t in (*carried_outputs, *carried_grads)]
                 if lr.outputs_die == "forward-end":
-                    out += [(sid2 + shift, 0) for sid2 in list(live) if sid2 in retained]
-                    for sid2 in [s for s in live if s in retained]:
-                        del live[sid2]
+                    dying = [s for s in live if s in retained]
+                    out += [(s + shift, 0) for s in dying]
+                    for s in dying:
+                        del live[s]
             if cat == STATE and k > 0:
                 continue  # the states exist from the first step on
             out.append((sid + shift, n))
@@ -126,11 +116,9 @@ def run_events(trace: StepTrace, *, bucket_sizes: tuple[int, ...] = (), workspac
         grads = [s + shift for s, c in live.items() if c == "gradient"]
         outputs = [s + shift for s in live if s in retained]
         rest = [s + shift for s, c in live.items() if c != STATE and c != "gradient" and s not in retained]
-        next_grads = grads if lr.grads_die == "next-backward" else []
-        next_outputs = outputs if lr.outputs_die == "next-forward" else []
-        out += [(t, 0) for t in rest]
-        out += [(t, 0) for t in (*outputs, *grads) if t not in next_grads and t not in next_outputs]
-        return out, next_grads, next_outputs
+        carry_grads, carry_outputs = lr.grads_die == "next-backward", lr.outputs_die == "next-forward"
+        out += [(t, 0) for t in (*rest, *([] if carry_outputs else outputs), *([] if carry_grads else grads))]
+        return out, grads if carry_grads else [], outputs if carry_outputs else []
 
     first, grads, outputs = one(0, [], [])
     steady, _, _ = one(1, grads, outputs)
