@@ -883,44 +883,48 @@ TRACE_CODES = {"alloc": "a", "free_requested": "r", "free_completed": "c", "segm
 
 
 def memtrace_row(ctx: dict, row: dict) -> dict:
-    """The model built and two steps of `train_step` (its loss-only loop) from an empty cache, with the
-    caching allocator recording every action (`torch.cuda.memory._record_memory_history`, no stacks): each
-    request's size and address, each free, each new segment, in order (`trace`: [letter, address, size]).
-    On the CPU the rows run with no trace (a check of the section only)."""
-    torch, device = ctx["torch"], ctx["device"]
-    cuda = torch.cuda.is_available() and str(device).startswith("cuda")
+    """`_memtrace_run` from an empty cache, with the caching allocator recording every action
+    (`torch.cuda.memory._record_memory_history`, no stacks): each request's size and address, each free, each
+    new segment, in order (`trace`: [letter, address, size]). On the CPU the rows run with no trace (a check of
+    the section only)."""
+    torch = ctx["torch"]
+    cuda = torch.cuda.is_available() and str(ctx["device"]).startswith("cuda")
     clear(torch)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=5_000_000)
     try:
-        if row.get("name") in ("lora", "qlora"):  # the whole of lora_row: build, quantize, peft, steps
-            out = lora_row(ctx, row)
-            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] if cuda else []
-            return {**out, "loop": "loss-only",
-                    "trace": [[TRACE_CODES.get(e["action"], e["action"]), e.get("addr", 0), e.get("size", 0)]
-                              for e in trace]}
-        if row.get("hf"):
-            config = {**HF_CONFIGS[row["model"]], **(TINY_HF[row["model"]] if ctx["tiny"] else {})}
-            model, conf = hf_build(config, row["attention"], device)
-            batch = hf_batch(conf, row["b"], row["s"], device)
-        else:
-            spec = ctx["specs"][row["model"]]
-            model = build_catalog(spec, row["attention"], False, device)
-            batch = catalog_batch(spec, row["b"], row["s"], device)
-        opt = make_optimizer(torch, model.parameters(), "foreach")
-        scaler = torch.amp.GradScaler() if row["precision"] == "amp-fp16" else None
-        for _ in (1, 2):
-            train_step(torch, model, opt, batch, row["precision"], device, scaler)
+        out = _memtrace_run(ctx, row)
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] if cuda else []
-        peaks = ({"max_reserved": torch.cuda.max_memory_reserved(), "max_allocated": torch.cuda.max_memory_allocated()}
-                 if cuda else {})
+        if cuda:
+            out.update(max_reserved=torch.cuda.max_memory_reserved(), max_allocated=torch.cuda.max_memory_allocated())
     finally:
         if cuda:
             torch.cuda.memory._record_memory_history(enabled=None)
-    return {**row, "loop": "loss-only", "load": "direct", **peaks,
+    return {**out, "loop": "loss-only",
             "trace": [[TRACE_CODES.get(e["action"], e["action"]), e.get("addr", 0), e.get("size", 0)] for e in trace]}
+
+
+def _memtrace_run(ctx: dict, row: dict) -> dict:
+    """A LoRA/QLoRA row: the whole of `lora_row` (build, quantize, peft, steps); any other: the model built
+    and two steps of `train_step` (its loss-only loop)."""
+    if row.get("name") in ("lora", "qlora"):
+        return lora_row(ctx, row)
+    torch, device = ctx["torch"], ctx["device"]
+    if row.get("hf"):
+        config = {**HF_CONFIGS[row["model"]], **(TINY_HF[row["model"]] if ctx["tiny"] else {})}
+        model, conf = hf_build(config, row["attention"], device)
+        batch = hf_batch(conf, row["b"], row["s"], device)
+    else:
+        spec = ctx["specs"][row["model"]]
+        model = build_catalog(spec, row["attention"], False, device)
+        batch = catalog_batch(spec, row["b"], row["s"], device)
+    opt = make_optimizer(torch, model.parameters(), "foreach")
+    scaler = torch.amp.GradScaler() if row["precision"] == "amp-fp16" else None
+    for _ in (1, 2):
+        train_step(torch, model, opt, batch, row["precision"], device, scaler)
+    return {**row, "load": "direct"}
 
 
 def section_memtrace(ctx: dict) -> None:

@@ -22,10 +22,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_session import TRACE_CODES  # noqa: E402
+
 GiB = 2**30
-# memtrace.jsonl's one-letter actions (gpu_session.TRACE_CODES) -> torch's TraceEntry action names
-ACTION_OF = {"a": "alloc", "r": "free_requested", "c": "free_completed", "s": "segment_alloc",
-             "f": "segment_free", "o": "oom", "n": "snapshot", "m": "segment_map", "u": "segment_unmap"}
+# memtrace.jsonl's one-letter actions -> torch's TraceEntry action names
+ACTION_OF = {code: action for action, code in TRACE_CODES.items()}
 
 
 def rows(folder: Path) -> list[dict]:
